@@ -1,0 +1,281 @@
+"""Serve the pack with DFlash2 speculative decoding, routed request by request.
+
+    python serve_dflash2.py [--port 8080] [--enable-thinking] [--no-dflash2] [--pack DIR]
+    python serve_dflash2.py --demo        # builds the tiny synthetic pack once and serves it
+
+Speculation changes speed, not answers, only for greedy requests, so each chat request
+is routed (and every response says how, in the x-dflash2 header):
+- speculative: explicit temperature 0, no logprobs, no penalties, no logit_bias, n=1
+  (images too, unless --dflash2-multimodal plain);
+- fallback; reason=...: everything else the target can serve, decoded plain:
+  temperature-omitted, sampling, logprobs, penalties, logit-bias, multimodal-plain, and
+  for every request no-dflash2 (--no-dflash2) or kernel-self-test-failed;
+- refused; reason=...: thinking budgets, structured output, n > 1, the Anthropic
+  Messages API, unknown model IDs, endpoints the pack does not serve, invalid requests.
+The hardening (loopback only, exact pass-through options, refused environment, path
+scrubbing, one sequence at a time) is serve.py's.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from serve import (
+    Decision,
+    Gateway,
+    PathScrubber,
+    Refusal,
+    check_chat_request,
+    exit_if_environment_refused,
+    has_images,
+    int_in,
+    make_parser,
+    parse_args,
+    pass_options_to_mlx_vlm,
+    public_model_id,
+    serve,
+    setup_logging,
+    start_engine,
+    warm_up,
+)
+
+logger = logging.getLogger("dflash2.server")
+
+HERE = Path(__file__).resolve().parent
+PINS_FILE = "dflash2-pack.json"
+DEMO_MODEL_ID = "dflash2-demo-tiny"
+HASH_CHUNK = 8 * 1024 * 1024
+
+# Penalty values that change nothing; a client sending them still gets speculation.
+NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
+
+
+def make_dflash2_parser():
+    parser = make_parser("serve_dflash2.py", "Serve the pack's model with DFlash2 speculative decoding.")
+    parser.add_argument("--demo", action="store_true",
+                        help="build the tiny synthetic pack once (in $DFLASH2_CACHE or "
+                             "~/.cache/dflash2-demo) and serve it; needs the source repository's tools/")
+    parser.add_argument("--no-dflash2", action="store_true",
+                        help="serve the same wrapper without the drafter (like-for-like baseline)")
+    dflash2 = parser.add_argument_group("DFlash2 options")
+    dflash2.add_argument("--dflash2-multimodal", choices=["speculative", "plain"], default="speculative",
+                         help="route requests with images speculative (default) or plain")
+    dflash2.add_argument("--dflash2-full-hash", action="store_true",
+                         help=f"re-hash every file pinned in {PINS_FILE} at launch (slow for real packs)")
+    dflash2.add_argument("--dflash2-block-size", type=int_in(2, 8),
+                         help="experimental: fixed verify block instead of the adaptive one")
+    dflash2.add_argument("--dflash2-block-cap", type=int_in(2, 8),
+                         help="experimental: upper bound for the adaptive verify block")
+    dflash2.add_argument("--dflash2-candidate-selector", action="store_true",
+                         help="experimental: draft greedily through the trained candidate selector")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------
+# Routing
+
+
+def route_chat(body: dict, *, server_reason=None, multimodal_plain=False) -> Decision:
+    """Refuses what the pack does not serve, then routes speculative or plain with a reason.
+
+    The refusals hold with --no-dflash2 too, so the baseline answers the same requests.
+    """
+    if "thinking_budget" in body:
+        raise Refusal(400, "thinking-budget", "thinking budgets are not supported; use "
+                                              "\"enable_thinking\" and max_tokens", "thinking_budget")
+    if body.get("response_format", {}).get("type", "text") != "text":
+        raise Refusal(400, "structured-output",
+                      "structured output (response_format) is not supported", "response_format")
+    body.pop("response_format", None)
+    for name, neutral in NEUTRAL_PENALTIES.items():
+        if body.get(name) == neutral:
+            del body[name]
+    if body.get("logit_bias") == {}:
+        del body["logit_bias"]
+    reason = server_reason or fallback_reason(body, multimodal_plain)
+    return Decision("fallback" if reason else "speculative", reason, body)
+
+
+def fallback_reason(body: dict, multimodal_plain: bool):
+    """Why speculation could not give this request plain decoding's answer, or None."""
+    if "temperature" not in body:
+        return "temperature-omitted"  # the pack's sampling defaults apply
+    if body["temperature"] > 0:
+        return "sampling"
+    if body.get("logprobs") or body.get("top_logprobs"):
+        return "logprobs"
+    if any(name in body for name in NEUTRAL_PENALTIES):
+        return "penalties"
+    if "logit_bias" in body:
+        return "logit-bias"
+    if multimodal_plain and has_images(body):
+        return "multimodal-plain"
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Launch checks
+
+
+def sha256_file(path: Path, progress=None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return digest.hexdigest()
+
+
+def safetensors_header_sha256(path: Path) -> str:
+    """sha256 of the 8-byte header length and the JSON header: every tensor's name,
+    dtype, shape and offsets, read without touching the weights."""
+    with open(path, "rb") as f:
+        length_bytes = f.read(8)
+        length = int.from_bytes(length_bytes, "little")
+        return hashlib.sha256(length_bytes + f.read(length)).hexdigest()
+
+
+def check_pins(pack_dir: Path, full_hash: bool) -> list:
+    """Compares the pack folder with dflash2-pack.json; returns one line per failure.
+
+    dflash2-pack.json holds {"files": {"<path in the pack>": {"size": bytes, "sha256": hex,
+    "header_sha256": hex}}} (header_sha256 for .safetensors files). At launch every pinned
+    file's size is checked, small files (configs, README, tokenizer, template) are hashed
+    whole, and weights by their safetensors header; --dflash2-full-hash hashes every file.
+    """
+    from tqdm import tqdm
+
+    pins = json.loads((pack_dir / PINS_FILE).read_text())["files"]
+    failures, to_hash = [], []
+    for name, pin in sorted(pins.items()):
+        path = pack_dir / name
+        if not path.is_file():
+            failures.append(f"{name}: missing (expected size {pin['size']})")
+            continue
+        size = path.stat().st_size
+        if size != pin["size"]:
+            failures.append(f"{name}: size expected {pin['size']}, actual {size}")
+            continue
+        if name.endswith(".safetensors") and not full_hash:
+            actual = safetensors_header_sha256(path)
+            if actual != pin["header_sha256"]:
+                failures.append(f"{name}: safetensors header sha256 expected {pin['header_sha256']}, "
+                                f"actual {actual}")
+        else:
+            to_hash.append((name, path, pin))
+    with tqdm(total=sum(path.stat().st_size for _, path, _ in to_hash), unit="B", unit_scale=True,
+              desc="sha256", disable=not full_hash) as progress:
+        for name, path, pin in to_hash:
+            actual = sha256_file(path, progress)
+            if actual != pin["sha256"]:
+                failures.append(f"{name}: sha256 expected {pin['sha256']}, actual {actual}")
+    return failures
+
+
+def demo_pack() -> Path:
+    """The tiny synthetic pack (DIR/target, DIR/drafter), built once in the cache."""
+    cache = Path(os.environ.get("DFLASH2_CACHE") or Path.home() / ".cache" / "dflash2-demo")
+    root = cache / "seed0"
+    if not root.is_dir():
+        sys.path.insert(0, str(HERE / "tools"))
+        try:
+            from make_synthetic_pack import make_pack
+        except ImportError:
+            sys.exit("error: --demo needs tools/make_synthetic_pack.py from the source repository; "
+                     "a downloaded pack folder does not ship it. Run the pack itself without --demo.")
+        building = cache / "seed0.building"
+        logger.info("building the tiny synthetic demo pack (once)")
+        make_pack(building, size="tiny", seed=0)
+        building.rename(root)  # complete packs only: an interrupted build is redone
+    return root
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = make_dflash2_parser()
+    args = parse_args(parser, argv)
+    exit_if_environment_refused()
+    if args.demo and args.pack:
+        parser.error("--demo serves the synthetic pack; leave out --pack")
+    if args.demo:
+        pack_dir = demo_pack()
+        target_dir, drafter_dir = pack_dir / "target", pack_dir / "drafter"
+        model_id = public_model_id(args.model_id or DEMO_MODEL_ID, pack_dir)
+    else:
+        pack_dir = (args.pack or HERE).absolute()
+        target_dir, drafter_dir = pack_dir, pack_dir / "drafter"
+        model_id = public_model_id(args.model_id, pack_dir)
+    scrubber = PathScrubber([pack_dir, target_dir, drafter_dir, Path.home(), os.environ.get("HOME"),
+                             os.getcwd()], model_id)
+    setup_logging(args.log_level, scrubber)
+
+    if (pack_dir / PINS_FILE).is_file():
+        failures = check_pins(pack_dir, args.dflash2_full_hash)
+        if failures:
+            sys.exit(f"error: the pack differs from {PINS_FILE}:\n  " + "\n  ".join(failures))
+        logger.info("launch checks against %s passed", PINS_FILE)
+    else:
+        logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
+
+    speculation = {"reason": "no-dflash2" if args.no_dflash2 else None, "error": None}
+
+    def load_drafter(model):
+        # Runs on mlx-vlm's worker thread, right after it loaded the target.
+        import dflash2_runtime
+        from mlx_vlm.speculative.drafters import load_drafter as load_stock_drafter
+        from mlx_vlm.speculative.drafters import validate_drafter_compatibility
+
+        options = dflash2_runtime.RuntimeOptions(block_size=args.dflash2_block_size,
+                                                 block_cap=args.dflash2_block_cap,
+                                                 candidate_selector=args.dflash2_candidate_selector)
+        try:
+            status = dflash2_runtime.install(model, options)
+        except dflash2_runtime.RuntimeMismatch as mismatch:
+            speculation["error"] = str(mismatch)
+            return None, None
+        logger.info("DFlash2 runtime: backend %s, speculation %s", status.backend,
+                    "on" if status.speculative else f"off ({status.reason})")
+        if not status.speculative:
+            speculation["reason"] = status.reason.split(":")[0]  # e.g. kernel-self-test-failed
+            return None, None
+        drafter, kind = load_stock_drafter(str(drafter_dir), kind="dflash")
+        validate_drafter_compatibility(model, drafter, kind)
+        dflash2_runtime.configure_drafter(drafter, options)
+        return drafter, kind
+
+    pass_options_to_mlx_vlm(args)
+    generator, inner_app = start_engine(
+        target_dir, model_id, prefill_step_size=args.prefill_step_size,
+        top_logprobs_k=args.top_logprobs_k, load_drafter=None if args.no_dflash2 else load_drafter)
+    if speculation["error"]:
+        generator.stop_and_join()
+        sys.exit(f"error: {speculation['error']}")
+    server_reason = speculation["reason"]
+    if not server_reason:
+        try:
+            warm_up(generator, "speculative")
+        except Exception:
+            # Serving plain beats failing every greedy request; the header says why.
+            logger.exception("the speculative warm-up failed; every request is served plain")
+            server_reason, generator.pack_drafter = "speculative-warm-up-failed", None
+    warm_up(generator, "plain")
+
+    server_mode = ("fallback", server_reason) if server_reason else ("speculative", None)
+
+    def decide(body):
+        return route_chat(check_chat_request(body, model_id), server_reason=server_reason,
+                          multimodal_plain=args.dflash2_multimodal == "plain")
+
+    health = {"dflash2": server_mode[0], "reason": server_reason}
+    serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
+                  server_mode=server_mode, health=health), args)
+
+
+if __name__ == "__main__":
+    main()
