@@ -1,0 +1,814 @@
+#!/usr/bin/env python3
+"""Write a synthetic DFlash2 model pack with random weights in the real on-disk formats.
+
+    python tools/make_synthetic_pack.py --size tiny --seed 0 --out /tmp/pack
+
+DIR/target is a prism_hadamard_qwen35 pack as mlx-vlm 0.7.2 loads it: 2-bit affine packed
+weights (uint32 codes, fp16 scales and biases, fp32 +-1 Hadamard signs where block > 0), a
+`modules` manifest, a small fp16 vision tower, a byte-level BPE tokenizer with a Qwen-style
+chat template, and the processor configs. DIR/drafter is a DFlash2DraftModel folder, bf16 or
+prequantized 4-bit. The same seed gives byte-identical files.
+
+The tensor list comes from mlx-vlm's own model classes, built lazily from the config, so the
+pack always has exactly the parameters the loader expects. Packed weights are drawn as random
+codes directly: nothing dense is ever quantized on the target side, which keeps the 27b size
+cheap on a GPU machine.
+"""
+
+import argparse
+import json
+import math
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_vlm.utils import get_model_and_args, update_module_configs
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+from tokenizers import pre_tokenizers, trainers
+
+# The tokenizer's trained byte-level BPE vocabulary; Qwen's special tokens follow it.
+BPE_VOCAB_SIZE = 448
+
+# Sizes. "27b" is the real Ternary-Bonsai-2-27B / DFlash2 drafter geometry. "tiny" keeps the
+# same structure (3 GDN layers + 1 attention layer, packed embedding and head, vision tower)
+# but small enough to decode on 2 CPU cores: MLX's fp16 2-bit matmul on CPU costs ~50 ns a
+# weight, so the whole language stack is kept under ~1M packed weights.
+SIZES = {
+    "tiny": {
+        "text": {
+            "hidden_size": 512,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "full_attention_interval": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "linear_num_key_heads": 1,
+            "linear_key_head_dim": 64,
+            "linear_num_value_heads": 2,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "vocab_size": 512,
+            "max_position_embeddings": 32768,
+            "mrope_section": [3, 3, 2],
+        },
+        "vision": {
+            "depth": 1,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "num_position_embeddings": 64,
+        },
+        "drafter": {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "intermediate_size": 256,
+            "target_layer_ids": [1, 2, 3],
+            "selector_rank": 32,
+            "selector_top_k": 8,
+            "sliding_window": 256,
+        },
+        # Processor pixel bounds: small images keep the vision prefill to a few tokens.
+        "min_pixels": 32 * 32,
+        "max_pixels": 128 * 128,
+        # First special token id: right after the BPE vocabulary.
+        "special_base": BPE_VOCAB_SIZE,
+    },
+    "27b": {
+        "text": {
+            "hidden_size": 5120,
+            "intermediate_size": 17408,
+            "num_hidden_layers": 64,
+            "full_attention_interval": 4,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_key_head_dim": 128,
+            "linear_num_value_heads": 48,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "vocab_size": 248320,
+            "max_position_embeddings": 262144,
+            "mrope_section": [11, 11, 10],
+        },
+        "vision": {
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "num_position_embeddings": 2304,
+        },
+        "drafter": {
+            "num_hidden_layers": 5,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 17408,
+            "target_layer_ids": [5, 19, 33, 47, 61],
+            "selector_rank": 256,
+            "selector_top_k": 16,
+            "sliding_window": 2048,
+        },
+        "min_pixels": 65536,
+        "max_pixels": 16777216,
+        # The real Qwen3.5 ids (<|endoftext|> 248044 ... </think> 248069, mask 248070);
+        # the ids between the BPE vocabulary and 248044 are reserved fillers.
+        "special_base": 248044,
+    },
+}
+
+# Qwen's special tokens, in Qwen's id order. `False` marks tokens that decode as text
+# (thinking and tool-call markers must survive detokenization for the parsers).
+SPECIAL_TOKENS = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+]
+
+QWEN_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Fixed training text for the BPE merges: chat, code and tool-call shaped text, so common
+# prompt words become single tokens and prompts stay short.
+TOKENIZER_CORPUS = """
+The quick brown fox jumps over the lazy dog. You are a helpful assistant.
+Write a Python function that reverses a string. Explain what the code does.
+def reverse(text):
+    return text[::-1]
+def add(a, b):
+    return a + b
+for i in range(10):
+    print(i)
+What is in this image? Describe the picture, the colors and the shapes you see.
+Please think step by step before you answer the question about the weather today.
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+The user asked for the weather in Paris. The answer is sunny and warm.
+Count the red circles and the blue squares. There are three of them.
+Hello! How can I help you today? Thank you, that is a good question.
+import json
+import math
+class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+Speculative decoding drafts a block of tokens and the target model verifies them.
+The answer is 42. One, two, three, four, five, six, seven, eight, nine, ten.
+"""
+
+CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part.type in ('image', 'image_url', 'input_image') -%}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+            {%- elif part.type in ('video', 'video_url', 'input_video') -%}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+            {%- elif part.text is defined -%}
+                {{- part.text -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+    {%- if message.role == 'user' -%}
+        {%- set ns.last_user = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if messages[0].role == 'system' -%}
+        {{- render_content(messages[0].content) + '\n\n' -}}
+    {%- endif -%}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+    {%- for tool in tools -%}
+        {{- '\n' + (tool | tojson) -}}
+    {%- endfor -%}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and '
+        'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n'
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif messages[0].role == 'system' -%}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) -%}
+        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' -}}
+    {%- elif message.role == 'assistant' -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- if message.reasoning_content and loop.index0 > ns.last_user -%}
+            {{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' -}}
+        {%- endif -%}
+        {%- if message.content -%}
+            {{- render_content(message.content) -}}
+        {%- endif -%}
+        {%- for tool_call in message.tool_calls or [] -%}
+            {%- set call = tool_call.function if tool_call.function is defined else tool_call -%}
+            {%- if not loop.first or message.content -%}
+                {{- '\n' -}}
+            {%- endif -%}
+            {{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' -}}
+            {%- if call.arguments is string -%}
+                {{- call.arguments -}}
+            {%- else -%}
+                {{- call.arguments | tojson -}}
+            {%- endif -%}
+            {{- '}\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif message.role == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
+            {{- '<|im_start|>user' -}}
+        {%- endif -%}
+        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' -}}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
+            {{- '<|im_end|>\n' -}}
+        {%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- else -%}
+        {{- '<think>\n' -}}
+    {%- endif -%}
+{%- endif -%}"""
+
+# Packed-module gains (weight std is gain / sqrt(input width)). Small residual writes keep
+# the stream stable; a hot head makes the logits peaked instead of flat.
+RESIDUAL_WRITE_GAIN = 0.5
+LM_HEAD_GAIN = 6.0
+UNUSED_ROW_GAIN = 1 / 64
+# Every module gets the largest Hadamard block that divides its input width, except these,
+# which stay unrotated (block 0) so both kinds of packed module are exercised.
+UNROTATED_MODULES = ("linear_attn.in_proj_z", "mlp.up_proj")
+HADAMARD_BLOCKS = (4096, 2048, 1024, 512)
+DRAFTER_KEPT_BF16 = ("kernel_projection", "candidate_selector.")
+
+
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def build_tokenizer(special_base):
+    """Byte-level BPE like Qwen's, trained on a fixed text; Qwen's specials start at
+    `special_base`, ids between the BPE vocabulary and it are reserved fillers."""
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizers.NFC()
+    trained.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trained.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    trained.train_from_iterator([TOKENIZER_CORPUS], trainer)
+
+    spec = json.loads(trained.to_str())
+    vocab = spec["model"]["vocab"]
+    for token_id in range(len(vocab), special_base):
+        vocab[f"<|reserved_{token_id}|>"] = token_id
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(text, special=special, normalized=False)
+            for text, special in SPECIAL_TOKENS
+        ]
+    )
+    return tokenizer
+
+
+def special_token_ids(special_base):
+    return {text: special_base + i for i, (text, _) in enumerate(SPECIAL_TOKENS)}
+
+
+def tokenizer_files(tokenizer, special_base, max_length):
+    ids = special_token_ids(special_base)
+    added = {
+        str(ids[text]): {
+            "content": text,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": special,
+        }
+        for text, special in SPECIAL_TOKENS
+    }
+    tokenizer_config = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": max_length,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    return {
+        "tokenizer.json": tokenizer.to_str(pretty=True),
+        "tokenizer_config.json": dump_json(tokenizer_config),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Configs
+
+
+def target_config(size):
+    sizes = SIZES[size]
+    text = dict(sizes["text"])
+    mrope_section = text.pop("mrope_section")
+    ids = special_token_ids(sizes["special_base"])
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    layer_types = [
+        "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(text["num_hidden_layers"])
+    ]
+    text_config = {
+        "model_type": "qwen3_5_text",
+        **text,
+        "layer_types": layer_types,
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "eos_token_id": ids["<|endoftext|>"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_interleaved": True,
+            "mrope_section": mrope_section,
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+        },
+    }
+    vision_config = {
+        "model_type": "qwen3_5",
+        **sizes["vision"],
+        "out_hidden_size": text["hidden_size"],
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "in_channels": 3,
+        "hidden_act": "gelu_pytorch_tanh",
+        "deepstack_visual_indexes": [],
+    }
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "prism_hadamard_qwen35",
+        "schema_version": 2,
+        "base_model_type": "qwen3_5",
+        "tensor_namespace": "mlx-vlm-qwen3_5",
+        "gdn_activation_layout": "grouped",
+        "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vocab_size": text["vocab_size"],
+        "eos_token_id": eos,
+        "tie_word_embeddings": False,
+        "text_config": text_config,
+        "vision_config": vision_config,
+    }
+    config["modules"] = packed_module_manifest(config)
+    return config
+
+
+def packed_module_manifest(config):
+    """Every Linear/Embedding of the language model (except the dense fp16 GDN gate
+    projections in_proj_a / in_proj_b) is packed, embed_tokens and lm_head included."""
+    dense = instantiate(config, packed=False)
+    records = []
+    for path, module in sorted(dense.language_model.named_modules()):
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        if path.endswith(("in_proj_a", "in_proj_b")):
+            continue
+        width = module.weight.shape[1]
+        block = 0 if path.endswith(UNROTATED_MODULES) else hadamard_block(width)
+        is_embedding = isinstance(module, nn.Embedding)
+        records.append(
+            {"path": path, "embedding": is_embedding, "dtype": "float16", "block": block}
+        )
+    return records
+
+
+def hadamard_block(width):
+    return next((block for block in HADAMARD_BLOCKS if width % block == 0), 0)
+
+
+def drafter_config(size, form="bf16"):
+    sizes = SIZES[size]
+    text, drafter = sizes["text"], dict(sizes["drafter"])
+    # The mask token is the first id after the specials: inside the vocabulary, not a
+    # tokenizer token (as in the real pack, 248070).
+    mask_token_id = sizes["special_base"] + len(SPECIAL_TOKENS)
+    layers = drafter.pop("num_hidden_layers")
+    config = {
+        "architectures": ["DFlash2DraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": text["hidden_size"],
+        "intermediate_size": drafter["intermediate_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": drafter["num_attention_heads"],
+        "num_key_value_heads": drafter["num_key_value_heads"],
+        "head_dim": drafter["head_dim"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "vocab_size": text["vocab_size"],
+        "max_position_embeddings": text["max_position_embeddings"],
+        "rope_theta": 10000000,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * layers,
+        "sliding_window": drafter["sliding_window"],
+        "torch_dtype": "bfloat16",
+        "num_target_layers": text["num_hidden_layers"],
+        "dflash_config": {
+            "block_size": 8,
+            "runtime_block_size": 5,
+            "draft_window_size": None,
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": drafter["target_layer_ids"],
+            # Kernel 2, group 16 is the geometry that reproduces the real bf16 file size.
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": drafter["selector_rank"],
+            "selector_top_k": drafter["selector_top_k"],
+            "input_embedding_scale": 1.0,
+            "output_multiplier": 1.0,
+        },
+    }
+    if form == "4bit":
+        # mlx-lm's quantization block; the matrices kept in bf16 (13 in the real 5-layer
+        # drafter) are listed as false entries.
+        quantization = {"group_size": 64, "bits": 4, "mode": "affine"}
+        for path in drafter_bf16_modules(config):
+            quantization[path] = False
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization
+    elif form != "bf16":
+        raise ValueError(f"drafter_form must be 'bf16' or '4bit', got {form!r}")
+    return config
+
+
+def drafter_bf16_modules(config):
+    """Matrices the prequantized form keeps in bf16: conv kernel projections and the
+    candidate selector (hidden projection and both codebooks)."""
+    draft = instantiate(config)
+    return [
+        path
+        for path, module in sorted(draft.named_modules())
+        if isinstance(module, (nn.Linear, nn.Embedding))
+        and any(marker in path for marker in DRAFTER_KEPT_BF16)
+    ]
+
+
+def instantiate(config, packed=True):
+    """Build mlx-vlm's model object for a config the way load_model does, without weights
+    (MLX is lazy, so even the 27b skeleton costs no memory until evaluated)."""
+    if not packed:
+        config = {**config, "model_type": config["base_model_type"]}
+    module, _ = get_model_and_args(config)
+    model_config = module.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, module, config, ["text", "vision"])
+    return module.Model(model_config)
+
+
+def generation_config(config):
+    return {
+        "bos_token_id": config["text_config"]["eos_token_id"],
+        "do_sample": True,
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["text_config"]["eos_token_id"],
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    }
+
+
+def processor_configs(size):
+    sizes = SIZES[size]
+    image = {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "merge_size": 2,
+        "patch_size": 16,
+        "processor_class": "Qwen3VLProcessor",
+        "rescale_factor": 1 / 255,
+        "size": {"longest_edge": sizes["max_pixels"], "shortest_edge": sizes["min_pixels"]},
+        "temporal_patch_size": 2,
+    }
+    video = {
+        **image,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 64,
+        "video_processor_type": "Qwen3VLVideoProcessor",
+    }
+    del video["image_processor_type"]
+    return {
+        "preprocessor_config.json": dump_json(image),
+        "video_preprocessor_config.json": dump_json(video),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Weights
+
+
+def tensor_key(seed, name):
+    # Keyed by name, not by order, so a tensor's values never depend on the others.
+    return mx.random.key((seed << 32) | zlib.crc32(name.encode()))
+
+
+def packed_scales(seed, path, rows, width, gain, live_rows=None):
+    # Codes 0..3 minus 1.5 have variance 1.25: this gives the weights std gain / sqrt(width).
+    group_scale = gain / math.sqrt(1.25 * width)
+    key = tensor_key(seed, path + ".scales")
+    scales = mx.random.uniform(0.75, 1.25, (rows, width // 128), key=key) * group_scale
+    if live_rows is not None:
+        # Rows of tokens that are not printable text (specials, reserved fillers, padding,
+        # lone bytes) get ~zero logits: greedy output always decodes to readable text and
+        # never stops early on an end token, so generations run to max_tokens.
+        scales = scales * mx.where(live_rows[:, None], 1.0, UNUSED_ROW_GAIN)
+    return scales.astype(mx.float16)
+
+
+def packed_gain(path):
+    if path == "lm_head":
+        return LM_HEAD_GAIN
+    if path.endswith(("o_proj", "out_proj", "down_proj")):
+        return RESIDUAL_WRITE_GAIN
+    return 1.0
+
+
+def live_token_rows(tokenizer, vocab_size):
+    """Boolean mask over the vocabulary: ids that decode to printable text."""
+    live = [False] * vocab_size
+    for token_id in range(BPE_VOCAB_SIZE):
+        text = tokenizer.decode([token_id])
+        printable = all(c.isprintable() or c == "\n" for c in text)
+        live[token_id] = bool(text) and printable and "\ufffd" not in text
+    return mx.array(live)
+
+
+def target_weights(config, seed, live_rows):
+    """All target tensors, keyed as the checkpoint stores them (mlx-vlm final names)."""
+    skeleton = instantiate(config)
+    blocks = {record["path"]: record["block"] for record in config["modules"]}
+    weights = {}
+    for name, like in tree_flatten(skeleton.parameters()):
+        module_path, _, leaf = name.removeprefix("language_model.").rpartition(".")
+        if module_path in blocks:
+            weights[name] = packed_tensor(seed, name, module_path, leaf, like.shape, live_rows)
+        else:
+            weights[name] = dense_tensor(seed, name, like.shape)
+    return weights
+
+
+def packed_tensor(seed, name, path, leaf, shape, live_rows):
+    key = tensor_key(seed, name)
+    if leaf == "weight":
+        # 16 two-bit codes per uint32, drawn as two random 16-bit halves.
+        halves = mx.random.randint(0, 1 << 16, (*shape, 2), dtype=mx.uint32, key=key)
+        return halves[..., 0] | (halves[..., 1] << 16)
+    if leaf == "signs":
+        return (mx.random.randint(0, 2, shape, key=key) * 2 - 1).astype(mx.float32)
+    rows, groups = shape
+    head_rows = live_rows if path == "lm_head" else None
+    scales = packed_scales(seed, path, rows, groups * 128, packed_gain(path), head_rows)
+    if leaf == "scales":
+        return scales
+    # Bias -1.5 * scale centres the four code values on zero: (q - 1.5) * scale.
+    return (scales * -1.5).astype(mx.float16)
+
+
+def dense_tensor(seed, name, shape, dtype=mx.float16):
+    key = tensor_key(seed, name)
+    module_name, leaf = name.split(".")[-2:]
+    if name.endswith("A_log"):
+        # As mlx-vlm initialises it; kept fp32 like the model's cast predicate asks.
+        return mx.log(mx.random.uniform(1, 16, shape, key=key))
+    if name.endswith("dt_bias"):
+        return mx.random.uniform(0.5, 1.5, shape, key=key).astype(dtype)
+    if "norm" in module_name:
+        if leaf == "bias":
+            return (0.02 * mx.random.normal(shape, key=key)).astype(dtype)
+        # Schema-2 packs store RMSNorm weights already offset (the multiplier itself).
+        return (1 + 0.1 * mx.random.normal(shape, key=key)).astype(dtype)
+    if leaf == "bias" or len(shape) == 1:
+        return (0.02 * mx.random.normal(shape, key=key)).astype(dtype)
+    fan_in = math.prod(shape[1:])
+    return (mx.random.normal(shape, key=key) / math.sqrt(fan_in)).astype(dtype)
+
+
+def drafter_weights(config, seed, codebook_names="plain"):
+    """Drafter tensors: bf16 dense, or 4-bit group-64 affine where the config's
+    quantization block does not keep a matrix in bf16."""
+    if codebook_names not in ("plain", "weight"):
+        raise ValueError(f"codebook_names must be 'plain' or 'weight', got {codebook_names!r}")
+    skeleton = instantiate(config)
+    quantization = config.get("quantization")
+    weights = {}
+    for name, like in tree_flatten(skeleton.parameters()):
+        value = dense_tensor(seed, name, like.shape, dtype=mx.bfloat16)
+        path, _, leaf = name.rpartition(".")
+        if name.startswith("candidate_selector.") and "codebook" in name:
+            # The codebooks carry most of the selector; keep them at unit scale.
+            value = mx.random.normal(like.shape, key=tensor_key(seed, name)).astype(mx.bfloat16)
+            if codebook_names == "plain":
+                name = path  # mlx-vlm's sanitize adds the ".weight" back
+        if quantization and leaf == "weight" and value.ndim == 2 and quantization.get(path, True):
+            weight, scales, biases = mx.quantize(
+                value, group_size=quantization["group_size"], bits=quantization["bits"]
+            )
+            weights.update({name: weight, f"{path}.scales": scales, f"{path}.biases": biases})
+        else:
+            weights[name] = value
+    return weights
+
+
+# ---------------------------------------------------------------------------------------
+# Files
+
+SAFETENSORS_DTYPES = {
+    mx.uint32: "U32",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.float32: "F32",
+}
+
+
+def write_safetensors(path, tensors, verbose=False):
+    """Deterministic safetensors: sorted names, fixed metadata, streamed one tensor at a
+    time (the 27b target is 8+ GB)."""
+    names = sorted(tensors)
+    header, offset = {"__metadata__": {"format": "mlx"}}, 0
+    for name in names:
+        tensor = tensors[name]
+        size = tensor.nbytes
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    written, next_report = 0, 0.0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for name in names:
+            tensor = tensors[name]
+            mx.eval(tensor)
+            f.write(memoryview(tensor))
+            written += tensor.nbytes
+            if verbose and written >= next_report * offset:
+                log(f"  {path.name}: {written / 1e9:.2f} / {offset / 1e9:.2f} GB")
+                next_report += 0.05
+
+
+def dump_json(data):
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def write_text_files(folder, files):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+# ---------------------------------------------------------------------------------------
+# Entry points
+
+
+def make_pack(
+    out_dir,
+    size="tiny",
+    seed=0,
+    drafter_form="bf16",
+    codebook_names="plain",
+    verbose=None,
+):
+    """Write DIR/target and DIR/drafter. Returns {"root", "target", "drafter"} paths."""
+    verbose = size == "27b" if verbose is None else verbose
+    root = Path(out_dir)
+    target_dir, drafter_dir = root / "target", root / "drafter"
+
+    config = target_config(size)
+    special_base = SIZES[size]["special_base"]
+    tokenizer = build_tokenizer(special_base)
+    write_text_files(
+        target_dir,
+        {
+            "config.json": dump_json(config),
+            "generation_config.json": dump_json(generation_config(config)),
+            **tokenizer_files(tokenizer, special_base, config["text_config"]["max_position_embeddings"]),
+            **processor_configs(size),
+        },
+    )
+    if verbose:
+        log(f"target: generating {size} weights (seed {seed})")
+    live_rows = live_token_rows(tokenizer, config["vocab_size"])
+    weights = target_weights(config, seed, live_rows)
+    write_safetensors(target_dir / "model.safetensors", weights, verbose)
+    del weights
+
+    draft_config = drafter_config(size, drafter_form)
+    write_text_files(drafter_dir, {"config.json": dump_json(draft_config)})
+    if verbose:
+        log(f"drafter: generating {drafter_form} weights")
+    draft = drafter_weights(draft_config, seed, codebook_names)
+    write_safetensors(drafter_dir / "model.safetensors", draft, verbose)
+    return {"root": root, "target": target_dir, "drafter": drafter_dir}
+
+
+def build_target_model(size="tiny", seed=0):
+    """The target model with its random weights loaded in memory, no files written
+    (for benchmarks on a GPU machine). Same tensors as make_pack writes."""
+    config = target_config(size)
+    tokenizer = build_tokenizer(SIZES[size]["special_base"])
+    live_rows = live_token_rows(tokenizer, config["vocab_size"])
+    model = instantiate(config)
+    weights = model.sanitize(target_weights(config, seed, live_rows))
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--drafter-form", choices=["bf16", "4bit"], default="bf16")
+    parser.add_argument("--codebook-names", choices=["plain", "weight"], default="plain")
+    args = parser.parse_args()
+    paths = make_pack(
+        args.out,
+        size=args.size,
+        seed=args.seed,
+        drafter_form=args.drafter_form,
+        codebook_names=args.codebook_names,
+    )
+    print(json.dumps({key: str(value) for key, value in paths.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
