@@ -143,6 +143,12 @@ def pass_options_to_mlx_vlm(args):
         os.environ["MLX_VLM_THINKING_END_TOKEN"] = args.thinking_end_token
 
 
+def exit_if_no_model(target_dir: Path):
+    if not (target_dir / "config.json").is_file():
+        sys.exit(f"error: {target_dir} holds no model (no config.json); run the script inside "
+                 "the pack folder or pass --pack DIR")
+
+
 def public_model_id(requested, pack_dir: Path) -> str:
     model_id = requested or pack_dir.resolve().name
     if not MODEL_ID_PATTERN.fullmatch(model_id):
@@ -942,6 +948,7 @@ def main(argv=None):
     model_id = public_model_id(args.model_id, pack_dir)
     scrubber = PathScrubber([pack_dir, Path.home(), os.environ.get("HOME"), os.getcwd()], model_id)
     setup_logging(args.log_level, scrubber)
+    exit_if_no_model(pack_dir)
     pass_options_to_mlx_vlm(args)
     generator, inner_app = start_engine(pack_dir, model_id, prefill_step_size=args.prefill_step_size,
                                         top_logprobs_k=args.top_logprobs_k)

@@ -30,6 +30,7 @@ from serve import (
     Refusal,
     check_chat_request,
     exit_if_environment_refused,
+    exit_if_no_model,
     has_images,
     int_in,
     make_parser,
@@ -214,6 +215,7 @@ def main(argv=None):
     scrubber = PathScrubber([pack_dir, target_dir, drafter_dir, Path.home(), os.environ.get("HOME"),
                              os.getcwd()], model_id)
     setup_logging(args.log_level, scrubber)
+    exit_if_no_model(target_dir)
 
     if (pack_dir / PINS_FILE).is_file():
         failures = check_pins(pack_dir, args.dflash2_full_hash)

@@ -1,0 +1,206 @@
+"""The servers' start-up refusals: options, hosts, environment, demo, launch pins.
+
+All of these stop before any model is loaded, so each is a fast subprocess.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = ["serve.py", "serve_dflash2.py"]
+
+# mlx-vlm server options that must not pass through, as given on a command line.
+REFUSED_OPTIONS = [
+    ["--kv-bits", "4"],
+    ["--kv-bits=4"],
+    ["--max-kv-size", "512"],
+    ["--model", "/tmp/elsewhere"],
+    ["--draft-model", "/tmp/elsewhere"],
+    ["--adapter-path", "/tmp/adapter"],
+    ["--trust-remote-code"],
+    ["--api-key", "secret"],
+    ["--max-num-seqs", "4"],
+    ["--thinking-budget", "10"],
+    ["--thinking-eos-token", "</think>"],
+    ["--reload"],
+    ["--max-tok", "5"],  # abbreviation of --max-tokens
+    ["--enable-think"],  # abbreviation of --enable-thinking
+    ["--prefill-step", "64"],
+    ["-p", "9000"],
+]
+REFUSED_HOSTS = [["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--host", "::"], ["--host", "192.168.1.2"],
+                 ["--host", "127.0.0.2"], ["--host", ""]]
+REFUSED_ENVIRONMENT = ["KV_BITS", "KV_GROUP_SIZE", "MAX_KV_SIZE", "PREFILL_STEP_SIZE", "QUANTIZED_KV_START",
+                       "TOP_LOGPROBS_K", "EXPERT_CACHE_GB", "MLX_TRUST_REMOTE_CODE", "MLX_VLM_MAX_NUM_SEQS",
+                       "MLX_VLM_DRAFT_MODEL", "MLX_VLM_PRELOAD_MODEL", "MLX_VLM_THINKING_BUDGET",
+                       "APC_ENABLED", "APC_DISK_PATH"]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KV_", "MLX_VLM_", "APC_", "DFLASH2_"))}
+    env.update(extra)
+    return env
+
+
+def run(script, *args, env=None, cwd=REPO, timeout=60):
+    return subprocess.run([sys.executable, str(Path(cwd) / script), *args], cwd=cwd,
+                          env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("argv", REFUSED_OPTIONS, ids=" ".join)
+def test_refused_option(script, argv):
+    result = run(script, *argv)
+    assert result.returncode == 2, result.stderr
+    assert "not accepted" in result.stderr and argv[0].split("=")[0] in result.stderr
+
+
+def test_dflash2_options_are_not_plain_options():
+    result = run("serve.py", "--no-dflash2")
+    assert result.returncode == 2 and "not accepted: --no-dflash2" in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("argv", REFUSED_HOSTS, ids=" ".join)
+def test_refused_host(script, argv):
+    result = run(script, *argv)
+    assert result.returncode == 2, result.stderr
+    assert "127.0.0.1 or localhost only" in result.stderr
+
+
+@pytest.mark.parametrize("script, argv", [("serve.py", []), ("serve_dflash2.py", []),
+                                          ("serve_dflash2.py", ["--no-dflash2"])])
+@pytest.mark.parametrize("name", REFUSED_ENVIRONMENT)
+def test_refused_environment_variable(script, argv, name):
+    result = run(script, *argv, env=clean_env(**{name: "1"}))
+    assert result.returncode != 0
+    assert name in result.stderr and "unset them" in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_refused_variable_is_listed_before_mlx_vlm_is_imported(script):
+    # mlx_vlm.server reads the environment at import, so the check must come first.
+    probe = (f"import runpy, sys; sys.argv = [{script!r}]\n"
+             f"try:\n    runpy.run_path({script!r}, run_name='__main__')\n"
+             "except SystemExit as e:\n    print('exit', e.code); print('imported', 'mlx_vlm' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                            env=clean_env(KV_BITS="4", APC_NUM_BLOCKS="8", MLX_VLM_MAX_TOKENS="9"))
+    assert "imported False" in result.stdout, result.stdout + result.stderr
+    assert "APC_NUM_BLOCKS, KV_BITS, MLX_VLM_MAX_TOKENS" in result.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_apc_disabled_is_accepted(script, tmp_path):
+    # APC_ENABLED=0 passes the environment check; the run then stops at the empty pack folder.
+    result = run(script, "--pack", str(tmp_path), env=clean_env(APC_ENABLED="0"))
+    assert result.returncode == 1 and "holds no model" in result.stderr, result.stderr
+
+
+def test_demo_without_the_generator_says_so(tmp_path):
+    for script in SCRIPTS:
+        shutil.copy(REPO / script, tmp_path / script)
+    result = run("serve_dflash2.py", "--demo", cwd=tmp_path,
+                 env=clean_env(DFLASH2_CACHE=str(tmp_path / "cache")))
+    assert result.returncode == 1
+    assert "tools/make_synthetic_pack.py" in result.stderr and "source repository" in result.stderr
+
+
+def test_demo_and_pack_exclude_each_other(tmp_path):
+    result = run("serve_dflash2.py", "--demo", "--pack", str(tmp_path))
+    assert result.returncode == 2 and "--demo" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Launch checks against dflash2-pack.json
+
+
+def write_pins(pack: Path):
+    """dflash2-pack.json as the pack builder writes it: every file with size and sha256,
+    safetensors files with the sha256 of their header too."""
+    files = {}
+    for path in sorted(p for p in pack.rglob("*") if p.is_file() and p.suffix != ".py"):
+        name = path.relative_to(pack).as_posix()
+        if name == "dflash2-pack.json":
+            continue
+        data = path.read_bytes()
+        pin = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if name.endswith(".safetensors"):
+            length = int.from_bytes(data[:8], "little")
+            pin["header_sha256"] = hashlib.sha256(data[:8 + length]).hexdigest()
+        files[name] = pin
+    (pack / "dflash2-pack.json").write_text(json.dumps({"files": files}, indent=1))
+    return files
+
+
+@pytest.fixture
+def pinned_pack(tiny_pack, tmp_path):
+    pack = tmp_path / "pinned-pack"
+    shutil.copytree(tiny_pack["target"], pack)
+    shutil.copytree(tiny_pack["drafter"], pack / "drafter")
+    (pack / "drafter" / "README.md").write_text("# drafter\n")
+    write_pins(pack)
+    return pack
+
+
+def start_with_pins(pack, *args):
+    return run("serve_dflash2.py", "--pack", str(pack), *args)
+
+
+def flip_byte(path: Path, offset: int):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_pins_edited_config(pinned_pack):
+    config = pinned_pack / "config.json"
+    pins = json.loads((pinned_pack / "dflash2-pack.json").read_text())["files"]
+    config.write_text(config.read_text() + " ")
+    result = start_with_pins(pinned_pack)
+    assert result.returncode == 1
+    assert f"config.json: size expected {pins['config.json']['size']}, actual" in result.stderr
+
+
+def test_pins_same_size_config_change(pinned_pack):
+    flip_byte(pinned_pack / "drafter" / "config.json", 10)
+    expected = json.loads((pinned_pack / "dflash2-pack.json").read_text())["files"]["drafter/config.json"]
+    actual = hashlib.sha256((pinned_pack / "drafter" / "config.json").read_bytes()).hexdigest()
+    result = start_with_pins(pinned_pack)
+    assert result.returncode == 1
+    assert f"drafter/config.json: sha256 expected {expected['sha256']}, actual {actual}" in result.stderr
+
+
+def test_pins_missing_readme_and_grown_weights(pinned_pack):
+    (pinned_pack / "drafter" / "README.md").unlink()
+    weights = pinned_pack / "drafter" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "ab") as f:
+        f.write(b"\0")
+    result = start_with_pins(pinned_pack)
+    assert result.returncode == 1
+    assert "drafter/README.md: missing" in result.stderr
+    assert f"drafter/model.safetensors: size expected {size}, actual {size + 1}" in result.stderr
+
+
+def test_pins_safetensors_header(pinned_pack):
+    flip_byte(pinned_pack / "drafter" / "model.safetensors", 12)  # inside the JSON header
+    result = start_with_pins(pinned_pack)
+    assert result.returncode == 1
+    assert "drafter/model.safetensors: safetensors header sha256 expected" in result.stderr
+
+
+def test_pins_full_hash_finds_a_flipped_weight(pinned_pack):
+    weights = pinned_pack / "model.safetensors"
+    flip_byte(weights, weights.stat().st_size - 3)  # a weight byte: size and header unchanged
+    result = start_with_pins(pinned_pack, "--dflash2-full-hash")
+    assert result.returncode == 1
+    assert "model.safetensors: sha256 expected" in result.stderr
+    assert "sha256:" in result.stderr  # the progress bar
