@@ -1,0 +1,136 @@
+"""The exact speculative path on the tiny synthetic pack.
+
+Greedy speculative tokens equal plain decoding; verify logits and captured hidden
+states equal single-token decode bit for bit; rollback at every accepted count
+leaves the cache a never-speculated run would have; a changed mlx-vlm function
+refuses the install and is named. The same checks run on a GPU through
+tools/parity.py, where (unlike on CPU) the stock path fails them.
+"""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlx_vlm.utils import prepare_inputs
+from PIL import Image
+
+import dflash2_runtime
+from oracle_drafter import OracleDrafter
+from parity import (
+    PROMPTS,
+    chat_ids,
+    greedy,
+    rollback_cases,
+    token_cases,
+    verify_cases,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+GENERATED = 20
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pack):
+    from dflash2_pack import load_pack
+
+    model, processor, drafter = load_pack(tiny_pack["target"], tiny_pack["drafter"])
+    status = dflash2_runtime.install(model)
+    assert status.speculative, status.reason
+    return model, processor, drafter
+
+
+def test_speculative_tokens_equal_plain_with_oracle_drafter(target):
+    model, processor, _ = target
+    # Every block size and acceptance level; prompts and thinking rotate (CPU time).
+    combos = [
+        (PROMPTS[block % len(PROMPTS)], block % 2 == 0, block, error_rate)
+        for block in range(2, 9)
+        for error_rate in (0.0, 0.35, 1.0)
+    ]
+    cases = token_cases(model, processor.tokenizer, GENERATED, combos)
+    assert [c for c in cases if not c["identical"]] == []
+    # The oracle really exercised full, partial and zero acceptance.
+    assert all(c["accepted"] == 0 for c in cases if c["error_rate"] == 1.0)
+    assert all(c["accepted"] > 0 for c in cases if c["error_rate"] == 0.0)
+    partial = [c for c in cases if c["error_rate"] == 0.35]
+    assert any(0 < c["accepted"] < c["rounds"] * (c["block"] - 1) for c in partial)
+
+
+def test_tiny_pack_continuation_is_varied(target):
+    model, processor, _ = target
+    plain = greedy(model, chat_ids(processor.tokenizer, PROMPTS[0], thinking=False), GENERATED)
+    assert len(set(plain)) > 3, plain
+
+
+def test_speculative_tokens_equal_plain_with_synthetic_drafter(target):
+    model, processor, drafter = target
+    for prompt in PROMPTS:
+        ids = chat_ids(processor.tokenizer, prompt, thinking=False)
+        assert greedy(model, ids, GENERATED, drafter=drafter) == greedy(model, ids, GENERATED)
+        assert drafter.accept_lens, "the drafter ran no round"
+
+
+def test_image_prompt_speculative_equals_plain(target):
+    model, processor, _ = target
+    pixels = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    inputs = prepare_inputs(processor, images=[Image.fromarray(pixels)], prompts=prompt)
+    image = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+    plain = greedy(model, inputs["input_ids"], GENERATED, **image)
+    vocab = model.language_model.lm_head.weight.shape[0]
+    drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=0.35, block_size=5)
+    spec = greedy(model, inputs["input_ids"], GENERATED, drafter=drafter, block_size=5, **image)
+    assert spec == plain
+    assert sum(drafter.accept_lens) > 0
+
+
+def test_verify_logits_and_hidden_equal_sequential_decode(target):
+    model, processor, drafter = target
+    lm = model.language_model
+    ids = chat_ids(processor.tokenizer, PROMPTS[0], thinking=False)
+    cases = verify_cases(lm, ids, drafter.config.target_layer_ids, greedy(model, ids, 8))
+    assert [c["length"] for c in cases] == list(range(2, 9))
+    assert [c for c in cases if c["logits"] or c["hidden"]] == []
+
+
+def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target):
+    model, processor, drafter = target
+    lm = model.language_model
+    ids = chat_ids(processor.tokenizer, PROMPTS[1], thinking=False)
+    taps = drafter.config.target_layer_ids
+    cases = rollback_cases(lm, ids, taps, greedy(model, ids, 8), lengths=(2, 8))
+    assert len(cases) == 2 + 8
+    assert [c for c in cases if c["logits"]] == []
+
+
+def test_changed_mlx_vlm_function_refuses_and_is_named():
+    script = textwrap.dedent(
+        """
+        import mlx_vlm.speculative.dflash as rounds
+        def _dflash_verify_greedy(*args):  # as if mlx-vlm had changed it
+            return None
+        rounds._dflash_verify_greedy = _dflash_verify_greedy
+        import dflash2_runtime
+        try:
+            dflash2_runtime.apply_patches()
+        except dflash2_runtime.RuntimeMismatch as error:
+            print(error)
+            raise SystemExit(3)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 3, result.stderr
+    assert "refusing to patch" in result.stdout
+    assert "mlx_vlm.speculative.dflash:_dflash_verify_greedy" in result.stdout
+
+
+def test_patch_table_matches_installed_mlx_vlm():
+    assert dflash2_runtime.fingerprint_mismatches() == []

@@ -1,0 +1,60 @@
+"""A test drafter that proposes the true greedy continuation, corrupted at a chosen rate.
+
+It plays the DFlash drafter's part in mlx-vlm's round loop, so partial acceptance
+and rollback happen at acceptance levels the test or benchmark chooses, without a
+trained drafter. It needs the plain greedy continuation it should propose.
+"""
+
+import random
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+
+class OracleDrafter:
+    def __init__(
+        self,
+        continuation: list[int],
+        *,
+        vocab_size: int,
+        error_rate: float = 0.0,
+        block_size: int = 8,
+        target_layer_ids=(0,),
+        seed: int = 0,
+    ):
+        self.continuation = list(continuation)
+        self.vocab_size = vocab_size
+        self.error_rate = error_rate
+        self.seed = seed
+        self.config = SimpleNamespace(
+            model_type="dflash2-oracle",
+            target_layer_ids=list(target_layer_ids),
+            block_size=block_size,
+            runtime_block_size=block_size,
+        )
+        # Always verify the full requested block: acceptance is what we control.
+        self.prefer_requested_block_size = True
+        self.reset(None)
+
+    def reset(self, target_model):
+        del target_model
+        self.accept_lens, self.draft_lens = [], []
+        self._rng = random.Random(self.seed)
+        return []
+
+    def _emitted(self) -> int:
+        # The first token comes from prefill; each round emits accepted + 1.
+        return 1 + sum(int(accepted) + 1 for accepted in self.accept_lens)
+
+    def draft_block(self, last_bonus, hidden, cache, block_size, sampler, token_dtype=mx.int32):
+        del last_bonus, hidden, cache, sampler
+        start = self._emitted()
+        proposal = []
+        for index in range(start, start + block_size - 1):
+            token = self.continuation[index] if index < len(self.continuation) else 0
+            if self._rng.random() < self.error_rate:
+                token = (token + 1) % self.vocab_size
+            proposal.append(token)
+        return mx.array([proposal], dtype=token_dtype)
+
+    draft_block_greedy = draft_block

@@ -1,0 +1,280 @@
+"""Bitwise parity of the exact speculative path against plain decoding.
+
+The checks here are shared by the test suite (CPU, tiny pack) and by the
+evidence run on a GPU machine:
+
+    python tools/parity.py --out evidence/
+
+builds the tiny synthetic pack, measures the stock verify path first (the
+negative control: on CUDA and Metal it differs from decode), installs the
+runtime, and counts every differing element of verify logits, captured hidden
+states, rollback logits and greedy tokens, plus the kernel self-test at the real
+27B packed shapes. It writes evidence/parity-<backend>.json and .md.
+"""
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_vlm.generate.ar import generate_step
+from mlx_vlm.speculative.cache_state import commit_speculative_round
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+from oracle_drafter import OracleDrafter  # noqa: E402
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "List three prime numbers and explain why.",
+    "def reverse(s):",
+]
+# (N, K) of every packed matrix kind in Ternary-Bonsai-2-27B (target-and-baselines notes).
+PACKED_SHAPES_27B = [
+    (12288, 5120),  # attention q_proj (gated: 24 heads x 256 x 2)
+    (1024, 5120),  # attention k_proj / v_proj (4 kv heads x 256)
+    (5120, 6144),  # attention o_proj
+    (10240, 5120),  # GDN in_proj_qkv (2 x 16 x 128 + 48 x 128)
+    (6144, 5120),  # GDN in_proj_z
+    (5120, 6144),  # GDN out_proj
+    (17408, 5120),  # MLP gate / up
+    (5120, 17408),  # MLP down
+    (248320, 5120),  # lm_head and embed_tokens
+]
+
+
+def differing(actual: mx.array, expected: mx.array) -> int:
+    """Differing elements, compared as raw bits (so -0, +0 and NaNs count)."""
+    if actual.shape != expected.shape:
+        return int(max(actual.size, expected.size))
+    a, e = np.array(actual), np.array(expected)
+    view = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+    return int((a.view(view) != e.view(view)).sum())
+
+
+def chat_ids(tokenizer, text, *, thinking):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=thinking,
+    )
+    return mx.array([tokenizer.encode(prompt, add_special_tokens=False)])
+
+
+def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, **kwargs):
+    steps = generate_step(
+        input_ids,
+        model,
+        kwargs.pop("pixel_values", None),
+        None,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        draft_model=drafter,
+        draft_kind="dflash",
+        draft_block_size=block_size,
+        **kwargs,
+    )
+    return [int(token) for token, _ in steps]
+
+
+def _prefill(lm, ids, taps):
+    cache = lm.make_cache()
+    lm(ids, cache=cache, capture_layer_ids=taps)
+    return cache
+
+
+def verify_cases(lm, ids, taps, continuation, lengths=range(2, 9)):
+    """One verify forward of L tokens against L single-token decode steps."""
+    cases = []
+    for length in lengths:
+        block = continuation[:length]
+        sequential = _prefill(lm, ids, taps)
+        steps = [lm(mx.array([[t]]), cache=sequential, capture_layer_ids=taps) for t in block]
+        cache = _prefill(lm, ids, taps)
+        out = lm(mx.array([block]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
+        out.gdn_states.abort()
+        logits = differing(out.logits, mx.concatenate([s.logits for s in steps], axis=1))
+        hidden = sum(
+            differing(h, mx.concatenate([s.hidden_states[i] for s in steps], axis=1))
+            for i, h in enumerate(out.hidden_states)
+        )
+        cases.append({"check": "verify", "length": length, "logits": logits, "hidden": hidden})
+    return cases
+
+
+def rollback_cases(lm, ids, taps, continuation, lengths=(2, 5, 8)):
+    """Next-token logits after committing `accepted` drafts vs a cache that never saw the rest."""
+    cases = []
+    for length in lengths:
+        block = continuation[:length]
+        probe = mx.array([[block[0]]])
+        for accepted in range(length):
+            cache = _prefill(lm, ids, taps)
+            out = lm(mx.array([block]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
+            commit_speculative_round(lm, cache, out.gdn_states, accepted, length)
+            fresh = _prefill(lm, ids, taps)
+            for token in block[: accepted + 1]:
+                lm(mx.array([[token]]), cache=fresh)
+            mismatch = differing(lm(probe, cache=cache).logits, lm(probe, cache=fresh).logits)
+            cases.append(
+                {"check": "rollback", "length": length, "accepted": accepted, "logits": mismatch}
+            )
+    return cases
+
+
+def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
+    """Every (prompt, thinking, block, error rate): the full matrix of the GPU run."""
+    return [
+        (prompt, thinking, block, error_rate)
+        for thinking in (False, True)
+        for prompt in PROMPTS
+        for block in blocks
+        for error_rate in errors
+    ]
+
+
+def token_cases(model, tokenizer, max_tokens, combos):
+    """Greedy speculative tokens (oracle drafter) against plain decoding."""
+    vocab = model.language_model.lm_head.weight.shape[0]
+    plain_by_prompt = {}
+    cases = []
+    for prompt, thinking, block, error_rate in combos:
+        ids = chat_ids(tokenizer, prompt, thinking=thinking)
+        if (prompt, thinking) not in plain_by_prompt:
+            plain_by_prompt[prompt, thinking] = greedy(model, ids, max_tokens)
+        plain = plain_by_prompt[prompt, thinking]
+        drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
+        spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
+        cases.append(
+            {
+                "check": "tokens",
+                "prompt": prompt,
+                "thinking": thinking,
+                "block": block,
+                "error_rate": error_rate,
+                "accepted": int(sum(drafter.accept_lens)),
+                "rounds": len(drafter.accept_lens),
+                "identical": spec == plain,
+            }
+        )
+    return cases
+
+
+def case_mismatches(case) -> int:
+    if case["check"] == "tokens":
+        return 0 if case["identical"] else 1
+    return case["logits"] + case.get("hidden", 0)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPO / "evidence"))
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
+    args = parser.parse_args()
+
+    import mlx_vlm
+
+    import dflash2_kernels
+    import dflash2_runtime
+    from dflash2_pack import load_pack
+    from make_synthetic_pack import make_pack
+
+    started = time.time()
+    with tempfile.TemporaryDirectory() as folder:
+        paths = make_pack(folder, size="tiny", seed=0)
+        model, processor, drafter = load_pack(paths["target"], paths["drafter"])
+    lm = model.language_model
+    tokenizer = processor.tokenizer
+    taps = list(drafter.config.target_layer_ids)
+    ids = chat_ids(tokenizer, PROMPTS[0], thinking=False)
+    continuation = greedy(model, ids, 8)
+
+    stock = verify_cases(lm, ids, taps, continuation)  # before install: the stock verifier
+    status = dflash2_runtime.install(model)
+    exact = verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
+    exact += token_cases(model, tokenizer, args.max_tokens, all_token_combos())
+    shapes = PACKED_SHAPES_27B if args.kernel_shapes == "27b" else None
+    kernel = dflash2_kernels.self_test(shapes=shapes)
+
+    backend = dflash2_kernels.backend_name()
+    record = {
+        "backend": backend,
+        "device": mx.device_info().get("device_name", platform.processor() or "cpu")
+        if hasattr(mx, "device_info")
+        else platform.processor(),
+        "versions": {
+            "mlx": mx.__version__,
+            "mlx_vlm": mlx_vlm.__version__,
+            "python": platform.python_version(),
+        },
+        "command": "python " + shlex.join(["tools/parity.py", *sys.argv[1:]]),
+        "runtime_status": {"speculative": status.speculative, "reason": status.reason},
+        "exact_mismatches": sum(case_mismatches(c) for c in exact) + kernel.mismatches,
+        "stock_mismatches": sum(case_mismatches(c) for c in stock) + kernel.stock_mismatches,
+        "kernel_self_test": {
+            "ok": kernel.ok,
+            "shapes": [list(s) for s in (shapes or [])],
+            "mismatches": kernel.mismatches,
+            "stock_mismatches": kernel.stock_mismatches,
+            "cases": len(kernel.cases),
+        },
+        "stock_cases": stock,
+        "cases": exact,
+        "seconds": round(time.time() - started, 1),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"parity-{backend}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / f"parity-{backend}.md").write_text(summary_markdown(record))
+    print(summary_markdown(record))
+    return 0 if record["exact_mismatches"] == 0 and status.speculative else 1
+
+
+def summary_markdown(record) -> str:
+    tokens = [c for c in record["cases"] if c["check"] == "tokens"]
+    lines = [
+        f"# Parity on {record['backend']} ({record['device']})",
+        "",
+        f"Command: `{record['command']}`  ",
+        f"Versions: mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
+        f"Python {record['versions']['python']}",
+        "",
+        "| check | cases | differing elements |",
+        "|---|---|---|",
+    ]
+    for check in ("verify", "rollback"):
+        cases = [c for c in record["cases"] if c["check"] == check]
+        lines.append(f"| exact {check} (L=2..8) | {len(cases)} | {sum(map(case_mismatches, cases))} |")
+    lines.append(
+        f"| greedy tokens, oracle drafter | {len(tokens)} | "
+        f"{sum(not c['identical'] for c in tokens)} runs differ |"
+    )
+    kernel = record["kernel_self_test"]
+    lines.append(f"| exact kernel self-test | {kernel['cases']} | {kernel['mismatches']} |")
+    stock = record["stock_cases"]
+    lines.append(
+        f"| stock verify (negative control) | {len(stock)} | {sum(map(case_mismatches, stock))} |"
+    )
+    lines.append(
+        f"| MLX multi-row matmul (negative control) | {kernel['cases']} | {kernel['stock_mismatches']} |"
+    )
+    lines += [
+        "",
+        f"exact_mismatches = {record['exact_mismatches']}, "
+        f"stock_mismatches = {record['stock_mismatches']}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
