@@ -21,11 +21,14 @@ class OracleDrafter:
         block_size: int = 8,
         target_layer_ids=(0,),
         seed: int = 0,
+        cost_drafter=None,
     ):
         self.continuation = list(continuation)
         self.vocab_size = vocab_size
         self.error_rate = error_rate
         self.seed = seed
+        # A real drafter run each round (output discarded) so timings pay its cost.
+        self.cost_drafter = cost_drafter
         self.config = SimpleNamespace(
             model_type="dflash2-oracle",
             target_layer_ids=list(target_layer_ids),
@@ -34,12 +37,13 @@ class OracleDrafter:
         )
         # Always verify the full requested block: acceptance is what we control.
         self.prefer_requested_block_size = True
-        self.reset(None)
+        self.accept_lens, self.draft_lens = [], []
 
     def reset(self, target_model):
-        del target_model
+        """Called by the round loop at the start of each generation."""
         self.accept_lens, self.draft_lens = [], []
         self._rng = random.Random(self.seed)
+        self._cost_cache = self.cost_drafter.reset(target_model) if self.cost_drafter else None
         return []
 
     def _emitted(self) -> int:
@@ -47,7 +51,13 @@ class OracleDrafter:
         return 1 + sum(int(accepted) + 1 for accepted in self.accept_lens)
 
     def draft_block(self, last_bonus, hidden, cache, block_size, sampler, token_dtype=mx.int32):
-        del last_bonus, hidden, cache, sampler
+        del cache
+        if self.cost_drafter is not None:
+            mx.eval(
+                self.cost_drafter.draft_block_greedy(
+                    last_bonus, hidden, self._cost_cache, block_size, sampler, token_dtype
+                )
+            )
         start = self._emitted()
         proposal = []
         for index in range(start, start + block_size - 1):
