@@ -737,6 +737,39 @@ def write_text_files(folder, files):
 # Entry points
 
 
+def write_target(folder, size="tiny", seed=0, verbose=False):
+    """Write a prism_hadamard_qwen35 target folder: configs, tokenizer, weights."""
+    folder = Path(folder)
+    config = target_config(size)
+    special_base = SIZES[size]["special_base"]
+    tokenizer = build_tokenizer(special_base)
+    max_length = config["text_config"]["max_position_embeddings"]
+    write_text_files(
+        folder,
+        {
+            "config.json": dump_json(config),
+            "generation_config.json": dump_json(generation_config(config)),
+            **tokenizer_files(tokenizer, special_base, max_length),
+            **processor_configs(size),
+        },
+    )
+    if verbose:
+        log(f"target: generating {size} weights (seed {seed})")
+    live_rows = live_token_rows(tokenizer, config["vocab_size"])
+    write_safetensors(folder / "model.safetensors", target_weights(config, seed, live_rows), verbose)
+
+
+def write_drafter(folder, size="tiny", seed=0, form="bf16", codebook_names="plain", verbose=False):
+    """Write a DFlash2DraftModel folder (bf16 or prequantized 4-bit)."""
+    folder = Path(folder)
+    config = drafter_config(size, form)
+    write_text_files(folder, {"config.json": dump_json(config)})
+    if verbose:
+        log(f"drafter: generating {form} weights (seed {seed})")
+    weights = drafter_weights(config, seed, codebook_names)
+    write_safetensors(folder / "model.safetensors", weights, verbose)
+
+
 def make_pack(
     out_dir,
     size="tiny",
@@ -745,37 +778,13 @@ def make_pack(
     codebook_names="plain",
     verbose=None,
 ):
-    """Write DIR/target and DIR/drafter. Returns {"root", "target", "drafter"} paths."""
+    """Write DIR/target and DIR/drafter. Returns {"root", "target", "drafter"} paths.
+    Progress goes to stderr, by default for the 27b size only."""
     verbose = size == "27b" if verbose is None else verbose
     root = Path(out_dir)
-    target_dir, drafter_dir = root / "target", root / "drafter"
-
-    config = target_config(size)
-    special_base = SIZES[size]["special_base"]
-    tokenizer = build_tokenizer(special_base)
-    write_text_files(
-        target_dir,
-        {
-            "config.json": dump_json(config),
-            "generation_config.json": dump_json(generation_config(config)),
-            **tokenizer_files(tokenizer, special_base, config["text_config"]["max_position_embeddings"]),
-            **processor_configs(size),
-        },
-    )
-    if verbose:
-        log(f"target: generating {size} weights (seed {seed})")
-    live_rows = live_token_rows(tokenizer, config["vocab_size"])
-    weights = target_weights(config, seed, live_rows)
-    write_safetensors(target_dir / "model.safetensors", weights, verbose)
-    del weights
-
-    draft_config = drafter_config(size, drafter_form)
-    write_text_files(drafter_dir, {"config.json": dump_json(draft_config)})
-    if verbose:
-        log(f"drafter: generating {drafter_form} weights")
-    draft = drafter_weights(draft_config, seed, codebook_names)
-    write_safetensors(drafter_dir / "model.safetensors", draft, verbose)
-    return {"root": root, "target": target_dir, "drafter": drafter_dir}
+    write_target(root / "target", size, seed, verbose)
+    write_drafter(root / "drafter", size, seed, drafter_form, codebook_names, verbose)
+    return {"root": root, "target": root / "target", "drafter": root / "drafter"}
 
 
 def build_target_model(size="tiny", seed=0):

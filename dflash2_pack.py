@@ -1,0 +1,387 @@
+"""Find, check and load a DFlash2 pack: a prism_hadamard_qwen35 target and its drafter.
+
+The checks read config.json and the safetensors headers only (plus the small Hadamard
+sign vectors), so a broken or mismatched pack stops with a PackError that names the file,
+the field or tensor, and what was expected, before any weight is loaded. Loading itself is
+mlx-vlm's own code: `mlx_vlm.utils.load` and `mlx_vlm.speculative.drafters.load_drafter`.
+"""
+
+import json
+import struct
+from pathlib import Path
+
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from safetensors import safe_open
+
+TARGET_SCHEMA = {
+    "model_type": "prism_hadamard_qwen35",
+    "schema_version": 2,
+    "base_model_type": "qwen3_5",
+    "tensor_namespace": "mlx-vlm-qwen3_5",
+    "gdn_activation_layout": "grouped",
+    "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
+}
+HADAMARD_BLOCKS = (0, 512, 1024, 2048, 4096)
+FLOAT_DTYPES = ("F16", "BF16", "F32")
+TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
+DRAFTER_ARCHITECTURE = "DFlash2DraftModel"
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+MAX_LISTED = 8
+
+
+class PackError(ValueError):
+    """A pack file that mlx-vlm would reject or load wrongly. `file` is relative to the
+    pack (e.g. "target/config.json"), `problems` lists every problem found in it."""
+
+    def __init__(self, file, problems):
+        self.file, self.problems = file, list(problems)
+        if len(self.problems) == 1:
+            message = f"{file}: {self.problems[0]}"
+        else:
+            message = f"{file}: {len(self.problems)} problems:\n  " + "\n  ".join(self.problems)
+        super().__init__(message)
+
+
+def relative_name(folder, file_name):
+    return f"{Path(folder).name}/{file_name}"
+
+
+def read_config(folder):
+    name = relative_name(folder, "config.json")
+    try:
+        return json.loads((Path(folder) / "config.json").read_text())
+    except FileNotFoundError:
+        raise PackError(name, ["file is missing"]) from None
+    except json.JSONDecodeError as error:
+        raise PackError(name, [f"not valid JSON ({error})"]) from None
+
+
+def read_headers(folder):
+    """{tensor name: header entry} over the folder's weight files (the files mlx-vlm
+    loads), and a label for error messages."""
+    folder = Path(folder)
+    files = sorted(
+        path for path in folder.glob("*.safetensors") if path.name != "consolidated.safetensors"
+    )
+    if not files:
+        raise PackError(relative_name(folder, "model.safetensors"), ["file is missing"])
+    label = ", ".join(relative_name(folder, path.name) for path in files)
+    headers = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+        except (struct.error, ValueError) as error:
+            raise PackError(relative_name(folder, path.name), [f"unreadable header ({error})"])
+        header.pop("__metadata__", None)
+        headers.update({name: {**entry, "file": path} for name, entry in header.items()})
+    return headers, label
+
+
+def build_skeleton(config, name):
+    """mlx-vlm's model object for a config, weights unallocated (MLX arrays are lazy)."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    try:
+        module, _ = get_model_and_args(config)
+        model_config = module.ModelConfig.from_dict(config)
+        model_config = update_module_configs(model_config, module, config, ["text", "vision"])
+        return module.Model(model_config)
+    except Exception as error:  # mlx-vlm's own config validation, reworded with the file
+        raise PackError(name, [f"mlx-vlm rejects this config: {error}"]) from None
+
+
+def mismatch(what, expected, actual):
+    return f"{what}: expected {expected!r}, got {actual!r}"
+
+
+def listed(names):
+    names = sorted(names)
+    more = f" (and {len(names) - MAX_LISTED} more)" if len(names) > MAX_LISTED else ""
+    return ", ".join(names[:MAX_LISTED]) + more
+
+
+def quantized_shapes(rows, width, bits, group_size):
+    return {
+        "weight": ((rows, width * bits // 32), ("U32",)),
+        "scales": ((rows, width // group_size), FLOAT_DTYPES),
+        "biases": ((rows, width // group_size), FLOAT_DTYPES),
+    }
+
+
+def tensor_problems(headers, expected):
+    """Compare headers against {name: (shape, allowed dtypes)}: missing, unexpected,
+    wrong shape, wrong dtype."""
+    problems = []
+    missing = expected.keys() - headers.keys()
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {listed(missing)}")
+    unexpected = headers.keys() - expected.keys()
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensor(s): {listed(unexpected)}")
+    for name in sorted(expected.keys() & headers.keys()):
+        shape, dtypes = expected[name]
+        entry = headers[name]
+        if tuple(entry["shape"]) != tuple(shape):
+            problems.append(mismatch(f"{name} shape", list(shape), entry["shape"]))
+        if entry["dtype"] not in dtypes:
+            wanted = dtypes[0] if len(dtypes) == 1 else " or ".join(dtypes)
+            problems.append(f"{name} dtype: expected {wanted}, got {entry['dtype']!r}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------
+# Target
+
+
+def target_schema_problems(config):
+    problems = [
+        mismatch(field, value, config.get(field))
+        for field, value in TARGET_SCHEMA.items()
+        if config.get(field) != value
+    ]
+    modules = config.get("modules")
+    if not isinstance(modules, list) or not modules:
+        problems.append("modules: expected a non-empty manifest list, got " + repr(modules))
+    for field in ("text_config", "vision_config"):
+        if not isinstance(config.get(field), dict):
+            problems.append(f"{field}: expected an object, got {config.get(field)!r}")
+    text = config.get("text_config") or {}
+    for field in TEXT_FIELDS:
+        if not isinstance(text.get(field), int) or text.get(field) <= 0:
+            problems.append(mismatch(f"text_config.{field}", "a positive integer", text.get(field)))
+    return problems
+
+
+def manifest_problems(config, dense_language_model):
+    """Check each manifest record against the unpacked model; return the problems and
+    {module path: (rows, width, block)} for the records that make sense."""
+    modules = dict(dense_language_model.named_modules())
+    problems, packed = [], {}
+    for index, record in enumerate(config["modules"]):
+        where = f"modules[{index}]"
+        if not isinstance(record, dict) or not isinstance(record.get("path"), str):
+            problems.append(f"{where}: expected {{path, embedding, dtype, block}}, got {record!r}")
+            continue
+        path = record["path"]
+        where = f"modules[{index}] ({path})"
+        module = modules.get(path)
+        if path in packed:
+            problems.append(f"{where}: listed twice")
+            continue
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            problems.append(f"{where}: no Linear or Embedding at this path in the language model")
+            continue
+        is_embedding = isinstance(module, nn.Embedding)
+        if record.get("embedding") != is_embedding:
+            problems.append(mismatch(f"{where} embedding", is_embedding, record.get("embedding")))
+        if record.get("dtype") != "float16":
+            problems.append(mismatch(f"{where} dtype", "float16", record.get("dtype")))
+        rows, width = module.weight.shape
+        block = record.get("block")
+        if block not in HADAMARD_BLOCKS or (block and width % block):
+            problems.append(
+                f"{where} block: expected one of {HADAMARD_BLOCKS} dividing the input width "
+                f"{width}, got {block!r}"
+            )
+            continue
+        packed[path] = (rows, width, block)
+    return problems, packed
+
+
+def expected_target_tensors(dense_model, packed):
+    """{tensor name: (shape, allowed dtypes)} as mlx-vlm's prism loader expects them."""
+    expected = {}
+    for path, (rows, width, block) in packed.items():
+        for leaf, (shape, dtypes) in quantized_shapes(rows, width, 2, 128).items():
+            expected[f"language_model.{path}.{leaf}"] = (shape, dtypes if leaf == "weight" else ("F16",))
+        if block:
+            expected[f"language_model.{path}.signs"] = ((width,), ("F32",))
+    packed_prefixes = tuple(f"language_model.{path}." for path in packed)
+    for name, parameter in tree_flatten(dense_model.parameters()):
+        if not name.startswith(packed_prefixes):
+            expected[name] = (parameter.shape, FLOAT_DTYPES)
+    return expected
+
+
+def sign_problems(headers, expected):
+    problems = []
+    for name in sorted(expected):
+        entry = headers.get(name)
+        if not name.endswith(".signs") or entry is None or entry["dtype"] != "F32":
+            continue
+        with safe_open(entry["file"], framework="numpy") as f:
+            signs = f.get_tensor(name)
+        bad = np.count_nonzero(np.abs(signs) != 1)
+        if bad:
+            problems.append(f"{name}: expected only -1 and +1, got {bad} other value(s)")
+    return problems
+
+
+def check_target(target_dir):
+    """Check a target folder before loading; returns its config. Raises PackError."""
+    target_dir = Path(target_dir)
+    config_name = relative_name(target_dir, "config.json")
+    config = read_config(target_dir)
+    problems = target_schema_problems(config)
+    if problems:
+        raise PackError(config_name, problems)
+
+    # The unpacked Qwen3.5 model gives every module's dense shape.
+    dense_model = build_skeleton({**config, "model_type": config["base_model_type"]}, config_name)
+    problems, packed = manifest_problems(config, dense_model.language_model)
+    if problems:
+        raise PackError(config_name, problems)
+
+    headers, weights_name = read_headers(target_dir)
+    expected = expected_target_tensors(dense_model, packed)
+    problems = tensor_problems(headers, expected) + sign_problems(headers, expected)
+    if problems:
+        raise PackError(weights_name, problems)
+    return config
+
+
+# ---------------------------------------------------------------------------------------
+# Drafter
+
+
+def drafter_fit_problems(config, target_text):
+    """Drafter config fields that must fit the target (and mlx-vlm's DFlash2 config)."""
+    problems = []
+    if DRAFTER_ARCHITECTURE not in (config.get("architectures") or []):
+        problems.append(mismatch("architectures", [DRAFTER_ARCHITECTURE], config.get("architectures")))
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, dict):
+        problems.append(mismatch("dflash_config", "an object", dflash))
+        dflash = {}
+    layers, vocab = target_text["num_hidden_layers"], target_text["vocab_size"]
+    fits = (
+        ("hidden_size", "hidden_size"),
+        ("vocab_size", "vocab_size"),
+        ("num_target_layers", "num_hidden_layers"),
+    )
+    for field, target_field in fits:
+        if config.get(field) != target_text[target_field]:
+            problems.append(
+                f"{field}: expected {target_text[target_field]} (the target's {target_field}), "
+                f"got {config.get(field)!r}"
+            )
+    if not isinstance(dflash.get("block_size"), int) or dflash.get("block_size") < 2:
+        problems.append(mismatch("dflash_config.block_size", "an integer >= 2", dflash.get("block_size")))
+    mask = dflash.get("mask_token_id")
+    if not isinstance(mask, int) or not 0 <= mask < vocab:
+        problems.append(mismatch("dflash_config.mask_token_id", f"an id in [0, {vocab})", mask))
+    taps = dflash.get("target_layer_ids")
+    taps_fit = (
+        isinstance(taps, list)
+        and taps
+        and all(isinstance(tap, int) and 0 <= tap < layers for tap in taps)
+        and all(a < b for a, b in zip(taps, taps[1:]))
+    )
+    if not taps_fit:
+        problems.append(
+            mismatch("dflash_config.target_layer_ids", f"increasing layer ids in [0, {layers})", taps)
+        )
+    quantization = config.get("quantization")
+    if quantization is not None and (
+        quantization.get("mode", "affine") != "affine"
+        or quantization.get("bits") not in (2, 3, 4, 5, 6, 8)
+        or quantization.get("group_size") not in (32, 64, 128)
+    ):
+        problems.append(mismatch("quantization", "affine, bits 2-8, group 32/64/128", quantization))
+    return problems
+
+
+def normalized_drafter_names(headers):
+    """Header names as mlx-vlm's DFlash2 sanitize maps them ("model." prefix dropped,
+    bare codebooks get ".weight"); returns the mapping and any collisions."""
+    mapped, problems = {}, []
+    for name, entry in headers.items():
+        key = name.removeprefix("model.")
+        if key in CODEBOOKS:
+            key = f"{key}.weight"
+        if key in mapped:
+            problems.append(f"{name}: duplicates another tensor once mlx-vlm adds '.weight'")
+        mapped[key] = entry
+    return mapped, problems
+
+
+def expected_drafter_tensors(config, skeleton, headers):
+    quantization = config.get("quantization") or {}
+    expected, problems = {}, []
+    for name, parameter in tree_flatten(skeleton.parameters()):
+        path, _, leaf = name.rpartition(".")
+        stored_packed = f"{path}.scales" in headers
+        if leaf == "weight" and parameter.ndim == 2 and stored_packed:
+            if not quantization or quantization.get(path, True) is False:
+                reason = "no quantization block" if not quantization else "listed as false"
+                problems.append(f"{path}: stored quantized, but the config has {reason}")
+                continue
+            shapes = quantized_shapes(
+                *parameter.shape, quantization["bits"], quantization["group_size"]
+            )
+            expected.update({f"{path}.{key}": spec for key, spec in shapes.items()})
+        else:
+            expected[name] = (parameter.shape, FLOAT_DTYPES)
+    return expected, problems
+
+
+def check_drafter(drafter_dir, target_dir):
+    """Check a DFlash2 drafter folder against its target before loading; returns the
+    drafter config. Raises PackError."""
+    drafter_dir = Path(drafter_dir)
+    config_name = relative_name(drafter_dir, "config.json")
+    config = read_config(drafter_dir)
+    target_text = read_config(target_dir).get("text_config") or {}
+    if not all(isinstance(target_text.get(field), int) for field in TEXT_FIELDS):
+        raise PackError(
+            relative_name(target_dir, "config.json"),
+            [f"text_config: expected integers {', '.join(TEXT_FIELDS)}, got {target_text!r}"],
+        )
+    problems = drafter_fit_problems(config, target_text)
+    if problems:
+        raise PackError(config_name, problems)
+
+    skeleton = build_skeleton(config, config_name)
+    raw_headers, weights_name = read_headers(drafter_dir)
+    headers, problems = normalized_drafter_names(raw_headers)
+    expected, quantization_problems = expected_drafter_tensors(config, skeleton, headers)
+    problems += quantization_problems + tensor_problems(headers, expected)
+    if problems:
+        raise PackError(weights_name, problems)
+    return config
+
+
+# ---------------------------------------------------------------------------------------
+# Finding and loading
+
+
+def find_pack(pack_dir):
+    """(target_dir, drafter_dir) of a pack folder: DIR/target with DIR/drafter (the
+    synthetic layout), or the target files in DIR itself with DIR/drafter (the release
+    layout). drafter_dir is None when there is no drafter folder."""
+    pack_dir = Path(pack_dir)
+    nested = pack_dir / "target"
+    target_dir = nested if (nested / "config.json").is_file() else pack_dir
+    drafter_dir = pack_dir / "drafter"
+    return target_dir, drafter_dir if drafter_dir.is_dir() else None
+
+
+def load_pack(target_dir, drafter_dir=None):
+    """Check, then load with mlx-vlm: returns (model, processor, drafter); drafter is None
+    when no drafter folder is given."""
+    from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
+    from mlx_vlm.utils import load
+
+    check_target(target_dir)
+    if drafter_dir is not None:
+        check_drafter(drafter_dir, target_dir)
+    model, processor = load(Path(target_dir))
+    drafter = None
+    if drafter_dir is not None:
+        drafter, kind = load_drafter(Path(drafter_dir))
+        validate_drafter_compatibility(model, drafter, kind)
+    return model, processor, drafter
