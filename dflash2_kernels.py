@@ -22,10 +22,11 @@ Per backend:
 
 The kernel serves only after `self_test` passed on this machine (it runs by
 itself on first use; the runtime calls it at start-up with the pack's shapes).
-Until then, after a failed self-test, or for a shape the kernel does not take
-(Metal: N % 8 or K % 512 nonzero, where MLX itself takes another kernel),
+After a failed self-test, or for a shape the kernel does not take (Metal: N % 8
+or K % 512 nonzero, where MLX itself takes another kernel),
 `exact_quantized_matmul` falls back to one stock single-row call per row: still
-exact, only slower.
+exact, only slower. One row on Metal or CPU is always MLX's own call; on CUDA it
+goes through the kernel, which is about twice as fast as MLX's (H200).
 """
 
 import warnings
@@ -159,9 +160,37 @@ __device__ __forceinline__ void accumulate_step(
   }
 }
 
-// y[m, first..first+R) for one warp; C steps of weights are loaded at once.
+// This lane's weight words, scales and biases of C steps in R output rows.
+template <int R, int C>
+struct WeightChunk {
+  uint32_t q[C][R];
+  __half scale[C][R];
+  __half bias[C][R];
+
+  __device__ __forceinline__ void load(
+      const uint32_t* const (&w_lane)[R],
+      const __half* const (&s_lane)[R],
+      const __half* const (&b_lane)[R],
+      int first_step,
+      int steps) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      if (first_step + c < steps) {
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          q[c][j] = __ldg(w_lane[j] + (first_step + c) * 32);
+          scale[c][j] = __ldg(s_lane[j] + (first_step + c) * 4);
+          bias[c][j] = __ldg(b_lane[j] + (first_step + c) * 4);
+        }
+      }
+    }
+  }
+};
+
+// y[m, first..first+R) for one warp; C steps of weights are loaded at once,
+// with PREFETCH the next C steps' loads fly while this chunk is computed.
 // Launch: block (32, warps), grid.x = blocks.
-template <int M, int R, int C>
+template <int M, int R, int C, bool PREFETCH>
 __device__ __forceinline__ void qmv_rows(
     const __half* __restrict__ x,
     const uint32_t* __restrict__ w,
@@ -203,27 +232,24 @@ __device__ __forceinline__ void qmv_rows(
       for (int t = 0; t < 8; ++t)
         acc[j][m][t] = __float2half2_rn(0.0f);
 
+  WeightChunk<R, C> chunk;
+  chunk.load(w_lane, s_lane, b_lane, 0, steps);
   for (int s0 = 0; s0 < steps; s0 += C) {
-    // Issue the chunk's weight loads together, then use them in step order.
-    uint32_t q[C][R] = {};
-    __half sc[C][R] = {};
-    __half bi[C][R] = {};
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      if (s0 + c < steps) {
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-          q[c][j] = __ldg(w_lane[j] + (s0 + c) * 32);
-          sc[c][j] = __ldg(s_lane[j] + (s0 + c) * 4);
-          bi[c][j] = __ldg(b_lane[j] + (s0 + c) * 4);
-        }
-      }
+    WeightChunk<R, C> next;
+    if (PREFETCH) {
+      next.load(w_lane, s_lane, b_lane, s0 + C, steps);
     }
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       if (s0 + c < steps) {
-        accumulate_step<M, R>(x_lane + (s0 + c) * kStepElems, k, q[c], sc[c], bi[c], acc);
+        accumulate_step<M, R>(
+            x_lane + (s0 + c) * kStepElems, k, chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
       }
+    }
+    if (PREFETCH) {
+      chunk = next;
+    } else {
+      chunk.load(w_lane, s_lane, b_lane, s0 + C, steps);
     }
   }
 
@@ -268,12 +294,12 @@ __device__ __forceinline__ void qmv_rows(
 }  // namespace dflash2
 """
 
-_CUDA_SOURCE = "dflash2::qmv_rows<M, R, C>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
+_CUDA_SOURCE = "dflash2::qmv_rows<M, R, C, PREFETCH>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
 
-# Launch shape by activation rows M: (output rows per warp R, weight steps loaded
-# at once C). R * M accumulators of 8 registers each bound R.
+# Launch shape by activation rows M: (output rows per warp R, weight steps per
+# load C, prefetch the next C steps). R * M accumulators of 8 registers bound R.
 # Chosen from the H200 sweep in evidence/kernel-parity-cuda.md.
-CUDA_LAUNCH = {1: (4, 4), 2: (4, 2), 3: (4, 2), 4: (2, 2), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
+CUDA_LAUNCH = {1: (2, 4, 1), 2: (2, 2, 1), 3: (2, 2, 1), 4: (2, 2, 1), 5: (2, 2, 1), 6: (2, 2, 1), 7: (2, 2, 1), 8: (2, 2, 1)}
 CUDA_WARPS_PER_BLOCK = 4
 
 
@@ -291,14 +317,14 @@ def _cuda_kernel():
 def cuda_matmul(x, weight, scales, biases, launch=None):
     """(M, K) fp16 rows -> (M, N) through the CUDA kernel; no self-test gate.
 
-    launch: (R, C) to override CUDA_LAUNCH (for the tuning sweep)."""
+    launch: (R, C, prefetch) to override CUDA_LAUNCH (for the tuning sweep)."""
     rows, n = x.shape[0], weight.shape[0]
-    rows_per_warp, chunk = launch or CUDA_LAUNCH[rows]
+    rows_per_warp, chunk, prefetch = launch or CUDA_LAUNCH[rows]
     warps = -(-n // rows_per_warp)
     blocks = -(-warps // CUDA_WARPS_PER_BLOCK)
     return _cuda_kernel()(
         inputs=[x, weight, scales, biases],
-        template=[("M", rows), ("R", rows_per_warp), ("C", chunk)],
+        template=[("M", rows), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", bool(prefetch))],
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
         output_shapes=[(rows, n)],
@@ -336,6 +362,11 @@ def cuda_matmul(x, weight, scales, biases, launch=None):
 _METAL_HEADER = r"""
 // Copyright (c) 2023-2024 Apple Inc. (MIT License; load_vector and qdot from
 // MLX's mlx/backend/metal/kernels/quantized.h, 2-bit branches, unchanged.)
+#include <metal_simdgroup>
+#include <metal_stdlib>
+
+using namespace metal;
+
 namespace dflash2 {
 
 template <typename T, typename U, int values_per_thread, int bits>
@@ -504,7 +535,9 @@ _verified: dict = {}
 _warned: set = set()
 
 
-def _serving_kernel(backend: str, n: int, k: int) -> Optional[Kernel]:
+def _serving_kernel(backend: str, n: int, k: int, rows: int) -> Optional[Kernel]:
+    if rows == 1 and backend != "cuda":
+        return None  # MLX's own single-row call is the reference itself
     if backend not in _verified:
         self_test()
     if not _verified[backend]:
@@ -544,12 +577,13 @@ def exact_quantized_matmul(x, weight, scales, biases):
 
     x: float16 (..., K), at most 8 rows once the leading dims are flattened.
     weight: uint32 (N, K/16); scales, biases: float16 (N, K/128); 2-bit affine,
-    group 128. Returns float16 (..., N).
+    group 128. Returns float16 (..., N). On CUDA one row also goes through the
+    kernel (faster than MLX's own and bitwise equal): use it for plain decode too.
     """
     _check_arguments(x, weight, scales, biases)
     n, k = weight.shape[0], x.shape[-1]
     rows = x.reshape(-1, k)
-    kernel = _serving_kernel(backend_name(), n, k)
+    kernel = _serving_kernel(backend_name(), n, k, rows.shape[0])
     y = kernel(rows, weight, scales, biases) if kernel else stock_rows(rows, weight, scales, biases)
     return y.reshape(*x.shape[:-1], n)
 

@@ -2,10 +2,11 @@
 
 Runs dflash2_kernels.self_test at the chosen shapes (rows 1..8, every input
 kind), and with --bench times MLX's single-row and multi-row calls against the
-exact kernel on the same shapes. Writes evidence/kernel-parity-<backend>.json
-and .md; every figure in them comes from this run.
+exact kernel on the same shapes; with --tune (CUDA) it first times launch
+shapes and uses the fastest per row count for everything after. Writes
+evidence/kernel-parity-<backend>.json and .md; every figure comes from this run.
 
-    python3 tools/kernel_parity.py --shapes 27b --bench --sweep
+    python3 tools/kernel_parity.py --shapes 27b --tune --bench
 """
 
 import argparse
@@ -36,14 +37,18 @@ SHAPES_27B = {
     (248320, 5120): ("lm_head", 1),
 }
 BENCH_ROWS = (1, 2, 4, 8)
-# Launch shapes (output rows per warp, weight steps per load) tried by --sweep.
-SWEEP = {
-    1: [(1, 4), (2, 4), (4, 2), (4, 4), (8, 2)],
-    2: [(2, 2), (2, 4), (4, 2), (8, 1)],
-    4: [(1, 4), (2, 2), (2, 4), (4, 1)],
-    8: [(1, 2), (1, 4), (2, 1), (2, 2)],
+# CUDA launch shapes (output rows per warp, weight steps per load, prefetch)
+# tried by --tune, by activation rows.
+TUNE_LAUNCHES = {
+    1: [(1, 4, 1), (2, 4, 0), (2, 4, 1), (2, 8, 1)],
+    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1)],
+    4: [(2, 2, 0), (2, 2, 1), (2, 4, 1)],
+    8: [(2, 1, 1), (2, 2, 0), (2, 2, 1)],
 }
-SWEEP_SHAPES = ((17408, 5120), (5120, 17408), (1024, 5120))
+# Rows not timed take the choice of the nearest timed row count with as many
+# or more rows (so their accumulators fit as well).
+TUNE_FALLBACK = {3: 4, 5: 8, 6: 8, 7: 8}
+TUNE_SHAPES = ((17408, 5120), (5120, 17408), (1024, 5120))
 # Enough weight copies per timing that they do not sit in the 50 MB L2.
 ROTATION_BYTES = 256 << 20
 MAX_COPIES = 64
@@ -68,46 +73,91 @@ def median_seconds_per_call(call, copies):
     return statistics.median(times)
 
 
-def bench_shape(n, k, backend, sweep, key):
-    copies_needed = max(1, min(MAX_COPIES, -(-ROTATION_BYTES // weight_bytes(n, k))))
-    keys = mx.random.split(key, copies_needed + 1)
-    copies = [dk.make_weights(n, k, keys[i]) for i in range(copies_needed)]
-    x = dk.make_inputs("normal", dk.MAX_ROWS, k, keys[-1])
-    mx.eval(copies, x)
-    want = dk.stock_rows(x, *copies[0])
-    rows_out = []
+class Bench:
+    """Weight copies of one shape, rotated past the L2, and 8 activation rows."""
 
-    def record(name, rows, call, launch=None):
-        got = call(*copies[0])
-        mismatches = (got.view(mx.uint16) != want[:rows].view(mx.uint16)).sum().item()
-        seconds = median_seconds_per_call(call, copies)
-        rows_out.append(
-            {
-                "shape": [n, k],
-                "name": name,
-                "rows": rows,
-                "launch": list(launch) if launch else None,
-                "us": round(seconds * 1e6, 2),
-                "gb_per_s": round(weight_bytes(n, k) / seconds / 1e9, 2),
-                "mismatches_vs_single_rows": mismatches,
-            }
-        )
-        print(f"  {name:28s} rows={rows} launch={launch} {seconds * 1e6:9.2f} us  "
-              f"{weight_bytes(n, k) / seconds / 1e9:7.1f} GB/s  mismatches={mismatches}", flush=True)
+    def __init__(self, n, k, key):
+        self.n, self.k = n, k
+        count = max(1, min(MAX_COPIES, -(-ROTATION_BYTES // weight_bytes(n, k))))
+        keys = mx.random.split(key, count + 1)
+        self.copies = [dk.make_weights(n, k, keys[i]) for i in range(count)]
+        self.x = dk.make_inputs("normal", dk.MAX_ROWS, k, keys[-1])
+        mx.eval(self.copies, self.x)
+        self.want = dk.stock_rows(self.x, *self.copies[0])
 
-    record("mlx single row", 1, lambda w, s, b: dk.stock_quantized_matmul(x[:1], w, s, b))
-    record("mlx 8 rows (inexact)", 8, lambda w, s, b: dk.stock_quantized_matmul(x, w, s, b))
-    record("mlx 8 single-row calls", 8, lambda w, s, b: dk.stock_rows(x, w, s, b))
+    def time(self, name, rows, call, launch=None):
+        """call(x_rows, weight, scales, biases); checked bitwise, then timed."""
+        x = self.x[:rows]
+        got = call(x, *self.copies[0])
+        mismatches = (got.view(mx.uint16) != self.want[:rows].view(mx.uint16)).sum().item()
+        seconds = median_seconds_per_call(lambda w, s, b: call(x, w, s, b), self.copies)
+        gb_per_s = weight_bytes(self.n, self.k) / seconds / 1e9
+        print(f"  {name:24s} rows={rows} launch={launch} {seconds * 1e6:9.2f} us "
+              f"{gb_per_s:7.1f} GB/s  mismatches={mismatches}", flush=True)
+        return {
+            "shape": [self.n, self.k],
+            "name": name,
+            "rows": rows,
+            "launch": list(launch) if launch else None,
+            "us": round(seconds * 1e6, 2),
+            "gb_per_s": round(gb_per_s, 2),
+            "mismatches_vs_single_rows": mismatches,
+        }
+
+
+def bench_shape(n, k, backend, key):
+    bench = Bench(n, k, key)
     kernel = dk.backend_kernel(backend)
+    timings = [
+        bench.time("mlx single row", 1, dk.stock_quantized_matmul),
+        bench.time("mlx 8 rows (inexact)", 8, dk.stock_quantized_matmul),
+        bench.time("mlx 8 single-row calls", 8, dk.stock_rows),
+    ]
     for rows in BENCH_ROWS:
-        record("exact kernel", rows, lambda w, s, b, rows=rows: kernel(x[:rows], w, s, b))
-    if sweep and backend == "cuda" and (n, k) in SWEEP_SHAPES:
-        for rows, launches in SWEEP.items():
+        launch = dk.CUDA_LAUNCH[rows] if backend == "cuda" else None
+        timings.append(bench.time("exact kernel", rows, kernel, launch))
+    return timings
+
+
+def measure_cuda_builds():
+    """Seconds of the first call per row count (the NVRTC build: MLX keeps custom
+    CUDA kernels in memory only, so every process pays this once per kernel)."""
+    weight, scales, biases = dk.make_weights(16, 512, mx.random.key(0))
+    x = dk.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
+    mx.eval(weight, scales, biases, x)
+    seconds = {}
+    for rows in range(1, dk.MAX_ROWS + 1):
+        start = time.perf_counter()
+        mx.eval(dk.cuda_matmul(x[:rows], weight, scales, biases))
+        seconds[rows] = round(time.perf_counter() - start, 2)
+    print("kernel build seconds by rows:", seconds, flush=True)
+    return seconds
+
+
+def tune_cuda_launch(key):
+    """Time every TUNE_LAUNCHES entry on TUNE_SHAPES; per row count keep the one
+    with the least time per decode step (each shape weighted by its calls)."""
+    timings, cost = [], {}
+    for n, k in TUNE_SHAPES:
+        print(f"tune N={n} K={k}", flush=True)
+        key, shape_key = mx.random.split(key)
+        bench = Bench(n, k, shape_key)
+        for rows, launches in TUNE_LAUNCHES.items():
             for launch in launches:
-                record("sweep", rows, lambda w, s, b, rows=rows, launch=launch:
-                       dk.cuda_matmul(x[:rows], w, s, b, launch=launch), launch)
-    del copies
-    return rows_out
+                call = lambda x, w, s, b, launch=launch: dk.cuda_matmul(x, w, s, b, launch=launch)
+                row = bench.time("tuning", rows, call, launch)
+                timings.append(row)
+                if row["mismatches_vs_single_rows"]:
+                    cost[rows, launch] = float("inf")  # never pick an inexact launch
+                else:
+                    cost[rows, launch] = cost.get((rows, launch), 0.0) + row["us"] * SHAPES_27B[n, k][1]
+        del bench
+    table = {
+        rows: min(launches, key=lambda launch: cost[rows, launch])
+        for rows, launches in TUNE_LAUNCHES.items()
+    }
+    table.update({rows: table[like] for rows, like in TUNE_FALLBACK.items()})
+    return timings, dict(sorted(table.items()))
 
 
 def decode_step_estimate(timings):
@@ -139,8 +189,26 @@ def summary_markdown(record):
         f"Versions: mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
         f"Python {record['versions']['python']}  ",
         f"Self-test: {'passed' if record['self_test']['ok'] else 'FAILED: ' + str(record['self_test']['reason'])}"
-        f" in {record['self_test']['seconds']} s (kernel builds included)",
+        f" in {record['self_test']['seconds']} s (including building the kernels not built"
+        f"{' while tuning' if record.get('tuned') else ''})",
         "",
+    ]
+    if record.get("kernel_build_seconds"):
+        builds = record["kernel_build_seconds"]
+        lines += [
+            f"First-call (NVRTC build) seconds by rows, default launch table: "
+            + ", ".join(f"{rows}: {value}" for rows, value in builds.items())
+            + f" (total {round(sum(builds.values()), 1)} s per process)",
+            "",
+        ]
+    if "cuda_launch" in record:
+        how = "chosen by this run's tuning (rows 'tuning' below)" if record["tuned"] else "as set in the code"
+        lines += [
+            f"CUDA launch per rows (R, C, prefetch), {how}, used for everything else here: "
+            + ", ".join(f"{rows}: {tuple(launch)}" for rows, launch in record["cuda_launch"].items()),
+            "",
+        ]
+    lines += [
         "Differing elements against one MLX single-row call per row, compared as bits,",
         f"rows 1..8, inputs {', '.join(dk.INPUT_KINDS)}.",
         "",
@@ -170,7 +238,7 @@ def summary_markdown(record):
             "Median per call over weight copies rotated past the L2 (weights from memory);",
             "GB/s counts the packed weights, scales and biases once.",
             "",
-            "| shape (N, K) | what | rows | launch (R, C) | us | GB/s | differing vs single rows |",
+            "| shape (N, K) | what | rows | launch (R, C, prefetch) | us | GB/s | differing vs single rows |",
             "|---|---|---|---|---|---|---|",
         ]
         for t in record["timings"]:
@@ -190,7 +258,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=["tiny", "27b"], default="tiny")
     parser.add_argument("--bench", action="store_true", help="time the calls too")
-    parser.add_argument("--sweep", action="store_true", help="with --bench: time CUDA launch shapes")
+    parser.add_argument("--tune", action="store_true",
+                        help="CUDA: time launch shapes first, use the fastest for the rest")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "evidence"))
     args = parser.parse_args()
@@ -201,7 +270,15 @@ def main():
     bench_shapes = list(SHAPES_27B) if args.shapes == "27b" else list(dk.DEFAULT_SHAPES)
     shapes = bench_shapes + list(dk.DEFAULT_SHAPES) * (args.shapes == "27b")
     command = f"python3 tools/kernel_parity.py --shapes {args.shapes} --seed {args.seed}"
-    command += " --bench" * args.bench + " --sweep" * args.sweep
+    command += " --bench" * args.bench + " --tune" * args.tune
+
+    builds = measure_cuda_builds() if backend == "cuda" else None
+    tuning = []
+    tuned = args.tune and backend == "cuda"
+    if tuned:
+        tuning, table = tune_cuda_launch(mx.random.key(args.seed + 2))
+        dk.CUDA_LAUNCH.update(table)
+        print("tuned CUDA_LAUNCH =", table)
 
     started = time.perf_counter()
     result = dk.self_test(shapes=shapes, seed=args.seed)
@@ -227,15 +304,17 @@ def main():
     }
     if backend == "cuda":
         record["cuda_launch"] = {rows: list(launch) for rows, launch in dk.CUDA_LAUNCH.items()}
-    if args.bench:
-        timings = []
+        record["tuned"] = tuned
+        record["kernel_build_seconds"] = builds
+    if args.bench or tuning:
+        timings = list(tuning)
         key = mx.random.key(args.seed + 1)
-        for n, k in bench_shapes:
+        for n, k in bench_shapes if args.bench else []:
             print(f"bench N={n} K={k}", flush=True)
             key, shape_key = mx.random.split(key)
-            timings += bench_shape(n, k, backend, args.sweep, shape_key)
+            timings += bench_shape(n, k, backend, shape_key)
         record["timings"] = timings
-        if args.shapes == "27b":
+        if args.bench and args.shapes == "27b":
             record["decode_step_estimate"] = decode_step_estimate(timings)
 
     out = Path(args.out)
