@@ -148,3 +148,15 @@ def test_input_kinds_are_what_they_say():
     assert mx.array_equal(cancel[:, ::2], -cancel[:, 1::2]).item()
     large = dk.make_inputs("large", 8, 512, key)
     assert mx.isfinite(large).all().item() and mx.abs(large).max().item() > 2048
+
+
+def test_cuda_launch_table_is_the_one_the_evidence_ran():
+    """The H200 evidence's parity and timings ran with the launch table in the code."""
+    import json
+    from pathlib import Path
+
+    record = json.loads((Path(__file__).parents[1] / "evidence/kernel-parity-cuda.json").read_text())
+    ran = {int(rows): tuple(launch) for rows, launch in record["cuda_launch"].items()}
+    assert ran == dk.CUDA_LAUNCH
+    assert record["self_test"]["ok"] and record["exact_mismatches"] == 0
+    assert record["stock_mismatches"] > 0  # the negative control did see MLX's 8-row call differ
