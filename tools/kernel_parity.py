@@ -198,8 +198,9 @@ def summary_markdown(record):
         f"Versions: mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
         f"Python {record['versions']['python']}  ",
         f"Self-test: {'passed' if record['self_test']['ok'] else 'FAILED: ' + str(record['self_test']['reason'])}"
-        f" in {record['self_test']['seconds']} s (including building the kernels not built"
-        f"{' while tuning' if record.get('tuned') else ''})",
+        f" in {record['self_test']['seconds']} s"
+        + (f" (including building the kernels not built{' while tuning' if record.get('tuned') else ''})"
+           if record["backend"] == "cuda" else ""),
         "",
     ]
     if record.get("kernel_build_seconds"):
