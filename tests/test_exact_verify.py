@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_vlm.utils import prepare_inputs
@@ -29,7 +30,7 @@ from parity import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-GENERATED = 20
+GENERATED = 12
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,19 @@ def target(tiny_pack):
     return model, processor, drafter
 
 
+def raw_ids(processor, text):
+    """A short prompt without the chat template: the bitwise checks prefill it often."""
+    return mx.array([processor.tokenizer.encode(text, add_special_tokens=False)])
+
+
 def test_speculative_tokens_equal_plain_with_oracle_drafter(target):
     model, processor, _ = target
-    # Every block size and acceptance level; prompts and thinking rotate (CPU time).
+    # Every block size at partial acceptance, full and zero acceptance at the ends;
+    # prompts and thinking rotate (the full matrix runs on the GPU: tools/parity.py).
     combos = [
         (PROMPTS[block % len(PROMPTS)], block % 2 == 0, block, error_rate)
         for block in range(2, 9)
-        for error_rate in (0.0, 0.35, 1.0)
+        for error_rate in ((0.0, 0.35, 1.0) if block in (2, 8) else (0.35,))
     ]
     cases = token_cases(model, processor.tokenizer, GENERATED, combos)
     assert [c for c in cases if not c["identical"]] == []
@@ -67,10 +74,9 @@ def test_tiny_pack_continuation_is_varied(target):
 
 def test_speculative_tokens_equal_plain_with_synthetic_drafter(target):
     model, processor, drafter = target
-    for prompt in PROMPTS:
-        ids = chat_ids(processor.tokenizer, prompt, thinking=False)
-        assert greedy(model, ids, GENERATED, drafter=drafter) == greedy(model, ids, GENERATED)
-        assert drafter.accept_lens, "the drafter ran no round"
+    ids = chat_ids(processor.tokenizer, PROMPTS[2], thinking=False)
+    assert greedy(model, ids, GENERATED, drafter=drafter) == greedy(model, ids, GENERATED)
+    assert drafter.accept_lens, "the drafter ran no round"
 
 
 def test_image_prompt_speculative_equals_plain(target):
@@ -95,7 +101,7 @@ def test_image_prompt_speculative_equals_plain(target):
 def test_verify_logits_and_hidden_equal_sequential_decode(target):
     model, processor, drafter = target
     lm = model.language_model
-    ids = chat_ids(processor.tokenizer, PROMPTS[0], thinking=False)
+    ids = raw_ids(processor, PROMPTS[0])
     cases = verify_cases(lm, ids, drafter.config.target_layer_ids, greedy(model, ids, 8))
     assert [c["length"] for c in cases] == list(range(2, 9))
     assert [c for c in cases if c["logits"] or c["hidden"]] == []
@@ -104,7 +110,7 @@ def test_verify_logits_and_hidden_equal_sequential_decode(target):
 def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target):
     model, processor, drafter = target
     lm = model.language_model
-    ids = chat_ids(processor.tokenizer, PROMPTS[1], thinking=False)
+    ids = raw_ids(processor, PROMPTS[1])
     taps = drafter.config.target_layer_ids
     cases = rollback_cases(lm, ids, taps, greedy(model, ids, 8), lengths=(2, 8))
     assert len(cases) == 2 + 8
