@@ -143,10 +143,16 @@ def pass_options_to_mlx_vlm(args):
         os.environ["MLX_VLM_THINKING_END_TOKEN"] = args.thinking_end_token
 
 
-def exit_if_no_model(target_dir: Path):
-    if not (target_dir / "config.json").is_file():
-        sys.exit(f"error: {target_dir} holds no model (no config.json); run the script inside "
-                 "the pack folder or pass --pack DIR")
+def exit_if_pack_invalid(target_dir: Path, drafter_dir: Path = None):
+    """dflash2_pack's checks (config, tensor headers, drafter fit), before any weight loads."""
+    from dflash2_pack import PackError, check_drafter, check_target
+
+    try:
+        check_target(target_dir)
+        if drafter_dir is not None:
+            check_drafter(drafter_dir, target_dir)
+    except PackError as error:
+        sys.exit(f"error: {error}")
 
 
 def public_model_id(requested, pack_dir: Path) -> str:
@@ -944,13 +950,16 @@ def main(argv=None):
     parser = make_parser("serve.py", "Serve the pack's model plain (no drafter) with mlx-vlm.")
     args = parse_args(parser, argv)
     exit_if_environment_refused()
+    from dflash2_pack import find_pack
+
     pack_dir = (args.pack or Path(__file__).resolve().parent).absolute()
+    target_dir, _ = find_pack(pack_dir)
     model_id = public_model_id(args.model_id, pack_dir)
-    scrubber = PathScrubber([pack_dir, Path.home(), os.environ.get("HOME"), os.getcwd()], model_id)
+    scrubber = PathScrubber([pack_dir, target_dir, Path.home(), os.environ.get("HOME"), os.getcwd()], model_id)
     setup_logging(args.log_level, scrubber)
-    exit_if_no_model(pack_dir)
+    exit_if_pack_invalid(target_dir)
     pass_options_to_mlx_vlm(args)
-    generator, inner_app = start_engine(pack_dir, model_id, prefill_step_size=args.prefill_step_size,
+    generator, inner_app = start_engine(target_dir, model_id, prefill_step_size=args.prefill_step_size,
                                         top_logprobs_k=args.top_logprobs_k)
     warm_up(generator, "plain")
     serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=lambda body: plain_decision(

@@ -30,7 +30,7 @@ from serve import (
     Refusal,
     check_chat_request,
     exit_if_environment_refused,
-    exit_if_no_model,
+    exit_if_pack_invalid,
     has_images,
     int_in,
     make_parser,
@@ -204,18 +204,14 @@ def main(argv=None):
     exit_if_environment_refused()
     if args.demo and args.pack:
         parser.error("--demo serves the synthetic pack; leave out --pack")
-    if args.demo:
-        pack_dir = demo_pack()
-        target_dir, drafter_dir = pack_dir / "target", pack_dir / "drafter"
-        model_id = public_model_id(args.model_id or DEMO_MODEL_ID, pack_dir)
-    else:
-        pack_dir = (args.pack or HERE).absolute()
-        target_dir, drafter_dir = pack_dir, pack_dir / "drafter"
-        model_id = public_model_id(args.model_id, pack_dir)
+    from dflash2_pack import find_pack
+
+    pack_dir = demo_pack() if args.demo else (args.pack or HERE).absolute()
+    target_dir, drafter_dir = find_pack(pack_dir)  # flat release layout, or target/ + drafter/
+    model_id = public_model_id(args.model_id or (DEMO_MODEL_ID if args.demo else None), pack_dir)
     scrubber = PathScrubber([pack_dir, target_dir, drafter_dir, Path.home(), os.environ.get("HOME"),
                              os.getcwd()], model_id)
     setup_logging(args.log_level, scrubber)
-    exit_if_no_model(target_dir)
 
     if (pack_dir / PINS_FILE).is_file():
         failures = check_pins(pack_dir, args.dflash2_full_hash)
@@ -224,6 +220,9 @@ def main(argv=None):
         logger.info("launch checks against %s passed", PINS_FILE)
     else:
         logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
+    if drafter_dir is None and not args.no_dflash2:
+        sys.exit("error: the pack has no drafter/ folder; serve it plain with --no-dflash2 or serve.py")
+    exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir)
 
     speculation = {"reason": "no-dflash2" if args.no_dflash2 else None, "error": None}
 

@@ -101,7 +101,7 @@ def test_every_refused_variable_is_listed_before_mlx_vlm_is_imported(script):
 def test_apc_disabled_is_accepted(script, tmp_path):
     # APC_ENABLED=0 passes the environment check; the run then stops at the empty pack folder.
     result = run(script, "--pack", str(tmp_path), env=clean_env(APC_ENABLED="0"))
-    assert result.returncode == 1 and "holds no model" in result.stderr, result.stderr
+    assert result.returncode == 1 and "config.json: file is missing" in result.stderr, result.stderr
 
 
 def test_demo_without_the_generator_says_so(tmp_path):

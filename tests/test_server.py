@@ -1,0 +1,605 @@
+"""The pack's servers over real HTTP, on the tiny synthetic pack.
+
+One module-wide set of real server processes (uvicorn on 127.0.0.1, free ports), each
+run from inside a flat pack folder the way a user runs it, with its own HOME and
+working directory so that path scrubbing can be checked:
+  spec       serve_dflash2.py                            greedy requests speculative
+  plain      serve.py                                    the reference answers
+  baseline   serve_dflash2.py --no-dflash2
+  mm_plain   serve_dflash2.py --dflash2-multimodal plain
+  no_kernel  serve_dflash2.py --enable-thinking, whose kernel self-test reports a failure
+Requests go through the official openai client and raw HTTP (http.client, sockets).
+The CPU is slow, so prompts are short and max_tokens small.
+"""
+
+import base64
+import http.client
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from PIL import Image
+
+from test_server_cli import clean_env, write_pins
+
+REPO = Path(__file__).resolve().parents[1]
+PACK_NAME = "tiny-dflash2-pack"
+MAX_TOKENS = 5
+SEEN = []  # every response's headers and body, scanned for local paths at the end
+
+# serve_dflash2.py whose runtime reports a failed kernel self-test (run from the pack folder).
+FAILING_SELF_TEST = """
+import runpy, sys
+import dflash2_runtime
+
+def install(model=None, options=None):
+    return dflash2_runtime.RuntimeStatus(False, "kernel-self-test-failed: forced by the test", "cpu")
+
+dflash2_runtime.install = install
+sys.argv = ["serve_dflash2.py", *sys.argv[1:]]
+runpy.run_path("serve_dflash2.py", run_name="__main__")
+"""
+
+
+# ---------------------------------------------------------------------------------------
+# Server processes
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name, pack, workdir, command):
+        self.name = name
+        self.port = free_port()
+        self.log_path = workdir / f"{name}.log"
+        self.cwd = workdir / "cwd"
+        self.home = workdir / "home"
+        env = clean_env(HOME=str(self.home), PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            [sys.executable, *command, "--port", str(self.port)], cwd=pack if command[0] == "-c" else self.cwd,
+            env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout=300):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if request(self, "GET", "/health", record=False).status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        pytest.fail(f"{self.name} did not start:\n{self.log()[-4000:]}")
+
+    def log(self):
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_pack, tmp_path_factory):
+    """A flat pack folder: target files at the top, drafter/, the shipped .py files, pins."""
+    pack = tmp_path_factory.mktemp("packs") / PACK_NAME
+    shutil.copytree(tiny_pack["target"], pack)
+    shutil.copytree(tiny_pack["drafter"], pack / "drafter")
+    for script in REPO.glob("*.py"):
+        shutil.copy(script, pack / script.name)
+    write_pins(pack)
+    return pack
+
+
+@pytest.fixture(scope="module")
+def servers(pack, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("servers")
+    (workdir / "cwd").mkdir()
+    (workdir / "home").mkdir()
+    commands = {
+        "spec": [str(pack / "serve_dflash2.py"), "--top-logprobs-k", "5"],
+        "plain": [str(pack / "serve.py")],
+        "baseline": [str(pack / "serve_dflash2.py"), "--no-dflash2"],
+        "mm_plain": [str(pack / "serve_dflash2.py"), "--dflash2-multimodal", "plain"],
+        "no_kernel": ["-c", FAILING_SELF_TEST, "--enable-thinking"],
+    }
+    started = {name: Server(name, pack, workdir, command) for name, command in commands.items()}
+    try:
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# Clients
+
+
+class Response:
+    def __init__(self, status, headers, body):
+        self.status, self.headers, self.body = status, headers, body
+
+    def json(self):
+        return json.loads(self.body)
+
+    @property
+    def mode(self):
+        return self.headers.get("x-dflash2")
+
+
+def request(server, method, path, body=None, headers=None, record=True, host=None):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body).encode()
+    all_headers = {"content-type": "application/json", **(headers or {})}
+    if host is not None:
+        connection.putrequest(method, path, skip_host=True)
+        connection.putheader("Host", host)
+        for name, value in all_headers.items():
+            connection.putheader(name, value)
+        connection.putheader("Content-Length", str(len(body or b"")))
+        connection.endheaders(body)
+    else:
+        connection.request(method, path, body=body, headers=all_headers)
+    reply = connection.getresponse()
+    response = Response(reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read())
+    connection.close()
+    if record:
+        SEEN.append((f"{server.name} {method} {path}", str(response.headers) + response.body.decode("latin-1")))
+    return response
+
+
+def chat(server, messages, **fields):
+    return request(server, "POST", "/v1/chat/completions", {"messages": messages, **fields})
+
+
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def openai_arguments(body):
+    """enable_thinking is the pack's own field: the client sends it through extra_body."""
+    body = dict(body)
+    if "enable_thinking" in body:
+        body["extra_body"] = {"enable_thinking": body.pop("enable_thinking")}
+    return {"model": PACK_NAME, **body}
+
+
+def create(server, body):
+    """Non-streamed completion through the openai client: (mode header, completion)."""
+    raw = client(server).chat.completions.with_raw_response.create(**openai_arguments(body))
+    SEEN.append((f"{server.name} openai", str(dict(raw.headers)) + raw.http_response.text))
+    return raw.headers.get("x-dflash2"), raw.parse()
+
+
+def create_streamed(server, body):
+    """Streamed completion through the openai client: (mode header, content, reasoning, chunks)."""
+    with client(server).chat.completions.with_streaming_response.create(
+            stream=True, stream_options={"include_usage": True}, **openai_arguments(body)) as response:
+        chunks = list(response.parse())
+        SEEN.append((f"{server.name} openai stream", str(dict(response.headers))))
+        mode = response.headers.get("x-dflash2")
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    content = "".join(d.content or "" for d in deltas)
+    reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    return mode, content, reasoning, chunks
+
+
+def png(color, size=(32, 32)):
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+IMAGE_BYTES = png((200, 40, 40))
+IMAGE_URL = "data:image/png;base64," + base64.b64encode(IMAGE_BYTES).decode()
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+MESSAGES = [{"role": "user", "content": "Hi"}]
+CASES = {
+    "text": {"messages": [{"role": "user", "content": "Hi"}], "enable_thinking": False},
+    "thinking": {"messages": [{"role": "user", "content": "Why?"}], "enable_thinking": True},
+    "tool": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS},
+    "image": {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What?"}, {"type": "image_url", "image_url": {"url": IMAGE_URL}}]}]},
+}
+
+
+def greedy(case, max_tokens=MAX_TOKENS):
+    body = json.loads(json.dumps(CASES[case]))
+    return {**body, "temperature": 0, "max_tokens": max_tokens}
+
+
+def answer(completion):
+    message = completion.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    return message.content, getattr(message, "reasoning", None), calls
+
+
+@pytest.fixture(scope="module")
+def answers(servers, tmp_path_factory):
+    """Every greedy answer the equality tests compare, fetched at once: one thread per
+    server (each server decodes one request at a time, on about one core).
+    Returns {server: {label: create()'s or create_streamed()'s result}}."""
+    image_file = tmp_path_factory.mktemp("images") / "red.png"
+    image_file.write_bytes(IMAGE_BYTES)
+    from_file = greedy("image")
+    from_file["messages"][0]["content"][1]["image_url"]["url"] = str(image_file)
+    every_case = [(case, create, greedy(case)) for case in CASES]
+    jobs = {
+        "plain": every_case,
+        "spec": every_case + [("stream text", create_streamed, greedy("text")),
+                              ("stream thinking", create_streamed, greedy("thinking")),
+                              ("image file", create, from_file)],
+        "baseline": every_case,
+        "mm_plain": [("image", create, greedy("image")), ("text", create, greedy("text", max_tokens=2))],
+        "no_kernel": [("text", create, greedy("text")),
+                      ("default thinking", create, {"messages": MESSAGES, "temperature": 0, "max_tokens": 3})],
+    }
+
+    def run(name):
+        return {label: fetch(servers[name], body) for label, fetch, body in jobs[name]}
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return dict(zip(jobs, pool.map(run, jobs)))
+
+
+# ---------------------------------------------------------------------------------------
+# Routing: speculative, identical answers
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_speculative_answer_equals_plain_and_baseline(answers, case):
+    reference = answer(answers["plain"][case][1])
+    mode, completion = answers["spec"][case]
+    assert mode == "speculative"
+    assert answer(completion) == reference
+    timings = completion.model_extra["timings"]
+    assert timings["draft_rounds"] >= 1 and timings["draft_n"] >= timings["draft_n_accepted"] >= 0
+
+    mode, completion = answers["baseline"][case]
+    assert mode == "fallback; reason=no-dflash2"
+    assert answer(completion) == reference
+    assert completion.model_extra["timings"]["draft_rounds"] is None
+
+
+@pytest.mark.parametrize("case", ["text", "thinking"])
+def test_streamed_equals_non_streamed(answers, case):
+    content, reasoning, _ = answer(answers["spec"][case][1])
+    mode, streamed_content, streamed_reasoning, chunks = answers["spec"][f"stream {case}"]
+    assert mode == "speculative"
+    assert (streamed_content or None, streamed_reasoning or None) == (content, reasoning)
+    assert chunks[-1].usage.completion_tokens <= MAX_TOKENS
+    assert chunks[-1].model_extra["timings"]["draft_rounds"] >= 1
+
+
+def test_local_image_file_equals_data_url(answers):
+    mode, completion = answers["spec"]["image file"]
+    assert mode == "speculative" and answer(completion) == answer(answers["plain"]["image"][1])
+
+
+def test_multimodal_plain_routes_images_plain(answers):
+    mode, completion = answers["mm_plain"]["image"]
+    assert mode == "fallback; reason=multimodal-plain"
+    assert answer(completion) == answer(answers["plain"]["image"][1])
+    assert answers["mm_plain"]["text"][0] == "speculative"
+
+
+def test_failed_kernel_self_test_serves_plain(servers, answers):
+    mode, completion = answers["no_kernel"]["text"]
+    assert mode == "fallback; reason=kernel-self-test-failed"
+    assert answer(completion) == answer(answers["plain"]["text"][1])
+    health = request(servers["no_kernel"], "GET", "/health")
+    assert health.json()["reason"] == "kernel-self-test-failed"
+
+
+def test_enable_thinking_is_the_default_a_request_can_turn_off(answers):
+    # no_kernel runs with --enable-thinking: without the field the answer is reasoning.
+    content, reasoning, _ = answer(answers["no_kernel"]["default thinking"][1])
+    assert content is None and reasoning
+    assert answer(answers["no_kernel"]["text"][1])[0]  # "enable_thinking": false
+
+
+def test_arrival_and_finish_log_lines(servers):
+    response = chat(servers["spec"], CASES["text"]["messages"], temperature=0, max_tokens=3)
+    assert response.status == 200 and response.mode == "speculative"
+    log = servers["spec"].log().splitlines()
+    arrivals = [line for line in log if "POST /v1/chat/completions: speculative" in line]
+    request_id = arrivals[-1].split("request ")[1].split()[0]
+    for _ in range(50):  # the finish line is written just after the last byte is sent
+        finish = [line for line in servers["spec"].log().splitlines() if f"request {request_id} finished" in line]
+        if finish:
+            break
+        time.sleep(0.1)
+    assert len(finish) == 1
+    for field in ("status=200", "tokens=3", "rounds=", "accepted=", "peak_memory="):
+        assert field in finish[0], finish[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Routing: fallbacks and refusals
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({}, "temperature-omitted"),
+    ({"temperature": 0.7, "seed": 3}, "sampling"),
+    ({"temperature": 0, "logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"temperature": 0, "presence_penalty": 0.5}, "penalties"),
+    ({"temperature": 0, "repetition_penalty": 1.3}, "penalties"),
+    ({"temperature": 0, "logit_bias": {"7": 5}}, "logit-bias"),
+    ({"temperature": 0, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}, None),
+], ids=lambda v: str(v))
+def test_fallback_rows(servers, fields, reason):
+    response = chat(servers["spec"], CASES["text"]["messages"], max_tokens=2, **fields)
+    assert response.status == 200
+    assert response.mode == (f"fallback; reason={reason}" if reason else "speculative")
+    body = response.json()
+    assert body["usage"]["completion_tokens"] >= 1
+    assert (body["timings"]["draft_rounds"] is None) == (reason is not None)
+    if reason == "logprobs":
+        logprobs = body["choices"][0]["logprobs"]["content"]
+        assert logprobs and any(item["logprob"] != 0.0 for item in logprobs)
+        assert all(len(item["top_logprobs"]) == 2 for item in logprobs)
+
+
+@pytest.mark.parametrize("method, path, body, status, reason", [
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "thinking_budget": 16}, 400, "thinking-budget"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "structured-output"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+     400, "structured-output"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "n"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "model": "mlx-community/other"}, 404, "unknown-model"),
+    ("POST", "/v1/messages", {"model": PACK_NAME, "max_tokens": 5, "messages": MESSAGES}, 404, "anthropic-messages"),
+    ("POST", "/v1/messages/count_tokens", {"messages": MESSAGES}, 404, "anthropic-messages"),
+    ("GET", "/v1/settings", None, 404, "unsupported-endpoint"),
+    ("PATCH", "/v1/settings", {"kv_bits": 4}, 404, "unsupported-endpoint"),
+    ("POST", "/unload", None, 404, "unsupported-endpoint"),
+    ("GET", "/v1/cache/stats", None, 404, "unsupported-endpoint"),
+    ("POST", "/v1/cache/reset", None, 404, "unsupported-endpoint"),
+    ("GET", "/metrics", None, 404, "unsupported-endpoint"),
+    ("POST", "/v1/responses", {"input": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/completions", {"prompt": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/embeddings", {"input": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/audio/speech", {"input": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/images/generations", {"prompt": "Hi"}, 404, "unsupported-endpoint"),
+    ("GET", "/v1/models/other-model", None, 404, "unknown-model"),
+    ("GET", "/v1/chat/completions", None, 405, "method-not-allowed"),
+    ("DELETE", "/v1/models", None, 405, "method-not-allowed"),
+], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("name", ["spec", "baseline"])
+def test_refused_rows(servers, name, method, path, body, status, reason):
+    response = request(servers[name], method, path, body)
+    assert response.status == status
+    assert response.mode == f"refused; reason={reason}"
+    error = response.json()["error"]
+    assert error["code"] == reason and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_refusals_through_the_openai_client(servers):
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        client(servers["spec"]).chat.completions.create(model=PACK_NAME, messages=MESSAGES, n=2)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client(servers["spec"]).chat.completions.create(model="gpt-4o", messages=MESSAGES)
+
+
+def test_models_and_health(servers, pack):
+    models = client(servers["spec"]).models.list()
+    assert [m.id for m in models.data] == [PACK_NAME]
+    assert client(servers["spec"]).models.retrieve(PACK_NAME).id == PACK_NAME
+    for name, mode in (("spec", "speculative"), ("baseline", "fallback; reason=no-dflash2")):
+        response = request(servers[name], "GET", "/health")
+        assert response.status == 200 and response.mode == mode
+        assert response.json()["model"] == PACK_NAME
+    plain = request(servers["plain"], "GET", "/v1/models")
+    assert plain.json()["data"][0]["id"] == PACK_NAME and "x-dflash2" not in plain.headers
+
+
+# ---------------------------------------------------------------------------------------
+# Hardening: bad requests get 4xx in OpenAI's error shape, never a 500 or a traceback
+
+
+def assert_refused(response, status, reason, param=None):
+    assert response.status == status, response.body
+    assert response.mode == f"refused; reason={reason}"
+    error = response.json()["error"]
+    assert error["code"] == reason
+    if param is not None:
+        assert error["param"] == param
+    assert b"Traceback" not in response.body
+
+
+@pytest.mark.parametrize("raw", [b'{"messages": [', b"\xff\xfe{}", b"NaN", b"", b'{"messages": [], "temperature": NaN}'])
+def test_malformed_json(servers, raw):
+    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", raw), 400, "invalid-json")
+
+
+@pytest.mark.parametrize("body, param", [
+    ([], "body"),
+    ({"messages": "Hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "Hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     "messages[0].content[0].image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ({"messages": MESSAGES, "temperature": True}, "temperature"),
+    ({"messages": MESSAGES, "temperature": 5}, "temperature"),
+    ({"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": MESSAGES, "stream": "yes"}, "stream"),
+    ({"messages": MESSAGES, "model": 7}, "model"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": MESSAGES, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": MESSAGES, "logit_bias": {"token": 1}}, "logit_bias"),
+    ({"messages": MESSAGES, "n": 0}, "n"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_wrong_types(servers, body, param):
+    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", body), 400, "invalid-request", param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MESSAGES, "adapter_path": "/tmp/adapter"}, "adapter_path"),
+    ({"messages": MESSAGES, "kv_bits": 4}, "kv_bits"),
+    ({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "Hi", "mood": "happy"}]}, "messages[0].mood"),
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unknown_fields(servers, body, param):
+    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", body), 400, "unknown-field", param)
+
+
+def test_mlx_vlm_errors_are_reshaped(servers):
+    # mlx-vlm's own 400 ({"detail": ...}) comes back in OpenAI's error shape.
+    response = request(servers["spec"], "POST", "/v1/chat/completions",
+                       {"messages": MESSAGES, "tool_choice": "required"})
+    assert_refused(response, 400, "invalid-request")
+    assert "requires at least one tool" in response.json()["error"]["message"]
+
+
+def test_stop_sequences_are_refused_not_ignored(servers):
+    body = {"messages": MESSAGES, "stop": ["\n"]}
+    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", body), 400, "unsupported-field")
+
+
+def image_message(url):
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+            "temperature": 0}
+
+
+@pytest.mark.parametrize("url, reason", [
+    ("data:image/png;base64,###", "invalid-image"),
+    ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), "invalid-image"),
+    ("data:image/png;base64," + base64.b64encode(IMAGE_BYTES[:40]).decode(), "invalid-image"),
+    ("data:text/plain;base64,aGk=", "invalid-image"),
+    ("/nonexistent/picture.png", "invalid-image"),
+    ("picture.png", "invalid-image"),
+    ("https://example.com/picture.png", "remote-image"),
+], ids=["bad-base64", "not-an-image", "truncated", "not-image-type", "missing-file", "relative-path", "remote"])
+def test_invalid_images(servers, url, reason):
+    response = request(servers["spec"], "POST", "/v1/chat/completions", image_message(url))
+    assert_refused(response, 400, reason, "messages[0].content[0].image_url.url")
+
+
+def test_audio_and_video_parts_are_refused(servers):
+    body = {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}
+    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", body), 400, "unsupported-input")
+
+
+def test_oversized_body_by_content_length(servers):
+    connection = http.client.HTTPConnection("127.0.0.1", servers["spec"].port, timeout=60)
+    connection.putrequest("POST", "/v1/chat/completions")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(64 * 1024 * 1024))
+    connection.endheaders(b'{"messages": ')
+    reply = connection.getresponse()
+    response = Response(reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read())
+    connection.close()
+    assert_refused(response, 413, "body-too-large")
+
+
+def test_oversized_chunked_body(servers):
+    chunk = b" " * (1024 * 1024)
+    body = (chunk for _ in range(33))  # 33 MiB of JSON whitespace, no Content-Length
+    connection = http.client.HTTPConnection("127.0.0.1", servers["spec"].port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", body=body, encode_chunked=True,
+                       headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+    reply = connection.getresponse()
+    response = Response(reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read())
+    connection.close()
+    assert_refused(response, 413, "body-too-large")
+
+
+def test_foreign_host_header_is_refused(servers):
+    # A web page reaching loopback through DNS rebinding carries its own host name.
+    response = request(servers["spec"], "GET", "/v1/models", host="attacker.example:8080")
+    assert_refused(response, 421, "invalid-host")
+
+
+# ---------------------------------------------------------------------------------------
+# Disconnects and concurrency
+
+
+def test_disconnect_mid_stream_then_a_normal_request(servers, answers):
+    server = servers["spec"]
+    body = json.dumps({**greedy("text", max_tokens=24), "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(4096)
+    assert b"x-dflash2: speculative" in received
+    # The next request is plain (a fresh batch without the drafter) and gets its own answer.
+    mode, completion = create(server, {**greedy("text"), "logprobs": True})
+    assert mode == "fallback; reason=logprobs"
+    assert answer(completion) == answer(answers["plain"]["text"][1])
+    assert completion.model_extra["timings"]["draft_rounds"] is None
+    assert server.process.poll() is None
+
+
+def test_eight_concurrent_clients_get_their_own_answers(servers):
+    # Different prompts and lengths, so a crossed answer cannot go unnoticed.
+    bodies = [{"messages": [{"role": "user", "content": f"Item {i}"}], "temperature": 0,
+               "max_tokens": 1 + i % 4} for i in range(8)]
+
+    def run_all(server):
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(lambda body: create(server, body), bodies))
+
+    with ThreadPoolExecutor(2) as pool:
+        speculative, plain = pool.map(run_all, [servers["spec"], servers["plain"]])
+    for body, (mode, completion), (_, expected) in zip(bodies, speculative, plain):
+        assert mode == "speculative"
+        assert answer(completion) == answer(expected)
+        assert completion.usage.completion_tokens == body["max_tokens"] or completion.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------------------------------
+# Local paths: never in a response or a log line (runs last: it scans what came before)
+
+
+def test_local_paths_never_leak(servers, pack, tiny_pack):
+    server = servers["spec"]
+    # Requests whose errors would echo local paths.
+    chat(server, MESSAGES, model=str(pack))
+    chat(server, MESSAGES, model=str(server.home))
+    request(server, "POST", "/v1/chat/completions", image_message(str(server.home / "missing.png")))
+    request(server, "POST", "/v1/chat/completions", image_message(str(server.cwd / "missing.png")))
+    request(server, "POST", "/v1/chat/completions", image_message(str(pack / "drafter" / "config.json")))
+    local_paths = {str(p) for p in (pack, pack / "drafter", server.home, server.cwd, tiny_pack["target"],
+                                    tiny_pack["drafter"])}
+    local_paths |= {os.path.realpath(p) for p in local_paths}
+    texts = list(SEEN) + [(f"{s.name} log", s.log()) for s in servers.values()]
+    leaks = [(where, path) for where, text in texts for path in local_paths if path in text]
+    assert not leaks, leaks[:10]
+    assert PACK_NAME in server.log()  # the paths were replaced, not dropped
