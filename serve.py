@@ -615,8 +615,8 @@ def error_payload(status: int, reason: str, message: str, param: str = None) -> 
 def inner_error_message(body: bytes) -> str:
     """The message of an error mlx-vlm produced ({"detail": ...}), without echoed input."""
     try:
-        detail = json.loads(body).get("detail")
-    except (ValueError, AttributeError):
+        detail = json.loads(body)["detail"]
+    except (ValueError, KeyError, TypeError):
         return body.decode("utf-8", "replace")[:500] or "request failed"
     if isinstance(detail, list):  # FastAPI validation errors
         return "; ".join(
@@ -661,6 +661,11 @@ class Gateway:
             await self.refuse(send, record, refusal)
         except ClientGone:
             record.status = "disconnected"
+        except Exception:
+            logger.exception("request %d failed", record.id)
+            if record.status is None:  # nothing sent yet: answer it, without the traceback
+                await send_json(self.responder(send, record), 500, error_payload(
+                    500, "server-error", "internal error; the server log has the details"))
         finally:
             logger.info("request %d finished in %.2fs: %s", record.id,
                         time.perf_counter() - started, record.finish_summary())
@@ -777,12 +782,13 @@ class Gateway:
             state["body"] += message.get("body", b"")
             if message.get("more_body"):
                 return
-            status = state["start"]["status"]
+            status, code = state["start"]["status"], "server-error"
             if status < 500:  # FastAPI validation (422) and mlx-vlm's own 4xx: the client's input
-                record.mode, record.reason = "refused", "invalid-request"
+                code = "invalid-request"
+                record.mode, record.reason = "refused", code
                 status = 400 if status == 422 else status
             message_text = self.scrub(inner_error_message(state["body"]))
-            await send_json(send, status, error_payload(status, record.reason or "server-error", message_text))
+            await send_json(send, status, error_payload(status, code, message_text))
 
         return respond
 

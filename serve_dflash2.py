@@ -189,7 +189,7 @@ def demo_pack() -> Path:
             sys.exit("error: --demo needs tools/make_synthetic_pack.py from the source repository; "
                      "a downloaded pack folder does not ship it. Run the pack itself without --demo.")
         building = cache / "seed0.building"
-        logger.info("building the tiny synthetic demo pack (once)")
+        print("building the tiny synthetic demo pack (once)", file=sys.stderr)  # logging starts later
         make_pack(building, size="tiny", seed=0)
         building.rename(root)  # complete packs only: an interrupted build is redone
     return root
@@ -220,9 +220,8 @@ def main(argv=None):
         logger.info("launch checks against %s passed", PINS_FILE)
     else:
         logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
-    if drafter_dir is None and not args.no_dflash2:
-        sys.exit("error: the pack has no drafter/ folder; serve it plain with --no-dflash2 or serve.py")
-    exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir)
+    # A missing drafter/ folder is reported by its config.json; --no-dflash2 needs none.
+    exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir or pack_dir / "drafter")
 
     speculation = {"reason": "no-dflash2" if args.no_dflash2 else None, "error": None}
 
@@ -247,7 +246,11 @@ def main(argv=None):
             return None, None
         drafter, kind = load_stock_drafter(str(drafter_dir), kind="dflash")
         validate_drafter_compatibility(model, drafter, kind)
-        dflash2_runtime.configure_drafter(drafter, options)
+        try:
+            dflash2_runtime.configure_drafter(drafter, options)
+        except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
+            speculation["error"] = f"--dflash2-* options: {error}"
+            return None, None
         return drafter, kind
 
     pass_options_to_mlx_vlm(args)
