@@ -14,6 +14,7 @@ evidence/bench-<backend>.json and .md. `--size tiny` runs the same on the tiny p
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -21,7 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
+# Verify rounds of every block size add many distinct CUDA graphs; MLX's default
+# cache of 400 thrashes (and raises) at the 27B layer count.
+os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", "4096")
+
+import mlx.core as mx  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
