@@ -36,7 +36,9 @@ BPE_VOCAB_SIZE = 448
 # Sizes. "27b" is the real Ternary-Bonsai-2-27B / DFlash2 drafter geometry. "tiny" keeps the
 # same structure (3 GDN layers + 1 attention layer, packed embedding and head, vision tower)
 # but small enough to decode on 2 CPU cores: MLX's fp16 2-bit matmul on CPU costs ~50 ns a
-# weight, so the whole language stack is kept under ~1M packed weights.
+# weight per row, so the inner widths are minimal (~2.1M packed weights, ~0.1 s a token).
+# Hidden 512 lets every module that reads the hidden state, the embedding and the head
+# included, use a 512 Hadamard block.
 SIZES = {
     "tiny": {
         "text": {
@@ -272,9 +274,8 @@ CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
 RESIDUAL_WRITE_GAIN = 0.5
 LM_HEAD_GAIN = 6.0
 UNUSED_ROW_GAIN = 1 / 64
-# Every module gets the largest Hadamard block that divides its input width, except these,
-# which stay unrotated (block 0) so both kinds of packed module are exercised.
-UNROTATED_MODULES = ("linear_attn.in_proj_z", "mlp.up_proj")
+# Every packed module gets the largest Hadamard block that divides its input width (the
+# real pack signs all 402 of its modules); tiny's 128-wide inputs fit none and stay block 0.
 HADAMARD_BLOCKS = (4096, 2048, 1024, 512)
 DRAFTER_KEPT_BF16 = ("kernel_projection", "candidate_selector.")
 
@@ -434,7 +435,7 @@ def packed_module_manifest(config):
         if path.endswith(("in_proj_a", "in_proj_b")):
             continue
         width = module.weight.shape[1]
-        block = 0 if path.endswith(UNROTATED_MODULES) else hadamard_block(width)
+        block = hadamard_block(width)
         is_embedding = isinstance(module, nn.Embedding)
         records.append(
             {"path": path, "embedding": is_embedding, "dtype": "float16", "block": block}
@@ -606,8 +607,11 @@ def live_token_rows(tokenizer, vocab_size):
     return mx.array(live)
 
 
-def target_weights(config, seed, live_rows):
-    """All target tensors, keyed as the checkpoint stores them (mlx-vlm final names)."""
+def target_weights(config, seed, live_rows, dense_dtype="float16"):
+    """All target tensors, keyed as the checkpoint stores them (mlx-vlm final names).
+    `dense_dtype` is that of the language model's unpacked tensors (norms, conv, GDN gate
+    projections); the vision tower is always fp16."""
+    language_dtype = getattr(mx, dense_dtype)
     skeleton = instantiate(config)
     blocks = {record["path"]: record["block"] for record in config["modules"]}
     weights = {}
@@ -616,7 +620,8 @@ def target_weights(config, seed, live_rows):
         if module_path in blocks:
             weights[name] = packed_tensor(seed, name, module_path, leaf, like.shape, live_rows)
         else:
-            weights[name] = dense_tensor(seed, name, like.shape)
+            dtype = language_dtype if name.startswith("language_model.") else mx.float16
+            weights[name] = dense_tensor(seed, name, like.shape, dtype)
     return weights
 
 
@@ -667,11 +672,8 @@ def drafter_weights(config, seed, codebook_names="plain"):
     for name, like in tree_flatten(skeleton.parameters()):
         value = dense_tensor(seed, name, like.shape, dtype=mx.bfloat16)
         path, _, leaf = name.rpartition(".")
-        if name.startswith("candidate_selector.") and "codebook" in name:
-            # The codebooks carry most of the selector; keep them at unit scale.
-            value = mx.random.normal(like.shape, key=tensor_key(seed, name)).astype(mx.bfloat16)
-            if codebook_names == "plain":
-                name = path  # mlx-vlm's sanitize adds the ".weight" back
+        if codebook_names == "plain" and path.endswith("_codebook"):
+            name = path  # stored bare; mlx-vlm's sanitize adds the ".weight" back
         if quantization and leaf == "weight" and value.ndim == 2 and quantization.get(path, True):
             weight, scales, biases = mx.quantize(
                 value, group_size=quantization["group_size"], bits=quantization["bits"]
@@ -737,7 +739,7 @@ def write_text_files(folder, files):
 # Entry points
 
 
-def write_target(folder, size="tiny", seed=0, verbose=False):
+def write_target(folder, size="tiny", seed=0, dense_dtype="float16", verbose=False):
     """Write a prism_hadamard_qwen35 target folder: configs, tokenizer, weights."""
     folder = Path(folder)
     config = target_config(size)
@@ -756,7 +758,8 @@ def write_target(folder, size="tiny", seed=0, verbose=False):
     if verbose:
         log(f"target: generating {size} weights (seed {seed})")
     live_rows = live_token_rows(tokenizer, config["vocab_size"])
-    write_safetensors(folder / "model.safetensors", target_weights(config, seed, live_rows), verbose)
+    weights = target_weights(config, seed, live_rows, dense_dtype)
+    write_safetensors(folder / "model.safetensors", weights, verbose)
 
 
 def write_drafter(folder, size="tiny", seed=0, form="bf16", codebook_names="plain", verbose=False):
@@ -776,25 +779,31 @@ def make_pack(
     seed=0,
     drafter_form="bf16",
     codebook_names="plain",
+    dense_dtype="float16",
     verbose=None,
 ):
     """Write DIR/target and DIR/drafter. Returns {"root", "target", "drafter"} paths.
-    Progress goes to stderr, by default for the 27b size only."""
+    Progress goes to stderr, by default for the 27b size only.
+
+    dense_dtype is the dtype of the target's unpacked language tensors (norms, conv, GDN
+    gates). The real 27B file's size (8,595,478,392 bytes) is matched to the byte by
+    "float32" with every packed module signed, not by "float16". fp32 norm weights make
+    the residual stream, and so the packed matmuls' activations, fp32."""
     verbose = size == "27b" if verbose is None else verbose
     root = Path(out_dir)
-    write_target(root / "target", size, seed, verbose)
+    write_target(root / "target", size, seed, dense_dtype, verbose)
     write_drafter(root / "drafter", size, seed, drafter_form, codebook_names, verbose)
     return {"root": root, "target": root / "target", "drafter": root / "drafter"}
 
 
-def build_target_model(size="tiny", seed=0):
+def build_target_model(size="tiny", seed=0, dense_dtype="float16"):
     """The target model with its random weights loaded in memory, no files written
     (for benchmarks on a GPU machine). Same tensors as make_pack writes."""
     config = target_config(size)
     tokenizer = build_tokenizer(SIZES[size]["special_base"])
     live_rows = live_token_rows(tokenizer, config["vocab_size"])
     model = instantiate(config)
-    weights = model.sanitize(target_weights(config, seed, live_rows))
+    weights = model.sanitize(target_weights(config, seed, live_rows, dense_dtype))
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     model.eval()
@@ -808,6 +817,7 @@ def main():
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--drafter-form", choices=["bf16", "4bit"], default="bf16")
     parser.add_argument("--codebook-names", choices=["plain", "weight"], default="plain")
+    parser.add_argument("--dense-dtype", choices=["float16", "float32"], default="float16")
     args = parser.parse_args()
     paths = make_pack(
         args.out,
@@ -815,6 +825,7 @@ def main():
         seed=args.seed,
         drafter_form=args.drafter_form,
         codebook_names=args.codebook_names,
+        dense_dtype=args.dense_dtype,
     )
     print(json.dumps({key: str(value) for key, value in paths.items()}, indent=2))
 
