@@ -1,0 +1,263 @@
+"""Assemble a DFlash2 pack folder from a base (target) pack and a drafter.
+
+    python tools/build_pack.py --base SRC --drafter SRC --out DIR [--dry-run]
+
+SRC is a local folder or a Hugging Face repo id, optionally with @revision (downloaded
+through huggingface_hub, or taken from the local HF cache when offline). The pack holds
+the target files unchanged at the top level, the drafter in drafter/, the runtime files,
+NOTICE.txt, a README card filled from evidence/, dflash2-pack.json (sources, pins,
+runtime versions) and SHA256SUMS. Sources are only read. A rebuild from the same sources
+gives the same bytes (no timestamps). DIR must be empty, absent, or a previous build.
+"""
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dflash2_pack import PackError, check_drafter, check_target  # noqa: E402
+from serve_dflash2 import PINS_FILE, safetensors_header_sha256, sha256_file  # noqa: E402
+
+SUMS_FILE = "SHA256SUMS"
+RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_runtime.py", "dflash2_kernels.py",
+                 "dflash2_pack.py", "requirements.txt")
+# Files the pack writes itself; a base file of the same name is replaced, not copied.
+GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)
+# Base files that make no sense beside the DFlash2 runtime (the card lists them).
+OMITTED_FILES = ("lmstudio-model.yaml",)
+SKIPPED_DIRS = (".git", ".cache", ".huggingface")
+NOTICE_NAMES = ("NOTICE", "NOTICE.txt", "NOTICE.md")
+PINNED_PACKAGES = ("mlx", "mlx-vlm")
+COPY_CHUNK = 8 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------
+# Sources
+
+
+def resolve_source(spec):
+    """(local folder, source id, revision or None) for a folder or `repo/id[@revision]`."""
+    if Path(spec).is_dir():
+        return Path(spec).resolve(), Path(spec).resolve().name, None
+    repo_id, _, revision = spec.partition("@")
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, revision=revision or None)
+    except Exception as error:  # offline or unreachable: the local HF cache may have it
+        print(f"download failed ({error.__class__.__name__}); using the local HF cache", file=sys.stderr)
+        folder = snapshot_download(repo_id, revision=revision or None, local_files_only=True)
+    # The cache keeps each snapshot in a folder named after its commit.
+    return Path(folder), repo_id, Path(folder).name
+
+
+def source_files(folder):
+    """Relative paths of every file under folder, sorted, skipping VCS and cache folders."""
+    return sorted(
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if path.is_file() and not set(path.relative_to(folder).parts) & set(SKIPPED_DIRS)
+    )
+
+
+def plan_copies(base_dir, drafter_dir):
+    """[(source path, pack path)] for target, drafter, runtime and evidence files, and the
+    base files left out (replaced or omitted)."""
+    copies, left_out = [], []
+    for name in source_files(base_dir):
+        if name in GENERATED_FILES + RUNTIME_FILES + OMITTED_FILES or name.startswith("drafter/"):
+            left_out.append(name)
+        else:
+            copies.append((base_dir / name, name))
+    copies += [(drafter_dir / name, f"drafter/{name}") for name in source_files(drafter_dir)]
+    copies += [(REPO / name, name) for name in RUNTIME_FILES]
+    copies += [(REPO / "evidence" / name, f"evidence/{name}") for name in source_files(REPO / "evidence")]
+    return copies, left_out
+
+
+# ---------------------------------------------------------------------------------------
+# Output folder
+
+
+def previous_build_files(out_dir):
+    """Files of a previous build (listed in its SHA256SUMS); raises SystemExit when out_dir
+    holds anything else, so that user files are never overwritten or deleted."""
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return set()
+    sums = out_dir / SUMS_FILE
+    if not sums.is_file() or not (out_dir / PINS_FILE).is_file():
+        sys.exit(f"error: {out_dir} is not empty and is not a previous pack build "
+                 f"(no {SUMS_FILE} / {PINS_FILE}); choose an empty or new folder")
+    listed = {line.split("  ", 1)[1] for line in sums.read_text().splitlines() if line}
+    listed |= {SUMS_FILE}
+    unknown = [name for name in source_files(out_dir) if name not in listed]
+    if unknown:
+        sys.exit(f"error: {out_dir} holds files that no build wrote: {', '.join(unknown[:8])}; "
+                 "move them away first")
+    return listed
+
+
+def copy_verified(source, destination, progress):
+    """Copy one file and prove the copy byte-identical by sha256; returns the digest."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with open(source, "rb") as reader, open(destination, "wb") as writer:
+        while chunk := reader.read(COPY_CHUNK):
+            digest.update(chunk)
+            writer.write(chunk)
+            progress.update(len(chunk))
+    expected = digest.hexdigest()
+    if sha256_file(destination) != expected:
+        sys.exit(f"error: {destination} differs from {source} after copying")
+    return expected
+
+
+# ---------------------------------------------------------------------------------------
+# Generated files
+
+
+def runtime_pins():
+    """{package: version} of the exact pins in requirements.txt."""
+    pins = {}
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        match = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^;\s]+)", line.strip())
+        if match and match.group(1) in PINNED_PACKAGES:
+            pins[match.group(1)] = match.group(3)
+    return pins
+
+
+def notice_text(base_dir, drafter_dir):
+    """The repo's NOTICE.txt, then every upstream notice found in the sources, verbatim."""
+    parts = [(REPO / "NOTICE.txt").read_text().rstrip() + "\n"]
+    for label, folder in (("base pack", base_dir), ("drafter", drafter_dir)):
+        for name in NOTICE_NAMES:
+            if (folder / name).is_file():
+                text = (folder / name).read_text(errors="replace").rstrip()
+                parts.append(f"\n----- Upstream notice from the {label} ({name}), kept unchanged -----\n\n"
+                             f"{text}\n")
+    return "".join(parts)
+
+
+def evidence_rows(evidence):
+    """Markdown table rows of the top-level figures of one evidence JSON, copied as written."""
+    rows = []
+    for key, value in evidence.items():
+        if isinstance(value, (bool, int, float, str)) and key != "command":
+            rows.append(f"| {key} | {value} |")
+    return rows
+
+
+def readme_text(pack_dir, pins):
+    """The README card: sources, contents and the evidence figures, filled from files."""
+    base, drafter = pins["base"], pins["drafter"]
+    lines = [
+        f"# {base['source']} with DFlash2",
+        "",
+        "The base pack's files, unchanged, with a DFlash2 drafter and the runtime that serves it.",
+        "Greedy output is token-identical to plain decoding; the figures below are copied",
+        "from the evidence files written by the pack's scripts.",
+        "",
+        "| part | source | revision |",
+        "| --- | --- | --- |",
+        f"| target | {base['source']} | {base['revision'] or 'local folder'} |",
+        f"| drafter (drafter/) | {drafter['source']} | {drafter['revision'] or 'local folder'} |",
+        "",
+        "Runtime pins: " + ", ".join(f"{name}=={version}" for name, version in pins["runtime"].items()),
+        "",
+        "Check the download: `shasum -a 256 -c SHA256SUMS` (or `sha256sum -c SHA256SUMS`), then",
+        "`python serve_dflash2.py --verify-pack`. Serve: `python serve_dflash2.py`; plain: `python serve.py`.",
+        "",
+        "## Evidence",
+    ]
+    for path in sorted((pack_dir / "evidence").glob("*.json")):
+        evidence = json.loads(path.read_text())
+        lines += ["", f"### evidence/{path.name}", "", f"Command: `{evidence.get('command', 'not recorded')}`",
+                  "", "| figure | value |", "| --- | --- |", *evidence_rows(evidence)]
+    return "\n".join(lines) + "\n"
+
+
+def file_pin(path, sha256):
+    pin = {"size": path.stat().st_size, "sha256": sha256}
+    if path.name.endswith(".safetensors"):
+        pin["header_sha256"] = safetensors_header_sha256(path)
+    return pin
+
+
+def write_text(path, text):
+    path.write_text(text)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def build_pack(base, drafter, out_dir, dry_run=False):
+    base_dir, base_id, base_revision = resolve_source(base)
+    drafter_dir, drafter_id, drafter_revision = resolve_source(drafter)
+    out_dir = Path(out_dir)
+    try:
+        check_target(base_dir)
+        check_drafter(drafter_dir, base_dir)
+    except PackError as error:
+        sys.exit(f"error: the sources fail the pack checks: {error}")
+    copies, left_out = plan_copies(base_dir, drafter_dir)
+    previous = previous_build_files(out_dir)
+
+    print(f"pack {out_dir}: target {base_id} ({base_revision or 'local'}), "
+          f"drafter {drafter_id} ({drafter_revision or 'local'})")
+    for source, name in copies:
+        print(f"  copy  {name}  ({source.stat().st_size} bytes)")
+    for name in left_out:
+        print(f"  leave out base file {name} (the pack writes or omits it)")
+    for name in GENERATED_FILES:
+        print(f"  write {name}")
+    if dry_run:
+        print("dry run: nothing written")
+        return None
+
+    digests = {}
+    with tqdm(total=sum(source.stat().st_size for source, _ in copies), unit="B", unit_scale=True,
+              desc="copy + sha256") as progress:
+        for source, name in copies:
+            digests[name] = copy_verified(source, out_dir / name, progress)
+    digests["NOTICE.txt"] = write_text(out_dir / "NOTICE.txt", notice_text(base_dir, drafter_dir))
+
+    pins = {
+        "base": {"source": base_id, "revision": base_revision},
+        "drafter": {"source": drafter_id, "revision": drafter_revision},
+        "runtime": runtime_pins(),
+        "config_sha256": {name: digests[name] for name in ("config.json", "drafter/config.json")},
+    }
+    digests["README.md"] = write_text(out_dir / "README.md", readme_text(out_dir, pins))
+    pins["files"] = {name: file_pin(out_dir / name, digests[name]) for name in sorted(digests)}
+    digests[PINS_FILE] = write_text(out_dir / PINS_FILE, json.dumps(pins, indent=2, sort_keys=True) + "\n")
+
+    # Files a previous build wrote that this one does not (e.g. a renamed shard).
+    for name in sorted(previous - digests.keys() - {SUMS_FILE}):
+        (out_dir / name).unlink(missing_ok=True)
+    sums = "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
+    (out_dir / SUMS_FILE).write_text(sums)
+    print(f"wrote {len(digests)} files and {SUMS_FILE} to {out_dir}")
+    return out_dir
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="base (target) pack: folder or repo/id[@revision]")
+    parser.add_argument("--drafter", required=True, help="drafter: folder or repo/id[@revision]")
+    parser.add_argument("--out", required=True, help="pack folder to write")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    args = parser.parse_args(argv)
+    build_pack(args.base, args.drafter, args.out, dry_run=args.dry_run)
+
+
+if __name__ == "__main__":
+    main()
