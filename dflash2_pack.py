@@ -385,3 +385,87 @@ def load_pack(target_dir, drafter_dir=None):
         drafter, kind = load_drafter(Path(drafter_dir))
         validate_drafter_compatibility(model, drafter, kind)
     return model, processor, drafter
+
+
+# ---------------------------------------------------------------------------------------
+# Verifying a built pack (python serve_dflash2.py --verify-pack)
+
+
+def sha256sums_problems(pack_dir):
+    """Every file listed in SHA256SUMS present with its hash, and no file that is not listed."""
+    from serve_dflash2 import sha256_file
+
+    sums = pack_dir / "SHA256SUMS"
+    if not sums.is_file():
+        return ["SHA256SUMS: file is missing"]
+    listed = dict(reversed(line.split("  ", 1)) for line in sums.read_text().splitlines() if line)
+    problems = []
+    for name, expected in sorted(listed.items()):
+        path = pack_dir / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif sha256_file(path) != expected:
+            problems.append(f"{name}: sha256 differs from SHA256SUMS")
+    present = {path.relative_to(pack_dir).as_posix() for path in pack_dir.rglob("*") if path.is_file()}
+    for name in sorted(present - listed.keys() - {"SHA256SUMS"}):
+        problems.append(f"{name}: not listed in SHA256SUMS (unexpected file)")
+    return problems
+
+
+def runtime_version_problems(pins):
+    """The mlx / mlx-vlm versions installed against the ones the pack pins."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    problems = []
+    for package, pinned in sorted(pins.get("runtime", {}).items()):
+        try:
+            installed = version(package)
+        except PackageNotFoundError:
+            installed = None
+        if installed != pinned:
+            problems.append(f"{package}: pinned {pinned}, installed {installed}")
+    return problems
+
+
+def verify_pack(pack_dir):
+    """Check a built pack folder without loading weights; returns [(check, ok, detail)].
+
+    SHA256SUMS (every file hashed, missing and unlisted files), the launch pins in
+    dflash2-pack.json and the installed runtime versions, the target and drafter checks,
+    and the kernel self-test on this machine."""
+    import dflash2_kernels
+    from serve_dflash2 import PINS_FILE, check_pins
+
+    pack_dir = Path(pack_dir)
+    target_dir, drafter_dir = find_pack(pack_dir)
+    results = []
+
+    def record(check, problems):
+        results.append((check, not problems, "; ".join(problems) or "ok"))
+
+    record("SHA256SUMS", sha256sums_problems(pack_dir))
+    try:
+        pins = json.loads((pack_dir / PINS_FILE).read_text())
+        # SHA256SUMS above hashed every file; the launch check adds sizes and headers.
+        record(f"{PINS_FILE} file pins", check_pins(pack_dir, full_hash=False))
+        record(f"{PINS_FILE} runtime versions", runtime_version_problems(pins))
+    except (OSError, ValueError, KeyError) as error:
+        record(PINS_FILE, [f"{PINS_FILE}: unreadable ({error.__class__.__name__}: {error})"])
+    for check, run in (
+        ("target schema", lambda: check_target(target_dir)),
+        ("drafter fit", lambda: check_drafter(drafter_dir or pack_dir / "drafter", target_dir)),
+    ):
+        try:
+            run()
+            record(check, [])
+        except PackError as error:
+            record(check, [str(error)])
+    test = dflash2_kernels.self_test()
+    record(f"kernel self-test ({test.backend})",
+           [] if test.ok else [f"{test.reason or 'failed'}: {test.mismatches} differing elements"])
+    return results
+
+
+def format_verify_table(results):
+    width = max(len(check) for check, _, _ in results)
+    return "\n".join(f"{check:<{width}}  {'PASS' if ok else 'FAIL'}  {detail}" for check, ok, detail in results)
