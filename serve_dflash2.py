@@ -59,6 +59,9 @@ def make_dflash2_parser():
     parser.add_argument("--demo", action="store_true",
                         help="build the tiny synthetic pack once (in $DFLASH2_CACHE or "
                              "~/.cache/dflash2-demo) and serve it; needs the source repository's tools/")
+    parser.add_argument("--verify-pack", action="store_true",
+                        help="check the pack (SHA256SUMS, pins, schema, drafter fit, kernel self-test), "
+                             "print a pass/fail table and exit 0 or 1 without serving")
     parser.add_argument("--no-dflash2", action="store_true",
                         help="serve the same wrapper without the drafter (like-for-like baseline)")
     dflash2 = parser.add_argument_group("DFlash2 options")
@@ -207,6 +210,12 @@ def main(argv=None):
     from dflash2_pack import find_pack
 
     pack_dir = demo_pack() if args.demo else (args.pack or HERE).absolute()
+    if args.verify_pack:
+        from dflash2_pack import format_verify_table, verify_pack
+
+        results = verify_pack(pack_dir)
+        print(format_verify_table(results))
+        sys.exit(0 if all(ok for _, ok, _ in results) else 1)
     target_dir, drafter_dir = find_pack(pack_dir)  # flat release layout, or target/ + drafter/
     model_id = public_model_id(args.model_id or (DEMO_MODEL_ID if args.demo else None), pack_dir)
     scrubber = PathScrubber([pack_dir, target_dir, drafter_dir, Path.home(), os.environ.get("HOME"),
