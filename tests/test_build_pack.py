@@ -1,0 +1,134 @@
+"""tools/build_pack.py and the pack verification (dflash2_pack.verify_pack and
+serve_dflash2.py --verify-pack) on packs built from the tiny synthetic target and drafter."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from build_pack import build_pack
+from dflash2_pack import verify_pack
+from test_server_cli import clean_env
+
+
+def build(sources, out_dir, target=None):
+    return build_pack(str(target or sources["target"]), str(sources["drafter"]), out_dir)
+
+
+@pytest.fixture(scope="module")
+def built_pack(tiny_pack, tmp_path_factory):
+    """A pack built once from the tiny synthetic pack. Read-only: copy it to change it."""
+    return build(tiny_pack, tmp_path_factory.mktemp("built") / "pack")
+
+
+@pytest.fixture
+def pack_copy(built_pack, tmp_path):
+    return Path(shutil.copytree(built_pack, tmp_path / "pack"))
+
+
+def verify_from_the_pack(pack_dir):
+    """`python serve_dflash2.py --verify-pack` run from the pack's own copy, as a user would."""
+    return subprocess.run([sys.executable, "serve_dflash2.py", "--verify-pack"], cwd=pack_dir,
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_layout_pins_and_unchanged_target(built_pack, tiny_pack):
+    pins = json.loads((built_pack / "dflash2-pack.json").read_text())
+    assert pins["runtime"] == {"mlx": "0.32.2", "mlx-vlm": "0.7.2"}
+    assert set(pins["config_sha256"]) == {"config.json", "drafter/config.json"}
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (built_pack / name).read_bytes() == (tiny_pack["target"] / name).read_bytes()
+    assert (built_pack / "drafter" / "config.json").read_bytes() == (tiny_pack["drafter"] / "config.json").read_bytes()
+    for name in ("serve_dflash2.py", "serve.py", "requirements.txt", "README.md", "NOTICE.txt", "evidence"):
+        assert (built_pack / name).exists(), name
+    assert "Created using Bonsai by Prism ML" in (built_pack / "NOTICE.txt").read_text()
+
+
+@pytest.mark.parametrize("tool", [["sha256sum", "-c"], ["shasum", "-a", "256", "-c"]])
+def test_checksum_tools_accept_sha256sums(built_pack, tool):
+    if shutil.which(tool[0]) is None:
+        pytest.skip(f"{tool[0]} is not installed")
+    result = subprocess.run([*tool, "SHA256SUMS"], cwd=built_pack, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_verify_passes_on_the_built_pack(built_pack):
+    results = verify_pack(built_pack)
+    assert all(ok for _, ok, _ in results), results
+    assert any(check.startswith("kernel self-test") for check, _, _ in results)
+
+
+def test_rebuild_gives_identical_sha256sums(built_pack, tiny_pack, pack_copy):
+    build(tiny_pack, pack_copy)  # over a previous build
+    assert (pack_copy / "SHA256SUMS").read_bytes() == (built_pack / "SHA256SUMS").read_bytes()
+
+
+def flip_byte(pack_dir):
+    path = pack_dir / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # inside the weights, past the header
+    path.write_bytes(bytes(data))
+    return "model.safetensors"
+
+
+def edit_config_field(pack_dir):
+    path = pack_dir / "drafter" / "config.json"
+    config = json.loads(path.read_text())
+    config["dflash_config"]["block_size"] += 1
+    path.write_text(json.dumps(config))
+    return "drafter/config.json"
+
+
+def remove_file(pack_dir):
+    (pack_dir / "tokenizer.json").unlink()
+    return "tokenizer.json"
+
+
+def add_unexpected_file(pack_dir):
+    (pack_dir / "evidence" / "notes.txt").write_text("not part of the build\n")
+    return "evidence/notes.txt"
+
+
+@pytest.mark.parametrize("tamper", [flip_byte, edit_config_field, remove_file, add_unexpected_file])
+def test_verify_pack_names_the_tampered_file(pack_copy, tamper):
+    name = tamper(pack_copy)
+    result = verify_from_the_pack(pack_copy)
+    assert result.returncode == 1, result.stdout + result.stderr
+    failing = [line for line in result.stdout.splitlines() if "  FAIL  " in line]
+    assert failing and f"{name}:" in failing[0], result.stdout  # SHA256SUMS is the first row
+
+
+def test_dry_run_writes_nothing(tiny_pack, tmp_path, capsys):
+    build_pack(str(tiny_pack["target"]), str(tiny_pack["drafter"]), tmp_path / "pack", dry_run=True)
+    assert not (tmp_path / "pack").exists()
+    assert "copy  model.safetensors" in capsys.readouterr().out
+
+
+def test_refuses_a_folder_it_did_not_build(tiny_pack, tmp_path):
+    (tmp_path / "mine.txt").write_text("user file\n")
+    with pytest.raises(SystemExit, match="not a previous pack build"):
+        build(tiny_pack, tmp_path)
+    assert (tmp_path / "mine.txt").read_text() == "user file\n"
+
+
+def test_derivative_target_builds_and_verifies(tiny_pack, tmp_path):
+    """Same shapes, some tensors edited, rewritten with safetensors: a valid new pack."""
+    target = Path(shutil.copytree(tiny_pack["target"], tmp_path / "derivative"))
+    weights, metadata = mx.load(str(target / "model.safetensors"), return_metadata=True)
+    edited = [name for name in sorted(weights) if name.endswith("norm.weight")][:3]
+    assert edited
+    for name in edited:
+        weights[name] = weights[name] * 1.5
+    # MLX reads lazily from the file it loaded, so write beside it and rename.
+    mx.save_safetensors(str(target / "edited.safetensors"), weights, metadata=metadata)
+    (target / "edited.safetensors").replace(target / "model.safetensors")
+    assert (target / "model.safetensors").read_bytes() != (tiny_pack["target"] / "model.safetensors").read_bytes()
+
+    pack_dir = build(tiny_pack, tmp_path / "pack", target=target)
+    assert (pack_dir / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
+    results = verify_pack(pack_dir)
+    assert all(ok for _, ok, _ in results), results
