@@ -140,3 +140,20 @@ def test_changed_mlx_vlm_function_refuses_and_is_named():
 
 def test_patch_table_matches_installed_mlx_vlm():
     assert dflash2_runtime.fingerprint_mismatches() == []
+
+
+def test_fp32_dense_layout_verify_and_rollback_are_exact(tmp_path):
+    """Packs whose unpacked tensors are fp32 run fp32 activations through verify."""
+    from dflash2_pack import load_pack
+    from make_synthetic_pack import make_pack
+
+    paths = make_pack(tmp_path, size="tiny", seed=1, dense_dtype="float32")
+    model, processor, drafter = load_pack(paths["target"], paths["drafter"])
+    assert dflash2_runtime.install(model).speculative
+    lm, taps = model.language_model, drafter.config.target_layer_ids
+    ids = raw_ids(processor, PROMPTS[2])
+    continuation = greedy(model, ids, 8)
+    assert lm.model.embed_tokens(ids).dtype != lm.model.norm.weight.dtype  # fp16 in, fp32 stream
+    cases = verify_cases(lm, ids, taps, continuation, lengths=(2, 8))
+    cases += rollback_cases(lm, ids, taps, continuation, lengths=(8,))
+    assert [c for c in cases if c["logits"] or c.get("hidden")] == []
