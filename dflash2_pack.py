@@ -406,7 +406,12 @@ def sha256sums_problems(pack_dir):
             problems.append(f"{name}: missing")
         elif sha256_file(path) != expected:
             problems.append(f"{name}: sha256 differs from SHA256SUMS")
-    present = {path.relative_to(pack_dir).as_posix() for path in pack_dir.rglob("*") if path.is_file()}
+    # Python writes __pycache__/ beside the runtime files when they run from the pack.
+    present = {
+        path.relative_to(pack_dir).as_posix()
+        for path in pack_dir.rglob("*")
+        if path.is_file() and "__pycache__" not in path.relative_to(pack_dir).parts
+    }
     for name in sorted(present - listed.keys() - {"SHA256SUMS"}):
         problems.append(f"{name}: not listed in SHA256SUMS (unexpected file)")
     return problems

@@ -33,7 +33,7 @@ RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_runtime.py", "dflash2_
 GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)
 # Base files that make no sense beside the DFlash2 runtime (the card lists them).
 OMITTED_FILES = ("lmstudio-model.yaml",)
-SKIPPED_DIRS = (".git", ".cache", ".huggingface")
+SKIPPED_DIRS = (".git", ".cache", ".huggingface", "__pycache__")
 NOTICE_NAMES = ("NOTICE", "NOTICE.txt", "NOTICE.md")
 PINNED_PACKAGES = ("mlx", "mlx-vlm")
 COPY_CHUNK = 8 * 1024 * 1024
