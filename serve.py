@@ -573,7 +573,7 @@ def check_chat_request(body, model_id: str) -> dict:
     if "max_completion_tokens" in body:
         body["max_tokens"] = body.pop("max_completion_tokens")
     if body.get("n", 1) > 1:
-        raise Refusal(400, "n", "n > 1 is not supported: send one request per completion", "n")
+        raise Refusal(400, "n-above-1", "n > 1 is not supported: send one request per completion", "n")
     body["messages"] = check_messages(body.get("messages"))
     return body
 

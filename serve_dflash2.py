@@ -3,15 +3,17 @@
     python serve_dflash2.py [--port 8080] [--enable-thinking] [--no-dflash2] [--pack DIR]
     python serve_dflash2.py --demo        # builds the tiny synthetic pack once and serves it
 
-Speculation changes speed, not answers, only for greedy requests, so each chat request
-is routed (and every response says how, in the x-dflash2 header):
+Speculation reproduces plain decoding only for greedy requests, so each chat request
+is routed, and every response says how in its x-dflash2 header:
 - speculative: explicit temperature 0, no logprobs, no penalties, no logit_bias, n=1
   (images too, unless --dflash2-multimodal plain);
-- fallback; reason=...: everything else the target can serve, decoded plain:
-  temperature-omitted, sampling, logprobs, penalties, logit-bias, multimodal-plain, and
-  for every request no-dflash2 (--no-dflash2) or kernel-self-test-failed;
-- refused; reason=...: thinking budgets, structured output, n > 1, the Anthropic
-  Messages API, unknown model IDs, endpoints the pack does not serve, invalid requests.
+- fallback; reason=R: served plain. Per request R is temperature-omitted (the pack's
+  sampling defaults apply), sampling, logprobs, penalties, logit-bias or multimodal-plain;
+  for every request it is no-dflash2 (--no-dflash2), kernel-self-test-failed or
+  speculative-warm-up-failed;
+- refused; reason=R: thinking-budget, structured-output, n-above-1, anthropic-messages,
+  unknown-model, unsupported-endpoint, and serve.py's refusals of invalid requests.
+Responses that generate nothing (/v1/models, /health) carry the server's mode.
 The hardening (loopback only, exact pass-through options, refused environment, path
 scrubbing, one sequence at a time) is serve.py's.
 """

@@ -373,7 +373,7 @@ def test_fallback_rows(servers, fields, reason):
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "structured-output"),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
      400, "structured-output"),
-    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "n"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "n-above-1"),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "model": "mlx-community/other"}, 404, "unknown-model"),
     ("POST", "/v1/messages", {"model": PACK_NAME, "max_tokens": 5, "messages": MESSAGES}, 404, "anthropic-messages"),
     ("POST", "/v1/messages/count_tokens", {"messages": MESSAGES}, 404, "anthropic-messages"),
