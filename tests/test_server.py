@@ -7,7 +7,8 @@ working directory so that path scrubbing can be checked:
   plain      serve.py                                    the reference answers
   baseline   serve_dflash2.py --no-dflash2
   mm_plain   serve_dflash2.py --dflash2-multimodal plain
-  no_kernel  serve_dflash2.py --enable-thinking, whose kernel self-test reports a failure
+  no_kernel  serve_dflash2.py --enable-thinking --host localhost, whose kernel
+             self-test reports a failure
 Requests go through the official openai client and raw HTTP (http.client, sockets).
 The CPU is slow, so prompts are short and max_tokens small.
 """
@@ -123,7 +124,7 @@ def servers(pack, tmp_path_factory):
         "plain": [str(pack / "serve.py")],
         "baseline": [str(pack / "serve_dflash2.py"), "--no-dflash2"],
         "mm_plain": [str(pack / "serve_dflash2.py"), "--dflash2-multimodal", "plain"],
-        "no_kernel": ["-c", FAILING_SELF_TEST, "--enable-thinking"],
+        "no_kernel": ["-c", FAILING_SELF_TEST, "--enable-thinking", "--host", "localhost"],
     }
     started = {name: Server(name, pack, workdir, command) for name, command in commands.items()}
     try:
