@@ -32,7 +32,11 @@ from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import (
     hadamard_transform,
 )
 from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
-from mlx_vlm.models.qwen3_5.gated_delta import gated_delta_update
+from mlx_vlm.models.qwen3_5.gated_delta import (
+    _compute_g_beta,
+    _gated_delta_step_ops,
+    gated_delta_update,
+)
 from mlx_vlm.models.qwen3_5.speculative_verifier import Qwen3_5BatchInvariantForward
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
@@ -102,8 +106,59 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+_stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
+
+
+def _hadamard_linear_call(self, x):
+    """HadamardQuantizedLinear.__call__ with the one-row decode matmul on the exact kernel.
+
+    For one row the kernel equals MLX's single-row kernel bit for bit (the
+    self-test proves it at the pack's shapes), and on CUDA reads the weights
+    faster, so plain decode speeds up with no token changed. Multi-row calls
+    (prefill) keep MLX's own dispatch, whose arithmetic changes with the row count.
+    """
+    if x.dtype != mx.float16 or x.size != x.shape[-1]:
+        return _stock_hadamard_linear_call(self, x)
+    return _packed_linear(self, x)
+
+
 def _one_position(sequence: mx.array, index: int) -> mx.array:
     return sequence[:, index : index + 1]
+
+
+def _decode_recurrence(layer, q, k, v, a, b, state):
+    """Yield (output, state) per position, computed as decode computes one token.
+
+    Off Metal, decode's gated_delta_update(T=1) computes the gates, repeats the
+    key heads and runs one compiled _gated_delta_step_ops; the gates and the head
+    repeat are element-wise, so they are computed once for all positions here and
+    only the recurrence runs position by position. On Metal decode runs a fused
+    kernel, so each position calls gated_delta_update itself.
+    """
+    length = q.shape[1]
+    use_kernel = not layer.training
+    if use_kernel and mx.default_device() == mx.gpu and mx.metal.is_available():
+        for index in range(length):
+            output, state = gated_delta_update(
+                *(_one_position(value, index) for value in (q, k, v, a, b)),
+                layer.A_log,
+                layer.dt_bias,
+                state=state,
+                use_kernel=use_kernel,
+            )
+            yield output, state
+        return
+    g, beta = _compute_g_beta(layer.A_log, a, b, layer.dt_bias)
+    if state is None:
+        batch, _, _, key_width = q.shape
+        state = mx.zeros((batch, *v.shape[2:], key_width), dtype=mx.float32)
+    if (repeat := v.shape[-2] // q.shape[-2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    for index in range(length):
+        output, state = _gated_delta_step_ops(
+            q[:, index], k[:, index], v[:, index], g[:, index], beta[:, index], state
+        )
+        yield output[:, None], state
 
 
 def _unpadded_single_row(cache, batch: int) -> bool:
@@ -183,7 +238,7 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
                 (batch, layer.conv_kernel_size - 1, layer.conv_dim), dtype=inputs.dtype
             )
 
-        outputs = []
+        convolved = []
         for index in range(length):
             # Convolution window: as Qwen3_5GatedDeltaNet.__call__ at S == 1; the
             # cache records each window for rollback.
@@ -193,36 +248,28 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
             conv_state = cache.update_window(
                 0, conv_input, layer.conv_kernel_size - 1, lengths=cache.lengths
             )
-            conv_out = nn.silu(
+            convolved.append(
                 layer._causal_conv1d_decode(conv_input)
                 if layer.conv1d.weight.dtype in (mx.bfloat16, mx.float16)
                 else layer.conv1d(conv_input)
             )
-            q, k, v = [
-                value.reshape(batch, 1, heads, width)
-                for value, heads, width in zip(
-                    mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
-                    [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
-                    [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
-                )
-            ]
-            q, k = layer._normalize_qk(q, k)
-            # Recurrence: the decode step's own call, state recorded per position.
-            initial = cache[1]
-            if initial is not None and initial.shape[0] != batch:
-                initial = None
-            output, state = gated_delta_update(
-                q,
-                k,
-                v,
-                _one_position(a, index),
-                _one_position(b, index),
-                layer.A_log,
-                layer.dt_bias,
-                state=initial,
-                mask=None,
-                use_kernel=not layer.training,
+        conv_out = nn.silu(mx.concatenate(convolved, axis=1))
+        # Row-wise from here (silu, norms, gates): one call covers every position.
+        q, k, v = [
+            value.reshape(batch, length, heads, width)
+            for value, heads, width in zip(
+                mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+                [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+                [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
             )
+        ]
+        q, k = layer._normalize_qk(q, k)
+        initial = cache[1]
+        if initial is not None and initial.shape[0] != batch:
+            initial = None
+        outputs = []
+        for output, state in _decode_recurrence(layer, q, k, v, a, b, initial):
+            # Each position's state is recorded so rollback can keep any prefix.
             cache.record_speculative_states(1, None, state)
             cache[1] = state
             cache.advance(1)
@@ -351,7 +398,17 @@ PATCHES = (
     Patch(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update",
         "66b3e98fcd83bed63869d1fcf6b3b130b8f4b7cbd25fee5988b288457c6615f0",
-        "Called per verify position without state history: decode's recurrence.",
+        "Mirrored: decode's recurrence call; on Metal called per verify position.",
+    ),
+    Patch(
+        "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops",
+        "9751b1354ae88830f815b23c3a2ed4ec3a5154ccbbb2bbaa400f407efdd0540a",
+        "Mirrored off Metal: gates and head repeat for all positions, then one step each.",
+    ),
+    Patch(
+        "mlx_vlm.models.qwen3_5.gated_delta:_compute_g_beta",
+        "55e3a2984cc2e3ac92b7fe9cb3c1214d8360b774a426ff7906556a23d5c71429",
+        "Called once for all verify positions (element-wise).",
     ),
     Patch(
         "mlx_vlm.models.qwen3_5.speculative_verifier:Qwen3_5BatchInvariantForward",
@@ -361,7 +418,9 @@ PATCHES = (
     Patch(
         "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__",
         "3303ee4843ce5fe54d9668368360cb8a01e90acce70773658cfc0bf0b7b642d4",
-        "Mirrored: rotation then single-row quantized matmul, reproduced for many rows.",
+        "Decode's one-row packed matmul on the faster exact kernel (same bits), and "
+        "mirrored for many rows in verify.",
+        _hadamard_linear_call,
     ),
     Patch(
         "mlx_vlm.speculative.dflash:_dflash_rounds",

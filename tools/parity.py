@@ -110,6 +110,13 @@ def verify_cases(lm, ids, taps, continuation, lengths=range(2, 9)):
     return cases
 
 
+def decode_logits(lm, ids, tokens):
+    """Logits of plain single-token decode steps after a prefill."""
+    cache = lm.make_cache()
+    lm(ids, cache=cache)
+    return mx.concatenate([lm(mx.array([[t]]), cache=cache).logits for t in tokens], axis=1)
+
+
 def rollback_cases(lm, ids, taps, continuation, lengths=(2, 5, 8)):
     """Next-token logits after committing `accepted` drafts vs a cache that never saw the rest."""
     cases = []
@@ -199,8 +206,16 @@ def main():
     continuation = greedy(model, ids, 8)
 
     stock = verify_cases(lm, ids, taps, continuation)  # before install: the stock verifier
+    stock_decode = decode_logits(lm, ids, continuation)
     status = dflash2_runtime.install(model)
-    exact = verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
+    # Plain decode after install (one-row matmuls on the exact kernel) against stock.
+    exact = [
+        {
+            "check": "plain decode",
+            "logits": differing(decode_logits(lm, ids, continuation), stock_decode),
+        }
+    ]
+    exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
     exact += token_cases(model, tokenizer, args.max_tokens, all_token_combos())
     shapes = PACKED_SHAPES_27B if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
@@ -251,9 +266,13 @@ def summary_markdown(record) -> str:
         "| check | cases | differing elements |",
         "|---|---|---|",
     ]
-    for check in ("verify", "rollback"):
+    for check, label in (
+        ("plain decode", "plain decode after install vs stock"),
+        ("verify", "exact verify vs decode (L=2..8)"),
+        ("rollback", "rollback vs never-speculated cache"),
+    ):
         cases = [c for c in record["cases"] if c["check"] == check]
-        lines.append(f"| exact {check} (L=2..8) | {len(cases)} | {sum(map(case_mismatches, cases))} |")
+        lines.append(f"| {label} | {len(cases)} | {sum(map(case_mismatches, cases))} |")
     lines.append(
         f"| greedy tokens, oracle drafter | {len(tokens)} | "
         f"{sum(not c['identical'] for c in tokens)} runs differ |"
