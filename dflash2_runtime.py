@@ -502,7 +502,7 @@ def packed_shapes(model) -> list[tuple[int, int]]:
     return sorted(shapes)
 
 
-def install(model=None, options: Optional[RuntimeOptions] = None) -> RuntimeStatus:
+def install(model=None) -> RuntimeStatus:
     """Check versions and fingerprints, patch mlx-vlm, self-test the kernel.
 
     Raises RuntimeMismatch if anything differs from the audited sources. A

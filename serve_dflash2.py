@@ -246,7 +246,7 @@ def main(argv=None):
                                                  block_cap=args.dflash2_block_cap,
                                                  candidate_selector=args.dflash2_candidate_selector)
         try:
-            status = dflash2_runtime.install(model, options)
+            status = dflash2_runtime.install(model)
         except dflash2_runtime.RuntimeMismatch as mismatch:
             speculation["error"] = str(mismatch)
             return None, None

@@ -13,17 +13,16 @@ import textwrap
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_vlm.utils import prepare_inputs
-from PIL import Image
 
 import dflash2_runtime
 from oracle_drafter import OracleDrafter
 from parity import (
     PROMPTS,
     chat_ids,
+    fixture_cases,
     greedy,
+    image_inputs,
     rollback_cases,
     token_cases,
     verify_cases,
@@ -72,29 +71,22 @@ def test_tiny_pack_continuation_is_varied(target):
     assert len(set(plain)) > 3, plain
 
 
-def test_speculative_tokens_equal_plain_with_synthetic_drafter(target):
+def test_fixtures_with_the_packs_drafter_equal_plain(target):
+    """Text, thinking, tool-call and image prompts with the synthetic DFlash2 drafter."""
     model, processor, drafter = target
-    ids = chat_ids(processor.tokenizer, PROMPTS[2], thinking=False)
-    assert greedy(model, ids, GENERATED, drafter=drafter) == greedy(model, ids, GENERATED)
-    assert drafter.accept_lens, "the drafter ran no round"
+    cases = fixture_cases(model, processor, drafter, GENERATED)
+    assert [c["fixture"] for c in cases] == ["text", "thinking", "tool-call", "image"]
+    assert [c for c in cases if not c["identical"]] == []
+    assert all(c["rounds"] > 0 for c in cases), "the drafter ran no round"
 
 
-def test_image_prompt_speculative_equals_plain(target):
+def test_image_prompt_with_partial_acceptance_equals_plain(target):
     model, processor, _ = target
-    pixels = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
-    prompt = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
-        tokenize=False,
-        add_generation_prompt=True,
-        enable_thinking=False,
-    )
-    inputs = prepare_inputs(processor, images=[Image.fromarray(pixels)], prompts=prompt)
-    image = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
-    plain = greedy(model, inputs["input_ids"], GENERATED, **image)
+    ids, image = image_inputs(processor)
+    plain = greedy(model, ids, GENERATED, **image)
     vocab = model.language_model.lm_head.weight.shape[0]
     drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=0.35, block_size=5)
-    spec = greedy(model, inputs["input_ids"], GENERATED, drafter=drafter, block_size=5, **image)
-    assert spec == plain
+    assert greedy(model, ids, GENERATED, drafter=drafter, block_size=5, **image) == plain
     assert sum(drafter.accept_lens) > 0
 
 

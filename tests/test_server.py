@@ -43,7 +43,7 @@ FAILING_SELF_TEST = """
 import runpy, sys
 import dflash2_runtime
 
-def install(model=None, options=None):
+def install(model=None):
     return dflash2_runtime.RuntimeStatus(False, "kernel-self-test-failed: forced by the test", "cpu")
 
 dflash2_runtime.install = install

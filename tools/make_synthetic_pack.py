@@ -30,6 +30,9 @@ from mlx_vlm.utils import get_model_and_args, update_module_configs
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, trainers
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash2_pack import TARGET_SCHEMA  # noqa: E402  (the format the pack's checks demand)
+
 # The tokenizer's trained byte-level BPE vocabulary; Qwen's special tokens follow it.
 BPE_VOCAB_SIZE = 448
 
@@ -404,12 +407,7 @@ def target_config(size):
     }
     config = {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "prism_hadamard_qwen35",
-        "schema_version": 2,
-        "base_model_type": "qwen3_5",
-        "tensor_namespace": "mlx-vlm-qwen3_5",
-        "gdn_activation_layout": "grouped",
-        "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
+        **TARGET_SCHEMA,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],

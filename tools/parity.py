@@ -3,13 +3,16 @@
 The checks here are shared by the test suite (CPU, tiny pack) and by the
 evidence run on a GPU machine:
 
-    python tools/parity.py --out evidence/
+    python tools/parity.py --out evidence/              # the tiny synthetic pack
+    python tools/parity.py --pack DIR --out DIR/evidence  # a built pack
 
-builds the tiny synthetic pack, measures the stock verify path first (the
+loads the pack (by default it builds the tiny synthetic one), measures the stock verify path first (the
 negative control: on CUDA and Metal it differs from decode), installs the
 runtime, and counts every differing element of verify logits, captured hidden
 states, rollback logits and greedy tokens, plus the kernel self-test at the real
-27B packed shapes. It writes evidence/parity-<backend>.json and .md.
+27B packed shapes. It writes evidence/parity-<backend>.json and .md, and the
+fixture checks (text, thinking, tool-call and image prompts, plain against
+speculative with the pack's own drafter) to evidence/fixture-checks-<backend>.*.
 """
 
 import argparse
@@ -25,6 +28,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.generate.ar import generate_step
 from mlx_vlm.speculative.cache_state import commit_speculative_round
+from mlx_vlm.utils import prepare_inputs
+from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
@@ -67,6 +72,70 @@ def chat_ids(tokenizer, text, *, thinking):
         enable_thinking=thinking,
     )
     return mx.array([tokenizer.encode(prompt, add_special_tokens=False)])
+
+
+def image_inputs(processor, text="Describe it."):
+    """A fixed 64x64 image prompt through the pack's processor."""
+    pixels = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    inputs = prepare_inputs(processor, images=[Image.fromarray(pixels)], prompts=prompt)
+    extra = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+    return inputs["input_ids"], extra
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def fixture_prompts(processor):
+    """name -> (input ids, extra generate kwargs) for the pack's fixture checks."""
+    tokenizer = processor.tokenizer
+    tool_prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    return {
+        "text": (chat_ids(tokenizer, PROMPTS[0], thinking=False), {}),
+        "thinking": (chat_ids(tokenizer, PROMPTS[1], thinking=True), {}),
+        "tool-call": (mx.array([tokenizer.encode(tool_prompt, add_special_tokens=False)]), {}),
+        "image": image_inputs(processor),
+    }
+
+
+def fixture_cases(model, processor, drafter, max_tokens):
+    """Each fixture decoded plain and speculative with the pack's own drafter."""
+    cases = []
+    for name, (ids, extra) in fixture_prompts(processor).items():
+        plain = greedy(model, ids, max_tokens, **extra)
+        spec = greedy(model, ids, max_tokens, drafter=drafter, **extra)
+        cases.append(
+            {
+                "fixture": name,
+                "tokens": len(plain),
+                "rounds": len(drafter.accept_lens),
+                "accepted": int(sum(drafter.accept_lens)),
+                "identical": spec == plain,
+            }
+        )
+    return cases
 
 
 def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, **kwargs):
@@ -183,6 +252,7 @@ def case_mismatches(case) -> int:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pack", help="pack folder (default: build the tiny synthetic pack)")
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
@@ -192,13 +262,16 @@ def main():
 
     import dflash2_kernels
     import dflash2_runtime
-    from dflash2_pack import load_pack
+    from dflash2_pack import find_pack, load_pack
     from make_synthetic_pack import make_pack
 
     started = time.time()
-    with tempfile.TemporaryDirectory() as folder:
-        paths = make_pack(folder, size="tiny", seed=0)
-        model, processor, drafter = load_pack(paths["target"], paths["drafter"])
+    if args.pack:
+        model, processor, drafter = load_pack(*find_pack(args.pack))
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            paths = make_pack(folder, size="tiny", seed=0)
+            model, processor, drafter = load_pack(paths["target"], paths["drafter"])
     lm = model.language_model
     tokenizer = processor.tokenizer
     taps = list(drafter.config.target_layer_ids)
@@ -217,21 +290,24 @@ def main():
     ]
     exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
     exact += token_cases(model, tokenizer, args.max_tokens, all_token_combos())
+    fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
     shapes = PACKED_SHAPES_27B if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
 
     backend = dflash2_kernels.backend_name()
-    record = {
+    environment = {
         "backend": backend,
-        "device": mx.device_info().get("device_name", platform.processor() or "cpu")
-        if hasattr(mx, "device_info")
-        else platform.processor(),
+        "device": mx.device_info().get("device_name", platform.machine()),
         "versions": {
             "mlx": mx.__version__,
             "mlx_vlm": mlx_vlm.__version__,
             "python": platform.python_version(),
         },
         "command": "python " + shlex.join(["tools/parity.py", *sys.argv[1:]]),
+        "pack": Path(args.pack).name if args.pack else "synthetic tiny pack, seed 0",
+    }
+    record = {
+        **environment,
         "runtime_status": {"speculative": status.speculative, "reason": status.reason},
         "exact_mismatches": sum(case_mismatches(c) for c in exact) + kernel.mismatches,
         "stock_mismatches": sum(case_mismatches(c) for c in stock) + kernel.stock_mismatches,
@@ -250,8 +326,30 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / f"parity-{backend}.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / f"parity-{backend}.md").write_text(summary_markdown(record))
+    fixture_record = {**environment, "all_identical": all(c["identical"] for c in fixtures), "cases": fixtures}
+    (out / f"fixture-checks-{backend}.json").write_text(json.dumps(fixture_record, indent=1) + "\n")
+    (out / f"fixture-checks-{backend}.md").write_text(fixture_markdown(fixture_record))
     print(summary_markdown(record))
-    return 0 if record["exact_mismatches"] == 0 and status.speculative else 1
+    print(fixture_markdown(fixture_record))
+    exact = record["exact_mismatches"] == 0 and fixture_record["all_identical"]
+    return 0 if exact and status.speculative else 1
+
+
+def fixture_markdown(record) -> str:
+    lines = [
+        f"# Fixture checks on {record['backend']} ({record['device']}): {record['pack']}",
+        "",
+        f"Command: `{record['command']}`; mlx {record['versions']['mlx']}, "
+        f"mlx-vlm {record['versions']['mlx_vlm']}",
+        "",
+        "| fixture | tokens | rounds | accepted drafts | speculative == plain |",
+        "|---|---|---|---|---|",
+    ]
+    for c in record["cases"]:
+        lines.append(
+            f"| {c['fixture']} | {c['tokens']} | {c['rounds']} | {c['accepted']} | {c['identical']} |"
+        )
+    return "\n".join(lines + [""])
 
 
 def summary_markdown(record) -> str:
