@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import openai
 import pytest
 
 from build_pack import build_pack
 from dflash2_pack import verify_pack
+from test_server import Server
 from test_server_cli import clean_env
 
 
@@ -118,7 +120,7 @@ def test_refuses_a_folder_it_did_not_build(tiny_pack, tmp_path):
     assert (tmp_path / "mine.txt").read_text() == "user file\n"
 
 
-def test_derivative_target_builds_and_verifies(tiny_pack, tmp_path):
+def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
     """Same shapes, some tensors edited, rewritten with safetensors: a valid new pack."""
     target = Path(shutil.copytree(tiny_pack["target"], tmp_path / "derivative"))
     weights, metadata = mx.load(str(target / "model.safetensors"), return_metadata=True)
@@ -135,3 +137,22 @@ def test_derivative_target_builds_and_verifies(tiny_pack, tmp_path):
     assert (pack_dir / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
     results = verify_pack(pack_dir)
     assert all(ok for _, ok, _ in results), results
+
+    # The built folder serves: launch pins pass and a greedy request runs speculative.
+    workdir = tmp_path / "run"
+    for folder in ("cwd", "home"):
+        (workdir / folder).mkdir(parents=True)
+    server = Server("derivative", pack_dir, workdir, [str(pack_dir / "serve_dflash2.py")])
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        raw = client.chat.completions.with_raw_response.create(
+            model=pack_dir.name,
+            messages=[{"role": "user", "content": "Hi"}],
+            temperature=0,
+            max_tokens=4,
+        )
+        assert raw.headers["x-dflash2"] == "speculative"
+        assert raw.parse().usage.completion_tokens == 4
+    finally:
+        server.stop()
