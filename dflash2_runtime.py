@@ -66,6 +66,7 @@ class RuntimeOptions:
     block_size: Optional[int] = None  # fixed verify block (2..8); None adapts
     block_cap: Optional[int] = None  # upper bound for the adaptive block
     candidate_selector: bool = False  # use the trained selector when drafting greedily
+    sliding_window: bool = False  # drafter attends to its last `sliding_window` context positions
 
 
 @dataclass
@@ -423,6 +424,16 @@ PATCHES = (
         _hadamard_linear_call,
     ),
     Patch(
+        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
+        "7eaabc86f5be71f93d2c7ae79cfd3baaaa2f812885119a737c5619d9602c073d",
+        "Relied on by the sliding-window option: trims the drafter's context to its window.",
+    ),
+    Patch(
+        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashDraftModel.make_cache",
+        "db5892186958bf9da98834ab163d1c09bcb424b3b71f6c9bc9cbeda400d97dae",
+        "Relied on by the sliding-window option: rotating caches for sliding layers.",
+    ),
+    Patch(
         "mlx_vlm.speculative.dflash:_dflash_rounds",
         "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
         "The round loop calls _dflash_verify_greedy and commits the cache transaction.",
@@ -539,3 +550,14 @@ def configure_drafter(drafter, options: RuntimeOptions) -> None:
     if options.candidate_selector:
         # Stock greedy drafting bypasses the trained selector; draft_block uses it.
         drafter.draft_block_greedy = drafter.draft_block
+    if options.sliding_window:
+        # z-lab's window mask: mlx-vlm's sliding drafter layers keep only the last
+        # `sliding_window - 1` context positions and a rotating cache of that size,
+        # so the drafter's memory stays flat in the context length.
+        window = drafter.config.sliding_window
+        if not window:
+            raise ValueError("the drafter's config has no sliding_window")
+        drafter.config.layer_types = ["sliding_attention"] * len(drafter.layers)
+        for layer in drafter.layers:
+            layer.self_attn.is_sliding = True
+            layer.self_attn.sliding_window = window

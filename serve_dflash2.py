@@ -77,6 +77,9 @@ def make_dflash2_parser():
                          help="experimental: upper bound for the adaptive verify block")
     dflash2.add_argument("--dflash2-candidate-selector", action="store_true",
                          help="experimental: draft greedily through the trained candidate selector")
+    dflash2.add_argument("--dflash2-sliding-window", action="store_true",
+                         help="experimental: the drafter attends to its sliding_window last context "
+                              "positions only (flat drafter memory)")
     return parser
 
 
@@ -244,7 +247,8 @@ def main(argv=None):
 
         options = dflash2_runtime.RuntimeOptions(block_size=args.dflash2_block_size,
                                                  block_cap=args.dflash2_block_cap,
-                                                 candidate_selector=args.dflash2_candidate_selector)
+                                                 candidate_selector=args.dflash2_candidate_selector,
+                                                 sliding_window=args.dflash2_sliding_window)
         try:
             status = dflash2_runtime.install(model)
         except dflash2_runtime.RuntimeMismatch as mismatch:

@@ -149,3 +149,21 @@ def test_fp32_dense_layout_verify_and_rollback_are_exact(tmp_path):
     cases = verify_cases(lm, ids, taps, continuation, lengths=(2, 8))
     cases += rollback_cases(lm, ids, taps, continuation, lengths=(8,))
     assert [c for c in cases if c["logits"] or c.get("hidden")] == []
+
+
+def test_sliding_window_drafter_has_bounded_caches_and_plain_tokens(target, tiny_pack):
+    from mlx_vlm.models.cache import RotatingKVCache
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    model, processor, _ = target
+    drafter, _ = load_drafter(tiny_pack["drafter"])  # its own copy: the option changes it
+    drafter.config.sliding_window = 8  # shorter than the prompt, so the window trims
+    dflash2_runtime.configure_drafter(
+        drafter, dflash2_runtime.RuntimeOptions(sliding_window=True)
+    )
+    caches = drafter.make_cache()
+    assert all(isinstance(c, RotatingKVCache) and c.max_size == 7 for c in caches)
+    ids = chat_ids(processor.tokenizer, PROMPTS[0], thinking=False)
+    assert ids.shape[1] > 8
+    assert greedy(model, ids, GENERATED, drafter=drafter) == greedy(model, ids, GENERATED)
+    assert drafter.accept_lens
