@@ -9,7 +9,8 @@ blocks 2..8 (forward, greedy choice, cache commit with rollback) as ratios to th
 decode step; the drafter's cost; end-to-end tokens per second, plain against
 speculative with the oracle drafter at chat-like and code-like acceptance while
 paying the real drafter's cost each round; peak memory; token identity. It writes
-evidence/bench-<backend>.json and .md. `--size tiny` runs the same on the tiny pack.
+evidence/bench-<backend>-<size>.json and .md. `--size tiny` runs the same on the tiny
+pack; `--pack DIR` measures a built pack's own target and drafter.
 """
 
 import argparse
@@ -39,6 +40,7 @@ from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
 import dflash2_kernels  # noqa: E402
 import dflash2_runtime  # noqa: E402
+from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import build_target_model, write_drafter  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 
@@ -116,6 +118,7 @@ def generate(model, tokens, drafter=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
+    parser.add_argument("--pack", help="measure a built pack instead of random weights")
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--context", type=int, default=32, help="prompt tokens before timing")
     parser.add_argument("--tokens", type=int, default=96, help="tokens per end-to-end run")
@@ -124,17 +127,22 @@ def main():
     started = time.time()
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
 
-    model = build_target_model(args.size, seed=0)
+    if args.pack:
+        # A built pack: its own target and drafter (whatever form it ships).
+        model, _, pack_drafter = load_pack(*find_pack(args.pack))
+        drafters = {"pack": pack_drafter}
+    else:
+        model = build_target_model(args.size, seed=0)
+        drafters = {}
+        with tempfile.TemporaryDirectory() as folder:
+            for form in ("bf16", "4bit"):
+                write_drafter(Path(folder) / form, args.size, seed=0, form=form)
+                drafters[form], _ = load_drafter(Path(folder) / form)
+    mx.eval([drafter.parameters() for drafter in drafters.values()])
     lm = model.language_model
-    log("target built")
-    drafters = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for form in ("bf16", "4bit"):
-            write_drafter(Path(folder) / form, args.size, seed=0, form=form)
-            drafters[form], _ = load_drafter(Path(folder) / form)
-            mx.eval(drafters[form].parameters())
-    log("drafters built")
-    taps = list(drafters["bf16"].config.target_layer_ids)
+    log("target and drafters ready")
+    cost_drafter = next(iter(drafters.values()))
+    taps = list(cost_drafter.config.target_layer_ids)
     prompt = [(17 * i + 3) % 200 + 1 for i in range(args.context)]
 
     cache, _ = prefill_one_by_one(lm, prompt, taps)
@@ -168,7 +176,7 @@ def main():
             error_rate=error_rate,
             block_size=8,
             target_layer_ids=taps,
-            cost_drafter=drafters["bf16"],
+            cost_drafter=cost_drafter,
         )
         spec, spec_tps, spec_peak = generate(model, args.tokens, oracle)
         identical &= spec == plain
@@ -178,7 +186,7 @@ def main():
         log(f"{profile}: {spec_tps:.1f} tok/s vs {stock_plain_tps:.1f}, {rounds[profile]:.2f} tokens/round")
 
     record = {
-        "size": args.size,
+        "size": Path(args.pack).name if args.pack else args.size,
         "backend": dflash2_kernels.backend_name(),
         "device": mx.device_info().get("device_name", platform.machine()),
         "versions": {"mlx": mx.__version__, "mlx_vlm": mlx_vlm.__version__},
@@ -203,7 +211,7 @@ def main():
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"bench-{record['backend']}-{args.size}"
+    name = f"bench-{record['backend']}-{'pack' if args.pack else args.size}"
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / f"{name}.md").write_text(summary_markdown(record))
     print(summary_markdown(record))
