@@ -33,7 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import mlx_vlm  # noqa: E402
-from mlx_vlm.generate.ar import generate_step  # noqa: E402
 from mlx_vlm.speculative import dflash as dflash_rounds  # noqa: E402
 from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
 from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
@@ -43,6 +42,7 @@ import dflash2_runtime  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import build_target_model, write_drafter  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
+from parity import greedy  # noqa: E402
 
 # Per-position acceptance that gives the published tokens per round at block 8:
 # chat about 2.7, code about 4.5 (1 + sum of q^k for k = 1..7).
@@ -98,20 +98,11 @@ def drafter_ms(drafter, model, hidden, repeats):
 
 
 def generate(model, tokens, drafter=None):
+    """Greedy tokens from a one-token prompt, with tok/s and peak memory in GB."""
     mx.reset_peak_memory()
     start = time.perf_counter()
-    steps = generate_step(
-        mx.array([[1]]),
-        model,
-        None,
-        None,
-        max_tokens=tokens,
-        temperature=0.0,
-        draft_model=drafter,
-        draft_kind="dflash",
-        draft_block_size=8 if drafter is not None else None,
-    )
-    out = [int(token) for token, _ in steps]
+    block_size = 8 if drafter is not None else None
+    out = greedy(model, mx.array([[1]]), tokens, drafter=drafter, block_size=block_size)
     return out, tokens / (time.perf_counter() - start), mx.get_peak_memory() / GB
 
 
