@@ -716,3 +716,66 @@ def self_test(kernel: Optional[Kernel] = None, shapes=None, seed: int = 0) -> Se
     if own:
         _verified[backend] = ok
     return SelfTestResult(ok, backend, reason, mismatches, stock_mismatches, cases)
+
+
+# ---------------------------------------------------------------------------
+# Verify building blocks: ops whose decode kernel is not row-invariant. Each
+# takes all verify positions at once and returns, per position, what decode's
+# single-position call returns. Here: the stock single-position calls (exact by
+# construction); a backend's multi-position kernel replaces them once its
+# self-test passed.
+
+
+def dense_rows(x: mx.array, weight: mx.array) -> mx.array:
+    """x @ weight.T for the rows of x (..., K), each as decode's one-row call."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = mx.concatenate([rows[i : i + 1] @ weight.T for i in range(rows.shape[0])])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def gdn_recurrence(q, k, v, g, beta, state):
+    """GatedDeltaNet recurrence over L positions, each step as decode runs it.
+
+    q, k: (B, L, Hk, Dk); v: (B, L, Hv, Dv); g, beta: (B, L, Hv) from
+    `_compute_g_beta`; state: (B, Hv, Dv, Dk) float32. Returns y (B, L, Hv, Dv)
+    and states (B, L, Hv, Dv, Dk), states[:, t] the state after position t.
+    """
+    from mlx_vlm.models.qwen3_5.gated_delta import _gated_delta_step_ops, gated_delta_kernel
+
+    length = q.shape[1]
+    outputs, states = [], []
+    if backend_name() == "metal":
+        # Decode on Metal: mlx-vlm's fused kernel, T=1, key heads not repeated.
+        for t in range(length):
+            step = slice(t, t + 1)
+            y, state = gated_delta_kernel(q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], state)
+            outputs.append(y)
+            states.append(state)
+        return mx.concatenate(outputs, axis=1), mx.stack(states, axis=1)
+    # Elsewhere decode repeats the key heads and runs one compiled ops step.
+    if (repeat := v.shape[-2] // q.shape[-2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    for t in range(length):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        outputs.append(y)
+        states.append(state)
+    return mx.stack(outputs, axis=1), mx.stack(states, axis=1)
+
+
+def decode_attention_rows(queries, keys, values, scale: float, first_length: int):
+    """Attention of L queries (B, Hq, L, D); query j sees keys[..., :first_length + j].
+
+    Each query as decode's own call: one query, the cache's keys up to its
+    position, no mask.
+    """
+    outputs = [
+        mx.fast.scaled_dot_product_attention(
+            queries[:, :, j : j + 1],
+            keys[:, :, : first_length + j],
+            values[:, :, : first_length + j],
+            scale=scale,
+            mask=None,
+        )
+        for j in range(queries.shape[2])
+    ]
+    return mx.concatenate(outputs, axis=2)

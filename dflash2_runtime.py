@@ -26,23 +26,17 @@ os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", "4096")
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import mlx_vlm  # noqa: E402
-from mlx_vlm.models.base import scaled_dot_product_attention
 from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import (
     HadamardQuantizedLinear,
     hadamard_transform,
 )
 from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
-from mlx_vlm.models.qwen3_5.gated_delta import (
-    _compute_g_beta,
-    _gated_delta_step_ops,
-    gated_delta_update,
-)
+from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 from mlx_vlm.models.qwen3_5.speculative_verifier import Qwen3_5BatchInvariantForward
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
 from mlx_vlm.speculative.drafters.dflash2.dflash2 import DFlash2DraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
-from mlx_vlm.speculative.ops.linear import _target_verify_singletons
 
 import dflash2_kernels
 
@@ -123,59 +117,36 @@ def _hadamard_linear_call(self, x):
     return _packed_linear(self, x)
 
 
-def _one_position(sequence: mx.array, index: int) -> mx.array:
-    return sequence[:, index : index + 1]
-
-
-def _decode_recurrence(layer, q, k, v, a, b, state):
-    """Yield (output, state) per position, computed as decode computes one token.
-
-    Off Metal, decode's gated_delta_update(T=1) computes the gates, repeats the
-    key heads and runs one compiled _gated_delta_step_ops; the gates and the head
-    repeat are element-wise, so they are computed once for all positions here and
-    only the recurrence runs position by position. On Metal decode runs a fused
-    kernel, so each position calls gated_delta_update itself.
-    """
-    length = q.shape[1]
-    use_kernel = not layer.training
-    if use_kernel and mx.default_device() == mx.gpu and mx.metal.is_available():
-        for index in range(length):
-            output, state = gated_delta_update(
-                *(_one_position(value, index) for value in (q, k, v, a, b)),
-                layer.A_log,
-                layer.dt_bias,
-                state=state,
-                use_kernel=use_kernel,
-            )
-            yield output, state
-        return
-    g, beta = _compute_g_beta(layer.A_log, a, b, layer.dt_bias)
-    if state is None:
-        batch, _, _, key_width = q.shape
-        state = mx.zeros((batch, *v.shape[2:], key_width), dtype=mx.float32)
-    if (repeat := v.shape[-2] // q.shape[-2]) > 1:
-        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-    for index in range(length):
-        output, state = _gated_delta_step_ops(
-            q[:, index], k[:, index], v[:, index], g[:, index], beta[:, index], state
-        )
-        yield output[:, None], state
-
-
-def _unpadded_single_row(cache, batch: int) -> bool:
+def _single_unpadded_row(cache, batch: int) -> bool:
     left_padding = getattr(cache, "left_padding", None)
-    return batch == 1 and (left_padding is None or int(mx.max(left_padding).item()) <= 0)
+    return batch == 1 and (left_padding is None or max(left_padding.tolist()) <= 0)
 
 
 class ExactVerifier(Qwen3_5BatchInvariantForward):
-    """Qwen3.5 verify forward whose every position equals a decode step."""
+    """Qwen3.5 verify forward whose every position equals a decode step.
+
+    Row-wise work (norms, rotations, rotary tables, gates, silu, the
+    convolution over strided windows, one KV update per layer) runs once for
+    all positions: those kernels take their launch shape from the row, never
+    from the row count. What decode runs through kernels that are not
+    row-invariant (packed and dense matmuls, the GatedDeltaNet recurrence,
+    attention) goes through dflash2_kernels' multi-position equivalents.
+    """
+
+    def verify(self, language_model, inputs, *, cache=None, **kwargs):
+        # The server's one-row batch cache brings an explicit causal mask; an
+        # unpadded single row decodes without one. Checked once per round.
+        attention_cache = (cache or [None])[language_model.model.fa_idx]
+        self._unpadded_row = _single_unpadded_row(attention_cache, inputs.shape[0])
+        return super().verify(language_model, inputs, cache=cache, **kwargs)
 
     def _linear(self, linear, x):
         if isinstance(linear, HadamardQuantizedLinear):
             return _packed_linear(linear, x)
-        # Dense fp16 linears (GDN in_proj_a / in_proj_b): a one-row matmul per
-        # position, as decode runs them.
-        return _target_verify_singletons(linear, x)
+        if "bias" in linear:
+            raise ExactnessError("dense verify linears with a bias are not covered")
+        # Dense fp16 linears (GDN in_proj_a / in_proj_b): decode's one-row matmul.
+        return dflash2_kernels.dense_rows(x, linear.weight)
 
     def _linears(self, linears, x):
         return tuple(self._linear(linear, x) for linear in linears)
@@ -185,101 +156,89 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
 
     def _attention(self, attention, x, mask, cache, position_ids, position_embeddings):
         batch, length, _ = x.shape
-        if not (mask is None or isinstance(mask, str) and mask == "causal"):
-            # The server's one-row batch cache brings an explicit causal mask;
-            # without left padding, decode of that row uses no mask at all.
-            if not (isinstance(mask, mx.array) and _unpadded_single_row(cache, batch)):
-                raise ExactnessError("padded or batched attention is not verified exactly")
+        explicit_causal = isinstance(mask, mx.array) and self._unpadded_row
+        if not (mask is None or isinstance(mask, str) and mask == "causal" or explicit_causal):
+            raise ExactnessError("padded or batched attention is not verified exactly")
         queries, keys, values = self._linears(
             (attention.q_proj, attention.k_proj, attention.v_proj), x
         )
-        outputs, gates = [], []
-        for index in range(length):
-            step_position_ids = (
-                None if position_ids is None else position_ids[..., index : index + 1]
-            )
-            # Decode computes rotary tables from its own single position, in the
-            # dtype of the model's input embeddings (the tables' dtype here).
-            step_embeddings = (
-                None
-                if position_embeddings is None
-                else attention.rotary_emb(position_embeddings[0], step_position_ids)
-            )
-            step_q, step_k, step_v, gate, _ = attention._prepare_projected_qkv(
-                _one_position(queries, index),
-                _one_position(keys, index),
-                _one_position(values, index),
-                cache,
-                step_position_ids,
-                step_embeddings,
-                None,
-            )
-            output = scaled_dot_product_attention(
-                step_q, step_k, step_v, cache=cache, scale=attention.scale, mask=None
-            )
-            outputs.append(output.transpose(0, 2, 1, 3).reshape(batch, 1, -1))
-            gates.append(gate)
-        output = mx.concatenate(outputs, axis=1)
-        gate = mx.concatenate(gates, axis=1)
+        # Norms, rotary tables and their application are row-wise; one KV
+        # update appends every position, as decode's would one by one.
+        queries, keys, values, gate, _ = attention._prepare_projected_qkv(
+            queries, keys, values, cache, position_ids, position_embeddings, None
+        )
+        if not isinstance(keys, mx.array):
+            raise ExactnessError("quantized KV caches are not verified exactly")
+        output = dflash2_kernels.decode_attention_rows(
+            queries, keys, values, attention.scale, keys.shape[-2] - length + 1
+        )
+        output = output.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return self._linear(attention.o_proj, output * mx.sigmoid(gate))
 
     def _gated_delta(self, layer, inputs, mask, cache):
         if mask is not None or cache is None:
             raise ExactnessError("padded or cache-less GatedDeltaNet verify is not exact")
-        helpers = self._helpers()
         batch, length, _ = inputs.shape
         mixed_qkv, z, b, a = self._linears(
             (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a),
             inputs,
         )
         z = z.reshape(batch, length, -1, layer.head_v_dim)
+        width = layer.conv_kernel_size - 1
         conv_state = cache[0]
         if conv_state is None or conv_state.shape[0] != batch:
-            conv_state = mx.zeros(
-                (batch, layer.conv_kernel_size - 1, layer.conv_dim), dtype=inputs.dtype
-            )
-
-        convolved = []
-        for index in range(length):
-            # Convolution window: as Qwen3_5GatedDeltaNet.__call__ at S == 1; the
-            # cache records each window for rollback.
-            conv_input = mx.concatenate(
-                [conv_state, _one_position(mixed_qkv, index)], axis=1
-            )
-            conv_state = cache.update_window(
-                0, conv_input, layer.conv_kernel_size - 1, lengths=cache.lengths
-            )
-            convolved.append(
-                layer._causal_conv1d_decode(conv_input)
-                if layer.conv1d.weight.dtype in (mx.bfloat16, mx.float16)
-                else layer.conv1d(conv_input)
-            )
-        conv_out = nn.silu(mx.concatenate(convolved, axis=1))
-        # Row-wise from here (silu, norms, gates): one call covers every position.
+            conv_state = mx.zeros((batch, width, layer.conv_dim), dtype=inputs.dtype)
+        conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
+        # One window update records every position's window for rollback.
+        cache.update_window(0, conv_input, width, lengths=cache.lengths)
+        conv_out = nn.silu(_decode_convolution(layer, conv_input, length))
         q, k, v = [
-            value.reshape(batch, length, heads, width)
-            for value, heads, width in zip(
+            value.reshape(batch, length, heads, head_width)
+            for value, heads, head_width in zip(
                 mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
                 [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
                 [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
             )
         ]
         q, k = layer._normalize_qk(q, k)
+        g, beta = _compute_g_beta(layer.A_log, a, b, layer.dt_bias)
         initial = cache[1]
-        if initial is not None and initial.shape[0] != batch:
-            initial = None
-        outputs = []
-        for output, state in _decode_recurrence(layer, q, k, v, a, b, initial):
-            # Each position's state is recorded so rollback can keep any prefix.
-            cache.record_speculative_states(1, None, state)
-            cache[1] = state
-            cache.advance(1)
-            helpers._qwen3_5_advance_left_padding_info(cache, 1)
-            helpers._qwen3_5_advance_lengths_info(cache, 1)
-            outputs.append(output)
-
-        output = layer.norm(mx.concatenate(outputs, axis=1), z)
+        if initial is None or initial.shape[0] != batch:
+            initial = mx.zeros((batch, *v.shape[2:], k.shape[-1]), dtype=mx.float32)
+        output, states = dflash2_kernels.gdn_recurrence(q, k, v, g, beta, initial)
+        # Every position's state is recorded in one call so rollback can keep
+        # any prefix without copying states per position.
+        final = states[:, -1]
+        cache.record_speculative_states(1, states[:, :-1] if length > 1 else None, final)
+        cache[1] = final
+        cache.advance(length)
+        helpers = self._helpers()
+        helpers._qwen3_5_advance_left_padding_info(cache, length)
+        helpers._qwen3_5_advance_lengths_info(cache, length)
+        output = layer.norm(output, z)
         return self._linear(layer.out_proj, output.reshape(batch, length, -1))
+
+
+def _decode_convolution(layer, conv_input, length):
+    """Decode's depthwise convolution for each of the last `length` positions.
+
+    Decode convolves one (B, K, C) window; here every position's window is a
+    strided view of the block's input and one call reduces them all (the
+    reduction keeps each output's order, whatever the number of outputs).
+    """
+    batch, total, channels = conv_input.shape
+    taps = layer.conv_kernel_size
+    if layer.conv1d.weight.dtype not in (mx.bfloat16, mx.float16):
+        # fp32 convolution weights: decode runs nn.Conv1d on the window.
+        return mx.concatenate(
+            [layer.conv1d(conv_input[:, t : t + taps]) for t in range(length)], axis=1
+        )
+    windows = mx.as_strided(
+        conv_input,
+        (batch, length, taps, channels),
+        (total * channels, channels, channels, 1),
+    ).reshape(batch * length, taps, channels)
+    return layer._causal_conv1d_decode(windows).reshape(batch, length, channels)
 
 
 def greedy_tokens_like_decode(logits: mx.array) -> mx.array:
@@ -287,14 +246,11 @@ def greedy_tokens_like_decode(logits: mx.array) -> mx.array:
 
     Plain decode takes the argmax of fp16 `logits - logsumexp(logits)` of one
     position (generate/ar.py); on near-ties that can differ from the argmax of
-    the raw logits, which stock verify uses.
+    the raw logits, which stock verify uses. Both are row-wise, so one call
+    covers every position.
     """
-    tokens = []
-    for index in range(logits.shape[1]):
-        row = logits[:, index, :]
-        logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
-        tokens.append(mx.argmax(logprobs, axis=-1))
-    return mx.stack(tokens, axis=1)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.argmax(logprobs, axis=-1)
 
 
 def exact_verify_greedy(lm, verify_input, prompt_cache, target_layer_ids, sampler):
