@@ -16,7 +16,9 @@ import hashlib
 import importlib
 import inspect
 import os
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 # Exact verify runs each position as its own small graph; at the 27B layer count
@@ -64,11 +66,21 @@ class RuntimeOptions:
 
 
 @dataclass
+class DecodeMatmulChoice:
+    """Plain decode's one-row packed matmul: MLX's call or the exact kernel."""
+
+    kernel: bool
+    why: str
+    step_ms: dict = field(default_factory=dict)  # arm -> {"median", "min", "max"}
+
+
+@dataclass
 class RuntimeStatus:
     speculative: bool
     reason: Optional[str]
     backend: str
     self_test: Optional[dflash2_kernels.SelfTestResult] = None
+    decode_matmul: Optional[DecodeMatmulChoice] = None
 
 
 # ---------------------------------------------------------------------------
@@ -102,17 +114,20 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
 
 
 _stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
+# Whether plain decode's one-row packed matmul runs on the exact kernel; set by
+# choose_decode_matmul from an end-to-end measurement on this machine.
+_decode_on_kernel = False
 
 
 def _hadamard_linear_call(self, x):
     """HadamardQuantizedLinear.__call__ with the one-row decode matmul on the exact kernel.
 
     For one row the kernel equals MLX's single-row kernel bit for bit (the
-    self-test proves it at the pack's shapes), and on CUDA reads the weights
-    faster, so plain decode speeds up with no token changed. Multi-row calls
+    self-test proves it at the pack's shapes); it is used only where
+    choose_decode_matmul measured it faster end to end. Multi-row calls
     (prefill) keep MLX's own dispatch, whose arithmetic changes with the row count.
     """
-    if x.dtype != mx.float16 or x.size != x.shape[-1]:
+    if not _decode_on_kernel or x.dtype != mx.float16 or x.size != x.shape[-1]:
         return _stock_hadamard_linear_call(self, x)
     return _packed_linear(self, x)
 
@@ -474,7 +489,8 @@ def install(model=None) -> RuntimeStatus:
 
     Raises RuntimeMismatch if anything differs from the audited sources. A
     failed kernel self-test does not raise: speculation is reported off, with
-    the reason, and the caller serves plain.
+    the reason, and the caller serves plain. With a model, also chooses plain
+    decode's one-row matmul by measurement (choose_decode_matmul).
     """
     apply_patches()
     backend = dflash2_kernels.backend_name()
@@ -482,7 +498,55 @@ def install(model=None) -> RuntimeStatus:
     result = dflash2_kernels.self_test(shapes=shapes)
     if not result.ok:
         return RuntimeStatus(False, f"kernel-self-test-failed: {result.reason}", backend, result)
-    return RuntimeStatus(True, None, backend, result)
+    choice = choose_decode_matmul(model) if model is not None else None
+    return RuntimeStatus(True, None, backend, result, choice)
+
+
+def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:
+    """Median, min and max ms of a plain decode step under each arm.
+
+    arms: name -> function that sets the arm up. Warm-up first, then the arms
+    interleaved (ABAB...) `repeats` times, `steps` decode steps each.
+    """
+    cache = language_model.make_cache()
+    mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
+    token = mx.array([[5]])
+    samples = {name: [] for name in arms}
+    for repeat in range(repeats + 1):
+        for name, set_up in arms.items():
+            set_up()
+            mx.eval(language_model(token, cache=cache).logits)  # graph and kernels warm
+            start = time.perf_counter()
+            for _ in range(steps):
+                mx.eval(language_model(token, cache=cache).logits)
+            if repeat:  # the first pass is the warm-up
+                samples[name].append(1000 * (time.perf_counter() - start) / steps)
+    return {
+        name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
+        for name, s in samples.items()
+    }
+
+
+def choose_decode_matmul(model) -> DecodeMatmulChoice:
+    """Run plain decode's one-row matmul on the exact kernel only where that is
+    faster end to end on this machine (the tokens are the same either way)."""
+    global _decode_on_kernel
+    if dflash2_kernels.backend_name() != "cuda":
+        # Elsewhere one row already is MLX's own call.
+        _decode_on_kernel = False
+        return DecodeMatmulChoice(False, "one row is MLX's own call on this backend")
+
+    def use(kernel):
+        def set_up():
+            global _decode_on_kernel
+            _decode_on_kernel = kernel
+
+        return set_up
+
+    timings = time_decode_steps(model.language_model, {"mlx": use(False), "kernel": use(True)})
+    _decode_on_kernel = timings["kernel"]["median"] < timings["mlx"]["median"]
+    why = "measured faster end to end" if _decode_on_kernel else "MLX's call measured faster end to end"
+    return DecodeMatmulChoice(_decode_on_kernel, why, timings)
 
 
 def configure_drafter(drafter, options: RuntimeOptions) -> None:

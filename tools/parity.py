@@ -16,6 +16,7 @@ speculative with the pack's own drafter) to evidence/fixture-checks-<backend>.*.
 """
 
 import argparse
+import copy
 import json
 import platform
 import shlex
@@ -206,6 +207,54 @@ def rollback_cases(lm, ids, taps, continuation, lengths=(2, 5, 8)):
     return cases
 
 
+def prefill_snapshots(lm, taps, contexts):
+    """Caches after token-by-token prefills (decode arithmetic) of each context length.
+
+    One growing prefill; a deep copy at each length, so every case starts from
+    the same cache a plain run would have, buffer capacity included."""
+    cache, snapshots = lm.make_cache(), {}
+    prompt = [(17 * i + 3) % 200 + 1 for i in range(max(contexts))]
+    for position, token in enumerate(prompt, start=1):
+        mx.eval(lm(mx.array([[token]]), cache=cache, capture_layer_ids=taps).logits)
+        if position in contexts:
+            snapshots[position] = copy.deepcopy(cache)
+    return snapshots
+
+
+def context_cases(lm, taps, snapshots, block, lengths=range(2, 9), rollback_contexts=()):
+    """Verify of L = 2..8 against L decode steps from each snapshot, and rollback at
+    every accepted count from the snapshots in rollback_contexts."""
+    cases = []
+    for context, snapshot in snapshots.items():
+        for length in lengths:
+            sequential = copy.deepcopy(snapshot)
+            steps = [lm(mx.array([[t]]), cache=sequential, capture_layer_ids=taps) for t in block[:length]]
+            cache = copy.deepcopy(snapshot)
+            out = lm(mx.array([block[:length]]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
+            out.gdn_states.abort()
+            logits = differing(out.logits, mx.concatenate([s.logits for s in steps], axis=1))
+            hidden = sum(
+                differing(h, mx.concatenate([s.hidden_states[i] for s in steps], axis=1))
+                for i, h in enumerate(out.hidden_states)
+            )
+            cases.append({"check": "verify", "context": context, "length": length, "logits": logits, "hidden": hidden})
+            if context not in rollback_contexts:
+                continue
+            probe = mx.array([[block[0]]])
+            for accepted in range(length):
+                cache = copy.deepcopy(snapshot)
+                out = lm(mx.array([block[:length]]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
+                commit_speculative_round(lm, cache, out.gdn_states, accepted, length)
+                fresh = copy.deepcopy(snapshot)
+                for token in block[: accepted + 1]:
+                    lm(mx.array([[token]]), cache=fresh)
+                mismatch = differing(lm(probe, cache=cache).logits, lm(probe, cache=fresh).logits)
+                cases.append(
+                    {"check": "rollback", "context": context, "length": length, "accepted": accepted, "logits": mismatch}
+                )
+    return cases
+
+
 def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
     """Every (prompt, thinking, block, error rate): the full matrix of the GPU run."""
     return [
@@ -244,6 +293,29 @@ def token_cases(model, tokenizer, max_tokens, combos):
     return cases
 
 
+def raw_token_cases(model, ids, max_tokens, blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
+    """Greedy speculative tokens (oracle drafter) against plain decoding, raw-id prompt."""
+    vocab = model.language_model.lm_head.weight.shape[0]
+    plain = greedy(model, ids, max_tokens)
+    cases = []
+    for block in blocks:
+        for error_rate in errors:
+            drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
+            spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
+            cases.append(
+                {
+                    "check": "tokens",
+                    "prompt": "raw ids",
+                    "block": block,
+                    "error_rate": error_rate,
+                    "accepted": int(sum(drafter.accept_lens)),
+                    "rounds": len(drafter.accept_lens),
+                    "identical": spec == plain,
+                }
+            )
+    return cases
+
+
 def case_mismatches(case) -> int:
     if case["check"] == "tokens":
         return 0 if case["identical"] else 1
@@ -253,6 +325,13 @@ def case_mismatches(case) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pack", help="pack folder (default: build the tiny synthetic pack)")
+    parser.add_argument(
+        "--size",
+        choices=["tiny", "27b"],
+        default="tiny",
+        help="synthetic target without --pack; 27b: random weights in memory, raw-id prompts, "
+        "contexts across the KV cache's 256-token growth steps",
+    )
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
@@ -263,22 +342,32 @@ def main():
     import dflash2_kernels
     import dflash2_runtime
     from dflash2_pack import find_pack, load_pack
-    from make_synthetic_pack import make_pack
+    from make_synthetic_pack import SIZES, build_target_model, make_pack
 
     started = time.time()
+    processor = drafter = None
     if args.pack:
         model, processor, drafter = load_pack(*find_pack(args.pack))
+    elif args.size == "27b":
+        model = build_target_model("27b", seed=0)
     else:
         with tempfile.TemporaryDirectory() as folder:
             paths = make_pack(folder, size="tiny", seed=0)
             model, processor, drafter = load_pack(paths["target"], paths["drafter"])
     lm = model.language_model
-    tokenizer = processor.tokenizer
-    taps = list(drafter.config.target_layer_ids)
-    ids = chat_ids(tokenizer, PROMPTS[0], thinking=False)
+    if processor is None:
+        # Raw token ids: the in-memory 27B target has no tokenizer files.
+        taps = SIZES["27b"]["drafter"]["target_layer_ids"]
+        ids = mx.array([[(31 * i + 5) % 300 + 1 for i in range(16)]])
+    else:
+        taps = list(drafter.config.target_layer_ids)
+        ids = chat_ids(processor.tokenizer, PROMPTS[0], thinking=False)
     continuation = greedy(model, ids, 8)
+    contexts = (250, 252, 254, 256, 258, 262, 1030) if args.size == "27b" and not args.pack else (5, 12)
+    snapshots = prefill_snapshots(lm, taps, contexts)
 
-    stock = verify_cases(lm, ids, taps, continuation)  # before install: the stock verifier
+    # Before install: the stock verifier (the negative control).
+    stock = verify_cases(lm, ids, taps, continuation) + context_cases(lm, taps, snapshots, continuation)
     stock_decode = decode_logits(lm, ids, continuation)
     status = dflash2_runtime.install(model)
     # Plain decode after install (one-row matmuls on the exact kernel) against stock.
@@ -289,8 +378,13 @@ def main():
         }
     ]
     exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
-    exact += token_cases(model, tokenizer, args.max_tokens, all_token_combos())
-    fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
+    exact += context_cases(lm, taps, snapshots, continuation, rollback_contexts=(contexts[1], contexts[-1]))
+    if processor is None:
+        exact += raw_token_cases(model, ids, args.max_tokens)
+        fixtures = []
+    else:
+        exact += token_cases(model, processor.tokenizer, args.max_tokens, all_token_combos())
+        fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
     shapes = PACKED_SHAPES_27B if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
 
@@ -304,7 +398,7 @@ def main():
             "python": platform.python_version(),
         },
         "command": "python " + shlex.join(["tools/parity.py", *sys.argv[1:]]),
-        "pack": Path(args.pack).name if args.pack else "synthetic tiny pack, seed 0",
+        "pack": Path(args.pack).name if args.pack else f"synthetic {args.size} target, seed 0",
     }
     record = {
         **environment,
@@ -327,10 +421,11 @@ def main():
     (out / f"parity-{backend}.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / f"parity-{backend}.md").write_text(summary_markdown(record))
     fixture_record = {**environment, "all_identical": all(c["identical"] for c in fixtures), "cases": fixtures}
-    (out / f"fixture-checks-{backend}.json").write_text(json.dumps(fixture_record, indent=1) + "\n")
-    (out / f"fixture-checks-{backend}.md").write_text(fixture_markdown(fixture_record))
+    if fixtures:
+        (out / f"fixture-checks-{backend}.json").write_text(json.dumps(fixture_record, indent=1) + "\n")
+        (out / f"fixture-checks-{backend}.md").write_text(fixture_markdown(fixture_record))
+        print(fixture_markdown(fixture_record))
     print(summary_markdown(record))
-    print(fixture_markdown(fixture_record))
     exact = record["exact_mismatches"] == 0 and fixture_record["all_identical"]
     return 0 if exact and status.speculative else 1
 
