@@ -1,50 +1,75 @@
-"""An exact 2-bit matmul for 1..8 rows, proven by a start-up self-test.
+"""Exact kernels for DFlash2 verify, each proven by a self-test on this machine.
 
-`exact_quantized_matmul(x, weight, scales, biases)` computes y = x @ W.T for a
-2-bit affine, group-128 packed W (the pack's format) and up to 8 fp16 rows.
-Row m of the result is bit for bit what MLX 0.32.2's own single-row call
-`mx.quantized_matmul(x[m:m+1], ...)` gives on this backend, while the weights are
-read once for all rows. MLX's multi-row call is not exact: on CUDA 8 rows switch
-to a tensor-core kernel, on Metal 2+ rows (M3 and later) or 6+ rows (M1/M2) switch
-to kernels that round differently.
+Verify runs up to 8 positions at once; decode runs one. Every kernel here gives,
+for each position, bit for bit what MLX 0.32.2 / mlx-vlm 0.7.2 compute for that
+position alone in plain decode, on this backend:
 
-Per backend:
-- cuda: `mx.fast.cuda_kernel` with MLX's qmv_kernel arithmetic (qmv.cu): lane l
-  owns elements 16l + 512r, one fp16 fma chain per element slot over r, the slots
-  summed in float from +0 in order, a xor butterfly 16..1, a round-to-nearest
-  fp16 store. Each warp keeps several output rows so each activation load serves
-  all of them.
-- metal: `mx.fast.metal_kernel` with affine_qmv_fast's arithmetic, MLX's
-  load_vector/qdot copied verbatim. Written from MLX's source and never run here
-  (no Mac); like every kernel it serves only after its self-test passed.
-- cpu: MLX's own batched `mx.quantized_matmul`, which the self-test proves equal
-  to the single-row call on CPU.
+- `exact_quantized_matmul(x, weight, scales, biases)`: y = x @ W.T for a 2-bit
+  affine, group-128 packed W (the pack's format) and 1..8 fp16 rows, each row
+  MLX's single-row `mx.quantized_matmul`, the weights read once for all rows.
+  MLX's multi-row call is not exact (CUDA: 8 rows take a tensor-core kernel;
+  Metal: 2+ rows on M3+, 6+ on M1/M2 take kernels that round differently).
+  cuda: `mx.fast.cuda_kernel` with qmv.cu's arithmetic (lane l owns elements
+  16l + 512r, one fp16 fma chain per element slot, slots summed in float from +0,
+  xor butterfly 16..1, round-to-nearest fp16 store), several output rows a warp.
+  metal: affine_qmv_fast's arithmetic with MLX's load_vector/qdot copied verbatim
+  (N % 8 == 0 and K % 512 == 0 only, as MLX). cpu: MLX's batched call, which the
+  self-test proves equal to its single-row call there. One row on Metal or CPU
+  is MLX's own call; on CUDA it takes the kernel (about twice as fast, H200).
+- `rotate(x, block, signs)`: mlx-vlm's four-primitive `hadamard_transform`
+  (astype fp32, times the fp32 signs, `mx.hadamard_transform`, astype back) in one
+  launch with the same fp32 arithmetic (sign multiply never fused, MLX's
+  hadamard_n radix-16 butterflies, fp32 scale multiply, round to fp16).
+  cuda: copies hadamard.cuh; metal: copies hadamard.h; cpu: the stock chain.
+  Gated per (K, block); qmv, gdn and dense per backend.
+- `gdn_recurrence(q, k, v, g, beta, state)`: L GatedDeltaNet steps in one launch,
+  each decode's compiled `_gated_delta_step_ops`, with the state after every step
+  for rollback. cuda only, in the variant ("fma": NVRTC contracts
+  `state + k * delta`, or "mul_add") that its self-test found bitwise equal.
+- `dense_rows(x, weight)`: 1..8 rows of x @ weight.T, each decode's one-row
+  `nn.Linear` (MLX's gemv). cuda only.
+- `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
+  queries, query j seeing first_length + j keys, each decode's single-query
+  `mx.fast.scaled_dot_product_attention`. cuda only, where decode runs MLX's
+  unfused fallback (fp16, head dim > 128): gemv scores, MLX's softmax, decode's
+  own p @ v call. Gated per (B, Hq, Hkv, D).
 
-The kernel serves only after `self_test` passed on this machine (it runs by
-itself on first use; the runtime calls it at start-up with the pack's shapes).
-After a failed self-test, or for a shape the kernel does not take (Metal: N % 8
-or K % 512 nonzero, where MLX itself takes another kernel),
-`exact_quantized_matmul` falls back to one stock single-row call per row: still
-exact, only slower. One row on Metal or CPU is always MLX's own call; on CUDA it
-goes through the kernel, which is about twice as fast as MLX's (H200).
+Where a function has no kernel (cpu, metal where none is named above, shapes
+or dtypes a kernel does not take) it runs the stock calls decode makes, one row /
+step / query at a time: exact by construction, only slower. A kernel serves only
+after its self-test passed on this machine: `verify_kernel_self_tests(shapes)`
+runs them at the pack's shapes at start-up; a kernel not yet tested there tests
+itself on first use. The Metal kernels are written from MLX's source and were
+never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200.
+
+Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 """
 
+import math
+import struct
 import warnings
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from typing import Callable, Optional
 
 import mlx.core as mx
+import numpy as np
+from mlx_vlm.models.cache import KVCache
+from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import hadamard_transform
+from mlx_vlm.models.qwen3_5.gated_delta import (
+    _compute_g_beta,
+    _gated_delta_step_ops,
+    _gated_delta_with_states_ops,
+    gated_delta_chunked,
+    gated_delta_ops,
+)
 
-BITS = 2
-GROUP_SIZE = 128
-MAX_ROWS = 8
+# ===========================================================================
+# Shared: backend, result type, test inputs, bitwise comparison
+
+MAX_ROWS = 8  # rows (verify positions) one kernel call takes
 INPUT_KINDS = ("normal", "large", "tiny", "subnormal", "signed_zero", "cancellation")
-# Small shapes, cheap on a 2-core CPU: K = 512 and 1536 take the plain K loop,
-# 640 and 384 MLX's tail for K % 512 (384: tail only), N = 42 a partial last warp.
-DEFAULT_SHAPES = ((16, 512), (24, 1536), (42, 640), (24, 384))
-
-Kernel = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
+NO_KERNEL = "stock calls on this backend"  # a self-test's reason when nothing was tested
 
 
 def backend_name() -> str:
@@ -55,6 +80,91 @@ def backend_name() -> str:
         if mx.cuda.is_available():
             return "cuda"
     return "cpu"
+
+
+@dataclass
+class SelfTestResult:
+    """One kernel's self-test. reason: why it failed, or NO_KERNEL when the
+    backend has no kernel to test; with variants, each failed variant's first
+    difference (even when another variant passed)."""
+
+    ok: bool
+    backend: str
+    reason: Optional[str]
+    mismatches: int  # elements whose bits differ from the reference (the serving variant's)
+    stock_mismatches: int  # the same for MLX's own multi-row path (negative control)
+    cases: list = field(default_factory=list)
+    variant: Optional[str] = None  # the variant that serves (variant kernels only)
+    variants: dict = field(default_factory=dict)  # variant -> differing elements
+    controls: dict = field(default_factory=dict)  # negative control -> differing elements
+
+
+def _no_kernel_result(backend: str) -> SelfTestResult:
+    return SelfTestResult(True, backend, NO_KERNEL, 0, 0)
+
+
+def make_inputs(kind: str, rows: int, k: int, key) -> mx.array:
+    """fp16 activations of one kind (see INPUT_KINDS)."""
+    k1, k2 = mx.random.split(key)
+    normal = mx.random.normal((rows, k), key=k1)
+    if kind == "normal":
+        x = normal
+    elif kind == "large":  # up to ~6e4: fp16 accumulators overflow to inf, sums to nan
+        x = mx.clip(normal * 1000.0 * mx.power(2.0, mx.arange(rows)[:, None] % 4), -6e4, 6e4)
+    elif kind == "tiny":  # mostly fp16 subnormals, some normals
+        x = normal * 1e-5
+    elif kind == "subnormal":  # every value an fp16 subnormal or zero
+        x = mx.random.randint(-1023, 1024, (rows, k), key=k1).astype(mx.float32) * 2.0**-24
+    elif kind == "signed_zero":  # row 0 all -0, row 1 all +-0, later rows +-0 and 1 in 16 normal
+        sign = mx.where(mx.random.bernoulli(0.5, (rows, k), key=k2), -1.0, 1.0)
+        sign = mx.where(mx.arange(rows)[:, None] == 0, -1.0, sign)
+        keep = mx.random.bernoulli(1 / 16, (rows, k), key=k1) & (mx.arange(rows)[:, None] >= 2)
+        x = mx.where(keep, normal, 0.0 * sign)
+    elif kind == "cancellation":  # (a, -a) pairs: 4-value sums and dot products cancel
+        a = normal[:, ::2] * 100.0
+        x = mx.stack([a, -a], axis=-1).reshape(rows, k)
+    else:
+        raise ValueError(f"unknown input kind {kind!r}")
+    return x.astype(mx.float16)
+
+
+def _bits(a: mx.array) -> mx.array:
+    return a.view(mx.uint16 if a.dtype.size == 2 else mx.uint32)
+
+
+def _differing(got: mx.array, want: mx.array) -> int:
+    """Elements whose bits differ; a wrong shape or dtype raises (and fails the test)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise ValueError(f"got {got.dtype} {got.shape}, want {want.dtype} {want.shape}")
+    return (_bits(got) != _bits(want)).sum().item()
+
+
+def _first_difference(got: mx.array, want: mx.array) -> tuple:
+    """(how many elements differ and the first one's bits, that element's index)."""
+    got_bits, want_bits = np.array(_bits(got)), np.array(_bits(want))
+    differ = got_bits != want_bits
+    index = tuple(int(i) for i in np.argwhere(differ)[0])
+    digits = 2 * got.dtype.size
+    text = (
+        f"{int(differ.sum())} elements, first at {list(index)} "
+        f"(got 0x{got_bits[index]:0{digits}x}, want 0x{want_bits[index]:0{digits}x})"
+    )
+    return text, index
+
+# ===========================================================================
+# Exact 2-bit matmul (qmv)
+
+BITS = 2
+GROUP_SIZE = 128
+# Small shapes, cheap on a 2-core CPU: K = 512 and 1536 take the plain K loop,
+# 640 and 384 MLX's tail for K % 512 (384: tail only), N = 42 a partial last warp.
+DEFAULT_SHAPES = ((16, 512), (24, 1536), (42, 640), (24, 384))
+
+Kernel = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
+
+
+# ---------------------------------------------------------------------------
+# qmv: stock reference
 
 
 def stock_quantized_matmul(x, weight, scales, biases):
@@ -70,7 +180,7 @@ def stock_rows(x, weight, scales, biases):
 
 
 # ---------------------------------------------------------------------------
-# CUDA
+# qmv: CUDA
 
 # MIT License, Copyright (c) 2023 Apple Inc. (arithmetic of
 # mlx/backend/cuda/quantized/qmm/qmv.cu, MLX 0.32.2). See NOTICE.txt.
@@ -336,7 +446,7 @@ def cuda_matmul(x, weight, scales, biases, launch=None):
 
 
 # ---------------------------------------------------------------------------
-# Metal
+# qmv: Metal
 
 # load_vector and qdot below are copied from MLX 0.32.2,
 # mlx/backend/metal/kernels/quantized.h (their 2-bit branches), under:
@@ -515,7 +625,7 @@ def metal_matmul(x, weight, scales, biases):
 
 
 # ---------------------------------------------------------------------------
-# Dispatch
+# qmv: dispatch
 
 
 def kernel_supports(backend: str, n: int, k: int) -> bool:
@@ -592,17 +702,7 @@ def exact_quantized_matmul(x, weight, scales, biases):
 
 
 # ---------------------------------------------------------------------------
-# Self-test
-
-
-@dataclass
-class SelfTestResult:
-    ok: bool
-    backend: str
-    reason: Optional[str]
-    mismatches: int  # elements whose bits differ from the single-row calls
-    stock_mismatches: int  # the same for MLX's own multi-row call (negative control)
-    cases: list = field(default_factory=list)
+# qmv: self-test
 
 
 def make_weights(n: int, k: int, key) -> tuple:
@@ -616,47 +716,6 @@ def make_weights(n: int, k: int, key) -> tuple:
     scales = mx.random.uniform(0.5, 1.5, (n, k // GROUP_SIZE), key=k_scale) * magnitude
     biases = -1.5 * scales * mx.random.uniform(0.8, 1.2, scales.shape, key=k_bias)
     return weight, scales.astype(mx.float16), biases.astype(mx.float16)
-
-
-def make_inputs(kind: str, rows: int, k: int, key) -> mx.array:
-    """fp16 activations of one kind (see INPUT_KINDS)."""
-    k1, k2 = mx.random.split(key)
-    normal = mx.random.normal((rows, k), key=k1)
-    if kind == "normal":
-        x = normal
-    elif kind == "large":  # up to ~6e4: fp16 accumulators overflow to inf, sums to nan
-        x = mx.clip(normal * 1000.0 * mx.power(2.0, mx.arange(rows)[:, None] % 4), -6e4, 6e4)
-    elif kind == "tiny":  # mostly fp16 subnormals, some normals
-        x = normal * 1e-5
-    elif kind == "subnormal":  # every value an fp16 subnormal or zero
-        x = mx.random.randint(-1023, 1024, (rows, k), key=k1).astype(mx.float32) * 2.0**-24
-    elif kind == "signed_zero":  # row 0 all -0, row 1 all +-0, later rows +-0 and 1 in 16 normal
-        sign = mx.where(mx.random.bernoulli(0.5, (rows, k), key=k2), -1.0, 1.0)
-        sign = mx.where(mx.arange(rows)[:, None] == 0, -1.0, sign)
-        keep = mx.random.bernoulli(1 / 16, (rows, k), key=k1) & (mx.arange(rows)[:, None] >= 2)
-        x = mx.where(keep, normal, 0.0 * sign)
-    elif kind == "cancellation":  # (a, -a) pairs: 4-value sums and dot products cancel
-        a = normal[:, ::2] * 100.0
-        x = mx.stack([a, -a], axis=-1).reshape(rows, k)
-    else:
-        raise ValueError(f"unknown input kind {kind!r}")
-    return x.astype(mx.float16)
-
-
-def _bits(a: mx.array) -> mx.array:
-    return a.view(mx.uint16)
-
-
-def _describe_difference(got, want, n, k, rows, kind) -> str:
-    differ = _bits(got) != _bits(want)
-    flat = mx.argmax(differ.reshape(-1)).item()
-    row, column = divmod(flat, n)
-    return (
-        f"differs from MLX's single-row matmul at shape (N={n}, K={k}), rows={rows}, "
-        f"input={kind}: {differ.sum().item()} elements, first at row {row} column {column} "
-        f"(got 0x{_bits(got)[row, column].item():04x}, "
-        f"want 0x{_bits(want)[row, column].item():04x})"
-    )
 
 
 def self_test(kernel: Optional[Kernel] = None, shapes=None, seed: int = 0) -> SelfTestResult:
@@ -689,12 +748,8 @@ def self_test(kernel: Optional[Kernel] = None, shapes=None, seed: int = 0) -> Se
                 mx.eval(want, got, stock)
                 for rows in range(1, MAX_ROWS + 1):
                     out = got[rows - 1]
-                    if out.shape != (rows, n) or out.dtype != mx.float16:
-                        raise ValueError(
-                            f"kernel returned {out.dtype} {out.shape} for {rows} rows, N={n}"
-                        )
-                    differ = (_bits(out) != _bits(want[:rows])).sum().item()
-                    stock_differ = (_bits(stock[rows - 1]) != _bits(want[:rows])).sum().item()
+                    differ = _differing(out, want[:rows])
+                    stock_differ = _differing(stock[rows - 1], want[:rows])
                     cases.append(
                         {
                             "shape": [n, k],
@@ -707,9 +762,10 @@ def self_test(kernel: Optional[Kernel] = None, shapes=None, seed: int = 0) -> Se
                     mismatches += differ
                     stock_mismatches += stock_differ
                     if differ and reason is None:
-                        reason = f"{backend} kernel " + _describe_difference(
-                            out, want[:rows], n, k, rows, kind
-                        )
+                        reason = (
+                            f"{backend} kernel differs from MLX's single-row matmul at shape "
+                            f"(N={n}, K={k}), rows={rows}, input={kind}: "
+                        ) + _first_difference(out, want[:rows])[0]
     except Exception as error:  # a kernel that fails to build or run fails the test
         reason = f"{backend} kernel raised {type(error).__name__}: {error}"
     ok = reason is None
@@ -718,56 +774,1235 @@ def self_test(kernel: Optional[Kernel] = None, shapes=None, seed: int = 0) -> Se
     return SelfTestResult(ok, backend, reason, mismatches, stock_mismatches, cases)
 
 
+# ===========================================================================
+# Hadamard rotation
+
+# mlx-vlm 0.7.2's `hadamard_transform(x, block, signs)` (prism_hadamard_qwen35.py:11-23)
+# is four primitives: astype float32, multiply by the fp32 signs,
+# `mx.hadamard_transform(x.reshape(-1, block), scale=1/sqrt(block))`, astype back.
+# `rotate(x, block, signs)` does the same in one kernel launch with the same fp32
+# arithmetic, so its fp16 bits equal the chain's on this backend:
+# - load: fp16 -> fp32 (exact), times the sign: one fp32 multiply, never fused
+#   into the first butterfly (CUDA `__fmul_rn`);
+# - MLX's `hadamard_n` for N = block <= 8192 (one launch, m = 1): radix-16 steps
+#   and a final radix, i.e. radix-2 butterflies x[j] = a + b, x[j+h] = a - b on
+#   strides 1, 2, 4, ..., N/2 in that order, in a fp32 shared buffer (MLX's T is
+#   float32 here, so its buffer stores are exact);
+# - store: one fp32 multiply by the scale (the fp32 rounding of the double
+#   1/sqrt(block), as nanobind passes it), then fp32 -> fp16 round-to-nearest-even.
+
+ROTATE_BLOCKS = (512, 1024, 2048, 4096)  # the blocks mlx-vlm accepts (prism_hadamard_qwen35.py:33)
+ROTATE_INPUT_KINDS = INPUT_KINDS + ("nonfinite",)
+SIGN_KINDS = ("pm1", "general")  # the pack's +-1 signs; any fp32 values (one multiply, like MLX)
+# (K, block): the 27B pack's rotated widths with every block that divides them;
+# tiny widths covering the other block sizes (the tiny synthetic pack rotates K = 512).
+ROTATE_SHAPES_27B = (
+    (5120, 512), (5120, 1024),
+    (6144, 512), (6144, 1024), (6144, 2048),
+    (17408, 512), (17408, 1024),
+)
+ROTATE_SHAPES_SMALL = ((512, 512), (2048, 2048), (4096, 4096))
+
+
 # ---------------------------------------------------------------------------
-# Verify building blocks: ops whose decode kernel is not row-invariant. Each
-# takes all verify positions at once and returns, per position, what decode's
-# single-position call returns. Here: the stock single-position calls (exact by
-# construction); a backend's multi-position kernel replaces them once its
-# self-test passed.
+# rotate: stock reference
 
 
-def dense_rows(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ weight.T for the rows of x (..., K), each as decode's one-row call."""
+def stock_rotate(x, block, signs):
+    """mlx-vlm's four-primitive chain: the reference every kernel must equal."""
+    return hadamard_transform(x, block, signs)
+
+
+def scale_bits(block: int) -> int:
+    """Bits of the fp32 scale MLX receives: nanobind rounds the double 1/sqrt(block)."""
+    return struct.unpack("<i", struct.pack("<f", 1 / math.sqrt(block)))[0]
+
+
+# ---------------------------------------------------------------------------
+# rotate: CUDA
+
+# MIT License, Copyright (c) 2025 Apple Inc. (hadamard_radix_pow2 and hadamard_n of
+# mlx/backend/cuda/device/hadamard.cuh, MLX 0.32.2, with T = float). See NOTICE.txt.
+_CUDA_ROTATE_HEADER = r"""
+namespace dflash2 {
+
+template <int N>
+struct Pow2Log2 {
+  static_assert((N > 0) && ((N & (N - 1)) == 0), "N must be a positive power of two.");
+  static constexpr int value = 1 + Pow2Log2<N / 2>::value;
+};
+
+template <>
+struct Pow2Log2<1> {
+  static constexpr int value = 0;
+};
+
+// hadamard.cuh:24-41, unchanged.
+template <int R>
+__device__ __forceinline__ void hadamard_radix_pow2(float* x) {
+  constexpr int kLogR = Pow2Log2<R>::value;
+  int h = 1;
+#pragma unroll
+  for (int s = 0; s < kLogR; ++s) {
+#pragma unroll
+    for (int i = 0; i < R / 2; ++i) {
+      int k = i & (h - 1);
+      int j = ((i - k) << 1) + k;
+      float a = x[j];
+      float b = x[j + h];
+      x[j] = a + b;
+      x[j + h] = a - b;
+    }
+    h <<= 1;
+  }
+}
+
+// hadamard_n<float, N, min(N, 16), read_width, 1> (hadamard.cuh:43-146; launch
+// parameters hadamard.cu:98-104) for the one transform of this block, with the
+// chain's first two primitives fused into the load and its last into the store.
+// Launch: one block of N / 16 threads per transform (MLX loops blocks over
+// transforms; each transform's arithmetic is the same).
+template <int N, int BLOCKS, int SCALE_BITS>
+__device__ __forceinline__ void rotate_block(
+    const __half* __restrict__ in, const float* __restrict__ signs, __half* __restrict__ out) {
+  constexpr int max_radix = N < 16 ? N : 16;
+  constexpr int read_width = N == 2 ? 2 : 4;
+  constexpr int kNumThreads = N / max_radix;
+  constexpr int kLogN = Pow2Log2<N>::value;
+  constexpr int kLogR = Pow2Log2<max_radix>::value;
+  constexpr int kNumSteps = kLogN / kLogR;
+  constexpr int kLogFinal = kLogN % kLogR;
+  constexpr int kFinalRadix = 1 << kLogFinal;
+
+  if (threadIdx.x >= kNumThreads) {
+    return;
+  }
+
+  __shared__ float buf[N];
+  int i = threadIdx.x;
+  const long long transform = blockIdx.x;
+  const long long base = transform * N;
+  const float* sign = signs + (transform % BLOCKS) * N;  // signs span K = BLOCKS * N
+  const float scale = __int_as_float(SCALE_BITS);
+
+  // x.astype(float32) * signs: exact widening, one fp32 multiply (never an fma).
+#pragma unroll
+  for (int j = 0; j < max_radix / read_width; ++j) {
+    int index = j * read_width * kNumThreads + i * read_width;
+#pragma unroll
+    for (int r = 0; r < read_width; ++r) {
+      buf[index + r] = __fmul_rn(__half2float(in[base + index + r]), sign[index + r]);
+    }
+  }
+  __syncthreads();
+
+  float x[max_radix];
+  int h = 1;
+
+#pragma unroll
+  for (int s = 0; s < kNumSteps; ++s) {
+    int k = i & (h - 1);
+    int j = ((i - k) << kLogR) + k;
+
+#pragma unroll
+    for (int r = 0; r < max_radix; ++r) {
+      x[r] = buf[j + h * r];
+    }
+
+    hadamard_radix_pow2<max_radix>(x);
+
+#pragma unroll
+    for (int r = 0; r < max_radix; ++r) {
+      buf[j + h * r] = x[r];
+    }
+
+    h <<= kLogR;
+    __syncthreads();
+  }
+
+  if constexpr (kFinalRadix > 1) {
+#pragma unroll
+    for (int t = 0; t < max_radix / kFinalRadix; ++t) {
+      int index = i + t * kNumThreads;
+      int k = index & (h - 1);
+      int j = ((index - k) << kLogFinal) + k;
+#pragma unroll
+      for (int r = 0; r < kFinalRadix; ++r) {
+        x[r] = buf[j + h * r];
+      }
+
+      hadamard_radix_pow2<kFinalRadix>(x);
+
+#pragma unroll
+      for (int r = 0; r < kFinalRadix; ++r) {
+        buf[j + h * r] = x[r];
+      }
+    }
+    __syncthreads();
+  }
+
+  // MLX stores float(val * scale); the chain's astype rounds it to fp16 (RN).
+#pragma unroll
+  for (int j = 0; j < max_radix / read_width; ++j) {
+    int index = j * read_width * kNumThreads + i * read_width;
+#pragma unroll
+    for (int r = 0; r < read_width; ++r) {
+      out[base + index + r] = __float2half_rn(__fmul_rn(buf[index + r], scale));
+    }
+  }
+}
+
+}  // namespace dflash2
+"""
+
+_CUDA_ROTATE_SOURCE = "dflash2::rotate_block<N, BLOCKS, SCALE_BITS>(x, signs, y);"
+
+
+@cache
+def _cuda_rotate_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_hadamard_rotate",
+        input_names=["x", "signs"],
+        output_names=["y"],
+        source=_CUDA_ROTATE_SOURCE,
+        header=_CUDA_ROTATE_HEADER,
+    )
+
+
+@cache
+def cuda_rotate_plan(k: int, block: int):
+    """(x, signs) -> rotated x for fp16 rows of width k; no self-test gate."""
+    kernel = _cuda_rotate_kernel()
+    template = [("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block))]
+    threadgroup = (block // 16, 1, 1)
+
+    def run(x, signs):
+        # grid counts threads: block / 16 per transform, x.size / block transforms.
+        return kernel(
+            inputs=[x, signs],
+            template=template,
+            grid=(x.size // 16, 1, 1),
+            threadgroup=threadgroup,
+            output_shapes=[x.shape],
+            output_dtypes=[mx.float16],
+        )[0]
+
+    return run
+
+
+# ---------------------------------------------------------------------------
+# rotate: Metal
+
+# MIT License, Copyright (c) 2024 Apple Inc. (radix_func and hadamard_n of
+# mlx/backend/metal/kernels/hadamard.h, MLX 0.32.2, with T = float). See NOTICE.txt.
+_METAL_ROTATE_HEADER = r"""
+#include <metal_stdlib>
+
+using namespace metal;
+
+namespace dflash2 {
+
+// hadamard.h:9-27, unchanged (STEEL_PRAGMA_UNROLL spelled out).
+template <short R>
+METAL_FUNC void radix_func(thread float* x) {
+  constexpr short logR = __builtin_ctz(R);
+  short h = 1;
+  _Pragma("clang loop unroll(full)")
+  for (short s = 0; s < logR; s++) {
+    _Pragma("clang loop unroll(full)")
+    for (short i = 0; i < R / 2; i++) {
+      short k = i & (h - 1);
+      short j = ((i - k) << 1) + k;
+      float a = x[j];
+      float b = x[j + h];
+      x[j] = a + b;
+      x[j + h] = a - b;
+    }
+    h <<= 1;
+  }
+}
+
+}  // namespace dflash2
+"""
+
+# hadamard_n<float, N, min(N, 16), read_width, 1> (hadamard.h:29-139; launch
+# hadamard.cpp:70-82: threadgroup N / 16, grid (N / 16, transforms)), with the
+# chain's astype and sign multiply fused into the load and its astype into the store.
+_METAL_ROTATE_SOURCE = r"""
+  constexpr short max_radix = N < 16 ? N : 16;
+  constexpr short read_width = N == 2 ? 2 : 4;
+  constexpr short num_threads = N / max_radix;
+  constexpr short logN = __builtin_ctz(N);
+  constexpr short logR = __builtin_ctz(max_radix);
+  constexpr short num_steps = logN / logR;
+  constexpr short logFinal = logN % logR;
+  constexpr short final_radix = 1 << (logFinal);
+  const float scale = as_type<float>(SCALE_BITS);
+
+  uint3 elem = thread_position_in_grid;
+  int batch_idx = elem.y * N;
+  short i = elem.x;
+  const device float* sign = signs + (elem.y % BLOCKS) * N;  // signs span K = BLOCKS * N
+
+  threadgroup float buf[N];
+
+  // x.astype(float32) * signs: exact widening, one fp32 multiply.
+  _Pragma("clang loop unroll(full)")
+  for (short j = 0; j < max_radix / read_width; j++) {
+    short index = j * read_width * num_threads + i * read_width;
+    _Pragma("clang loop unroll(full)")
+    for (short r = 0; r < read_width; r++) {
+      buf[index + r] = static_cast<float>(x[batch_idx + index + r]) * sign[index + r];
+    }
+  }
+
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  float v[max_radix];
+  short h = 1;
+
+  _Pragma("clang loop unroll(full)")
+  for (short s = 0; s < num_steps; s++) {
+    short k = i & (h - 1);
+    short j = ((i - k) << logR) + k;
+
+    _Pragma("clang loop unroll(full)")
+    for (short r = 0; r < max_radix; r++) {
+      v[r] = buf[j + h * r];
+    }
+
+    dflash2::radix_func<max_radix>(v);
+
+    _Pragma("clang loop unroll(full)")
+    for (short r = 0; r < max_radix; r++) {
+      buf[j + h * r] = v[r];
+    }
+
+    h <<= logR;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (final_radix > 1) {
+    _Pragma("clang loop unroll(full)")
+    for (int t = 0; t < max_radix / final_radix; t++) {
+      short index = i + t * num_threads;
+      short k = index & (h - 1);
+      short j = ((index - k) << logFinal) + k;
+      _Pragma("clang loop unroll(full)")
+      for (short r = 0; r < final_radix; r++) {
+        v[r] = buf[j + h * r];
+      }
+
+      dflash2::radix_func<final_radix>(v);
+
+      _Pragma("clang loop unroll(full)")
+      for (short r = 0; r < final_radix; r++) {
+        buf[j + h * r] = v[r];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // MLX stores float(buf * scale); the chain's astype rounds it to fp16.
+  _Pragma("clang loop unroll(full)")
+  for (short j = 0; j < max_radix / read_width; j++) {
+    short index = j * read_width * num_threads + i * read_width;
+    _Pragma("clang loop unroll(full)")
+    for (short r = 0; r < read_width; r++) {
+      float val = buf[index + r] * scale;
+      y[batch_idx + index + r] = static_cast<half>(val);
+    }
+  }
+"""
+
+
+@cache
+def _metal_rotate_kernel():
+    return mx.fast.metal_kernel(
+        name="dflash2_hadamard_rotate",
+        input_names=["x", "signs"],
+        output_names=["y"],
+        source=_METAL_ROTATE_SOURCE,
+        header=_METAL_ROTATE_HEADER,
+        compile_options={"math_mode": "safe"},  # MLX JIT-builds its hadamard in safe mode too
+    )
+
+
+@cache
+def metal_rotate_plan(k: int, block: int):
+    """(x, signs) -> rotated x for fp16 rows of width k; no self-test gate."""
+    kernel = _metal_rotate_kernel()
+    template = [("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block))]
+    threads = block // 16
+
+    def run(x, signs):
+        return kernel(
+            inputs=[x, signs],
+            template=template,
+            grid=(threads, x.size // block, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[x.shape],
+            output_dtypes=[mx.float16],
+        )[0]
+
+    return run
+
+
+# ---------------------------------------------------------------------------
+# rotate: dispatch
+
+_ROTATE_PLANS = {"cuda": cuda_rotate_plan, "metal": metal_rotate_plan}
+
+
+def backend_rotate(backend: str):
+    """This backend's rotation with no self-test gate: its kernel, or the stock chain."""
+    kernel_plan = _ROTATE_PLANS.get(backend)
+    if kernel_plan is None:
+        return stock_rotate
+
+    def run(x, block, signs):
+        return kernel_plan(x.shape[-1], block)(x, signs)
+
+    return run
+
+
+def _stock_rotate_plan(block: int):
+    def run(x, signs):
+        return stock_rotate(x, block, signs)
+
+    return run
+
+
+# (backend, K, block) -> whether the kernel passed its self-test there.
+_rotate_verified: dict = {}
+# (K, block, dtype) -> (x, signs) -> rotated x, chosen once.
+_rotate_plans: dict = {}
+
+
+def _choose_rotate_plan(k: int, block: int, dtype):
+    backend = backend_name()
+    kernel_plan = _ROTATE_PLANS.get(backend)
+    plan = _stock_rotate_plan(block)
+    if kernel_plan and dtype == mx.float16 and block in ROTATE_BLOCKS and k % block == 0:
+        if (backend, k, block) not in _rotate_verified:
+            result = self_test_rotate([(k, block)])
+            if not result.ok:
+                warnings.warn(f"dflash2 {backend} rotation kernel failed its self-test: {result.reason}")
+        if _rotate_verified[(backend, k, block)]:
+            plan = kernel_plan(k, block)
+    _rotate_plans[(k, block, dtype)] = plan
+    return plan
+
+
+def rotate(x, block, signs):
+    """`hadamard_transform(x, block, signs)` of mlx-vlm in one launch, same bits.
+
+    x: (..., K) activations, any number of rows; block divides K; signs: float32 (K,).
+    fp16 x with a block in ROTATE_BLOCKS goes through the backend's kernel once its
+    self-test passed at (K, block); anything else runs the stock chain.
+    """
+    plan = _rotate_plans.get((x.shape[-1], block, x.dtype))
+    if plan is None:
+        plan = _choose_rotate_plan(x.shape[-1], block, x.dtype)
+    return plan(x, signs)
+
+
+# ---------------------------------------------------------------------------
+# rotate: self-test
+
+
+def make_rotate_inputs(kind: str, rows: int, k: int, key) -> mx.array:
+    """fp16 activations of one kind (ROTATE_INPUT_KINDS). `nonfinite` puts, per row,
+    +inf (rows 0, 3, ...), an adjacent +inf/-inf pair (rows 1, 4, ...: inf - inf in the
+    first butterfly) or a NaN (rows 2, 5, ...) at a random even column of normal values."""
+    if kind != "nonfinite":
+        return make_inputs(kind, rows, k, key)
+    k1, k2 = mx.random.split(key)
+    x = mx.random.normal((rows, k), key=k1)
+    column = mx.arange(k)[None, :]
+    at = mx.random.randint(0, k // 2, (rows, 1), key=k2) * 2
+    pattern = mx.arange(rows)[:, None] % 3
+    x = mx.where((column == at) & (pattern < 2), math.inf, x)
+    x = mx.where((column == at + 1) & (pattern == 1), -math.inf, x)
+    x = mx.where((column == at) & (pattern == 2), math.nan, x)
+    return x.astype(mx.float16)
+
+
+def make_signs(kind: str, k: int, key) -> mx.array:
+    """float32 signs: the pack's +-1 (tools/make_synthetic_pack.py, dflash2_pack.py
+    checks |s| == 1), or `general` +-[0.5, 2) values that make the multiply round."""
+    k1, k2 = mx.random.split(key)
+    sign = mx.random.randint(0, 2, (k,), key=k1).astype(mx.float32) * 2 - 1
+    if kind == "pm1":
+        return sign
+    return sign * mx.random.uniform(0.5, 2.0, (k,), key=k2)
+
+
+def _fp16_chain(x, block, signs):
+    """Negative control: the rotation in fp16 arithmetic; it differs from the chain's bits."""
+    rotated = mx.hadamard_transform(
+        (x * signs.astype(x.dtype)).reshape(-1, block), scale=1 / math.sqrt(block)
+    )
+    return rotated.reshape(x.shape)
+
+
+def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check a rotation bit for bit against mlx-vlm's chain, one row at a time.
+
+    kernel: (x (M, K), block, signs) -> (M, K); default: this backend's own, whose
+    serving at each tested (K, block) is then switched on or off by the outcome.
+    shapes: (K, block) pairs; default ROTATE_SHAPES_27B + ROTATE_SHAPES_SMALL. For
+    each shape, sign kind,
+    input kind and rows 1..8 the kernel's rows must equal the chain's single-row
+    results. `stock_mismatches` counts the fp16-arithmetic rotation (negative
+    control: nonzero shows the comparison sees rounding differences). Off the
+    kernels' backends `rotate` is the stock chain itself: nothing to test.
+    """
+    backend = backend_name()
+    own = kernel is None
+    if own and backend not in _ROTATE_PLANS:
+        return _no_kernel_result(backend)
+    kernel = kernel or backend_rotate(backend)
+    shapes = [tuple(s) for s in (shapes or ROTATE_SHAPES_27B + ROTATE_SHAPES_SMALL)]
+    cases, mismatches, control_mismatches, reason = [], 0, 0, None
+    key = mx.random.key(seed)
+    try:
+        for k, block in shapes:
+            for sign_kind in SIGN_KINDS:
+                key, sign_key = mx.random.split(key)
+                signs = make_signs(sign_kind, k, sign_key)
+                for kind in ROTATE_INPUT_KINDS:
+                    key, input_key = mx.random.split(key)
+                    x = make_rotate_inputs(kind, MAX_ROWS, k, input_key)
+                    want = mx.concatenate(
+                        [stock_rotate(x[m : m + 1], block, signs) for m in range(MAX_ROWS)]
+                    )
+                    got = [kernel(x[:rows], block, signs) for rows in range(1, MAX_ROWS + 1)]
+                    control = _fp16_chain(x, block, signs)
+                    mx.eval(want, got, control)
+                    control_differ = _differing(control, want)
+                    control_mismatches += control_differ
+                    for rows in range(1, MAX_ROWS + 1):
+                        out = got[rows - 1]
+                        differ = _differing(out, want[:rows])
+                        mismatches += differ
+                        cases.append(
+                            {
+                                "shape": [k, block],
+                                "signs": sign_kind,
+                                "input": kind,
+                                "rows": rows,
+                                "mismatches": differ,
+                                "stock_mismatches": control_differ if rows == MAX_ROWS else None,
+                            }
+                        )
+                        if differ and reason is None:
+                            reason = (
+                                f"{backend} rotation differs from the stock chain at K={k}, "
+                                f"block={block}, rows={rows}, input={kind}, signs={sign_kind}: "
+                            ) + _first_difference(out, want[:rows])[0]
+    except Exception as error:  # a kernel that fails to build or run fails the test
+        reason = f"{backend} rotation raised {type(error).__name__}: {error}"
+    ok = reason is None
+    if own:
+        for k, block in shapes:
+            _rotate_verified[(backend, k, block)] = ok
+    return SelfTestResult(ok, backend, reason, mismatches, control_mismatches, cases)
+
+
+# ===========================================================================
+# GatedDeltaNet recurrence and dense rows
+
+# "fma": state + k * delta as one fused multiply-add; "mul_add": rounded product,
+# then the add. MLX's NVRTC call sets no --fmad (jit_module.cpp:329-345), and
+# nvcc 13.0.88 with that default turns the fused kernel's Multiply-then-Add
+# (compiled.cpp:165-181) into fma.rn.f32 in PTX, so "fma" is expected to pass.
+GDN_VARIANTS = ("fma", "mul_add")
+# The gemv replica has no open choice: fp16 products are exact in fp32, so its
+# lane sums are the same whether or not nvcc fused them.
+DENSE_VARIANTS = ("gemv",)
+MAX_DK = 512  # one 32-thread block in row_reduce_simple up to here
+GDN_INPUT_KINDS = ("normal", "large", "tiny", "extreme_gates", "signed_zero")
+
+# (B, Hk, Hv, Dk, Dv); every shape runs L = 1..GDN_MAX_STEPS.
+GDN_SHAPES_27B = ((1, 16, 48, 128, 128),)
+# Tiny pack (Dk 64: half the lanes add zeros), B 2 with Dk 256 (two chunks a
+# lane), Dk 96 with Dv 6 (partial chunk, partial block).
+GDN_SHAPES_SMALL = ((1, 1, 2, 64, 64), (2, 2, 4, 256, 32), (1, 1, 3, 96, 6))
+GDN_MAX_STEPS = 8
+# (N, K): 27B in_proj_a/b alone and concatenated; tiny pack; K % 128 != 0 with
+# K % 64 == 0 (two elements a lane); K = 102 (one element a lane, uneven lanes).
+DENSE_SHAPES_27B = ((48, 5120), (96, 5120))
+DENSE_SHAPES_SMALL = ((2, 512), (7, 320), (5, 102))
+
+
+# ---------------------------------------------------------------------------
+# gdn, dense: stock references (decode's own calls)
+
+
+def stock_recurrence(q, k, v, g, beta, state, eval_each_step=False):
+    """Decode's step L times: `_gated_delta_step_ops` after the head repeat
+    (gated_delta_ops), returning y (B, L, Hv, Dv) and the state after each step.
+    eval_each_step: evaluate every step on its own, as decode does."""
+    if (repeat := v.shape[2] // q.shape[2]) > 1:
+        q = mx.repeat(q, repeat, -2)
+        k = mx.repeat(k, repeat, -2)
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        if eval_each_step:
+            mx.eval(y, state)
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1), mx.stack(states, axis=1)
+
+
+def stock_dense_rows(x, weight):
+    """Decode's one-row `nn.Linear` (no bias) once per row."""
     rows = x.reshape(-1, x.shape[-1])
-    out = mx.concatenate([rows[i : i + 1] @ weight.T for i in range(rows.shape[0])])
+    out = [rows[m : m + 1][None] @ weight.T for m in range(rows.shape[0])]
+    return mx.concatenate(out, axis=1).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ---------------------------------------------------------------------------
+# gdn, dense: CUDA (no Metal kernel: on Metal both run the stock calls)
+
+# MIT License, Copyright (c) 2023 Apple Inc. (arithmetic of MLX 0.32.2:
+# mlx/backend/cuda/reduce/row_reduce.cu, reduce/reduce_utils.cuh,
+# gemms/gemv.cu, compiled.cpp). See NOTICE.txt.
+_GDN_CUDA_HEADER = r"""
+#if __has_include(<cooperative_groups/reduce.h>)
+#include <cooperative_groups/reduce.h>
+#define DFLASH2_CG_REDUCE 1
+#endif
+
+namespace dflash2_gdn {
+
+namespace cg = cooperative_groups;
+using mlx::core::cu::AlignedVector;
+using mlx::core::cu::unsafe_load_vector;
+
+// MLX's Sum (reduce/reduce_ops.cuh:33-37) with the add spelled __fadd_rn, so
+// nothing can be contracted into it. cg::plus<float> (gemv) is the same a + b.
+struct Sum {
+  __device__ __forceinline__ float operator()(float a, float b) {
+    return __fadd_rn(a, b);
+  }
+};
+
+// A warp's sum as MLX takes it: cg::reduce(warp, val, op). For a float and a
+// 32-thread tile cg::reduce is the xor butterfly of coalesced_reduce (CUDA 13.0
+// cooperative_groups/details/coalesced_reduce.h:62-71), copied here for CUDA
+// header sets without cooperative_groups/reduce.h.
+template <typename Warp>
+__device__ __forceinline__ float warp_sum(Warp& warp, float val) {
+  Sum op;
+#ifdef DFLASH2_CG_REDUCE
+  return cg::reduce(warp, val, op);
+#else
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    val = op(val, warp.shfl_xor(val, mask));
+  }
+  return val;
+#endif
+}
+
+// Dk elements of one state row per warp: lane l owns the 4 elements at
+// 4l + 128c for chunk c, as row_reduce_simple's thread l reads them
+// (row_reduce.cu:99-117, N_READS = 4, a 32-thread block for Dk <= 512).
+template <int Dk>
+constexpr int chunks_of = (Dk + 127) / 128;
+
+// row_reduce_simple's per-thread sum of products a*b over the lane's elements:
+// from +0, chunk by chunk in element order; a chunk past the row end adds four
+// +0 as its tail does (row_reduce.cu:119-131). Then block_reduce's warp step,
+// cg::reduce with Sum (reduce_utils.cuh:64-66; one warp, so nothing more).
+template <int Dk, typename Warp>
+__device__ __forceinline__ float row_dot(
+    Warp& warp, const float (&a)[chunks_of<Dk>][4], const float (&b)[chunks_of<Dk>][4]) {
+  const int lane = warp.thread_rank();
+  float acc = 0.0f;
+#pragma unroll
+  for (int c = 0; c < chunks_of<Dk>; ++c) {
+    const bool own = 4 * lane + 128 * c < Dk;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc = __fadd_rn(acc, own ? __fmul_rn(a[c][i], b[c][i]) : 0.0f);
+    }
+  }
+  return warp_sum(warp, acc);
+}
+
+template <int Dk, typename T>
+__device__ __forceinline__ void load_row(const T* row, int lane, float (&out)[chunks_of<Dk>][4]) {
+#pragma unroll
+  for (int c = 0; c < chunks_of<Dk>; ++c) {
+    if (4 * lane + 128 * c < Dk) {
+      auto vals = unsafe_load_vector<4>(row + 4 * lane + 128 * c, 0);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        out[c][i] = static_cast<float>(vals[i]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        out[c][i] = 0.0f;
+      }
+    }
+  }
+}
+
+// All L steps of decode's compiled _gated_delta_step_ops for one (b, hv, dv):
+// one warp, the state row in registers. Per step, exactly the graph of
+// fused kernels that mx.compile builds for that function:
+//   s = state * g                      CompiledBroadcastMultiply
+//   kv = Sum(s * k)                    CompiledBroadcastMultiply, row_reduce_simple
+//   delta = (v - kv) * beta            CompiledAsTypeSubtractAsTypeBroadcastMultiply
+//   s = s + k * delta; p = s * q       Compiled...MultiplyAdd...Multiply (kFma: fused)
+//   y = half(Sum(p))                   row_reduce_simple, AsType
+// Every rounding is an explicit intrinsic, so nvcc/NVRTC cannot contract
+// anything the stock kernels keep apart; kFma picks the one place they may fuse.
+// Launch: block (32, warps), grid (1, ceil(Dv / warps), B * Hv).
+template <int Dk, bool kFma, typename In, typename G, typename Bt, typename Out>
+__device__ __forceinline__ void gated_delta_steps(
+    const In* __restrict__ q,
+    const In* __restrict__ k,
+    const In* __restrict__ v,
+    const G* __restrict__ g,
+    const Bt* __restrict__ beta,
+    const float* __restrict__ state,
+    Out* __restrict__ y,
+    float* __restrict__ states,
+    int steps,
+    int hk_heads,
+    int hv_heads,
+    int dv_size) {
+  constexpr int kChunks = chunks_of<Dk>;
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  const int lane = warp.thread_rank();
+  const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+  if (dv >= dv_size) {
+    return;
+  }
+  const int n = blockIdx.z;  // b * Hv + hv
+  const int b = n / hv_heads;
+  const int hv = n % hv_heads;
+  const int hk = hv / (hv_heads / hk_heads);  // mx.repeat(x, Hv / Hk, -2) order
+
+  float s[kChunks][4];
+  load_row<Dk>(state + ((int64_t)n * dv_size + dv) * Dk, lane, s);
+
+  for (int t = 0; t < steps; ++t) {
+    const int64_t bt = (int64_t)b * steps + t;
+    const int64_t head = bt * hv_heads + hv;
+    float kf[kChunks][4], qf[kChunks][4];
+    load_row<Dk>(k + (bt * hk_heads + hk) * Dk, lane, kf);
+    load_row<Dk>(q + (bt * hk_heads + hk) * Dk, lane, qf);
+    const float decay = static_cast<float>(g[head]);
+    const float gate = static_cast<float>(beta[head]);
+    const float value = static_cast<float>(v[head * dv_size + dv]);
+
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        s[c][i] = __fmul_rn(s[c][i], decay);
+
+    const float kv_mem = row_dot<Dk>(warp, s, kf);
+    const float delta = __fmul_rn(__fsub_rn(value, kv_mem), gate);
+
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        s[c][i] = kFma ? __fmaf_rn(kf[c][i], delta, s[c][i])
+                       : __fadd_rn(s[c][i], __fmul_rn(kf[c][i], delta));
+
+    const float out = row_dot<Dk>(warp, s, qf);
+    if (lane == 0) {
+      y[head * dv_size + dv] = static_cast<Out>(out);  // AsType: round to nearest
+    }
+    float* row = states + (head * dv_size + dv) * Dk;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (4 * lane + 128 * c < Dk) {
+        AlignedVector<float, 4> vals;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          vals[i] = s[c][i];
+        }
+        *reinterpret_cast<AlignedVector<float, 4>*>(row + 4 * lane + 128 * c) = vals;
+      }
+    }
+  }
+}
+
+// gemv_impl (gemms/gemv.cu:55-84) for M = 1 with a transposed b: one warp per
+// output column (= weight row), lane l owns elements NPT*l + 32*NPT*r, fp32 sums
+// from +0, cg::reduce (cg::plus<float>), lane 0 stores static_cast<T>. Here
+// each warp does that for every activation row, reading the weight row once.
+// fp16 products are exact in fp32, so __fmaf_rn equals nvcc's mul+add or FFMA.
+// Launch: block (32, 8), grid (1, ceil(N / 8)).
+constexpr int kMaxRows = 8;
+
+template <int NPT, typename T>
+__device__ __forceinline__ void gemv_rows(
+    const T* __restrict__ x,
+    const T* __restrict__ w,
+    T* __restrict__ out,
+    int rows,
+    int n,
+    int k) {
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  const int col = blockIdx.y * blockDim.y + threadIdx.y;
+  if (col >= n) {
+    return;
+  }
+  float sum[kMaxRows];
+#pragma unroll
+  for (int m = 0; m < kMaxRows; ++m) {
+    sum[m] = 0.0f;
+  }
+  for (int c = NPT * warp.thread_rank(); c < k; c += 32 * NPT) {
+    auto wv = unsafe_load_vector<NPT>(w + (int64_t)col * k + c, 0);
+#pragma unroll
+    for (int m = 0; m < kMaxRows; ++m) {
+      if (m < rows) {
+        auto xv = unsafe_load_vector<NPT>(x + (int64_t)m * k + c, 0);
+#pragma unroll
+        for (int j = 0; j < NPT; ++j) {
+          sum[m] = __fmaf_rn(static_cast<float>(wv[j]), static_cast<float>(xv[j]), sum[m]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kMaxRows; ++m) {
+    if (m < rows) {
+      const float total = warp_sum(warp, sum[m]);
+      if (warp.thread_rank() == 0) {
+        out[(int64_t)m * n + col] = static_cast<T>(total);
+      }
+    }
+  }
+}
+
+}  // namespace dflash2_gdn
+"""
+
+_GDN_SOURCE = (
+    "dflash2_gdn::gated_delta_steps<Dk, FMA>("
+    "q, k, v, g, beta, state, y, states, v_shape[1], q_shape[2], v_shape[2], v_shape[3]);"
+)
+_DENSE_SOURCE = "dflash2_gdn::gemv_rows<NPT>(x, w, out, x_shape[0], w_shape[0], w_shape[1]);"
+GDN_WARPS_PER_BLOCK = 4
+GEMV_ROWS_PER_BLOCK = 8  # MLX's rows_per_block (gemv.cu:14)
+
+
+@cache
+def _gdn_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_gated_delta_steps",
+        input_names=["q", "k", "v", "g", "beta", "state"],
+        output_names=["y", "states"],
+        source=_GDN_SOURCE,
+        header=_GDN_CUDA_HEADER,
+    )
+
+
+@cache
+def _dense_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_gemv_rows",
+        input_names=["x", "w"],
+        output_names=["out"],
+        source=_DENSE_SOURCE,
+        header=_GDN_CUDA_HEADER,
+    )
+
+
+def cuda_recurrence(q, k, v, g, beta, state, variant):
+    """The recurrence kernel with one variant; no self-test gate."""
+    B, L, _, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    return _gdn_kernel()(
+        inputs=[q, k, v, g, beta, state],
+        template=[("Dk", Dk), ("FMA", variant == "fma")],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, GDN_WARPS_PER_BLOCK, 1),
+        output_shapes=[(B, L, Hv, Dv), (B, L, Hv, Dv, Dk)],
+        output_dtypes=[q.dtype, mx.float32],
+    )
+
+
+def gemv_elements_per_lane(k: int) -> int:
+    """gemv's n_per_thread (gemv.cu:242-249) for aligned pointers (every fresh or
+    row-sliced array, the KV cache's buffers): used by dense rows and attention scores."""
+    return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
+
+
+def cuda_dense_rows(x, weight):
+    """(R, K) rows -> (R, N) through the gemv replica; no self-test gate."""
+    n, k = weight.shape
+    return _dense_kernel()(
+        inputs=[x, weight],
+        template=[("NPT", gemv_elements_per_lane(k))],
+        grid=(32, n, 1),
+        threadgroup=(32, GEMV_ROWS_PER_BLOCK, 1),
+        output_shapes=[(x.shape[0], n)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+# ---------------------------------------------------------------------------
+# gdn, dense: dispatch
+
+# backend -> the variant the last self-test verified, or None after a failure.
+_gdn_serving: dict = {}
+_dense_serving: dict = {}
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def gdn_kernel_supports(q, k, v, g, beta, state) -> bool:
+    B, L, Hk, Dk = q.shape
+    return (
+        Dk % 4 == 0
+        and Dk <= MAX_DK
+        and v.shape[2] % Hk == 0
+        and g.ndim == 3
+        and state.dtype == mx.float32
+        and q.dtype == k.dtype == v.dtype  # one element type In in the kernel
+        and all(a.dtype in _FLOATS for a in (q, g, beta))
+    )
+
+
+def dense_kernel_supports(x, weight) -> bool:
+    # fp16/bf16 products are exact in fp32; fp32 would make FFMA contraction matter.
+    return x.dtype == weight.dtype and x.dtype in (mx.float16, mx.bfloat16)
+
+
+def gdn_recurrence(q, k, v, g, beta, state, variant=None):
+    """L decode steps of the GDN recurrence, each bitwise decode's.
+
+    q, k: (B, L, Hk, Dk), normalized, before the head repeat; v: (B, L, Hv, Dv);
+    g, beta: (B, L, Hv) from `_compute_g_beta`; state: (B, Hv, Dv, Dk) float32.
+    Returns y (B, L, Hv, Dv) in q's dtype and states (B, L, Hv, Dv, Dk) float32,
+    states[:, t] being the state after step t. variant: force one kernel variant
+    (no gate); default: the variant the self-test verified on this machine.
+    """
+    if q.shape[1] < 1 or v.shape[:2] != q.shape[:2] or state.shape != (
+        q.shape[0], v.shape[2], v.shape[3], q.shape[3]
+    ):
+        raise ValueError(
+            f"gdn_recurrence: shapes q {q.shape} v {v.shape} state {state.shape} do not match"
+        )
+    if variant is None:
+        backend = backend_name()
+        if backend == "cuda" and backend not in _gdn_serving:
+            self_test_gdn()
+        variant = _gdn_serving.get(backend)
+        if variant is None or not gdn_kernel_supports(q, k, v, g, beta, state):
+            return stock_recurrence(q, k, v, g, beta, state)
+    return tuple(cuda_recurrence(q, k, v, g, beta, state, variant))
+
+
+def dense_rows(x, weight, variant=None):
+    """x @ weight.T for 1..8 rows, each row bitwise decode's one-row nn.Linear.
+
+    x: (..., K) with at most 8 rows; weight: (N, K), same dtype. Returns (..., N).
+    variant: "gemv" forces the kernel (no gate); default: the self-test's verdict.
+    """
+    k = x.shape[-1]
+    rows = x.size // k if k else 0
+    if weight.ndim != 2 or weight.shape[1] != k or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"dense_rows: x {x.shape} and weight {weight.shape} need 1..8 rows of K")
+    if variant is None:
+        backend = backend_name()
+        if backend == "cuda" and backend not in _dense_serving:
+            self_test_dense()
+        variant = _dense_serving.get(backend)
+        if variant is None or not dense_kernel_supports(x, weight):
+            return stock_dense_rows(x, weight)
+    out = cuda_dense_rows(x.reshape(rows, k), weight)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def gdn_recurrence(q, k, v, g, beta, state):
-    """GatedDeltaNet recurrence over L positions, each step as decode runs it.
+# ---------------------------------------------------------------------------
+# gdn, dense: self-tests
 
-    q, k: (B, L, Hk, Dk); v: (B, L, Hv, Dv); g, beta: (B, L, Hv) from
-    `_compute_g_beta`; state: (B, Hv, Dv, Dk) float32. Returns y (B, L, Hv, Dv)
-    and states (B, L, Hv, Dv, Dk), states[:, t] the state after position t.
+
+def make_gdn_inputs(kind: str, B, L, Hk, Hv, Dk, Dv, key):
+    """fp16 q, k, v, fp32 state and real gates g (float32), beta (fp16) from
+    `_compute_g_beta`, as the model feeds them (q, k normalized as `_normalize_qk`)."""
+    keys = mx.random.split(key, 8)
+    q = mx.random.normal((B, L, Hk, Dk), key=keys[0])
+    k = mx.random.normal((B, L, Hk, Dk), key=keys[1])
+    v = mx.random.normal((B, L, Hv, Dv), key=keys[2])
+    state = mx.random.normal((B, Hv, Dv, Dk), key=keys[3]) * 0.1
+    a = mx.random.normal((B, L, Hv), key=keys[4])
+    b = mx.random.normal((B, L, Hv), key=keys[5])
+    A_log = mx.log(mx.random.uniform(0.5, 16.0, (Hv,), key=keys[6]))
+    dt_bias = 1.0 + 0.1 * mx.random.normal((Hv,), key=keys[7])
+    normalize = True
+    if kind == "large":  # unnormalized q, k; values and state far from 1 (some y overflow fp16)
+        q, k, v, state, normalize = q * 10.0, k * 10.0, v * 100.0, state * 1e4, False
+    elif kind == "tiny":  # fp16 subnormal q, k, v; fp32 subnormal state
+        q, k, v, state, normalize = q * 1e-5, k * 1e-5, v * 1e-5, state * 1e-38, False
+    elif kind == "extreme_gates":  # g underflowing to 0 or near 1, beta near 0 or 1
+        a, b = a * 12.0, b * 12.0
+    elif kind == "signed_zero":  # +-0 state and v, k mostly +-0
+        sign = mx.where(mx.random.bernoulli(0.5, state.shape, key=keys[3]), -1.0, 1.0)
+        state = 0.0 * sign
+        v = mx.where(v > 0, 0.0, -0.0)
+        k = mx.where(mx.random.bernoulli(0.125, k.shape, key=keys[1]), k, -0.0 * mx.sign(k))
+        normalize = False
+    elif kind != "normal":
+        raise ValueError(f"unknown input kind {kind!r}")
+    q, k, v = q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16)
+    if normalize:  # Qwen3_5GatedDeltaNet._normalize_qk
+        q = (Dk**-1.0) * mx.fast.rms_norm(q, None, 1e-6)
+        k = (Dk**-0.5) * mx.fast.rms_norm(k, None, 1e-6)
+    g, beta = _compute_g_beta(A_log, a.astype(mx.float16), b.astype(mx.float16), dt_bias.astype(mx.float16))
+    return q, k, v, g, beta, state
+
+
+def _gdn_negative_controls(inputs, want_y, want_states) -> dict:
+    """Stock multi-position paths against the per-step reference (-1: raised)."""
+    y_ws, _, states_ws = _gated_delta_with_states_ops(*inputs)  # stock verify on CUDA
+    y_ch, final_ch = gated_delta_chunked(*inputs)  # stock prefill on CUDA
+    y_ops, _ = gated_delta_ops(*inputs)  # the same compiled step: 0 expected
+    controls = {
+        "with_states_ops y": (y_ws, want_y),
+        "with_states_ops states": (states_ws, want_states),
+        "chunked y": (y_ch, want_y),
+        "chunked final state": (final_ch, want_states[:, -1]),
+        "gated_delta_ops(T=L) y, 0 expected": (y_ops, want_y),
+    }
+    counts = {}
+    for name, (got, want) in controls.items():
+        try:
+            counts[name] = _differing(got, want)
+        except Exception:
+            counts[name] = -1
+    return counts
+
+
+def _variants_result(backend, differing, failures, controls, cases) -> SelfTestResult:
+    """The result of a test over kernel variants: the first variant with no
+    differing element serves (None: the stock calls)."""
+    variant = next((name for name, count in differing.items() if count == 0), None)
+    return SelfTestResult(
+        ok=variant is not None,
+        backend=backend,
+        reason="; ".join(failures.values()) or None,
+        mismatches=differing[variant or next(iter(differing))],
+        stock_mismatches=sum(count for count in controls.values() if count > 0),
+        cases=cases,
+        variant=variant,
+        variants=differing,
+        controls=controls,
+    )
+
+
+def self_test_gdn(
+    shapes=None, seed: int = 0, max_steps: int = GDN_MAX_STEPS, kernel=None
+) -> SelfTestResult:
+    """Check the recurrence bit for bit against decode's per-step calls.
+
+    kernel: (q, k, v, g, beta, state) -> (y, states), tested as variant "kernel";
+    default: each of this backend's GDN_VARIANTS, serving then switched to the first
+    that passed (None: the stock steps). Off CUDA there is no kernel to test.
+    shapes: (B, Hk, Hv, Dk, Dv) tuples, default the 27B and the small shapes.
+    For every shape, input kind and L = 1..max_steps, each variant's y and states
+    must equal the stepwise reference; stock multi-position paths are the controls.
     """
-    from mlx_vlm.models.qwen3_5.gated_delta import _gated_delta_step_ops, gated_delta_kernel
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    variants = {"kernel": kernel} if kernel else {
+        name: partial(cuda_recurrence, variant=name) for name in GDN_VARIANTS
+    }
+    shapes = [tuple(s) for s in (shapes or GDN_SHAPES_27B + GDN_SHAPES_SMALL)]
+    differing = {name: 0 for name in variants}
+    failures, negative, cases = {}, {}, []
+    key = mx.random.key(seed)
+    for shape in shapes:
+        B, Hk, Hv, Dk, Dv = shape
+        for kind in GDN_INPUT_KINDS:
+            key, input_key = mx.random.split(key)
+            inputs = make_gdn_inputs(kind, B, max_steps, Hk, Hv, Dk, Dv, input_key)
+            mx.eval(inputs)
+            want_y, want_states = stock_recurrence(*inputs, eval_each_step=True)
+            for name, count in _gdn_negative_controls(inputs, want_y, want_states).items():
+                negative[name] = negative.get(name, 0) + count
+            for name, recurrence in variants.items():
+                for steps in range(1, max_steps + 1):
+                    q, k, v, g, beta = (a[:, :steps] for a in inputs[:5])
+                    try:
+                        got_y, got_states = recurrence(q, k, v, g, beta, inputs[5])
+                        mx.eval(got_y, got_states)
+                        diff_y = _differing(got_y, want_y[:, :steps])
+                        diff_states = _differing(got_states, want_states[:, :steps])
+                    except Exception as error:  # a kernel that fails to build or run fails
+                        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
+                        differing[name] += 1
+                        continue
+                    cases.append(
+                        {"shape": list(shape), "steps": steps, "input": kind, "variant": name,
+                         "y": diff_y, "states": diff_states, "mismatches": diff_y + diff_states}
+                    )
+                    differing[name] += diff_y + diff_states
+                    if (diff_y or diff_states) and name not in failures:
+                        bad, want = (got_y, want_y) if diff_y else (got_states, want_states)
+                        failures[name] = (
+                            f"{name} differs at (B, Hk, Hv, Dk, Dv)={shape} L={steps} input={kind}: "
+                            f"{diff_y} of y, {diff_states} of states; "
+                            + _first_difference(bad, want[:, :steps])[0]
+                        )
+    result = _variants_result(backend, differing, failures, negative, cases)
+    if kernel is None:
+        _gdn_serving[backend] = result.variant
+    return result
 
-    length = q.shape[1]
-    outputs, states = [], []
-    if backend_name() == "metal":
-        # Decode on Metal: mlx-vlm's fused kernel, T=1, key heads not repeated.
-        for t in range(length):
-            step = slice(t, t + 1)
-            y, state = gated_delta_kernel(q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], state)
-            outputs.append(y)
-            states.append(state)
-        return mx.concatenate(outputs, axis=1), mx.stack(states, axis=1)
-    # Elsewhere decode repeats the key heads and runs one compiled ops step.
-    if (repeat := v.shape[-2] // q.shape[-2]) > 1:
-        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-    for t in range(length):
-        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
-        outputs.append(y)
-        states.append(state)
-    return mx.stack(outputs, axis=1), mx.stack(states, axis=1)
+
+def make_dense_weight(n: int, k: int, key) -> mx.array:
+    """fp16 (N, K); row magnitudes 2^-8..2^3 so some `large` rows overflow fp16."""
+    k_values, k_exp = mx.random.split(key)
+    magnitude = mx.power(2.0, mx.random.randint(-8, 4, (n, 1), key=k_exp).astype(mx.float32))
+    return (mx.random.normal((n, k), key=k_values) * 0.02 * magnitude).astype(mx.float16)
 
 
-def decode_attention_rows(queries, keys, values, scale: float, first_length: int):
-    """Attention of L queries (B, Hq, L, D); query j sees keys[..., :first_length + j].
+def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check dense rows bit for bit against decode's one-row calls, rows 1..8.
 
-    Each query as decode's own call: one query, the cache's keys up to its
-    position, no mask.
+    kernel: (x (R, K), weight) -> (R, N), tested as variant "kernel"; default:
+    this backend's DENSE_VARIANTS, serving then switched on or off (off CUDA there
+    is no kernel to test). shapes: (N, K) pairs, default the 27B and the small
+    shapes. MLX's own multi-row `x @ weight.T` is counted alongside (the control).
     """
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    variants = {"kernel": kernel} if kernel else {"gemv": cuda_dense_rows}
+    shapes = [tuple(s) for s in (shapes or DENSE_SHAPES_27B + DENSE_SHAPES_SMALL)]
+    differing = {name: 0 for name in variants}
+    failures, cases = {}, []
+    negative = {f"x[:{rows}] @ weight.T": 0 for rows in range(2, MAX_ROWS + 1)}
+    key = mx.random.key(seed)
+    for n, k in shapes:
+        key, weight_key = mx.random.split(key)
+        weight = make_dense_weight(n, k, weight_key)
+        for kind in INPUT_KINDS:
+            key, input_key = mx.random.split(key)
+            x = make_inputs(kind, MAX_ROWS, k, input_key)
+            want = []
+            for m in range(MAX_ROWS):  # each one-row call evaluated on its own
+                want.append((x[m : m + 1][None] @ weight.T).reshape(1, n))
+                mx.eval(want[-1])
+            want = mx.concatenate(want, axis=0)
+            for rows in range(2, MAX_ROWS + 1):
+                stock = x[:rows] @ weight.T
+                negative[f"x[:{rows}] @ weight.T"] += _differing(stock, want[:rows])
+            for name, dense in variants.items():
+                for rows in range(1, MAX_ROWS + 1):
+                    try:
+                        got = dense(x[:rows], weight)
+                        diff = _differing(got, want[:rows])
+                    except Exception as error:
+                        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
+                        differing[name] += 1
+                        continue
+                    cases.append(
+                        {"shape": [n, k], "rows": rows, "input": kind, "variant": name, "mismatches": diff}
+                    )
+                    differing[name] += diff
+                    if diff and name not in failures:
+                        failures[name] = (
+                            f"{name} differs at (N, K)={(n, k)} rows={rows} input={kind}: "
+                            + _first_difference(got, want[:rows])[0]
+                        )
+    result = _variants_result(backend, differing, failures, negative, cases)
+    if kernel is None:
+        _dense_serving[backend] = result.variant
+    return result
+
+
+# ===========================================================================
+# Decode attention
+
+# `decode_attention_rows(queries, keys, values, scale, first_length)`: query j of
+# queries (B, Hq, L, D) sees keys[..., :first_length + j]. Decode (mlx-vlm 0.7.2,
+# models/base.py:418) calls `mx.fast.scaled_dot_product_attention` with one query,
+# the KV cache's views up to its position and mask=None. At head dim 256 MLX 0.32.2's
+# CUDA backend has no fused kernel for that (cuDNN takes D <= 128,
+# cuda/scaled_dot_product_attention.cpp:343-346; sdpa_vector D in {64, 96, 128},
+# scaled_dot_product_attention.cu:676-682), so decode runs the unfused fallback
+# (mlx/fast.cpp:718-790, called at :869), which with GQA (n_rep = Hq / Hkv) is:
+#   q = multiply(array(scale, fp16), q)            :725  fp16 multiply, element-wise
+#   q: (B, Hkv, n_rep, 1, D); k, v: (B, Hkv, 1, T, D)  :730-732
+#   scores = matmul(q, swapaxes(k))                :734  M = 1, k transposed: gemv
+#   scores = softmax(scores, -1, precise=True)     :777  fp16 in/out, fp32 inside
+#   out = matmul(scores, v)                        :785  M = 1, v not transposed: cuBLASLt
+#   out = flatten(out, 1, 2)                       :787  (B, Hq, 1, D)
+# Here each step takes all L queries at once, each query's arithmetic as decode's:
+# 1. the scale multiply, fused into step 2: fp16 x fp16 rounded to nearest, as
+#    MLX's Multiply on __half (device/binary_ops.cuh:194-199) rounds it;
+# 2. scores: one warp per (batch, kv head, key t), for every query head of the group
+#    and every query j that sees key t, with gemv_impl's arithmetic
+#    (gemms/gemv.cu:55-84, batched over (B*Hkv, n_rep) by matmul.cpp:98-111 and
+#    gemv.cu:92-116; the keys are read in place, no copy): lane l sums
+#    float(k) * float(q) over columns NPT*l + 32*NPT*r (+0..NPT-1) in that order
+#    from +0, then cg::reduce, then a round-to-nearest fp16 store. NPT is the n_per_thread gemv picks at
+#    gemv.cu:242-249 (the cache and q buffers start at offset 0, so aligned): 4 when
+#    D % 128 == 0, 2 when D % 64 == 0, else 1. Products of two fp16 are exact in
+#    fp32, so FMA contraction cannot change a bit; only the order counts;
+# 3. softmax: cu::softmax<__half, float, BLOCK_DIM, 8> (softmax.cu:30-104) copied
+#    with each row's own axis size T_j and MLX's block dim for it
+#    (softmax.cu:145-147, kernel_utils.cuh:48-62: 32..1024 by ceil(T_j / 8)); one
+#    launch per block-dim bucket (one unless the queries straddle T = 256 * 2^k),
+#    each query's probabilities written to its own fresh contiguous array of
+#    decode's shape (B, Hkv, n_rep, 1, T_j);
+# 4. p @ v: decode's own call per query, `mx.matmul(p_j, expand_dims(v[:T_j], 2))`,
+#    on the same shapes and strides, so MLX builds the identical cuBLASLt call
+#    (matmul.cpp:115-138; cublas_gemm.cpp:146-158 sends it to the pointer-array
+#    batched run of cublas_gemm_batched_12_9.cu:150-229 over (B*Hkv, n_rep), whose
+#    descriptors hold n_rep's strides (T_j and 0) but not the cache's capacity,
+#    which only moves the pointers). Without GQA (n_rep = 1) the call is a strided
+#    batch whose descriptor holds the value buffer's head stride, capacity * D; a
+#    verify buffer may have another capacity than decode's (cache.py:509-531), so
+#    there the self-test (whose cases include such capacities) decides;
+# 5. the L outputs gathered by one copy kernel into (B, L, Hq, D) (instead of a
+#    concatenate's L copies), returned as the (B, Hq, L, D) transpose, so the
+#    model's `transpose(0, 2, 1, 3).reshape(B, L, -1)` (qwen3_5/language.py:928)
+#    of it is a view.
+# Where decode does not run that fallback (D <= 128, other dtypes, or B*Hkv == 1
+# with n_rep > 1, where matmul.cpp:86-96 folds the heads into M and leaves gemv),
+# for more than MAX_QUERIES queries, and on every backend but CUDA, each query is
+# the stock single-query call.
+
+SOFTMAX_READS = 8  # N_READS = 16 / sizeof(__half) (softmax.cu:144)
+ATTENTION_PACK_SHAPE = (1, 24, 4, 256)  # (B, Hq, Hkv, D) of the 27B's full-attention layers
+# Tiny shapes: D 192 (NPT 2, B 2), 136 (NPT 1, lanes past D idle), one head per
+# group (no GQA reshape), and the tiny pack's 2/1/64, which decode runs fused
+# (sdpa_vector) and this module per query.
+ATTENTION_TINY_SHAPES = ((2, 4, 2, 192), (1, 6, 3, 136), (1, 2, 2, 256), (1, 2, 1, 64))
+# Key lengths of query 0: past the cache's 256 growth steps (mlx_vlm cache.py:501-531)
+# and the softmax block dims' edges (T = 256, 257 and 1024, 1025).
+PACK_FIRST_LENGTHS = (1, 7) + tuple(range(250, 263)) + (1020, 1030)
+TINY_FIRST_LENGTHS = (1, 7, 250, 255, 256, 257, 262)
+MAX_QUERIES = 8  # queries one kernel call takes (its softmax has this many output slots)
+QUERY_SLOTS = MAX_QUERIES
+ATTENTION_INPUT_KINDS = ("normal", "wide")  # wide: keys x16, scores spread over ~+-50 (exp underflows)
+
+
+# ---------------------------------------------------------------------------
+# attention: stock reference
+
+
+def stock_attention_rows(queries, keys, values, scale, first_length):
+    """One stock single-query call per query: exactly what decode does."""
     outputs = [
         mx.fast.scaled_dot_product_attention(
             queries[:, :, j : j + 1],
@@ -779,3 +2014,596 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
         for j in range(queries.shape[2])
     ]
     return mx.concatenate(outputs, axis=2)
+
+
+def attention_kernel_supports(batch, q_heads, kv_heads, head_dim, dtype) -> bool:
+    """Whether decode runs the gemv + softmax + cuBLASLt fallback the kernels copy."""
+    return (
+        dtype == mx.float16
+        and head_dim > 128  # neither cuDNN nor sdpa_vector takes it
+        and q_heads % kv_heads == 0
+        and not (batch * kv_heads == 1 and q_heads > kv_heads)  # q.k leaves gemv there
+    )
+
+
+def softmax_block_dim(axis_size: int) -> int:
+    """dispatch_block_dim(ceil(axis_size / N_READS)) (kernel_utils.cuh:48-62)."""
+    threads = -(-axis_size // SOFTMAX_READS)
+    for block_dim in (32, 64, 128, 256, 512):
+        if threads <= block_dim:
+            return block_dim
+    return 1024
+
+
+# ---------------------------------------------------------------------------
+# attention: CUDA (no Metal kernel: on Metal each query is the stock call)
+
+# MIT License, Copyright (c) 2025 Apple Inc. (arithmetic of gemv_impl,
+# mlx/backend/cuda/gemms/gemv.cu, and cu::softmax, mlx/backend/cuda/softmax.cu,
+# MLX 0.32.2). See NOTICE.txt.
+_ATTENTION_CUDA_HEADER = r"""
+#include <cooperative_groups/reduce.h>
+
+namespace mlx::core::cu {
+namespace dflash2_attention {
+
+namespace cg = cooperative_groups;
+
+// Scores of one (batch b, kv head g, key t) for every query head h of the group
+// and every query j that sees key t (t < first + j): gemv_impl's sum for each.
+// q (B, Hq, L, D) and k (B, Hkv, T, D) strided; scores (B, Hq, L, T) contiguous,
+// entries t >= T_j left unwritten. Launch: one warp per (b, g, t).
+template <int D, int NPT>
+__device__ void query_key_scores(
+    const __half* q,
+    const Shape& q_shape,
+    const Strides& q_strides,
+    const __half* k,
+    const Shape& k_shape,
+    const Strides& k_strides,
+    const __half* scale,
+    __half* scores) {
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<WARP_SIZE>(block);
+  const int batch = q_shape[0];
+  const int q_heads = q_shape[1];
+  const int rows = q_shape[2];
+  const int kv_heads = k_shape[1];
+  const int keys = k_shape[2];
+  const int first = keys - rows + 1;
+  const int repeats = q_heads / kv_heads;
+
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / WARP_SIZE;
+  if (w >= int64_t(batch) * kv_heads * keys) {
+    return;
+  }
+  const int t = w % keys;
+  const int g = (w / keys) % kv_heads;
+  const int b = w / (int64_t(keys) * kv_heads);
+  const int lane = warp.thread_rank();
+
+  // gemv's columns of this lane: NPT * lane + 32 * NPT * c + e, c in order.
+  constexpr int kStep = WARP_SIZE * NPT;
+  constexpr int kChunks = (D + kStep - 1) / kStep;
+  const __half* key = k + b * k_strides[0] + g * k_strides[1] + t * k_strides[2];
+  __half key_lane[kChunks][NPT];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+    for (int e = 0; e < NPT; ++e) {
+      const int col = c * kStep + NPT * lane + e;
+      key_lane[c][e] = col < D ? key[col * k_strides[3]] : __float2half(0.0f);
+    }
+  }
+  const __half s = scale[0];
+
+  for (int r = 0; r < repeats; ++r) {
+    const int h = g * repeats + r;
+    for (int j = t < first ? 0 : t - first + 1; j < rows; ++j) {
+      const __half* query = q + b * q_strides[0] + h * q_strides[1] + j * q_strides[2];
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if (c * kStep + NPT * lane < D) {
+#pragma unroll
+          for (int e = 0; e < NPT; ++e) {
+            // fast.cpp's multiply(scale, q) in fp16, then gemv's fp32 product.
+            const __half qs = __hmul(s, query[(c * kStep + NPT * lane + e) * q_strides[3]]);
+            sum += static_cast<float>(key_lane[c][e]) * static_cast<float>(qs);
+          }
+        }
+      }
+      sum = cg::reduce(warp, sum, cg::plus<float>{});
+      if (warp.thread_rank() == 0) {
+        scores[((int64_t(b) * q_heads + h) * rows + j) * keys + t] = static_cast<__half>(sum);
+      }
+    }
+  }
+}
+
+// dispatch_block_dim(ceil_div(axis_size, 8)) (softmax.cu:145-147, kernel_utils.cuh:48-62).
+__device__ __forceinline__ int softmax_block_dim(int axis_size) {
+  const int threads = (axis_size + 7) / 8;
+  return threads <= 32 ? 32 : threads <= 64 ? 64 : threads <= 128 ? 128
+      : threads <= 256 ? 256 : threads <= 512 ? 512 : 1024;
+}
+
+// softmax.cu:23-28, unchanged.
+template <typename T>
+inline __device__ T softmax_exp(T x) {
+  return __expf(x);
+}
+
+// cu::softmax (softmax.cu:30-104) with T = __half, AccT = float, for the one row
+// at `in` / `out` of `axis_size` elements; the body is MLX's, unchanged but for
+// the row pointers (MLX: in += grid.block_rank() * axis_size) and spelling
+// cuda::ceil_div and cast_to out. Launch: one block of BLOCK_DIM threads per row.
+template <typename T, typename AccT, int BLOCK_DIM, int N_READS>
+__device__ void softmax_row(const T* in, T* out, int axis_size) {
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<WARP_SIZE>(block);
+
+  cg::greater<AccT> max_op;
+  cg::plus<AccT> plus_op;
+
+  // Thread reduce.
+  AccT prevmax;
+  AccT maxval = Limits<AccT>::finite_min();
+  AccT normalizer = AccT(0);
+  for (int r = 0; r < (axis_size + BLOCK_DIM * N_READS - 1) / (BLOCK_DIM * N_READS); r++) {
+    auto index = r * BLOCK_DIM + block.thread_rank();
+    auto vals = load_vector<N_READS>(in, index, axis_size, Limits<T>::min());
+    prevmax = maxval;
+#pragma unroll
+    for (int i = 0; i < N_READS; ++i) {
+      maxval = max_op(maxval, static_cast<AccT>(vals[i]));
+    }
+
+    // Online normalizer calculation for softmax:
+    // https://github.com/NVIDIA/online-softmax
+    normalizer = normalizer * softmax_exp(prevmax - maxval);
+#pragma unroll
+    for (int i = 0; i < N_READS; i++) {
+      normalizer =
+          normalizer + softmax_exp(static_cast<AccT>(vals[i]) - maxval);
+    }
+  }
+
+  // First warp reduce.
+  prevmax = maxval;
+  maxval = cg::reduce(warp, maxval, max_op);
+  normalizer = normalizer * softmax_exp(prevmax - maxval);
+  normalizer = cg::reduce(warp, normalizer, plus_op);
+
+  __shared__ AccT local_max[WARP_SIZE];
+  __shared__ AccT local_normalizer[WARP_SIZE];
+
+  // Write to shared memory and do second warp reduce.
+  prevmax = maxval;
+  if (warp.thread_rank() == 0) {
+    local_max[warp.meta_group_rank()] = maxval;
+  }
+  block.sync();
+  maxval = warp.thread_rank() < warp.meta_group_size()
+      ? local_max[warp.thread_rank()]
+      : Limits<AccT>::min();
+  maxval = cg::reduce(warp, maxval, max_op);
+  normalizer = normalizer * softmax_exp(prevmax - maxval);
+  if (warp.thread_rank() == 0) {
+    local_normalizer[warp.meta_group_rank()] = normalizer;
+  }
+  block.sync();
+  normalizer = warp.thread_rank() < warp.meta_group_size()
+      ? local_normalizer[warp.thread_rank()]
+      : AccT{};
+  normalizer = cg::reduce(warp, normalizer, plus_op);
+  normalizer = 1 / normalizer;
+
+  // Write output.
+  for (int r = 0; r < (axis_size + BLOCK_DIM * N_READS - 1) / (BLOCK_DIM * N_READS); r++) {
+    auto index = r * BLOCK_DIM + block.thread_rank();
+    auto vals = load_vector<N_READS>(in, index, axis_size, T(0));
+    for (int i = 0; i < N_READS; i++) {
+      vals[i] = softmax_exp(static_cast<AccT>(vals[i]) - maxval) * normalizer;
+    }
+    store_vector<N_READS>(out, index, vals, axis_size);
+  }
+}
+
+}  // namespace dflash2_attention
+}  // namespace mlx::core::cu
+"""
+
+_SCORES_SOURCE = (
+    "dflash2_attention::query_key_scores<D, NPT>("
+    "q, q_shape, q_strides, k, k_shape, k_strides, scale, scores);"
+)
+
+
+_SOFTMAX_SOURCE = f"""
+  // This launch: the queries j whose softmax block dim is BD, from the first such
+  // j (start) on, since T_j grows with j; block (j - start) * B * Hq + b * Hq + h
+  // writes row b * Hq + h of output p{{j - start}}. Slots past the run stay unused.
+  const int heads = scores_shape[0] * scores_shape[1];
+  const int rows = scores_shape[2];
+  const int keys = scores_shape[3];
+  const int first = keys - rows + 1;
+  int start = 0;
+  while (dflash2_attention::softmax_block_dim(first + start) != BD) {{
+    ++start;
+  }}
+  const int local = blockIdx.x / heads;
+  const int head = blockIdx.x % heads;
+  const int j = start + local;
+  const int axis_size = first + j;
+  __half* outputs[{QUERY_SLOTS}] = {{{", ".join(f"p{i}" for i in range(QUERY_SLOTS))}}};
+  dflash2_attention::softmax_row<__half, float, BD, {SOFTMAX_READS}>(
+      scores + (int64_t(head) * rows + j) * keys,
+      outputs[local] + int64_t(head) * axis_size,
+      axis_size);
+"""
+
+# y (B, L, Hq, D) from the L per-query outputs (B, Hq, 1, D) (scores only gives the sizes).
+_GATHER_SOURCE = f"""
+  const __half* rows_in[{QUERY_SLOTS}] = {{{", ".join(f"o{i}" for i in range(QUERY_SLOTS))}}};
+  const int64_t queries = scores_shape[2];
+  const int64_t row = int64_t(scores_shape[1]) * D;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < scores_shape[0] * queries * row) {{
+    const int64_t b = i / (queries * row);
+    const int j = (i / row) % queries;
+    y[i] = rows_in[j][b * row + i % row];
+  }}
+"""
+
+
+@cache
+def _scores_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_attention_scores",
+        input_names=["q", "k", "scale"],
+        output_names=["scores"],
+        source=_SCORES_SOURCE,
+        header=_ATTENTION_CUDA_HEADER,
+        ensure_row_contiguous=False,  # keys are views into the cache's buffer
+    )
+
+
+@cache
+def _softmax_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_attention_softmax",
+        input_names=["scores"],
+        output_names=[f"p{i}" for i in range(QUERY_SLOTS)],
+        source=_SOFTMAX_SOURCE,
+        header=_ATTENTION_CUDA_HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+@cache
+def _gather_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_attention_gather",
+        input_names=["scores"] + [f"o{i}" for i in range(QUERY_SLOTS)],
+        output_names=["y"],
+        source=_GATHER_SOURCE,
+    )
+
+
+@cache
+def _fp16_scale(scale: float) -> mx.array:
+    """fast.cpp's array(scale, float16): nanobind's float, then round to fp16."""
+    return mx.array(np.array([scale], dtype=np.float32).astype(np.float16))
+
+
+def _block_dim_runs(first_length: int, rows: int):
+    """(first query, end, block dim) for runs of queries sharing a softmax block dim."""
+    runs = []
+    for j in range(rows):
+        block_dim = softmax_block_dim(first_length + j)
+        if runs and runs[-1][2] == block_dim:
+            runs[-1][1] = j + 1
+        else:
+            runs.append([j, j + 1, block_dim])
+    return runs
+
+
+def cuda_attention_stages(queries, keys, values, scale, first_length):
+    """(scores, [p_j], [out_j], out) through the CUDA kernels; no self-test gate.
+
+    keys, values: (B, Hkv, first_length + L - 1, D) views; scores (B, Hq, L, T) with
+    row j valid up to T_j; p_j decode's (B, Hkv, n_rep, 1, T_j) probabilities
+    ((B, Hq, 1, T_j) without GQA); out (B, Hq, L, D) as a transposed view."""
+    batch, q_heads, rows, head_dim = queries.shape
+    kv_heads, keys_total = keys.shape[1], keys.shape[2]
+    repeats = q_heads // kv_heads
+    scores = _scores_kernel()(
+        inputs=[queries, keys, _fp16_scale(scale)],
+        template=[("D", head_dim), ("NPT", gemv_elements_per_lane(head_dim))],
+        grid=(32 * batch * kv_heads * keys_total, 1, 1),
+        threadgroup=(256, 1, 1),  # 8 warps a block, like gemv
+        output_shapes=[(batch, q_heads, rows, keys_total)],
+        output_dtypes=[mx.float16],
+    )[0]
+
+    def probability_shape(j):
+        length = first_length + j
+        if repeats > 1:
+            return (batch, kv_heads, repeats, 1, length)
+        return (batch, q_heads, 1, length)
+
+    probabilities = []
+    for start, end, block_dim in _block_dim_runs(first_length, rows):
+        count = end - start
+        unused = [(1,)] * (QUERY_SLOTS - count)  # 2-byte outputs for the slots left over
+        probabilities += _softmax_kernel()(
+            inputs=[scores],
+            template=[("BD", block_dim)],
+            grid=(count * batch * q_heads * block_dim, 1, 1),
+            threadgroup=(block_dim, 1, 1),
+            output_shapes=[probability_shape(j) for j in range(start, end)] + unused,
+            output_dtypes=[mx.float16] * QUERY_SLOTS,
+        )[:count]
+
+    outputs = []
+    for j, p in enumerate(probabilities):
+        v = values[:, :, : first_length + j]
+        outputs.append(mx.matmul(p, mx.expand_dims(v, 2) if repeats > 1 else v))
+
+    gathered = _gather_kernel()(
+        inputs=[scores] + outputs + outputs[:1] * (QUERY_SLOTS - rows),
+        template=[("D", head_dim)],
+        grid=(batch * rows * q_heads * head_dim, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(batch, rows, q_heads, head_dim)],
+        output_dtypes=[mx.float16],
+    )[0]
+    return scores, probabilities, outputs, gathered.transpose(0, 2, 1, 3)
+
+
+def cuda_attention_rows(queries, keys, values, scale, first_length):
+    return cuda_attention_stages(queries, keys, values, scale, first_length)[-1]
+
+
+# ---------------------------------------------------------------------------
+# attention: dispatch
+
+# (backend, (B, Hq, Hkv, D)) -> whether the self-test passed at that shape.
+_attention_verified: dict = {}
+
+
+def _check_attention_arguments(queries, keys, values, first_length):
+    if queries.ndim != 4 or keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(
+            f"queries, keys, values must be 4-D, got {queries.shape}, {keys.shape}, {values.shape}"
+        )
+    batch, q_heads, rows, head_dim = queries.shape
+    needed = first_length + rows - 1
+    if first_length < 1 or keys.shape[2] < needed or values.shape[2] < needed:
+        raise ValueError(
+            f"{rows} queries from first_length {first_length} need {needed} keys and values, "
+            f"got {keys.shape[2]} and {values.shape[2]}"
+        )
+    if keys.shape[:2] != values.shape[:2] or keys.shape[0] != batch or keys.shape[3] != head_dim:
+        raise ValueError(f"mismatched shapes {queries.shape}, {keys.shape}, {values.shape}")
+
+
+def decode_attention_rows(queries, keys, values, scale: float, first_length: int):
+    """Attention of L queries (B, Hq, L, D); query j sees keys[..., :first_length + j].
+
+    keys, values: (B, Hkv, >= first_length + L - 1, D), the KV cache's fetched views.
+    Query j of the result is bitwise decode's single-query
+    `mx.fast.scaled_dot_product_attention(queries[:, :, j:j+1], keys[..., :T_j, :],
+    values[..., :T_j, :], scale=scale, mask=None)`, T_j = first_length + j. On CUDA,
+    where decode runs MLX's unfused fallback, through the kernels once their
+    self-test passed; elsewhere one stock call per query. Returns (B, Hq, L, D)
+    (on CUDA a transposed view of a contiguous (B, L, Hq, D) array).
+    """
+    _check_attention_arguments(queries, keys, values, first_length)
+    batch, q_heads, rows, head_dim = queries.shape
+    needed = first_length + rows - 1
+    if keys.shape[2] > needed:
+        keys, values = keys[:, :, :needed], values[:, :, :needed]
+    backend = backend_name()
+    shape = (batch, q_heads, keys.shape[1], head_dim)
+    if backend == "cuda" and rows <= MAX_QUERIES and attention_kernel_supports(*shape, queries.dtype):
+        if (backend, shape) not in _attention_verified:
+            result = self_test_attention([shape])
+            if not result.ok:
+                warnings.warn(f"dflash2 {backend} attention kernels failed their self-test: {result.reason}")
+        if _attention_verified.get((backend, shape)):
+            return cuda_attention_rows(queries, keys, values, scale, first_length)
+    return stock_attention_rows(queries, keys, values, scale, first_length)
+
+
+# ---------------------------------------------------------------------------
+# attention: self-test
+
+
+def _fallback_stages(query, keys, values, scale):
+    """fast.cpp:718-790 for one query (B, Hq, 1, D) with MLX ops: (scores, p, out)."""
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    repeats = q_heads // kv_heads
+    q = mx.multiply(_fp16_scale(scale)[0], query)
+    if repeats > 1:
+        q = q.reshape(batch, kv_heads, repeats, 1, head_dim)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = mx.matmul(q, mx.swapaxes(keys, -1, -2))
+    p = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.matmul(p, values).reshape(batch, q_heads, 1, head_dim)
+    return scores, p, out
+
+
+def _make_case(shape, first_length, rows, kind, key):
+    """Random fp16 inputs and the caches' views: the verify's (all rows appended at
+    once) and decode's per query (one row appended at a time), both mlx-vlm KVCache;
+    then the two buffers' capacities at the end."""
+    batch, q_heads, kv_heads, head_dim = shape
+    total = first_length + rows - 1
+    kq, kk, kv = mx.random.split(key, 3)
+    queries = mx.random.normal((batch, q_heads, rows, head_dim), key=kq).astype(mx.float16)
+    keys = mx.random.normal((batch, kv_heads, total, head_dim), key=kk)
+    keys = (keys * (16.0 if kind == "wide" else 1.0)).astype(mx.float16)
+    values = mx.random.normal((batch, kv_heads, total, head_dim), key=kv).astype(mx.float16)
+    prefix = first_length - 1
+    verify_cache, decode_cache = KVCache(), KVCache()
+    if prefix:
+        for cache_ in (verify_cache, decode_cache):
+            cache_.update_and_fetch(keys[:, :, :prefix], values[:, :, :prefix])
+    verify_keys, verify_values = verify_cache.update_and_fetch(
+        keys[:, :, prefix:], values[:, :, prefix:]
+    )
+    decode_views = []
+    for j in range(prefix, total):
+        decode_views.append(decode_cache.update_and_fetch(keys[:, :, j : j + 1], values[:, :, j : j + 1]))
+    capacities = [verify_cache.keys.shape[2], decode_cache.keys.shape[2]]
+    return queries, verify_keys, verify_values, decode_views, capacities
+
+
+def _describe_attention_difference(got, want, case, scale, first_length, served):
+    """Where the first differing element is, and, for the kernels, which step differs.
+    case: _make_case's inputs and views."""
+    queries, verify_keys, verify_values, decode_views, _ = case
+    text, (_, _, j, _) = _first_difference(got, want)  # (batch, head, query, column)
+    text += f", query {j} sees {first_length + j} keys"
+    if not served:
+        return text
+    query = mx.contiguous(queries[:, :, j : j + 1])
+    step_keys, step_values = decode_views[j]
+    scores, p, out = _fallback_stages(query, step_keys, step_values, scale)
+    ours_scores, ours_p, ours_out, _ = cuda_attention_stages(
+        queries, verify_keys, verify_values, scale, first_length
+    )
+    length = first_length + j
+    ours_scores = ours_scores[:, :, j : j + 1, :length].reshape(scores.shape)
+
+    return text + (
+        f"; query {j} by step, kernels vs MLX ops: scores {_differing(ours_scores, scores)}, "
+        f"softmax {_differing(ours_p[j], p)}, "
+        f"p@v {_differing(ours_out[j], out.reshape(ours_out[j].shape))} "
+        f"differing; MLX ops vs the SDPA call: {_differing(out, want[:, :, j : j + 1])}"
+    )
+
+
+def _test_shape(backend, shape, key, first_lengths, max_queries, kernel):
+    """Cases of one (B, Hq, Hkv, D): (case records, reason of the first difference).
+    kernel: the attention under test; None: this backend's path for the shape."""
+    batch, q_heads, kv_heads, head_dim = shape
+    served = kernel is None and backend == "cuda" and attention_kernel_supports(*shape, mx.float16)
+    attend = kernel or (cuda_attention_rows if served else stock_attention_rows)
+    scale = head_dim**-0.5
+    lengths = first_lengths or (
+        PACK_FIRST_LENGTHS if shape == ATTENTION_PACK_SHAPE else TINY_FIRST_LENGTHS
+    )
+    cases, reason = [], None
+    try:
+        for kind in ATTENTION_INPUT_KINDS:
+            for first_length in lengths:
+                for rows in range(1, max_queries + 1):
+                    key, case_key = mx.random.split(key)
+                    case = _make_case(shape, first_length, rows, kind, case_key)
+                    queries, verify_keys, verify_values, decode_views, capacities = case
+                    want = mx.concatenate(
+                        [
+                            mx.fast.scaled_dot_product_attention(
+                                mx.contiguous(queries[:, :, j : j + 1]), k, v, scale=scale, mask=None
+                            )
+                            for j, (k, v) in enumerate(decode_views)
+                        ],
+                        axis=2,
+                    )
+                    got = attend(queries, verify_keys, verify_values, scale, first_length)
+                    stock = mx.fast.scaled_dot_product_attention(
+                        queries, verify_keys, verify_values, scale=scale, mask="causal"
+                    )
+                    mx.eval(want, got, stock)
+                    differ = _differing(got, want)
+                    cases.append(
+                        {
+                            "shape": list(shape),
+                            "first_length": first_length,
+                            "queries": rows,
+                            "input": kind,
+                            "kernel": served,
+                            "capacity": capacities,  # verify's, decode's
+                            "mismatches": differ,
+                            "stock_mismatches": _differing(stock, want),
+                        }
+                    )
+                    if differ and reason is None:
+                        reason = (
+                            f"{backend} {'kernels' if served else 'attention'} differ from decode at "
+                            f"(B, Hq, Hkv, D)={shape}, first_length={first_length}, L={rows}, input={kind}: "
+                        ) + _describe_attention_difference(got, want, case, scale, first_length, served)
+    except Exception as error:  # a kernel that fails to build or run fails the test
+        reason = f"{backend} attention at {shape} raised {type(error).__name__}: {error}"
+    return cases, reason
+
+
+def self_test_attention(
+    shapes=None, seed: int = 0, first_lengths=None, max_queries: int = MAX_QUERIES, kernel=None
+) -> SelfTestResult:
+    """Check decode_attention_rows' path on this backend bit for bit against decode.
+
+    kernel: (queries, keys, values, scale, first_length) -> (B, Hq, L, D) to test
+    instead; default: this backend's path, switched on or off per shape (off CUDA
+    there is no kernel to test).
+    shapes: (B, Hq, Hkv, D) tuples; default the pack's and the tiny ones. first_lengths: key
+    lengths of query 0; default PACK_FIRST_LENGTHS for the pack's shape and
+    TINY_FIRST_LENGTHS otherwise. For each shape, input kind, first length and
+    L = 1..max_queries: fp16 inputs, KV views from mlx-vlm's KVCache (the verify's
+    buffer after appending L rows, which may have grown to a capacity decode's
+    never had), and the reference: per query, the stock call on decode's own cache
+    views. `stock_mismatches` counts the stock multi-query call with
+    mask="causal" (negative control). Switches the kernels on or off per shape.
+    """
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    cases, reason = [], None
+    key = mx.random.key(seed)
+    for shape in [tuple(s) for s in (shapes or (ATTENTION_PACK_SHAPE,) + ATTENTION_TINY_SHAPES)]:
+        key, shape_key = mx.random.split(key)
+        shape_cases, shape_reason = _test_shape(
+            backend, shape, shape_key, first_lengths, max_queries, kernel
+        )
+        cases += shape_cases
+        reason = reason or shape_reason
+        if kernel is None:
+            _attention_verified[(backend, shape)] = shape_reason is None
+    mismatches = sum(c["mismatches"] for c in cases)
+    stock_mismatches = sum(c["stock_mismatches"] for c in cases)
+    return SelfTestResult(reason is None, backend, reason, mismatches, stock_mismatches, cases)
+
+
+
+# ===========================================================================
+# Start-up
+
+# Kernel name -> (the key of its shapes in verify_kernel_self_tests, its self-test).
+SELF_TESTS = {
+    "qmv": ("packed", self_test),
+    "rotate": ("rotations", self_test_rotate),
+    "gdn": ("gdn", self_test_gdn),
+    "dense": ("dense", self_test_dense),
+    "attention": ("attention", self_test_attention),
+}
+
+
+def verify_kernel_self_tests(shapes: dict) -> dict:
+    """Self-test every kernel at the pack's shapes, rows / steps / queries 1..8.
+
+    shapes: {"packed": [(N, K)], "rotations": [(K, block)], "gdn": [(B, Hk, Hv,
+    Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)]}; a missing or
+    empty entry leaves that kernel to test itself on first use. Each kernel then
+    serves only where its test passed. Returns {kernel name: SelfTestResult};
+    off the kernels' backends the results say NO_KERNEL and take no time.
+    """
+    results = {}
+    for name, (key, test) in SELF_TESTS.items():
+        if shapes.get(key):
+            results[name] = test(shapes=[tuple(s) for s in shapes[key]])
+    return results
+

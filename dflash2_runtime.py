@@ -21,18 +21,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-# Exact verify runs each position as its own small graph; at the 27B layer count
-# MLX's CUDA graph cache (400 entries) thrashes and raises. Read at first use.
+# MLX's CUDA backend caches executable graphs by topology (400 by default) and,
+# past 2x capacity lifetime misses, throws and kills the process: a fuse, not a
+# rate check, that a long-lived server crosses sooner or later (verify blocks of
+# several sizes add topologies). Keep a larger cache and let it evict instead.
+# Read when MLX first uses the GPU.
 os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", "4096")
+os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import mlx_vlm  # noqa: E402
-from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import (
-    HadamardQuantizedLinear,
-    hadamard_transform,
-)
+from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
+from mlx_vlm.models.qwen3_5 import gated_delta as gated_delta_module
 from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 from mlx_vlm.models.qwen3_5.speculative_verifier import Qwen3_5BatchInvariantForward
 from mlx_vlm.speculative import dflash as dflash_rounds
@@ -66,10 +68,10 @@ class RuntimeOptions:
 
 
 @dataclass
-class DecodeMatmulChoice:
-    """Plain decode's one-row packed matmul: MLX's call or the exact kernel."""
+class DecodePathChoice:
+    """Which replacements plain decode uses (a DECODE_ARMS key), and why."""
 
-    kernel: bool
+    arm: str
     why: str
     step_ms: dict = field(default_factory=dict)  # arm -> {"median", "min", "max"}
 
@@ -79,8 +81,9 @@ class RuntimeStatus:
     speculative: bool
     reason: Optional[str]
     backend: str
-    self_test: Optional[dflash2_kernels.SelfTestResult] = None
-    decode_matmul: Optional[DecodeMatmulChoice] = None
+    self_test: dict = field(default_factory=dict)  # kernel name -> SelfTestResult
+    decode_path: Optional[DecodePathChoice] = None
+    verify_check: Optional["VerifySelfCheck"] = None
 
 
 # ---------------------------------------------------------------------------
@@ -90,7 +93,7 @@ class RuntimeStatus:
 def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     """The packed linear of decode, for many rows, bit for bit per row."""
     if linear.block:
-        x = hadamard_transform(x, linear.block, linear.signs)
+        x = dflash2_kernels.rotate(x, linear.block, linear.signs)
     rows = x.reshape(-1, x.shape[-1])
     # The kernels reproduce MLX's fp16 single-row arithmetic. Packs whose dense
     # tensors are fp32 carry fp32 activations: those rows take MLX's own
@@ -114,22 +117,41 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
 
 
 _stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
-# Whether plain decode's one-row packed matmul runs on the exact kernel; set by
-# choose_decode_matmul from an end-to-end measurement on this machine.
-_decode_on_kernel = False
+_stock_gated_delta_ops = gated_delta_module.gated_delta_ops
+
+# Plain decode's replacements in use, chosen by choose_decode_path from an
+# end-to-end measurement on this machine. Each is bitwise decode's own result
+# (their self-tests prove it), so the choice changes speed, never tokens.
+DECODE_ARMS = {
+    "mlx": frozenset(),
+    "rotation": frozenset({"rotation"}),
+    "rotation+recurrence": frozenset({"rotation", "recurrence"}),
+    "rotation+recurrence+matmul": frozenset({"rotation", "recurrence", "matmul"}),
+}
+_decode_path: frozenset = frozenset()
 
 
 def _hadamard_linear_call(self, x):
-    """HadamardQuantizedLinear.__call__ with the one-row decode matmul on the exact kernel.
-
-    For one row the kernel equals MLX's single-row kernel bit for bit (the
-    self-test proves it at the pack's shapes); it is used only where
-    choose_decode_matmul measured it faster end to end. Multi-row calls
-    (prefill) keep MLX's own dispatch, whose arithmetic changes with the row count.
-    """
-    if not _decode_on_kernel or x.dtype != mx.float16 or x.size != x.shape[-1]:
+    """HadamardQuantizedLinear.__call__ with the rotation as one kernel and, for
+    one fp16 row, optionally the exact matmul kernel (both bitwise stock's)."""
+    if "rotation" not in _decode_path or x.dtype != mx.float16:
         return _stock_hadamard_linear_call(self, x)
-    return _packed_linear(self, x)
+    if "matmul" in _decode_path and x.size == x.shape[-1]:
+        return _packed_linear(self, x)
+    if self.block:
+        x = dflash2_kernels.rotate(x, self.block, self.signs)
+    return mx.quantized_matmul(
+        x, self.weight, self.scales, self.biases, transpose=True,
+        group_size=self.group_size, bits=self.bits,
+    )
+
+
+def _gated_delta_ops_call(q, k, v, g, beta, state=None, mask=None):
+    """gated_delta_ops with decode's single step on the recurrence kernel."""
+    if "recurrence" not in _decode_path or mask is not None or q.shape[1] != 1 or state is None:
+        return _stock_gated_delta_ops(q, k, v, g, beta, state, mask)
+    y, states = dflash2_kernels.gdn_recurrence(q, k, v, g, beta, state)
+    return y, states[:, -1]
 
 
 def _single_unpadded_row(cache, batch: int) -> bool:
@@ -194,10 +216,8 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         if mask is not None or cache is None:
             raise ExactnessError("padded or cache-less GatedDeltaNet verify is not exact")
         batch, length, _ = inputs.shape
-        mixed_qkv, z, b, a = self._linears(
-            (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a),
-            inputs,
-        )
+        mixed_qkv, z = self._linears((layer.in_proj_qkv, layer.in_proj_z), inputs)
+        b, a = _gate_projections(layer, inputs)
         z = z.reshape(batch, length, -1, layer.head_v_dim)
         width = layer.conv_kernel_size - 1
         conv_state = cache[0]
@@ -232,6 +252,20 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         helpers._qwen3_5_advance_lengths_info(cache, length)
         output = layer.norm(output, z)
         return self._linear(layer.out_proj, output.reshape(batch, length, -1))
+
+
+def _gate_projections(layer, x):
+    """in_proj_b(x) and in_proj_a(x), each row as decode's one-row matmul, in one
+    launch: every output column depends only on its own weight row."""
+    b_weight, a_weight = layer.in_proj_b.weight, layer.in_proj_a.weight
+    if "bias" in layer.in_proj_b or "bias" in layer.in_proj_a:
+        raise ExactnessError("GatedDeltaNet gate projections with a bias are not covered")
+    cached = getattr(layer, "_dflash2_gate_weight", None)
+    if cached is None or cached[0] is not b_weight or cached[1] is not a_weight:
+        cached = (b_weight, a_weight, mx.concatenate([b_weight, a_weight]))
+        layer._dflash2_gate_weight = cached
+    out = dflash2_kernels.dense_rows(x, cached[2])
+    return out[..., : b_weight.shape[0]], out[..., b_weight.shape[0] :]
 
 
 def _decode_convolution(layer, conv_input, length):
@@ -375,7 +409,9 @@ PATCHES = (
     Patch(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops",
         "9751b1354ae88830f815b23c3a2ed4ec3a5154ccbbb2bbaa400f407efdd0540a",
-        "Mirrored off Metal: gates and head repeat for all positions, then one step each.",
+        "Decode's single recurrence step on the recurrence kernel where measured faster "
+        "(same bits: the kernel reproduces its head repeat and compiled step).",
+        _gated_delta_ops_call,
     ),
     Patch(
         "mlx_vlm.models.qwen3_5.gated_delta:_compute_g_beta",
@@ -393,6 +429,11 @@ PATCHES = (
         "Decode's one-row packed matmul on the faster exact kernel (same bits), and "
         "mirrored for many rows in verify.",
         _hadamard_linear_call,
+    ),
+    Patch(
+        "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:hadamard_transform",
+        "26f78584fe230a4dae3782c9c29ceb97bddf51bdad9afa170c857fc9fd126400",
+        "Reproduced by dflash2_kernels.rotate in one launch (verify, and decode where faster).",
     ),
     Patch(
         "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
@@ -474,79 +515,215 @@ def apply_patches(patches=PATCHES) -> None:
         setattr(owner, name, patch.replacement)
 
 
-def packed_shapes(model) -> list[tuple[int, int]]:
-    """(N, K) of every packed 2-bit matrix in the target, for the self-test."""
-    shapes = {
-        (module.weight.shape[0], module.weight.shape[1] * 16)
-        for _, module in model.language_model.named_modules()
-        if isinstance(module, HadamardQuantizedLinear)
-    }
-    return sorted(shapes)
+def kernel_shapes(model) -> dict:
+    """The pack's own shapes for dflash2_kernels.verify_kernel_self_tests."""
+    text = model.language_model.model
+    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention")}
+    for _, module in model.language_model.named_modules():
+        if isinstance(module, HadamardQuantizedLinear):
+            width = module.weight.shape[1] * 16
+            shapes["packed"].add((module.weight.shape[0], width))
+            if module.block:
+                shapes["rotations"].add((width, module.block))
+    for layer in text.layers:
+        if layer.is_linear:
+            gdn = layer.linear_attn
+            shapes["gdn"].add((1, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))
+            gates = gdn.in_proj_b.weight.shape[0] + gdn.in_proj_a.weight.shape[0]
+            shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
+        else:
+            attention = layer.self_attn
+            shapes["attention"].add(
+                (1, attention.num_attention_heads, attention.num_key_value_heads, attention.head_dim)
+            )
+    return {key: sorted(value) for key, value in shapes.items()}
 
 
 def install(model=None) -> RuntimeStatus:
-    """Check versions and fingerprints, patch mlx-vlm, self-test the kernel.
+    """Check versions and fingerprints, patch mlx-vlm, prove exactness here.
 
-    Raises RuntimeMismatch if anything differs from the audited sources. A
-    failed kernel self-test does not raise: speculation is reported off, with
-    the reason, and the caller serves plain. With a model, also chooses plain
-    decode's one-row matmul by measurement (choose_decode_matmul).
+    Every kernel is self-tested at the pack's own shapes (dflash2_kernels).
+
+    Raises RuntimeMismatch if anything differs from the audited sources. A failed
+    kernel self-test or verify self-check does not raise: speculation is reported
+    off, with the reason, and the caller serves plain. With a model, also runs the
+    verify self-check on the pack's own weights and chooses plain decode's
+    replacements by measurement (choose_decode_path).
     """
     apply_patches()
     backend = dflash2_kernels.backend_name()
-    shapes = packed_shapes(model) if model is not None else None
-    result = dflash2_kernels.self_test(shapes=shapes)
-    if not result.ok:
-        return RuntimeStatus(False, f"kernel-self-test-failed: {result.reason}", backend, result)
-    choice = choose_decode_matmul(model) if model is not None else None
-    return RuntimeStatus(True, None, backend, result, choice)
+    if model is None:
+        result = {"qmv": dflash2_kernels.self_test()}
+    else:
+        result = dflash2_kernels.verify_kernel_self_tests(kernel_shapes(model))
+    # The other kernels fall back to single-position stock calls where their test
+    # failed (exact, slower); a failed matmul kernel turns speculation off.
+    if not result["qmv"].ok:
+        reason = f"kernel-self-test-failed: {result['qmv'].reason}"
+        return RuntimeStatus(False, reason, backend, result)
+    if model is None:
+        return RuntimeStatus(True, None, backend, result)
+    check = self_check_verify(model.language_model)
+    choice = choose_decode_path(model)
+    if check.differing:
+        reason = f"verify-self-check-failed: {check.summary()}"
+        return RuntimeStatus(False, reason, backend, result, choice, check)
+    return RuntimeStatus(True, None, backend, result, choice, check)
 
 
-def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:
-    """Median, min and max ms of a plain decode step under each arm.
+@dataclass
+class VerifySelfCheck:
+    """Verify rounds against decode steps on the pack's own weights, as bits."""
 
-    arms: name -> function that sets the arm up. Warm-up first, then the arms
-    interleaved (ABAB...) `repeats` times, `steps` decode steps each.
+    blocks: int
+    differing: int  # elements of logits, hidden states and post-rollback caches
+    stock_differing: int  # the same for stock verify (the negative control)
+    seconds: float
+    first_difference: Optional[str] = None
+
+    def summary(self) -> str:
+        text = (
+            f"exact verify self-check: {self.blocks} blocks, {self.differing} differing "
+            f"(stock verify: {self.stock_differing} differing), {self.seconds:.1f} s"
+        )
+        return text + (f"; first: {self.first_difference}" if self.first_difference else "")
+
+
+def _differing_bits(a: mx.array, b: mx.array) -> int:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.size, b.size)
+    bits = {2: mx.uint16, 4: mx.uint32}.get(a.dtype.size, mx.uint8)
+    return int((a.view(bits) != b.view(bits)).sum().item())
+
+
+def _cache_arrays(cache) -> list:
+    """The state a cache carries forward: KV up to its offset, recurrent states."""
+    arrays = []
+    for layer in cache:
+        if getattr(layer, "keys", None) is not None:
+            arrays += [layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]]
+        elif hasattr(layer, "cache"):
+            arrays += [state for state in layer.cache if state is not None]
+    return arrays
+
+
+def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101, 55, 3, 88, 140)):
+    """One verify round per block size 2..8 against single-token decode steps.
+
+    Compares logits, the drafter's tap hidden states and, after committing half
+    the block, every cache array, bit for bit. Stock verify runs the same checks
+    as the negative control (on CPU it agrees; on GPUs it should not). Costs about
+    three decode steps per block size.
     """
+    import copy
+
+    from mlx_vlm.speculative.cache_state import commit_speculative_round
+
+    started = time.perf_counter()
+    layers = language_model.model.layers
+    taps = sorted({0, len(layers) // 2, len(layers) - 1})
     cache = language_model.make_cache()
-    mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
-    token = mx.array([[5]])
+    mx.eval(language_model(mx.array([list(prompt)]), cache=cache).logits)
+    start = copy.deepcopy(cache)
+    steps, after = [], [copy.deepcopy(cache)]
+    for token in block:
+        steps.append(language_model(mx.array([[token]]), cache=cache, capture_layer_ids=taps))
+        mx.eval(steps[-1].logits, steps[-1].hidden_states)
+        after.append(copy.deepcopy(cache))
+
+    def check(length, verifier):
+        qwen3_5_language._EXACT_SPECULATIVE_VERIFIER = verifier
+        try:
+            trial = copy.deepcopy(start)
+            out = language_model(
+                mx.array([list(block[:length])]), cache=trial,
+                capture_layer_ids=taps, speculative_verify=True,
+            )
+            accepted = length // 2
+            commit_speculative_round(language_model, trial, out.gdn_states, accepted, length)
+        finally:
+            qwen3_5_language._EXACT_SPECULATIVE_VERIFIER = exact_verifier
+        pairs = [(out.logits, mx.concatenate([s.logits for s in steps[:length]], axis=1))]
+        pairs += [
+            (hidden, mx.concatenate([s.hidden_states[i] for s in steps[:length]], axis=1))
+            for i, hidden in enumerate(out.hidden_states)
+        ]
+        pairs += list(zip(_cache_arrays(trial), _cache_arrays(after[accepted + 1])))
+        counts = [_differing_bits(a, b) for a, b in pairs]
+        return sum(counts), counts
+
+    exact_verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+    stock_verifier = exact_verifier.__dflash2_stock__
+    differing = stock_differing = 0
+    first = None
+    for length in range(2, len(block) + 1):
+        count, counts = check(length, exact_verifier)
+        if count and first is None:
+            part = next(i for i, c in enumerate(counts) if c)
+            first = f"block {length}, " + ("logits" if part == 0 else f"array {part}")
+        differing += count
+        stock_differing += check(length, stock_verifier)[0]
+    return VerifySelfCheck(len(block) - 1, differing, stock_differing, time.perf_counter() - started, first)
+
+
+def interleaved_ms(arms: dict, repeats: int = 5) -> dict:
+    """Median, min and max ms of each arm, measured side by side.
+
+    arms: name -> function that runs one sample and returns its ms. One warm-up
+    pass first, then the arms interleaved (ABAB...) `repeats` times.
+    """
     samples = {name: [] for name in arms}
     for repeat in range(repeats + 1):
-        for name, set_up in arms.items():
-            set_up()
-            mx.eval(language_model(token, cache=cache).logits)  # graph and kernels warm
-            start = time.perf_counter()
-            for _ in range(steps):
-                mx.eval(language_model(token, cache=cache).logits)
+        for name, sample in arms.items():
+            ms = sample()
             if repeat:  # the first pass is the warm-up
-                samples[name].append(1000 * (time.perf_counter() - start) / steps)
+                samples[name].append(ms)
     return {
         name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
         for name, s in samples.items()
     }
 
 
-def choose_decode_matmul(model) -> DecodeMatmulChoice:
-    """Run plain decode's one-row matmul on the exact kernel only where that is
-    faster end to end on this machine (the tokens are the same either way)."""
-    global _decode_on_kernel
+def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:
+    """interleaved_ms of plain decode steps under each arm (name -> set-up function)."""
+    cache = language_model.make_cache()
+    mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
+    token = mx.array([[5]])
+
+    def sample(set_up):
+        def run():
+            set_up()
+            mx.eval(language_model(token, cache=cache).logits)  # graph and kernels warm
+            start = time.perf_counter()
+            for _ in range(steps):
+                mx.eval(language_model(token, cache=cache).logits)
+            return 1000 * (time.perf_counter() - start) / steps
+
+        return run
+
+    return interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats)
+
+
+def use_decode_arm(arm: str) -> None:
+    """Switch plain decode's replacements to one of DECODE_ARMS."""
+    global _decode_path
+    _decode_path = DECODE_ARMS[arm]
+
+
+def choose_decode_path(model) -> DecodePathChoice:
+    """Give plain decode the replacements that make it fastest end to end here.
+
+    Each arm is timed on this machine, interleaved after warm-up; the tokens are
+    the same under every arm. Off CUDA no arm has a kernel to use, so decode
+    stays MLX's own."""
     if dflash2_kernels.backend_name() != "cuda":
-        # Elsewhere one row already is MLX's own call.
-        _decode_on_kernel = False
-        return DecodeMatmulChoice(False, "one row is MLX's own call on this backend")
-
-    def use(kernel):
-        def set_up():
-            global _decode_on_kernel
-            _decode_on_kernel = kernel
-
-        return set_up
-
-    timings = time_decode_steps(model.language_model, {"mlx": use(False), "kernel": use(True)})
-    _decode_on_kernel = timings["kernel"]["median"] < timings["mlx"]["median"]
-    why = "measured faster end to end" if _decode_on_kernel else "MLX's call measured faster end to end"
-    return DecodeMatmulChoice(_decode_on_kernel, why, timings)
+        use_decode_arm("mlx")
+        return DecodePathChoice("mlx", "no decode kernel on this backend")
+    arms = {arm: (lambda arm=arm: use_decode_arm(arm)) for arm in DECODE_ARMS}
+    timings = time_decode_steps(model.language_model, arms)
+    fastest = min(timings, key=lambda arm: timings[arm]["median"])
+    use_decode_arm(fastest)
+    return DecodePathChoice(fastest, "fastest median decode step of the arms", timings)
 
 
 def configure_drafter(drafter, options: RuntimeOptions) -> None:

@@ -1,5 +1,6 @@
-"""dflash2_kernels on CPU: the self-test passes, catches wrong kernels, and the
-exact matmul equals one stock single-row call per row, bit for bit."""
+"""dflash2_kernels on CPU: the self-tests pass, catch wrong kernels naming the
+case, every public function equals its stock reference bit for bit, and the
+launch helpers follow MLX's source rules."""
 
 import mlx.core as mx
 import pytest
@@ -75,7 +76,7 @@ def test_wrong_kernel_fails_naming_the_case(kernel):
 def test_one_differing_bit_is_counted_exactly():
     result = dk.self_test(kernel=one_bit_off_at_eight_rows, shapes=[SHAPE])
     assert result.mismatches == len(dk.INPUT_KINDS)  # y[7, 3] once per input kind
-    assert "rows=8" in result.reason and "row 7 column 3" in result.reason
+    assert "rows=8" in result.reason and "first at [7, 3]" in result.reason
     failing = [case for case in result.cases if case["mismatches"]]
     assert all(case["rows"] == 8 for case in failing)
 
@@ -160,3 +161,164 @@ def test_cuda_launch_table_is_the_one_the_evidence_ran():
     assert ran == dk.CUDA_LAUNCH
     assert record["self_test"]["ok"] and record["exact_mismatches"] == 0
     assert record["stock_mismatches"] > 0  # the negative control did see MLX's 8-row call differ
+
+
+# ---------------------------------------------------------------------------
+# rotate, gdn_recurrence, dense_rows, decode_attention_rows
+
+
+def same_bits(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(dk._bits(a), dk._bits(b)).item()
+
+
+def one_bit_off(function, at_rows):
+    """function, but the last bit of its first output element flipped when its
+    first argument has `at_rows` rows (axis `axis`)."""
+
+    def wrong(*args, axis=0):
+        out = function(*args)
+        first = out[0] if isinstance(out, tuple) else out
+        if args[0].shape[axis] != at_rows:
+            return out
+        bits = dk._bits(first).reshape(-1)
+        flipped = mx.concatenate([bits[:1] ^ 1, bits[1:]]).reshape(first.shape).view(first.dtype)
+        return (flipped, *out[1:]) if isinstance(out, tuple) else flipped
+
+    return wrong
+
+
+def test_rotate_equals_the_stock_chain():
+    k, block = 1024, 512
+    signs = dk.make_signs("general", k, mx.random.key(1))
+    x = dk.make_rotate_inputs("nonfinite", 5, k, mx.random.key(2)).reshape(5, 1, k)
+    assert same_bits(dk.rotate(x, block, signs), dk.stock_rotate(x, block, signs))
+
+
+def test_gdn_recurrence_equals_decode_steps():
+    inputs = dk.make_gdn_inputs("normal", 1, 3, 1, 2, 64, 64, mx.random.key(1))
+    y, states = dk.gdn_recurrence(*inputs)
+    want_y, want_states = dk.stock_recurrence(*inputs, eval_each_step=True)
+    assert y.shape == (1, 3, 2, 64) and states.shape == (1, 3, 2, 64, 64)
+    assert same_bits(y, want_y) and same_bits(states, want_states)
+
+
+def test_dense_rows_equals_one_row_linears():
+    weight = dk.make_dense_weight(7, 320, mx.random.key(1))
+    x = dk.make_inputs("large", 6, 320, mx.random.key(2)).reshape(2, 3, 320)
+    want = mx.concatenate([x.reshape(6, 320)[m : m + 1] @ weight.T for m in range(6)])
+    assert same_bits(dk.dense_rows(x, weight), want.reshape(2, 3, 7))
+    with pytest.raises(ValueError, match="1..8 rows"):
+        dk.dense_rows(mx.zeros((9, 320), dtype=mx.float16), weight)
+
+
+def test_decode_attention_rows_equals_single_query_calls():
+    queries, keys, values, _, _ = dk._make_case((1, 4, 2, 64), 5, 3, "normal", mx.random.key(1))
+    got = dk.decode_attention_rows(queries, keys, values, 0.125, 5)
+    want = mx.concatenate(
+        [
+            mx.fast.scaled_dot_product_attention(
+                queries[:, :, j : j + 1], keys[:, :, : 5 + j], values[:, :, : 5 + j], scale=0.125
+            )
+            for j in range(3)
+        ],
+        axis=2,
+    )
+    assert same_bits(got, want)
+    with pytest.raises(ValueError, match="need 8 keys"):
+        dk.decode_attention_rows(queries, keys[:, :, :6], values, 0.125, 6)
+
+
+def test_own_self_tests_have_no_kernel_on_cpu():
+    for name, (_, test) in dk.SELF_TESTS.items():
+        if name == "qmv":
+            continue  # on CPU the batched call is what serves, and it is tested
+        result = test(shapes=None)
+        assert result.ok and result.reason == dk.NO_KERNEL and not result.cases, name
+
+
+def test_verify_kernel_self_tests_runs_each_kernel_at_the_pack_shapes():
+    results = dk.verify_kernel_self_tests(
+        {"packed": [(16, 512)], "rotations": [(512, 512)], "gdn": [(1, 1, 2, 64, 64)],
+         "dense": [], "attention": [(1, 24, 4, 256)]}
+    )
+    assert set(results) == {"qmv", "rotate", "gdn", "attention"}  # empty: left to first use
+    assert all(result.ok for result in results.values())
+    assert {tuple(case["shape"]) for case in results["qmv"].cases} == {(16, 512)}
+    assert {case["rows"] for case in results["qmv"].cases} == set(range(1, 9))
+    assert results["rotate"].reason == dk.NO_KERNEL  # cpu: the stock chain serves
+
+
+def test_wrong_rotation_fails_naming_the_case():
+    result = dk.self_test_rotate([(512, 512)], kernel=one_bit_off(dk.stock_rotate, 4))
+    assert not result.ok and result.mismatches == len(dk.SIGN_KINDS) * len(dk.ROTATE_INPUT_KINDS)
+    assert "K=512, block=512, rows=4, input=normal, signs=pm1" in result.reason
+    assert "first at [0, 0]" in result.reason
+    fp16 = dk.self_test_rotate([(512, 512)], kernel=lambda x, block, signs: dk._fp16_chain(x, block, signs))
+    assert not fp16.ok and fp16.stock_mismatches > 0  # the control sees fp16 rounding
+
+
+def test_wrong_recurrence_fails_naming_the_case():
+    def wrong(q, k, v, g, beta, state):
+        return one_bit_off(dk.stock_recurrence, 3)(q, k, v, g, beta, state, axis=1)
+
+    result = dk.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=wrong)
+    assert not result.ok and result.variant is None
+    assert result.variants == {"kernel": len(dk.GDN_INPUT_KINDS)}
+    assert "(B, Hk, Hv, Dk, Dv)=(1, 1, 2, 64, 64) L=3 input=normal" in result.reason
+    assert "1 of y, 0 of states" in result.reason
+    assert dk.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=dk.stock_recurrence).ok
+
+
+def test_wrong_dense_rows_fails_naming_the_case():
+    result = dk.self_test_dense([(7, 320)], kernel=one_bit_off(dk.stock_dense_rows, 8))
+    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert "(N, K)=(7, 320) rows=8 input=normal" in result.reason
+    assert dk.self_test_dense([(7, 320)], kernel=dk.stock_dense_rows).ok
+
+
+def test_wrong_attention_fails_naming_the_case():
+    def wrong(queries, keys, values, scale, first_length):
+        return one_bit_off(dk.stock_attention_rows, 2)(queries, keys, values, scale, first_length, axis=2)
+
+    serving = dict(dk._attention_verified)
+    result = dk.self_test_attention([(1, 2, 1, 64)], first_lengths=(7,), max_queries=2, kernel=wrong)
+    assert not result.ok
+    assert "(B, Hq, Hkv, D)=(1, 2, 1, 64), first_length=7, L=2, input=normal" in result.reason
+    assert "first at [0, 0, 0, 0]" in result.reason
+    assert dk._attention_verified == serving  # an injected kernel never switches serving
+
+
+# ---------------------------------------------------------------------------
+# Launch helpers, against MLX 0.32.2's source rules
+
+
+@pytest.mark.parametrize(
+    ("k", "npt"), [(5120, 4), (256, 4), (128, 4), (320, 2), (192, 2), (64, 2), (136, 1), (102, 1), (96, 1)]
+)
+def test_gemv_elements_per_lane(k, npt):
+    # gemv.cu:242-249: 4 when K % 128 == 0, 2 when K % 64 == 0, else 1 (aligned pointers).
+    assert dk.gemv_elements_per_lane(k) == npt
+
+
+@pytest.mark.parametrize(
+    ("axis_size", "block_dim"),
+    [(1, 32), (256, 32), (257, 64), (512, 64), (513, 128), (1024, 128), (1025, 256),
+     (2048, 256), (2049, 512), (4096, 512), (4097, 1024), (100000, 1024)],
+)
+def test_softmax_block_dim(axis_size, block_dim):
+    # softmax.cu:145-147 with N_READS 8, kernel_utils.cuh:48-62: the smallest of
+    # 32..512 holding ceil(axis_size / 8) threads, else 1024.
+    assert dk.softmax_block_dim(axis_size) == block_dim
+
+
+def test_block_dim_runs_split_where_the_block_dim_changes():
+    assert dk._block_dim_runs(250, 8) == [[0, 7, 32], [7, 8, 64]]
+    assert dk._block_dim_runs(1, 3) == [[0, 3, 32]]
+
+
+@pytest.mark.parametrize(
+    ("block", "bits"), [(512, 0x3D3504F3), (1024, 0x3D000000), (2048, 0x3CB504F3), (4096, 0x3C800000)]
+)
+def test_scale_bits(block, bits):
+    # 1/sqrt(block) rounded to fp32: 2^-5 and 2^-6 exactly, else 2^-k times fp32(1/sqrt 2) = 0x3F3504F3.
+    assert dk.scale_bits(block) == bits

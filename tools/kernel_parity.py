@@ -1,12 +1,17 @@
 """Bitwise parity (and optionally speed) of dflash2_kernels on this machine.
 
-Runs dflash2_kernels.self_test at the chosen shapes (rows 1..8, every input
-kind), and with --bench times MLX's single-row and multi-row calls against the
-exact kernel on the same shapes; with --tune (CUDA) it first times launch
-shapes and uses the fastest per row count for everything after. Writes
-evidence/kernel-parity-<backend>.json and .md; every figure comes from this run.
+For each kernel in --kernels (default qmv) runs its self-test at the chosen
+shapes (rows / steps / queries 1..8, every input kind); with --bench it also
+times the kernel against the stock calls it replaces. qmv (the exact 2-bit
+matmul): --bench times MLX's single-row and multi-row calls against the kernel
+on the same shapes; with --tune (CUDA) it first times launch shapes and uses
+the fastest per row count for everything after; writes
+evidence/kernel-parity-<backend>.json and .md. The other kernels (rotate, gdn,
+dense, attention) write evidence/kernel-parity-<kernel>-<backend>.json and .md.
+Every figure comes from this run.
 
     python3 tools/kernel_parity.py --shapes 27b --tune --bench
+    python3 tools/kernel_parity.py --kernels rotate,gdn,dense,attention --shapes 27b --bench
 """
 
 import argparse
@@ -59,18 +64,24 @@ def weight_bytes(n, k):
     return n * k // 4 + 2 * n * (k // dk.GROUP_SIZE) * 2
 
 
-def median_seconds_per_call(call, copies):
-    """Median over REPEATS of one pass over all weight copies, per call."""
-    mx.eval([call(*copy) for copy in copies])  # warm-up, compiles kernels
-    times = []
-    for _ in range(REPEATS):
-        outputs = [call(*copy) for copy in copies]
+def median_seconds(build, warmup=3, runs=REPEATS):
+    """Medians after warm-up of: build() + mx.eval of its result, the eval alone
+    (the device's work), and build() alone (graph building on the host)."""
+    for _ in range(warmup):
+        mx.eval(build())  # also compiles the kernels
+    total, evals, builds = [], [], []
+    for _ in range(runs):
         mx.synchronize()
         start = time.perf_counter()
+        outputs = build()
+        built = time.perf_counter()
         mx.eval(outputs)
         mx.synchronize()
-        times.append((time.perf_counter() - start) / len(copies))
-    return statistics.median(times)
+        end = time.perf_counter()
+        total.append(end - start)
+        evals.append(end - built)
+        builds.append(built - start)
+    return statistics.median(total), statistics.median(evals), statistics.median(builds)
 
 
 class Bench:
@@ -90,7 +101,9 @@ class Bench:
         x = self.x[:rows]
         got = call(x, *self.copies[0])
         mismatches = (got.view(mx.uint16) != self.want[:rows].view(mx.uint16)).sum().item()
-        seconds = median_seconds_per_call(lambda w, s, b: call(x, w, s, b), self.copies)
+        # One pass over all weight copies, per call; the device's time only.
+        seconds = median_seconds(lambda: [call(x, *copy) for copy in self.copies], warmup=1)[1]
+        seconds /= len(self.copies)
         gb_per_s = weight_bytes(self.n, self.k) / seconds / 1e9
         print(f"  {name:24s} rows={rows} launch={launch} {seconds * 1e6:9.2f} us "
               f"{gb_per_s:7.1f} GB/s  mismatches={mismatches}", flush=True)
@@ -264,17 +277,173 @@ def summary_markdown(record):
     return "\n".join(lines) + "\n"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", choices=["tiny", "27b"], default="tiny")
-    parser.add_argument("--bench", action="store_true", help="time the calls too")
-    parser.add_argument("--tune", action="store_true",
-                        help="CUDA: time launch shapes first, use the fastest for the rest")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(REPO / "evidence"))
-    args = parser.parse_args()
+def environment():
+    return {
+        "device": mx.device_info().get("device_name", platform.processor()),
+        "versions": {
+            "mlx": mx.__version__,
+            "mlx_vlm": importlib.metadata.version("mlx-vlm"),
+            "python": platform.python_version(),
+        },
+    }
 
-    backend = dk.backend_name()
+
+def timed_self_test(name, shapes, seed):
+    """dflash2_kernels' self-test of one kernel, printed: (result, seconds)."""
+    started = time.perf_counter()
+    result = dk.SELF_TESTS[name][1](shapes=shapes, seed=seed)
+    seconds = round(time.perf_counter() - started, 1)
+    print(f"{name} self-test ok={result.ok} variant={result.variant} mismatches={result.mismatches} "
+          f"stock_mismatches={result.stock_mismatches} cases={len(result.cases)} ({seconds} s)")
+    if result.reason:
+        print("reason:", result.reason)
+    return result, seconds
+
+
+def write_record(out, stem, record, markdown):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown)
+    print(markdown)
+
+
+# ---------------------------------------------------------------------------
+# rotate, gdn, dense, attention
+
+# Kernel -> (27B shapes, small shapes) of its self-test.
+KERNEL_SHAPES = {
+    "rotate": (dk.ROTATE_SHAPES_27B, dk.ROTATE_SHAPES_SMALL),
+    "gdn": (dk.GDN_SHAPES_27B, dk.GDN_SHAPES_SMALL),
+    "dense": (dk.DENSE_SHAPES_27B, dk.DENSE_SHAPES_SMALL),
+    "attention": ((dk.ATTENTION_PACK_SHAPE,), dk.ATTENTION_TINY_SHAPES),
+}
+
+
+def timing_row(what, shape, rows, kernel, stock, **more):
+    """Median ms of kernel and stock (one call + mx.eval), and each one's build us."""
+    ours, _, ours_build = median_seconds(kernel)
+    theirs, _, theirs_build = median_seconds(stock)
+    row = {
+        "what": what, "shape": list(shape), "rows": rows, "kernel_ms": round(1e3 * ours, 4),
+        "stock_ms": round(1e3 * theirs, 4), "ratio": round(theirs / ours, 2),
+        "kernel_build_us": round(1e6 * ours_build, 1), "stock_build_us": round(1e6 * theirs_build, 1),
+    }
+    row.update({name: round(1e3 * median_seconds(call)[0], 4) for name, call in more.items()})
+    print("  " + ", ".join(f"{key} {value}" for key, value in row.items()), flush=True)
+    return row
+
+
+def bench_kernel(name):
+    """Timings of the drafts' report tables: the 27B shapes at a few row counts."""
+    key = mx.random.key(1)
+    rows_out = []
+    if name == "rotate":
+        for k, block in ((5120, 512), (17408, 1024)):
+            signs = dk.make_signs("pm1", k, key)
+            for rows in (1, 8):
+                x = dk.make_rotate_inputs("normal", rows, k, key)
+                rows_out.append(timing_row(
+                    "rotate vs the stock chain", (k, block), rows,
+                    lambda: dk.rotate(x, block, signs), lambda: dk.stock_rotate(x, block, signs)))
+    elif name == "gdn":
+        shape = dk.GDN_SHAPES_27B[0]
+        B, Hk, Hv, Dk, Dv = shape
+        for steps in (1, 2, 4, 8):
+            inputs = dk.make_gdn_inputs("normal", B, steps, Hk, Hv, Dk, Dv, key)
+            mx.eval(inputs)
+            rows_out.append(timing_row(
+                "gdn_recurrence vs stock per-step", shape, steps,
+                lambda: dk.gdn_recurrence(*inputs), lambda: dk.stock_recurrence(*inputs)))
+    elif name == "dense":
+        n, k = dk.DENSE_SHAPES_27B[0]
+        weight = dk.make_dense_weight(n, k, mx.random.key(2))
+        for rows in (1, 2, 4, 8):
+            x = dk.make_inputs("normal", rows, k, mx.random.key(3))
+            mx.eval(weight, x)
+            rows_out.append(timing_row(
+                "dense_rows vs one-row calls", (n, k), rows,
+                lambda: dk.dense_rows(x, weight), lambda: dk.stock_dense_rows(x, weight),
+                mlx_multi_row_ms=lambda: x @ weight.T))
+    elif name == "attention":
+        shape = dk.ATTENTION_PACK_SHAPE
+        scale = shape[3] ** -0.5
+        for first_length in (1030, 4000):
+            for rows in range(1, dk.MAX_QUERIES + 1):
+                queries, keys, values, _, _ = dk._make_case(shape, first_length, rows, "normal", key)
+                mx.eval(queries, keys, values)
+                args = (queries, keys, values, scale, first_length)
+                rows_out.append(timing_row(
+                    f"decode_attention_rows vs per-query calls, {first_length} keys", shape, rows,
+                    lambda: dk.decode_attention_rows(*args), lambda: dk.stock_attention_rows(*args)))
+    return rows_out
+
+
+def kernel_markdown(name, record):
+    test = record["self_test"]
+    lines = [
+        f"# {name} parity on {record['backend']} ({record['device']})",
+        "",
+        f"Command: `{record['command']}`  ",
+        f"Versions: mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
+        f"Python {record['versions']['python']}  ",
+        f"Self-test: {'passed' if test['ok'] else 'FAILED'} in {test['seconds']} s"
+        + (f"; serving variant {test['variant']}" if test["variant"] else "")
+        + (f"; reason: {test['reason']}" if test["reason"] else ""),
+        "",
+        "Differing elements against decode's one-row / one-step / one-query calls, as bits.",
+        "",
+        "| shape | cases | differing |",
+        "|---|---|---|",
+    ]
+    for shape in sorted({tuple(c["shape"]) for c in record["cases"]}):
+        cases = [c for c in record["cases"] if tuple(c["shape"]) == shape]
+        lines.append(f"| {shape} | {len(cases)} | {sum(c['mismatches'] for c in cases)} |")
+    if test["variants"]:
+        lines += ["", "Variants, differing elements: "
+                  + ", ".join(f"{v}: {n}" for v, n in test["variants"].items())]
+    controls = test["controls"] or {"stock multi-row path": test["stock_mismatches"]}
+    lines += ["", "Negative controls, differing elements (-1: raised): "
+              + ", ".join(f"{c}: {n}" for c, n in controls.items())]
+    if record.get("timings"):
+        columns = list(record["timings"][0])
+        lines += ["", "## Timings", "", "Median of one call + mx.eval after warm-up; build = the call alone.", "",
+                  "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        for row in record["timings"]:
+            lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_kernel(name, args, backend):
+    """Self-test (and with --bench time) one of KERNEL_SHAPES' kernels; True if it passed."""
+    large, small = KERNEL_SHAPES[name]
+    shapes = list(large) + list(small) if args.shapes == "27b" else list(small)
+    result, seconds = timed_self_test(name, shapes, args.seed)
+    record = {
+        "kernel": name,
+        "backend": backend,
+        **environment(),
+        "command": f"python3 tools/kernel_parity.py --kernels {name} --shapes {args.shapes} "
+                   f"--seed {args.seed}" + " --bench" * args.bench,
+        "self_test": {
+            "ok": result.ok, "reason": result.reason, "seconds": seconds, "variant": result.variant,
+            "mismatches": result.mismatches, "stock_mismatches": result.stock_mismatches,
+            "variants": result.variants, "controls": result.controls,
+        },
+        "cases": result.cases,
+    }
+    if args.bench:
+        record["timings"] = bench_kernel(name)
+    write_record(args.out, f"kernel-parity-{name}-{backend}", record, kernel_markdown(name, record))
+    return result.ok
+
+
+# ---------------------------------------------------------------------------
+# qmv
+
+
+def run_qmv(args, backend):
+    """The exact 2-bit matmul's parity (and --tune, --bench); True if it passed."""
     # The 27B run also takes the small default shapes: they cover K % 512 != 0
     # and a partial last warp, which no 27B matrix has.
     bench_shapes = list(SHAPES_27B) if args.shapes == "27b" else list(dk.DEFAULT_SHAPES)
@@ -290,22 +459,11 @@ def main():
         dk.CUDA_LAUNCH.update(table)
         print("tuned CUDA_LAUNCH =", table)
 
-    started = time.perf_counter()
-    result = dk.self_test(shapes=shapes, seed=args.seed)
-    seconds = round(time.perf_counter() - started, 1)
-    print(f"self-test ok={result.ok} mismatches={result.mismatches} "
-          f"stock_mismatches={result.stock_mismatches} cases={len(result.cases)} ({seconds} s)")
-    if result.reason:
-        print("reason:", result.reason)
+    result, seconds = timed_self_test("qmv", shapes, args.seed)
 
     record = {
         "backend": backend,
-        "device": mx.device_info().get("device_name", platform.processor()),
-        "versions": {
-            "mlx": mx.__version__,
-            "mlx_vlm": importlib.metadata.version("mlx-vlm"),
-            "python": platform.python_version(),
-        },
+        **environment(),
         "command": command,
         "exact_mismatches": result.mismatches,
         "stock_mismatches": result.stock_mismatches,
@@ -327,13 +485,30 @@ def main():
         if args.bench and args.shapes == "27b":
             record["decode_step_estimate"] = decode_step_estimate(timings)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"kernel-parity-{backend}.json").write_text(json.dumps(record, indent=1) + "\n")
-    markdown = summary_markdown(record)
-    (out / f"kernel-parity-{backend}.md").write_text(markdown)
-    print(markdown)
-    return 0 if result.ok else 1
+    write_record(args.out, f"kernel-parity-{backend}", record, summary_markdown(record))
+    return result.ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default="qmv",
+                        help=f"comma-separated, of: {', '.join(dk.SELF_TESTS)} (default qmv)")
+    parser.add_argument("--shapes", choices=["tiny", "27b"], default="tiny")
+    parser.add_argument("--bench", action="store_true", help="time the calls too")
+    parser.add_argument("--tune", action="store_true",
+                        help="qmv on CUDA: time launch shapes first, use the fastest for the rest")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(REPO / "evidence"))
+    args = parser.parse_args()
+    kernels = [name.strip() for name in args.kernels.split(",") if name.strip()]
+    unknown = [name for name in kernels if name not in dk.SELF_TESTS]
+    if unknown or not kernels:
+        parser.error(f"--kernels: unknown {unknown}; choose from {', '.join(dk.SELF_TESTS)}")
+
+    backend = dk.backend_name()
+    passed = [run_qmv(args, backend) if name == "qmv" else run_kernel(name, args, backend)
+              for name in kernels]
+    return 0 if all(passed) else 1
 
 
 if __name__ == "__main__":

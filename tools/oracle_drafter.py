@@ -18,6 +18,7 @@ class OracleDrafter:
         *,
         vocab_size: int,
         error_rate: float = 0.0,
+        accepted_per_round: float = None,
         block_size: int = 8,
         target_layer_ids=(0,),
         seed: int = 0,
@@ -26,6 +27,9 @@ class OracleDrafter:
         self.continuation = list(continuation)
         self.vocab_size = vocab_size
         self.error_rate = error_rate
+        # If set, round r gets floor((r + 1) a) - floor(r a) right proposals and then a
+        # wrong one, so accepted drafts average exactly a per round (no sampling noise).
+        self.accepted_per_round = accepted_per_round
         self.seed = seed
         # A real drafter run each round (output discarded) so timings pay its cost.
         self.cost_drafter = cost_drafter
@@ -59,10 +63,17 @@ class OracleDrafter:
                 )
             )
         start = self._emitted()
+        if self.accepted_per_round is not None:
+            rounds, rate = len(self.accept_lens), self.accepted_per_round
+            right = int((rounds + 1) * rate) - int(rounds * rate)
         proposal = []
-        for index in range(start, start + block_size - 1):
+        for offset, index in enumerate(range(start, start + block_size - 1)):
             token = self.continuation[index] if index < len(self.continuation) else 0
-            if self._rng.random() < self.error_rate:
+            if self.accepted_per_round is not None:
+                wrong = offset >= right
+            else:
+                wrong = self._rng.random() < self.error_rate
+            if wrong:
                 token = (token + 1) % self.vocab_size
             proposal.append(token)
         return mx.array([proposal], dtype=token_dtype)

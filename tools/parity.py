@@ -18,6 +18,7 @@ speculative with the pack's own drafter) to evidence/fixture-checks-<backend>.*.
 import argparse
 import copy
 import json
+import os
 import platform
 import shlex
 import sys
@@ -25,12 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-from mlx_vlm.generate.ar import generate_step
-from mlx_vlm.speculative.cache_state import commit_speculative_round
-from mlx_vlm.utils import prepare_inputs
-from PIL import Image
+# As the runtime does, before MLX starts: a larger CUDA graph cache that evicts
+# instead of aborting the process (see dflash2_runtime.py).
+os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", "4096")
+os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_vlm.generate.ar import generate_step  # noqa: E402
+from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
+from mlx_vlm.utils import prepare_inputs  # noqa: E402
+from PIL import Image  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
@@ -345,6 +351,7 @@ def main():
     from make_synthetic_pack import SIZES, build_target_model, make_pack
 
     started = time.time()
+    log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
     processor = drafter = None
     if args.pack:
         model, processor, drafter = load_pack(*find_pack(args.pack))
@@ -364,12 +371,15 @@ def main():
         ids = chat_ids(processor.tokenizer, PROMPTS[0], thinking=False)
     continuation = greedy(model, ids, 8)
     contexts = (250, 252, 254, 256, 258, 262, 1030) if args.size == "27b" and not args.pack else (5, 12)
+    log(f"model ready; prefilling contexts {contexts}")
     snapshots = prefill_snapshots(lm, taps, contexts)
+    log("stock verify (negative control)")
 
     # Before install: the stock verifier (the negative control).
     stock = verify_cases(lm, ids, taps, continuation) + context_cases(lm, taps, snapshots, continuation)
     stock_decode = decode_logits(lm, ids, continuation)
     status = dflash2_runtime.install(model)
+    log(f"runtime installed: speculative {status.speculative} {status.reason or ''}")
     # Plain decode after install (one-row matmuls on the exact kernel) against stock.
     exact = [
         {
@@ -378,13 +388,16 @@ def main():
         }
     ]
     exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
+    log("exact verify and rollback")
     exact += context_cases(lm, taps, snapshots, continuation, rollback_contexts=(contexts[1], contexts[-1]))
+    log("greedy token runs")
     if processor is None:
         exact += raw_token_cases(model, ids, args.max_tokens)
         fixtures = []
     else:
         exact += token_cases(model, processor.tokenizer, args.max_tokens, all_token_combos())
         fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
+    log("kernel self-test")
     shapes = PACKED_SHAPES_27B if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
 
@@ -449,6 +462,7 @@ def fixture_markdown(record) -> str:
 
 def summary_markdown(record) -> str:
     tokens = [c for c in record["cases"] if c["check"] == "tokens"]
+    contexts = ", ".join(sorted({str(c["context"]) for c in record["cases"] if "context" in c}, key=int))
     lines = [
         f"# Parity on {record['backend']} ({record['device']})",
         "",
@@ -461,8 +475,8 @@ def summary_markdown(record) -> str:
     ]
     for check, label in (
         ("plain decode", "plain decode after install vs stock"),
-        ("verify", "exact verify vs decode (L=2..8)"),
-        ("rollback", "rollback vs never-speculated cache"),
+        ("verify", "exact verify vs decode (L=2..8; contexts " + contexts + ")"),
+        ("rollback", "rollback at every accepted count vs never-speculated cache"),
     ):
         cases = [c for c in record["cases"] if c["check"] == check]
         lines.append(f"| {label} | {len(cases)} | {sum(map(case_mismatches, cases))} |")
