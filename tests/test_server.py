@@ -702,6 +702,21 @@ def test_eight_concurrent_clients_get_their_own_answers(servers):
 
 
 # ---------------------------------------------------------------------------------------
+# The hostile-input battery's quick subset (tools/battery.py runs the whole one)
+
+
+def test_battery_quick_subset(servers, pack):
+    from battery import run_batches
+
+    server = servers["spec"]
+    server.local_paths = {str(p) for p in (pack, server.home, server.cwd, sys.prefix, *site.getsitepackages())}
+    tally = run_batches(server, quick=True)
+    assert tally.sent >= 300 and tally.by_class.get("4xx", 0) > tally.by_class.get("2xx", 0)
+    assert tally.client_5xx == [] and tally.path_leaks == []
+    assert (tally.crashes, tally.answers_changed) == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------
 # Local paths: never in a response or a log line (runs last: it scans what came before)
 
 
