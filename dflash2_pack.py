@@ -7,13 +7,14 @@ mlx-vlm's own code: `mlx_vlm.utils.load` and `mlx_vlm.speculative.drafters.load_
 """
 
 import json
+import re
 import struct
 from pathlib import Path
 
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 TARGET_SCHEMA = {
     "model_type": "prism_hadamard_qwen35",
@@ -25,7 +26,7 @@ TARGET_SCHEMA = {
 }
 HADAMARD_BLOCKS = (0, 512, 1024, 2048, 4096)
 FLOAT_DTYPES = ("F16", "BF16", "F32")
-TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
+TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
 DRAFTER_ARCHITECTURE = "DFlash2DraftModel"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 MAX_LISTED = 8
@@ -71,11 +72,14 @@ def read_headers(folder):
     headers = {}
     for path in files:
         try:
+            with safe_open(path, framework="numpy"):  # the whole layout: offsets, sizes, file length
+                pass
             with open(path, "rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(length))
-        except (struct.error, ValueError) as error:
-            raise PackError(relative_name(folder, path.name), [f"unreadable header ({error})"])
+        except (struct.error, ValueError, SafetensorError) as error:
+            raise PackError(relative_name(folder, path.name),
+                            [f"not a valid safetensors file, truncated or damaged ({error})"]) from None
         header.pop("__metadata__", None)
         headers.update({name: {**entry, "file": path} for name, entry in header.items()})
     return headers, label
@@ -398,8 +402,14 @@ def sha256sums_problems(pack_dir):
     sums = pack_dir / "SHA256SUMS"
     if not sums.is_file():
         return ["SHA256SUMS: file is missing"]
-    listed = dict(reversed(line.split("  ", 1)) for line in sums.read_text().splitlines() if line)
-    problems = []
+    listed, problems = {}, []
+    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
+        digest, _, name = line.partition("  ")
+        if line and not (re.fullmatch(r"[0-9a-f]{64}", digest) and name and not Path(name).is_absolute()
+                         and ".." not in Path(name).parts):
+            problems.append(f"SHA256SUMS: line {number} is not '<sha256>  <path in the pack>'")
+        elif line:
+            listed[name] = digest
     for name, expected in sorted(listed.items()):
         path = pack_dir / name
         if not path.is_file():
@@ -439,7 +449,7 @@ def verify_pack(pack_dir):
     dflash2-pack.json and the installed runtime versions, the target and drafter checks,
     and the kernel self-test on this machine."""
     import dflash2_kernels
-    from serve_dflash2 import PINS_FILE, check_pins
+    from serve_dflash2 import PINS_FILE, check_pins, read_pins
 
     pack_dir = Path(pack_dir)
     target_dir, drafter_dir = find_pack(pack_dir)
@@ -450,12 +460,12 @@ def verify_pack(pack_dir):
 
     record("SHA256SUMS", sha256sums_problems(pack_dir))
     try:
-        pins = json.loads((pack_dir / PINS_FILE).read_text())
+        pins = read_pins(pack_dir)
         # SHA256SUMS above hashed every file; the launch check adds sizes and headers.
         record(f"{PINS_FILE} file pins", check_pins(pack_dir, full_hash=False))
         record(f"{PINS_FILE} runtime versions", runtime_version_problems(pins))
-    except (OSError, ValueError, KeyError) as error:
-        record(PINS_FILE, [f"{PINS_FILE}: unreadable ({error.__class__.__name__}: {error})"])
+    except ValueError as error:
+        record(PINS_FILE, [str(error)])
     for check, run in (
         ("target schema", lambda: check_target(target_dir)),
         ("drafter fit", lambda: check_drafter(drafter_dir or pack_dir / "drafter", target_dir)),

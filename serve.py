@@ -6,36 +6,44 @@ The hardening lives here and serve_dflash2.py reuses it:
 - listens on 127.0.0.1 or localhost only; options reach mlx-vlm only by exact name;
 - inherited environment variables that change generation, caching or batching stop the
   server before mlx-vlm is imported (mlx_vlm.server reads them at import);
-- a gateway in front of mlx-vlm's FastAPI app serves chat completions, /v1/models and
-  /health only, validates every request body, answers mistakes with OpenAI-shaped 4xx
-  errors, and replaces local paths with the public model ID in headers, errors and logs;
-- the request's `model` can name only the public ID; one sequence runs at a time.
+- a gateway in front of mlx-vlm's FastAPI app serves chat completions, /v1/models,
+  /health and /openapi.json only, validates every request body against the pack
+  (dflash2_http.py), answers mistakes with OpenAI-shaped 4xx errors, allows cross-origin
+  use from loopback pages only, and replaces local paths with public names in headers,
+  errors and logs;
+- the request's `model` can name only the public ID; one sequence runs at a time; a
+  request stops at its stop sequences, when its client disconnects, at --request-timeout
+  and at shutdown.
 """
 
 import argparse
-import base64
-import binascii
+import asyncio
 import contextvars
-import io
+import dataclasses
 import itertools
 import json
 import logging
-import math
 import os
+import pwd
 import re
+import site
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote
+
+from dflash2_http import PackLimits, Refusal, check_chat_request, openapi_schema
 
 logger = logging.getLogger("dflash2.server")
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 DEFAULT_PORT = 8080
+DEFAULT_REQUEST_TIMEOUT_S = 600
+GRACEFUL_SHUTDOWN_S = 3
 MAX_BODY_BYTES = 32 * 1024 * 1024
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 LOOPBACK_HOST_HEADER = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?")
+LOOPBACK_ORIGIN = r"https?://(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?"
 MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 # Environment variables mlx-vlm reads for generation, caching or batching. An inherited
@@ -102,20 +110,33 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--model-id", help="public model ID (default: the pack folder's name)")
     parser.add_argument("--host", type=loopback_host, default="127.0.0.1",
                         help="127.0.0.1 (default) or localhost; nothing else is accepted")
-    parser.add_argument("--port", type=int_in(1, 65535), default=DEFAULT_PORT)
+    parser.add_argument("--port", type=int_in(1, 65535), default=DEFAULT_PORT,
+                        help=f"port to listen on (default: {DEFAULT_PORT})")
+    parser.add_argument("--allow-image-dir", type=Path, metavar="DIR",
+                        help="also accept image_url paths (or file:// URLs) of files inside DIR "
+                             "(default: base64 data URLs only)")
+    parser.add_argument("--request-timeout", type=int_in(0, 7 * 24 * 3600), metavar="SECONDS",
+                        default=DEFAULT_REQUEST_TIMEOUT_S,
+                        help="cancel a chat request still running after this long and answer 504 "
+                             f"(default: {DEFAULT_REQUEST_TIMEOUT_S}; 0: no limit)")
     mlx_vlm = parser.add_argument_group("mlx-vlm options passed through")
     mlx_vlm.add_argument("--enable-thinking", action="store_true",
-                         help="think by default; a request can send \"enable_thinking\": false")
+                         help="think by default; a request can send \"enable_thinking\": false "
+                              "(default: off)")
     mlx_vlm.add_argument("--log-level", default="INFO",
-                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                         help="default: INFO (one line per request at arrival and at finish)")
     mlx_vlm.add_argument("--max-tokens", type=int_in(1, 1 << 20),
-                         help="default max_tokens of a request (mlx-vlm's default: 2048)")
+                         help="default max_tokens of a request (mlx-vlm's default: 2048); at most "
+                              "the model's context length")
     mlx_vlm.add_argument("--prefill-step-size", type=int_in(1, 1 << 20),
                          help="prompt tokens per prefill step (mlx-vlm's default: 2048)")
-    mlx_vlm.add_argument("--thinking-start-token")
-    mlx_vlm.add_argument("--thinking-end-token")
+    mlx_vlm.add_argument("--thinking-start-token", metavar="TOKEN",
+                         help="the token that opens a thinking block (default: mlx-vlm's, <think>)")
+    mlx_vlm.add_argument("--thinking-end-token", metavar="TOKEN",
+                         help="the token that closes a thinking block (default: mlx-vlm's, </think>)")
     mlx_vlm.add_argument("--top-logprobs-k", type=int_in(0, 20),
-                         help="server cap on top_logprobs (default 0: off)")
+                         help="most top_logprobs a request may ask for (default: 0, none)")
     return parser
 
 
@@ -141,6 +162,9 @@ def pass_options_to_mlx_vlm(args):
         os.environ["MLX_VLM_THINKING_START_TOKEN"] = args.thinking_start_token
     if args.thinking_end_token is not None:
         os.environ["MLX_VLM_THINKING_END_TOKEN"] = args.thinking_end_token
+    # mlx-vlm's own wait for the next token ends a request with a 500; --request-timeout
+    # bounds every request instead, with a 504.
+    os.environ["MLX_VLM_TOKEN_QUEUE_TIMEOUT"] = "0"
 
 
 def exit_if_pack_invalid(target_dir: Path, drafter_dir: Path = None):
@@ -164,35 +188,59 @@ def public_model_id(requested, pack_dir: Path) -> str:
     return model_id
 
 
+def pack_limits(target_dir: Path, model_id: str, args) -> PackLimits:
+    """What requests may ask of this pack (after exit_if_pack_invalid read its config)."""
+    text = json.loads((target_dir / "config.json").read_text())["text_config"]
+    context = text["max_position_embeddings"]
+    if args.max_tokens is not None and args.max_tokens > context:
+        sys.exit(f"error: --max-tokens {args.max_tokens} is above the model's context length {context}")
+    image_dir = None
+    if args.allow_image_dir is not None:
+        if not args.allow_image_dir.is_dir():
+            sys.exit(f"error: --allow-image-dir {args.allow_image_dir}: not a folder")
+        image_dir = Path(os.path.realpath(args.allow_image_dir))
+    return PackLimits(model_id, text["vocab_size"], context, args.top_logprobs_k or 0, image_dir)
+
+
 # ---------------------------------------------------------------------------------------
 # Local paths out of headers, errors and logs
 
 
-class PathScrubber:
-    """Replaces known local paths (and their resolved forms) with the public model ID."""
+def local_paths(pack_dirs, model_id: str) -> list:
+    """(path, public name) for every local path a message could show: the pack folders,
+    the Python installation, the home folders and the working folder."""
+    python = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()]
+    homes = [Path.home(), os.environ.get("HOME"), pwd.getpwuid(os.getuid()).pw_dir]
+    return ([(path, model_id) for path in pack_dirs] + [(path, "<python>") for path in python]
+            + [(path, "~") for path in homes] + [(os.getcwd(), "<cwd>")])
 
-    def __init__(self, paths, replacement: str):
-        forms = set()
-        for path in paths:
+
+class PathScrubber:
+    """Replaces known local paths (and their resolved forms) with public names, and drops
+    object addresses ("<... object at 0x7f...>")."""
+
+    ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+    def __init__(self, paths):
+        self.names = {}
+        for path, name in paths:
             if path:
                 for form in (str(path), os.path.abspath(path), os.path.realpath(path)):
                     form = form.rstrip("/")
                     if len(form) > 1:
-                        forms.add(form)
-        self.replacement = replacement
+                        self.names.setdefault(form, name)
         # Longest first, so a model folder inside the home folder is replaced whole;
         # the lookahead keeps /home/a from matching inside /home/ab.
-        alternatives = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
-        self.pattern = re.compile(f"(?:{alternatives})(?![\\w.-])") if forms else None
-        self.pattern_bytes = re.compile(self.pattern.pattern.encode()) if forms else None
+        alternatives = "|".join(re.escape(f) for f in sorted(self.names, key=len, reverse=True))
+        self.pattern = re.compile(f"(?:{alternatives})(?![\\w.-])")
+        self.pattern_bytes = re.compile(self.pattern.pattern.encode())
 
     def __call__(self, text: str) -> str:
-        return self.pattern.sub(self.replacement, text) if self.pattern else text
+        text = self.pattern.sub(lambda match: self.names[match.group()], text)
+        return self.ADDRESS.sub("", text)
 
     def scrub_bytes(self, data: bytes) -> bytes:
-        if not self.pattern_bytes:
-            return data
-        return self.pattern_bytes.sub(self.replacement.encode(), data)
+        return self.pattern_bytes.sub(lambda match: self.names[match.group().decode()].encode(), data)
 
 
 class ScrubbedStream:
@@ -244,6 +292,10 @@ class RequestRecord:
     mode: str = "plain"  # speculative | fallback | refused | plain
     reason: str = None
     speculative: bool = False
+    stop: list = field(default_factory=list)  # the request's stop sequences
+    announced: bool = False  # arrival line logged
+    cancelled: str = None  # disconnected | timeout | shutdown
+    token_stream: "RecordingTokens" = None
     status: int = None
     tokens: int = 0
     draft_rounds: int = None
@@ -256,6 +308,19 @@ class RequestRecord:
             return f"{self.mode}; reason={self.reason}"
         return self.mode
 
+    def log_arrival(self):
+        """Once per request: when it is refused, or when its generation starts (so a request
+        mlx-vlm rejects is not first logged as speculative)."""
+        if not self.announced:
+            self.announced = True
+            logger.info("request %d %s %s: %s", self.id, self.method, self.path, self.header_value())
+
+    def cancel(self, reason: str):
+        """Stops the request's generation within a token or two (safe from any thread)."""
+        self.cancelled = self.cancelled or reason
+        if self.token_stream is not None:
+            self.token_stream.close()
+
     def note_token(self, token):
         self.tokens += getattr(token, "token_count", 1)
         if token.finish_reason:
@@ -265,7 +330,9 @@ class RequestRecord:
             self.draft_n_accepted = token.draft_n_accepted
 
     def finish_summary(self) -> str:
-        parts = [f"status={self.status}"]
+        parts = [f"status={'disconnected' if self.cancelled == 'disconnected' else self.status}"]
+        if self.cancelled not in (None, "disconnected"):
+            parts.append(f"cancelled={self.cancelled}")
         if self.tokens:
             parts.append(f"tokens={self.tokens}")
             if self.draft_rounds is not None:
@@ -281,309 +348,49 @@ current_request: contextvars.ContextVar = contextvars.ContextVar("current_reques
 
 
 class RecordingTokens:
-    """mlx-vlm's token iterator, noting counts and draft statistics on the request record."""
+    """mlx-vlm's token iterator for one request: notes counts and draft statistics on the
+    request record, ends the text at the request's stop sequences, and ends early when
+    the record is cancelled.
+
+    Stop sequences are matched on the detokenized text, which is the same on every route
+    because the tokens are; text that could be the start of a stop sequence is held back
+    until the next token decides it.
+    """
 
     def __init__(self, tokens, record):
         self._tokens = tokens
         self._record = record
+        self._held = ""
+        self._ended = False
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        record = self._record
+        if self._ended or (record is not None and record.cancelled):
+            self.close()
+            raise StopIteration
         token = next(self._tokens)
-        if self._record is not None:
-            self._record.note_token(token)
-        return token
+        if record is None:
+            return token
+        record.note_token(token)
+        return self.apply_stop(token, record.stop) if record.stop else token
+
+    def apply_stop(self, token, stops):
+        text = self._held + token.text
+        found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+        if found:
+            self._ended = True
+            self.close()  # the rest is never generated
+            return dataclasses.replace(token, text=text[:min(found)], finish_reason="stop")
+        held = 0 if token.finish_reason else max(
+            (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+        self._held = text[len(text) - held:] if held else ""
+        return dataclasses.replace(token, text=text[:len(text) - held])
 
     def close(self):
         self._tokens.close()
-
-
-# ---------------------------------------------------------------------------------------
-# Request validation
-
-
-class Refusal(Exception):
-    """A request the pack does not serve: answered with an OpenAI-shaped 4xx error."""
-
-    def __init__(self, status: int, reason: str, message: str, param: str = None):
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.param = param
-
-
-def invalid(param: str, message: str):
-    return Refusal(400, "invalid-request", f"{param}: {message}", param)
-
-
-def is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def number_in(low, high):
-    def check(name, value):
-        if not is_number(value) or not low <= value <= high:
-            raise invalid(name, f"must be a number from {low} to {high}")
-    return check
-
-
-def int_at_least(low, high=1 << 31):
-    def check(name, value):
-        if not is_int(value) or not low <= value <= high:
-            raise invalid(name, f"must be a whole number from {low} to {high}")
-    return check
-
-
-def of_type(kind, label):
-    def check(name, value):
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise invalid(name, f"must be {label}")
-    return check
-
-
-def check_stream_options(name, value):
-    of_type(dict, "an object")(name, value)
-    for key, item in value.items():
-        if key != "include_usage":
-            raise Refusal(400, "unknown-field", f"{name}.{key} is not a known field", f"{name}.{key}")
-        of_type(bool, "true or false")(f"{name}.{key}", item)
-
-
-def check_logit_bias(name, value):
-    of_type(dict, "an object of token id to bias")(name, value)
-    for key, bias in value.items():
-        if not re.fullmatch(r"\d{1,9}", key):
-            raise invalid(name, f"key {key!r} is not a token id")
-        number_in(-100, 100)(f"{name}.{key}", bias)
-
-
-def check_tools(name, value):
-    if not isinstance(value, list):
-        raise invalid(name, "must be a list of tools")
-    for index, tool in enumerate(value):
-        where = f"{name}[{index}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise invalid(where, 'must be {"type": "function", "function": {...}}')
-        function = tool.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(f"{where}.function", "must be an object with a string name")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise invalid(f"{where}.function.parameters", "must be a JSON schema object")
-
-
-def check_tool_choice(name, value):
-    if value in ("none", "auto", "required"):
-        return
-    if (isinstance(value, dict) and value.get("type") == "function"
-            and isinstance(value.get("function"), dict)
-            and isinstance(value["function"].get("name"), str)):
-        return
-    raise invalid(name, 'must be "none", "auto", "required" or {"type": "function", '
-                        '"function": {"name": ...}}')
-
-
-def check_stop(name, value):
-    if value in ("", []):
-        return
-    raise Refusal(400, "unsupported-field", f"{name}: stop sequences are not supported", name)
-
-
-def check_response_format(name, value):
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise invalid(name, 'must be an object with a "type"')
-
-
-def check_metadata(name, value):
-    of_type(dict, "an object")(name, value)
-
-
-def ignore(name, value):
-    pass
-
-
-# Every top-level field a chat request may carry; anything else is refused by name,
-# because mlx-vlm would silently ignore it (or, like adapter_path, honour it).
-CHAT_FIELDS = {
-    "model": of_type(str, "a string"),
-    "messages": ignore,  # checked by check_messages
-    "max_tokens": int_at_least(1),
-    "max_completion_tokens": int_at_least(1),
-    "temperature": number_in(0, 2),
-    "top_p": number_in(0, 1),
-    "top_k": int_at_least(0),
-    "min_p": number_in(0, 1),
-    "seed": int_at_least(-(1 << 63), 1 << 64),
-    "stream": of_type(bool, "true or false"),
-    "stream_options": check_stream_options,
-    "tools": check_tools,
-    "tool_choice": check_tool_choice,
-    "parallel_tool_calls": of_type(bool, "true or false"),
-    "logprobs": of_type(bool, "true or false"),
-    "top_logprobs": int_at_least(0, 20),
-    "presence_penalty": number_in(-2, 2),
-    "frequency_penalty": number_in(-2, 2),
-    "repetition_penalty": number_in(0.01, 10),
-    "logit_bias": check_logit_bias,
-    "n": int_at_least(1, 128),
-    "stop": check_stop,
-    "enable_thinking": of_type(bool, "true or false"),
-    "reasoning_effort": of_type(str, "a string"),
-    "thinking_budget": int_at_least(0),
-    "response_format": check_response_format,
-    "user": of_type(str, "a string"),
-    "metadata": check_metadata,
-    "store": of_type(bool, "true or false"),
-}
-MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"}
-MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-def load_checked_image(url: str, where: str):
-    """Returns the image reference mlx-vlm should load, after decoding it once here.
-
-    Only base64 data URLs and local files: the server makes no outbound requests.
-    """
-    from PIL import Image
-
-    if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        if not header.startswith("data:image/") or not header.endswith(";base64") or not payload:
-            raise Refusal(400, "invalid-image", f"{where}: expected data:image/<type>;base64,<data>", where)
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise Refusal(400, "invalid-image", f"{where}: the base64 data is malformed", where)
-        source, reference = io.BytesIO(data), url
-    elif url.startswith(("http://", "https://")):
-        raise Refusal(400, "remote-image",
-                      f"{where}: remote image URLs are not fetched; send a base64 data URL "
-                      "or a local file path", where)
-    else:
-        path = unquote(urlparse(url).path) if url.startswith("file://") else url
-        if not os.path.isabs(path) or not os.path.isfile(path):
-            raise Refusal(400, "invalid-image",
-                          f"{where}: not a base64 data URL or an existing absolute file path", where)
-        source, reference = path, path
-    try:
-        with Image.open(source) as image:
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise Refusal(400, "invalid-image", f"{where}: the image is larger than "
-                                                    f"{MAX_IMAGE_PIXELS} pixels", where)
-            image.load()
-    except Refusal:
-        raise
-    except Exception as exc:
-        raise Refusal(400, "invalid-image", f"{where}: not a readable image ({exc})", where)
-    return reference
-
-
-def check_content_parts(parts, role: str, where: str) -> list:
-    """Validates a content list and returns it with image references normalised."""
-    checked = []
-    for index, part in enumerate(parts):
-        at = f"{where}[{index}]"
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise invalid(at, 'must be an object with a "type"')
-        kind = part["type"]
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise invalid(f"{at}.text", "must be a string")
-            checked.append(part)
-        elif kind == "image_url":
-            if role != "user":
-                raise invalid(at, "images are accepted in user messages only")
-            image_url = part.get("image_url")
-            if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
-                raise invalid(f"{at}.image_url", 'must be {"url": "..."}')
-            reference = load_checked_image(image_url["url"], f"{at}.image_url.url")
-            checked.append({**part, "image_url": {**image_url, "url": reference}})
-        elif kind in ("input_audio", "audio_url", "video_url", "input_video", "video"):
-            raise Refusal(400, "unsupported-input",
-                          f"{at}: {kind} parts are not supported by this pack (text and images only)", at)
-        else:
-            raise invalid(f"{at}.type", f"unknown content part type {kind!r}")
-    return checked
-
-
-def check_messages(messages) -> list:
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty list")
-    checked = []
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise invalid(where, "must be an object")
-        for key in message:
-            if key not in MESSAGE_FIELDS:
-                raise Refusal(400, "unknown-field", f"{where}.{key} is not a known field", f"{where}.{key}")
-        role = message.get("role")
-        if role not in MESSAGE_ROLES:
-            raise invalid(f"{where}.role", f"must be one of {', '.join(sorted(MESSAGE_ROLES))}")
-        content = message.get("content")
-        if isinstance(content, list):
-            message = {**message, "content": check_content_parts(content, role, f"{where}.content")}
-        elif content is None:
-            if role != "assistant":
-                raise invalid(f"{where}.content", "is required")
-        elif not isinstance(content, str):
-            raise invalid(f"{where}.content", "must be a string or a list of content parts")
-        for key in ("name", "tool_call_id", "reasoning_content", "reasoning"):
-            if message.get(key) is not None and not isinstance(message[key], str):
-                raise invalid(f"{where}.{key}", "must be a string")
-        if message.get("tool_calls") is not None:
-            if role != "assistant" or not isinstance(message["tool_calls"], list):
-                raise invalid(f"{where}.tool_calls", "must be a list, on an assistant message")
-            for call_index, call in enumerate(message["tool_calls"]):
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                        or not isinstance(function.get("arguments", ""), (str, dict)):
-                    raise invalid(f"{where}.tool_calls[{call_index}]",
-                                  'must be {"type": "function", "function": {"name": ..., "arguments": ...}}')
-        if role == "tool" and not isinstance(message.get("tool_call_id"), str):
-            raise invalid(f"{where}.tool_call_id", "is required on a tool message")
-        checked.append(message)
-    return checked
-
-
-def check_chat_request(body, model_id: str) -> dict:
-    """Validates a chat completion body; returns it normalised for mlx-vlm.
-
-    Normalised: null fields dropped (null means unset), model filled in when absent,
-    max_completion_tokens renamed to max_tokens, image references checked.
-    """
-    if not isinstance(body, dict):
-        raise invalid("body", "must be a JSON object")
-    body = {key: value for key, value in body.items() if value is not None}
-    for key, value in body.items():
-        check = CHAT_FIELDS.get(key)
-        if check is None:
-            raise Refusal(400, "unknown-field", f"{key} is not a known field", key)
-        check(key, value)
-    model = body.setdefault("model", model_id)
-    if model != model_id:
-        raise Refusal(404, "unknown-model", f"model {model!r} is not served here; this server "
-                                            f"serves {model_id!r}", "model")
-    if "max_completion_tokens" in body:
-        body["max_tokens"] = body.pop("max_completion_tokens")
-    if body.get("n", 1) > 1:
-        raise Refusal(400, "n-above-1", "n > 1 is not supported: send one request per completion", "n")
-    body["messages"] = check_messages(body.get("messages"))
-    return body
-
-
-def has_images(body: dict) -> bool:
-    return any(
-        isinstance(message.get("content"), list)
-        and any(part["type"] == "image_url" for part in message["content"])
-        for message in body["messages"]
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -604,6 +411,7 @@ def plain_decision(body: dict) -> Decision:
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 MODELS_PATHS = ("/v1/models", "/models")
 HEALTH_PATHS = ("/health", "/v1/health")
+OPENAPI_PATHS = ("/openapi.json", "/v1/openapi.json")
 ANTHROPIC_PATHS = ("/v1/messages", "/messages", "/v1/messages/count_tokens", "/messages/count_tokens")
 
 
@@ -626,6 +434,16 @@ def inner_error_message(body: bytes) -> str:
     return str(detail)
 
 
+def with_loopback_cors(app):
+    """Cross-origin use from pages served on loopback only, without credentials. Chat
+    requests also need Content-Type: application/json, which no page can send to another
+    origin without a preflight that this refuses."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(app, allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "HEAD", "POST"],
+                          allow_headers=["authorization", "content-type"], expose_headers=["x-dflash2"])
+
+
 class Gateway:
     """Serves the pack's endpoints, decides each chat request's route, and forwards the
     request to mlx-vlm's app with a normalised body.
@@ -635,7 +453,7 @@ class Gateway:
     """
 
     def __init__(self, app, *, model_id, scrubber, decide, header=None, server_mode=("plain", None),
-                 health=None):
+                 health=None, request_timeout=None):
         self.app = app
         self.model_id = model_id
         self.scrub = scrubber
@@ -643,6 +461,8 @@ class Gateway:
         self.header = header
         self.server_mode = server_mode
         self.health = health or {}
+        self.request_timeout = request_timeout or None
+        self.openapi = openapi_schema(model_id)
         self.created = int(time.time())
         self.ids = itertools.count(1)
 
@@ -660,7 +480,7 @@ class Gateway:
         except Refusal as refusal:
             await self.refuse(send, record, refusal)
         except ClientGone:
-            record.status = "disconnected"
+            record.cancelled = "disconnected"
         except Exception:
             logger.exception("request %d failed", record.id)
             if record.status is None:  # nothing sent yet: answer it, without the traceback
@@ -670,14 +490,10 @@ class Gateway:
             logger.info("request %d finished in %.2fs: %s", record.id,
                         time.perf_counter() - started, record.finish_summary())
 
-    def log_arrival(self, record):
-        logger.info("request %d %s %s: %s", record.id, record.method, record.path,
-                    record.header_value())
-
     async def refuse(self, send, record, refusal: Refusal):
         record.mode, record.reason = "refused", refusal.reason
-        self.log_arrival(record)
-        allow = b"POST" if record.path in CHAT_PATHS else b"GET"
+        record.log_arrival()
+        allow = b"POST" if record.path in CHAT_PATHS else b"GET, HEAD"
         headers = [(b"allow", allow)] if refusal.status == 405 else []
         payload = error_payload(refusal.status, refusal.reason, self.scrub(refusal.message), refusal.param)
         await send_json(self.responder(send, record), refusal.status, payload, headers)
@@ -692,63 +508,97 @@ class Gateway:
             raise Refusal(404, "anthropic-messages",
                           "the Anthropic Messages API is not served; use /v1/chat/completions")
         if path in CHAT_PATHS:
-            if method == "OPTIONS":  # CORS preflight, answered by mlx-vlm's CORS layer
-                self.log_arrival(record)
-                return await self.app(scope, receive, send)
             if method != "POST":
                 raise Refusal(405, "method-not-allowed", f"{path} accepts POST only")
             return await self.chat(scope, receive, send, record)
-        if method != "GET":
-            if path in MODELS_PATHS + HEALTH_PATHS or path.startswith("/v1/models/"):
-                raise Refusal(405, "method-not-allowed", f"{path} accepts GET only")
-        if path in MODELS_PATHS:
-            self.log_arrival(record)
-            return await send_json(send, 200, {"object": "list", "data": [self.model_card()]})
-        if path.startswith(("/v1/models/", "/models/")):
+        is_model = path.startswith(("/v1/models/", "/models/"))
+        if not (is_model or path in MODELS_PATHS + HEALTH_PATHS + OPENAPI_PATHS):
+            raise Refusal(404, "unsupported-endpoint",
+                          f"{path} is not served; this pack serves /v1/chat/completions, /v1/models, "
+                          "/health and /openapi.json")
+        if method not in ("GET", "HEAD"):
+            raise Refusal(405, "method-not-allowed", f"{path} accepts GET and HEAD only")
+        if is_model:
             requested = unquote(path.split("/models/", 1)[1])
             if requested != self.model_id:
                 raise Refusal(404, "unknown-model", f"model {requested!r} is not served here; "
                                                     f"this server serves {self.model_id!r}")
-            self.log_arrival(record)
-            return await send_json(send, 200, self.model_card())
-        if path in HEALTH_PATHS:
-            self.log_arrival(record)
-            return await send_json(send, 200, {"status": "ok", "model": self.model_id, **self.health})
-        raise Refusal(404, "unsupported-endpoint",
-                      f"{path} is not served; this pack serves /v1/chat/completions, /v1/models "
-                      "and /health")
+            payload = self.model_card()
+        elif path in MODELS_PATHS:
+            payload = {"object": "list", "data": [self.model_card()]}
+        elif path in HEALTH_PATHS:
+            payload = {"status": "ok", "model": self.model_id, **self.health}
+        else:
+            payload = self.openapi
+        record.log_arrival()
+        await send_json(send, 200, payload, head=method == "HEAD")
 
     def model_card(self):
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "local"}
 
     async def chat(self, scope, receive, send, record):
+        content_type = dict(scope["headers"]).get(b"content-type", b"")
+        if content_type.split(b";")[0].strip().lower() != b"application/json":
+            raise Refusal(415, "unsupported-media-type",
+                          "chat requests must be sent with Content-Type: application/json")
         body = await read_body(scope, receive)
         try:
             request = json.loads(body, parse_constant=reject_constant)
         except (ValueError, RecursionError) as exc:
             raise Refusal(400, "invalid-json", f"the request body is not valid JSON ({exc})")
-        decision = self.decide(request)
+        try:
+            decision = self.decide(request)
+        except RecursionError:
+            raise Refusal(400, "invalid-json", "the request body is nested too deeply")
         record.mode, record.reason = decision.mode, decision.reason
         record.speculative = decision.mode == "speculative"
-        self.log_arrival(record)
-
+        record.stop = decision.body.pop("stop", [])
         forwarded = json.dumps(decision.body).encode()
-        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type")]
+        # Origin stays out: mlx-vlm's own CORS layer would allow any origin.
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type", b"origin")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(forwarded)).encode())]
+        await self.generate({**scope, "headers": headers}, forwarded, receive, send, record)
+
+    async def generate(self, scope, body, receive, send, record):
+        """Runs mlx-vlm's chat endpoint on the checked body. Its generation stops when the
+        client disconnects, at the request timeout (504) and at shutdown (503)."""
+        output = ChatOutput(send, record, self.scrub)
+        gone = asyncio.Event()
         body_sent = False
 
         async def replay():
             nonlocal body_sent
             if not body_sent:
                 body_sent = True
-                return {"type": "http.request", "body": forwarded, "more_body": False}
-            return await receive()  # lets a streaming response notice a disconnect
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()  # how a streaming response notices a disconnect
+            return {"type": "http.disconnect"}
 
-        token = current_request.set(record)
+        async def watch_client():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not output.complete:
+                record.cancel("disconnected")
+            gone.set()
+
+        token = current_request.set(record)  # tasks copy the context: mlx-vlm's threads see it
+        inner = asyncio.ensure_future(self.app(scope, replay, output.send))
+        watcher = asyncio.ensure_future(watch_client())
+        current_request.reset(token)
         try:
-            await self.app({**scope, "headers": headers}, replay, self.reshaped_errors(send, record))
+            done, _ = await asyncio.wait([inner], timeout=self.request_timeout)
+            if not done:
+                record.cancel("timeout")
+                await output.end_with_error(504, "request-timeout", "the request did not finish within "
+                                            f"{self.request_timeout} s (the server's --request-timeout)")
+            await inner
+        except asyncio.CancelledError:
+            # uvicorn's graceful-shutdown time is over: answer, and end the task quietly.
+            record.cancel("shutdown")
+            inner.cancel()
+            await output.end_with_error(503, "shutting-down", "the server shut down before this request finished")
         finally:
-            current_request.reset(token)
+            watcher.cancel()
 
     def responder(self, send, record):
         """Adds the mode header, scrubs header values and notes the status."""
@@ -763,42 +613,93 @@ class Gateway:
             await send(message)
         return respond
 
-    def reshaped_errors(self, send, record):
-        """mlx-vlm's error responses, rewritten in OpenAI's shape with paths scrubbed."""
-        state = {"start": None, "body": b"", "stream": False}
 
-        async def respond(message):
-            if message["type"] == "http.response.start":
-                headers = dict(message.get("headers", []))
-                state["stream"] = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-                if message["status"] < 400:
-                    return await send(message)
-                state["start"] = message
+class ChatOutput:
+    """A chat response on its way out: mlx-vlm's errors in OpenAI's shape with paths
+    scrubbed, its event stream tidied, and nothing more once the request was answered
+    here or its client is gone."""
+
+    def __init__(self, send, record, scrub):
+        self._send = send
+        self.record = record
+        self.scrub = scrub
+        self.started = False
+        self.complete = False
+        self.stream = None  # EventStream, for text/event-stream responses
+        self.error_start = None
+        self.error_body = b""
+
+    async def send(self, message):
+        if self.complete or self.record.cancelled:
+            return
+        if message["type"] == "http.response.start":
+            if message["status"] >= 400:
+                self.error_start = message
                 return
-            if state["start"] is None:
-                if state["stream"] and message.get("body", b"").startswith(b'data: {"error"'):
-                    message = {**message, "body": self.stream_error(message["body"])}
-                return await send(message)
-            state["body"] += message.get("body", b"")
-            if message.get("more_body"):
-                return
-            status, code = state["start"]["status"], "server-error"
-            if status < 500:  # FastAPI validation (422) and mlx-vlm's own 4xx: the client's input
-                code = "invalid-request"
-                record.mode, record.reason = "refused", code
-                status = 400 if status == 422 else status
-            message_text = self.scrub(inner_error_message(state["body"]))
-            await send_json(send, status, error_payload(status, code, message_text))
+            if dict(message.get("headers", [])).get(b"content-type", b"").startswith(b"text/event-stream"):
+                self.stream = EventStream(self.scrub)
+            self.started = True
+            return await self._send(message)
+        if self.error_start is not None:
+            self.error_body += message.get("body", b"")
+            if not message.get("more_body"):
+                await self.reshape_error()
+            return
+        if self.stream is not None:
+            message = {**message, "body": self.stream.rewrite(message.get("body", b""))}
+        self.complete = not message.get("more_body", False)
+        await self._send(message)
 
-        return respond
+    async def reshape_error(self):
+        status, code = self.error_start["status"], "server-error"
+        if status < 500:  # FastAPI validation (422) and mlx-vlm's own 4xx: the client's input
+            code = "invalid-request"
+            self.record.mode, self.record.reason = "refused", code
+            status = 400 if status == 422 else status
+        self.record.log_arrival()
+        self.complete = True
+        await send_json(self._send, status, error_payload(status, code, self.scrub(inner_error_message(self.error_body))))
 
-    def stream_error(self, event: bytes) -> bytes:
-        try:
-            error = json.loads(event[len(b"data: "):]).get("error")
-        except ValueError:
-            error = "generation failed"
-        payload = error_payload(500, "server-error", self.scrub(str(error)))
-        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+    async def end_with_error(self, status: int, code: str, text: str):
+        """Ends the response here: an error response, or an error event once the stream has begun."""
+        if self.complete:
+            return
+        self.complete = True
+        if not self.started:
+            await send_json(self._send, status, error_payload(status, code, text))
+        elif self.stream is not None:
+            event = b"data: " + json.dumps(error_payload(status, code, text)).encode() + b"\n\n"
+            await self._send({"type": "http.response.body", "body": event, "more_body": False})
+
+
+class EventStream:
+    """mlx-vlm's server-sent events as OpenAI sends them: the role in the first delta only,
+    one created time per response, errors in OpenAI's shape with paths scrubbed."""
+
+    def __init__(self, scrub):
+        self.scrub = scrub
+        self.pending = b""
+        self.created = None
+        self.role_sent = False
+
+    def rewrite(self, data: bytes) -> bytes:
+        *events, self.pending = (self.pending + data).split(b"\n\n")
+        return b"".join(self.event(event) + b"\n\n" for event in events)
+
+    def event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {"):
+            return event
+        payload = json.loads(event[len(b"data: "):])
+        if "error" in payload:
+            payload = error_payload(500, "server-error", self.scrub(str(payload["error"])))
+        else:
+            self.created = payload["created"] = self.created or payload.get("created")
+            for choice in payload.get("choices", []):
+                delta = choice.get("delta") or {}
+                if self.role_sent:
+                    delta.pop("role", None)
+                self.role_sent = self.role_sent or "role" in delta
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode()
 
 
 class ClientGone(Exception):
@@ -830,7 +731,7 @@ async def read_body(scope, receive) -> bytes:
             return b"".join(chunks)
 
 
-async def send_json(send, status: int, payload: dict, headers=()):
+async def send_json(send, status: int, payload: dict, headers=(), head=False):
     body = json.dumps(payload).encode()
     await send({
         "type": "http.response.start",
@@ -838,7 +739,7 @@ async def send_json(send, status: int, payload: dict, headers=()):
         "headers": [(b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()), *headers],
     })
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": b"" if head else body})
 
 
 # ---------------------------------------------------------------------------------------
@@ -873,8 +774,15 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
             record = current_request.get()
             if args is not None:
                 args.pack_record = record  # read back on the worker thread
+            if record is not None:
+                record.log_arrival()
             ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
-            return ctx, RecordingTokens(tokens, record)
+            tokens = RecordingTokens(tokens, record)
+            if record is not None:
+                record.token_stream = tokens
+                if record.cancelled:  # while it waited for its turn
+                    tokens.close()
+            return ctx, tokens
 
         def _collect_pending_requests(self, *, active, capacity=None, **kwargs):
             # Single sequence: admit the next request only when the running one has
@@ -932,7 +840,7 @@ def warm_up(generator, route):
 
     prompt = apply_chat_template(generator.processor, generator.config,
                                  [{"role": "user", "content": "Hello"}])
-    record = RequestRecord(0, "WARM-UP", route, mode=route, speculative=route == "speculative")
+    record = RequestRecord(0, "WARM-UP", route, mode=route, speculative=route == "speculative", announced=True)
     token = current_request.set(record)
     started = time.perf_counter()
     try:
@@ -944,12 +852,15 @@ def warm_up(generator, route):
     logger.info("warm-up %s: %d tokens in %.2fs", route, record.tokens, time.perf_counter() - started)
 
 
-def serve(app, args):
+def serve(gateway, args):
+    """Serves until SIGTERM or Ctrl-C; a request still running GRACEFUL_SHUTDOWN_S later
+    is cancelled."""
     import uvicorn
 
     logger.info("serving on http://%s:%d/v1", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                log_level=args.log_level.lower(), server_header=False)
+    uvicorn.run(with_loopback_cors(gateway), host=args.host, port=args.port, log_config=None,
+                access_log=False, log_level=args.log_level.lower(), server_header=False,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
 def main(argv=None):
@@ -961,15 +872,16 @@ def main(argv=None):
     pack_dir = (args.pack or Path(__file__).resolve().parent).absolute()
     target_dir, _ = find_pack(pack_dir)
     model_id = public_model_id(args.model_id, pack_dir)
-    scrubber = PathScrubber([pack_dir, target_dir, Path.home(), os.environ.get("HOME"), os.getcwd()], model_id)
+    scrubber = PathScrubber(local_paths([pack_dir, target_dir], model_id))
     setup_logging(args.log_level, scrubber)
     exit_if_pack_invalid(target_dir)
+    limits = pack_limits(target_dir, model_id, args)
     pass_options_to_mlx_vlm(args)
     generator, inner_app = start_engine(target_dir, model_id, prefill_step_size=args.prefill_step_size,
                                         top_logprobs_k=args.top_logprobs_k)
     warm_up(generator, "plain")
-    serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=lambda body: plain_decision(
-        check_chat_request(body, model_id))), args)
+    serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, request_timeout=args.request_timeout,
+                  decide=lambda body: plain_decision(check_chat_request(body, limits))), args)
 
 
 if __name__ == "__main__":

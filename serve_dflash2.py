@@ -11,8 +11,8 @@ is routed, and every response says how in its x-dflash2 header:
   sampling defaults apply), sampling, logprobs, penalties, logit-bias or multimodal-plain;
   for every request it is no-dflash2 (--no-dflash2), kernel-self-test-failed or
   speculative-warm-up-failed;
-- refused; reason=R: thinking-budget, structured-output, n-above-1, anthropic-messages,
-  unknown-model, unsupported-endpoint, and serve.py's refusals of invalid requests.
+- refused; reason=R: thinking-budget, structured-output, n-above-1, and the gateway's
+  refusals (serve.py, dflash2_http.py; README lists them all).
 Responses that generate nothing (/v1/models, /health) carry the server's mode.
 The hardening (loopback only, exact pass-through options, refused environment, path
 scrubbing, one sequence at a time) is serve.py's.
@@ -25,17 +25,17 @@ import os
 import sys
 from pathlib import Path
 
+from dflash2_http import Refusal, check_chat_request, has_images
 from serve import (
     Decision,
     Gateway,
     PathScrubber,
-    Refusal,
-    check_chat_request,
     exit_if_environment_refused,
     exit_if_pack_invalid,
-    has_images,
     int_in,
+    local_paths,
     make_parser,
+    pack_limits,
     parse_args,
     pass_options_to_mlx_vlm,
     public_model_id,
@@ -148,6 +148,31 @@ def safetensors_header_sha256(path: Path) -> str:
         return hashlib.sha256(length_bytes + f.read(length)).hexdigest()
 
 
+def read_pins(pack_dir: Path) -> dict:
+    """dflash2-pack.json, checked for the shape the launch checks read; raises ValueError
+    with a one-line message otherwise."""
+    try:
+        pins = json.loads((pack_dir / PINS_FILE).read_text())
+    except OSError as error:
+        raise ValueError(f"{PINS_FILE}: cannot be read ({error.strerror})") from None
+    except ValueError as error:
+        raise ValueError(f"{PINS_FILE}: not valid JSON ({error})") from None
+    files = pins.get("files") if isinstance(pins, dict) else None
+    if not isinstance(files, dict) or not isinstance(pins.get("runtime", {}), dict):
+        raise ValueError(f'{PINS_FILE}: expected {{"files": {{...}}, "runtime": {{...}}}}')
+    for name, pin in files.items():
+        hashes = ("sha256", "header_sha256") if name.endswith(".safetensors") else ("sha256",)
+        well_formed = (
+            isinstance(pin, dict) and isinstance(pin.get("size"), int)
+            and all(isinstance(pin.get(key), str) for key in hashes)
+            and not Path(name).is_absolute() and ".." not in Path(name).parts
+        )
+        if not well_formed:
+            raise ValueError(f'{PINS_FILE}: files[{name!r}]: expected a path inside the pack with '
+                             f'{{"size": bytes, {", ".join(repr(h) + ": hex" for h in hashes)}}}')
+    return pins
+
+
 def check_pins(pack_dir: Path, full_hash: bool) -> list:
     """Compares the pack folder with dflash2-pack.json; returns one line per failure.
 
@@ -158,7 +183,10 @@ def check_pins(pack_dir: Path, full_hash: bool) -> list:
     """
     from tqdm import tqdm
 
-    pins = json.loads((pack_dir / PINS_FILE).read_text())["files"]
+    try:
+        pins = read_pins(pack_dir)["files"]
+    except ValueError as error:
+        return [str(error)]
     failures, to_hash = [], []
     for name, pin in sorted(pins.items()):
         path = pack_dir / name
@@ -223,19 +251,24 @@ def main(argv=None):
         sys.exit(0 if all(ok for _, ok, _ in results) else 1)
     target_dir, drafter_dir = find_pack(pack_dir)  # flat release layout, or target/ + drafter/
     model_id = public_model_id(args.model_id or (DEMO_MODEL_ID if args.demo else None), pack_dir)
-    scrubber = PathScrubber([pack_dir, target_dir, drafter_dir, Path.home(), os.environ.get("HOME"),
-                             os.getcwd()], model_id)
+    scrubber = PathScrubber(local_paths([pack_dir, target_dir, drafter_dir], model_id))
     setup_logging(args.log_level, scrubber)
 
     if (pack_dir / PINS_FILE).is_file():
         failures = check_pins(pack_dir, args.dflash2_full_hash)
         if failures:
             sys.exit(f"error: the pack differs from {PINS_FILE}:\n  " + "\n  ".join(failures))
-        logger.info("launch checks against %s passed", PINS_FILE)
+        if args.dflash2_full_hash:
+            logger.info("launch checks against %s: every file's sha256 matches", PINS_FILE)
+        else:
+            logger.info("launch checks against %s: sizes, small files' sha256 and safetensors headers "
+                        "match; weight data not hashed (--dflash2-full-hash or --verify-pack hash it)",
+                        PINS_FILE)
     else:
         logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
     # A missing drafter/ folder is reported by its config.json; --no-dflash2 needs none.
     exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir or pack_dir / "drafter")
+    limits = pack_limits(target_dir, model_id, args)
 
     speculation = {"reason": "no-dflash2" if args.no_dflash2 else None, "error": None}
 
@@ -288,12 +321,12 @@ def main(argv=None):
     server_mode = ("fallback", server_reason) if server_reason else ("speculative", None)
 
     def decide(body):
-        return route_chat(check_chat_request(body, model_id), server_reason=server_reason,
+        return route_chat(check_chat_request(body, limits), server_reason=server_reason,
                           multimodal_plain=args.dflash2_multimodal == "plain")
 
     health = {"dflash2": server_mode[0], "reason": server_reason}
     serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
-                  server_mode=server_mode, health=health), args)
+                  server_mode=server_mode, health=health, request_timeout=args.request_timeout), args)
 
 
 if __name__ == "__main__":

@@ -156,3 +156,59 @@ def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
         assert raw.parse().usage.completion_tokens == 4
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# Damaged packs: a clear error naming the file, never a traceback
+
+
+def start_from_the_pack(pack_dir):
+    """`python serve_dflash2.py` run from the pack; each damage here stops it before loading."""
+    return subprocess.run([sys.executable, "serve_dflash2.py"], cwd=pack_dir, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def change_header_digit(pack_dir):
+    path = pack_dir / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"data_offsets":[0,') + len(b'"data_offsets":[0,')  # the first tensor's end
+    data[at] = ord("9") if data[at] != ord("9") else ord("8")
+    path.write_bytes(bytes(data))
+
+
+def truncate_weights(pack_dir):
+    path = pack_dir / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage", [change_header_digit, truncate_weights])
+def test_damaged_weights_are_named_at_start_and_by_verify(pack_copy, damage):
+    damage(pack_copy)
+    verify = verify_from_the_pack(pack_copy)
+    assert verify.returncode == 1
+    failing = [line for line in verify.stdout.splitlines() if "  FAIL  " in line]
+    assert any(line.startswith("target schema") and "model.safetensors: not a valid safetensors file" in line
+               for line in failing), verify.stdout
+    start = start_from_the_pack(pack_copy)
+    assert start.returncode == 1 and "model.safetensors:" in start.stderr
+    (pack_copy / "dflash2-pack.json").unlink()  # past the pins, to the pack checks
+    start = start_from_the_pack(pack_copy)
+    assert start.returncode == 1 and "model.safetensors: not a valid safetensors file" in start.stderr
+    for result in (verify, start):
+        assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("pins, message", [
+    ("{not json", "dflash2-pack.json: not valid JSON"),
+    ('{"files": []}', 'dflash2-pack.json: expected {"files"'),
+    ('{"files": {"config.json": {"size": "12"}}}', "dflash2-pack.json: files['config.json']: expected"),
+    ('{"files": {"../outside": {"size": 1, "sha256": "00"}}}', "dflash2-pack.json: files['../outside']"),
+])
+def test_invalid_pins_file_is_named_at_start_and_by_verify(pack_copy, pins, message):
+    (pack_copy / "dflash2-pack.json").write_text(pins)
+    start = start_from_the_pack(pack_copy)
+    assert start.returncode == 1 and message in start.stderr, start.stderr
+    verify = verify_from_the_pack(pack_copy)
+    assert verify.returncode == 1 and message in verify.stdout, verify.stdout
+    for result in (verify, start):
+        assert "Traceback" not in result.stdout + result.stderr

@@ -6,9 +6,11 @@ working directory so that path scrubbing can be checked:
   spec       serve_dflash2.py                            greedy requests speculative
   plain      serve.py                                    the reference answers
   baseline   serve_dflash2.py --no-dflash2
-  mm_plain   serve_dflash2.py --dflash2-multimodal plain
+  mm_plain   serve_dflash2.py --dflash2-multimodal plain --request-timeout 20
   no_kernel  serve_dflash2.py --enable-thinking --host localhost, whose kernel
              self-test reports a failure
+spec reads images from its workdir's images/ (--allow-image-dir). The last tests stop
+plain and baseline with SIGTERM.
 Requests go through the official openai client and raw HTTP (http.client, sockets).
 The CPU is slow, so prompts are short and max_tokens small.
 """
@@ -18,7 +20,10 @@ import http.client
 import io
 import json
 import os
+import re
 import shutil
+import signal
+import site
 import socket
 import subprocess
 import sys
@@ -36,6 +41,8 @@ from test_server_cli import clean_env, write_pins
 REPO = Path(__file__).resolve().parents[1]
 PACK_NAME = "tiny-dflash2-pack"
 MAX_TOKENS = 5
+REQUEST_TIMEOUT_S = 20
+LONG = 30000  # max_tokens no request here reaches: it ends by cancellation
 SEEN = []  # every response's headers and body, scanned for local paths at the end
 
 # serve_dflash2.py whose runtime reports a failed kernel self-test (run from the pack folder).
@@ -65,6 +72,7 @@ def free_port():
 class Server:
     def __init__(self, name, pack, workdir, command):
         self.name = name
+        self.workdir = workdir
         self.port = free_port()
         self.log_path = workdir / f"{name}.log"
         self.cwd = workdir / "cwd"
@@ -94,6 +102,16 @@ class Server:
     def log(self):
         return self.log_path.read_text(errors="replace")
 
+    def wait_for_log(self, since: int, text: str, timeout=300) -> str:
+        """The first line containing text that the log gained after offset since."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log()[since:].splitlines():
+                if text in line:
+                    return line
+            time.sleep(0.1)
+        pytest.fail(f"{self.name} never logged {text!r}:\n{self.log()[since:][-4000:]}")
+
     def stop(self):
         self.process.terminate()
         try:
@@ -117,13 +135,14 @@ def pack(tiny_pack, tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(pack, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("servers")
-    (workdir / "cwd").mkdir()
-    (workdir / "home").mkdir()
+    for folder in ("cwd", "home", "images"):
+        (workdir / folder).mkdir()
     commands = {
-        "spec": [str(pack / "serve_dflash2.py"), "--top-logprobs-k", "5"],
+        "spec": [str(pack / "serve_dflash2.py"), "--top-logprobs-k", "5", "--allow-image-dir", str(workdir / "images")],
         "plain": [str(pack / "serve.py")],
         "baseline": [str(pack / "serve_dflash2.py"), "--no-dflash2"],
-        "mm_plain": [str(pack / "serve_dflash2.py"), "--dflash2-multimodal", "plain"],
+        "mm_plain": [str(pack / "serve_dflash2.py"), "--dflash2-multimodal", "plain", "--request-timeout",
+                     str(REQUEST_TIMEOUT_S)],
         "no_kernel": ["-c", FAILING_SELF_TEST, "--enable-thinking", "--host", "localhost"],
     }
     started = {name: Server(name, pack, workdir, command) for name, command in commands.items()}
@@ -243,11 +262,11 @@ def answer(completion):
 
 
 @pytest.fixture(scope="module")
-def answers(servers, tmp_path_factory):
+def answers(servers):
     """Every greedy answer the equality tests compare, fetched at once: one thread per
     server (each server decodes one request at a time, on about one core).
     Returns {server: {label: create()'s or create_streamed()'s result}}."""
-    image_file = tmp_path_factory.mktemp("images") / "red.png"
+    image_file = servers["spec"].workdir / "images" / "red.png"
     image_file.write_bytes(IMAGE_BYTES)
     from_file = greedy("image")
     from_file["messages"][0]["content"][1]["image_url"]["url"] = str(image_file)
@@ -297,6 +316,10 @@ def test_streamed_equals_non_streamed(answers, case):
     assert (streamed_content or None, streamed_reasoning or None) == (content, reasoning)
     assert chunks[-1].usage.completion_tokens <= MAX_TOKENS
     assert chunks[-1].model_extra["timings"]["draft_rounds"] >= 1
+    # As OpenAI streams: the role in the first delta only, one created time.
+    roles = [chunk.choices[0].delta.role for chunk in chunks if chunk.choices]
+    assert roles[0] == "assistant" and set(roles[1:]) == {None}
+    assert len({chunk.created for chunk in chunks}) == 1
 
 
 def test_local_image_file_equals_data_url(answers):
@@ -340,6 +363,8 @@ def test_arrival_and_finish_log_lines(servers):
     assert len(finish) == 1
     for field in ("status=200", "tokens=3", "rounds=", "accepted=", "peak_memory="):
         assert field in finish[0], finish[0]
+    # The launch check says what it hashed.
+    assert "weight data not hashed" in servers["spec"].log() and " passed" not in servers["spec"].log()
 
 
 # ---------------------------------------------------------------------------------------
@@ -419,6 +444,8 @@ def test_models_and_health(servers, pack):
         assert response.json()["model"] == PACK_NAME
     plain = request(servers["plain"], "GET", "/v1/models")
     assert plain.json()["data"][0]["id"] == PACK_NAME and "x-dflash2" not in plain.headers
+    head = request(servers["plain"], "HEAD", "/health")
+    assert head.status == 200 and head.body == b""
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,15 +508,75 @@ def test_unknown_fields(servers, body, param):
 
 def test_mlx_vlm_errors_are_reshaped(servers):
     # mlx-vlm's own 400 ({"detail": ...}) comes back in OpenAI's error shape.
+    since = len(servers["spec"].log())
     response = request(servers["spec"], "POST", "/v1/chat/completions",
-                       {"messages": MESSAGES, "tool_choice": "required"})
+                       {"messages": MESSAGES, "tool_choice": "required", "temperature": 0})
     assert_refused(response, 400, "invalid-request")
     assert "requires at least one tool" in response.json()["error"]["message"]
+    # Logged once, as refused: never as speculative first.
+    arrivals = [line for line in servers["spec"].log()[since:].splitlines() if "POST /v1/chat" in line]
+    assert len(arrivals) == 1 and arrivals[0].endswith("refused; reason=invalid-request"), arrivals
 
 
-def test_stop_sequences_are_refused_not_ignored(servers):
-    body = {"messages": MESSAGES, "stop": ["\n"]}
-    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", body), 400, "unsupported-field")
+def test_stop_sequences_end_the_answer_on_every_route(servers, answers):
+    reference = answer(answers["plain"]["text"][1])[0]
+    stop = reference.rstrip()[-3:]
+    expected = reference[:reference.find(stop)].strip()
+    assert expected, reference  # the stop ends the answer early
+    body = {**greedy("text"), "stop": [stop, "never generated"]}
+    jobs = [("spec", create), ("spec", lambda server, body: create_streamed(server, body)),
+            ("plain", create), ("baseline", create)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: job[1](servers[job[0]], body), jobs))
+    (spec_mode, spec), (stream_mode, content, _, chunks), (_, plain), (baseline_mode, baseline) = results
+    assert (spec_mode, stream_mode, baseline_mode) == ("speculative", "speculative", "fallback; reason=no-dflash2")
+    for completion in (spec, plain, baseline):
+        assert completion.choices[0].message.content == expected
+        assert completion.choices[0].finish_reason == "stop"
+    assert content.strip() == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
+@pytest.mark.parametrize("name", ["spec", "plain"])
+def test_values_that_crashed_the_server_are_refused(servers, name):
+    server = servers[name]
+    cases = [
+        ({"logit_bias": {"999999999": 100}, "temperature": 0}, "logit_bias"),
+        ({"logit_bias": {"512": 100}, "temperature": 0.5}, "logit_bias"),  # one past the vocabulary
+        ({"top_k": 513, "temperature": 0.5}, "top_k"),
+        ({"max_tokens": 2 ** 31 - 1}, "max_tokens"),
+        ({"messages": [{"role": {}, "content": "Hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        (image_message("data:image/png;base64," + base64.b64encode(png((200, 40, 40), (3000, 1))).decode()),
+         "messages[0].content[0].image_url.url"),
+    ]
+    for fields, param in cases:
+        response = request(server, "POST", "/v1/chat/completions", {"messages": MESSAGES, **fields})
+        assert 400 <= response.status < 500 and response.json()["error"]["param"] == param, response.body
+    assert server.process.poll() is None
+    assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
+
+
+def test_cross_origin_use_from_loopback_pages_only(servers):
+    server = servers["spec"]
+
+    def preflight(origin):
+        return request(server, "OPTIONS", "/v1/chat/completions", headers={
+            "origin": origin, "access-control-request-method": "POST",
+            "access-control-request-headers": "content-type"})
+
+    foreign = preflight("https://attacker.example")
+    assert foreign.status == 400 and "access-control-allow-origin" not in foreign.headers
+    local = preflight("http://127.0.0.1:5173")
+    assert local.status == 200 and local.headers["access-control-allow-origin"] == "http://127.0.0.1:5173"
+    assert "access-control-allow-credentials" not in local.headers
+    # What a page can send without a preflight is refused, and no answer is readable.
+    simple = request(server, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}).encode(),
+                     headers={"content-type": "text/plain", "origin": "https://attacker.example"})
+    assert_refused(simple, 415, "unsupported-media-type")
+    models = request(server, "GET", "/v1/models", headers={"origin": "https://attacker.example"})
+    for response in (simple, models):
+        assert "access-control-allow-origin" not in response.headers
 
 
 def image_message(url):
@@ -502,10 +589,12 @@ def image_message(url):
     ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), "invalid-image"),
     ("data:image/png;base64," + base64.b64encode(IMAGE_BYTES[:40]).decode(), "invalid-image"),
     ("data:text/plain;base64,aGk=", "invalid-image"),
-    ("/nonexistent/picture.png", "invalid-image"),
-    ("picture.png", "invalid-image"),
+    ("/nonexistent/picture.png", "local-image"),
+    ("/etc/passwd", "local-image"),
+    ("picture.png", "local-image"),
     ("https://example.com/picture.png", "remote-image"),
-], ids=["bad-base64", "not-an-image", "truncated", "not-image-type", "missing-file", "relative-path", "remote"])
+], ids=["bad-base64", "not-an-image", "truncated", "not-image-type", "missing-file", "outside-file",
+        "relative-path", "remote"])
 def test_invalid_images(servers, url, reason):
     response = request(servers["spec"], "POST", "/v1/chat/completions", image_message(url))
     assert_refused(response, 400, reason, "messages[0].content[0].image_url.url")
@@ -547,7 +636,34 @@ def test_foreign_host_header_is_refused(servers):
 
 
 # ---------------------------------------------------------------------------------------
-# Disconnects and concurrency
+# Disconnects, time limits and concurrency
+
+
+def test_disconnect_stops_a_non_streamed_generation(servers):
+    server = servers["spec"]
+    since = len(server.log())
+    body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": LONG}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        arrival = server.wait_for_log(since, "POST /v1/chat/completions: speculative")
+    request_id = arrival.split("request ")[1].split()[0]
+    finish = server.wait_for_log(since, f"request {request_id} finished")
+    assert "status=disconnected" in finish, finish
+    generated = re.search(r"tokens=(\d+)", finish)  # absent when it ended before its first token
+    assert generated is None or int(generated.group(1)) < LONG
+    assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
+
+
+def test_request_timeout_cancels_with_504(servers):
+    server = servers["mm_plain"]
+    since = len(server.log())
+    response = chat(server, MESSAGES, temperature=0, max_tokens=LONG)
+    assert response.status == 504, response.body
+    error = response.json()["error"]
+    assert error["code"] == "request-timeout" and error["type"] == "server_error"
+    assert "cancelled=timeout" in server.wait_for_log(since, " finished in ")
+    assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
 
 
 def test_disconnect_mid_stream_then_a_normal_request(servers, answers):
@@ -586,6 +702,21 @@ def test_eight_concurrent_clients_get_their_own_answers(servers):
 
 
 # ---------------------------------------------------------------------------------------
+# The hostile-input battery's quick subset (tools/battery.py runs the whole one)
+
+
+def test_battery_quick_subset(servers, pack):
+    from battery import run_batches
+
+    server = servers["spec"]
+    server.local_paths = {str(p) for p in (pack, server.home, server.cwd, sys.prefix, *site.getsitepackages())}
+    tally = run_batches(server, quick=True)
+    assert tally.sent >= 300 and tally.by_class.get("4xx", 0) > tally.by_class.get("2xx", 0)
+    assert tally.client_5xx == [] and tally.path_leaks == []
+    assert (tally.crashes, tally.answers_changed) == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------
 # Local paths: never in a response or a log line (runs last: it scans what came before)
 
 
@@ -598,9 +729,28 @@ def test_local_paths_never_leak(servers, pack, tiny_pack):
     request(server, "POST", "/v1/chat/completions", image_message(str(server.cwd / "missing.png")))
     request(server, "POST", "/v1/chat/completions", image_message(str(pack / "drafter" / "config.json")))
     local_paths = {str(p) for p in (pack, pack / "drafter", server.home, server.cwd, tiny_pack["target"],
-                                    tiny_pack["drafter"])}
+                                    tiny_pack["drafter"], sys.prefix, *site.getsitepackages())}
     local_paths |= {os.path.realpath(p) for p in local_paths}
     texts = list(SEEN) + [(f"{s.name} log", s.log()) for s in servers.values()]
     leaks = [(where, path) for where, text in texts for path in local_paths if path in text]
     assert not leaks, leaks[:10]
     assert PACK_NAME in server.log()  # the paths were replaced, not dropped
+
+
+# ---------------------------------------------------------------------------------------
+# Shutdown (runs after everything else: it stops plain and baseline)
+
+
+@pytest.mark.parametrize("name", ["plain", "baseline"])
+def test_sigterm_cancels_the_request_in_flight_and_exits(servers, name):
+    server = servers[name]
+    since = len(server.log())
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(chat, server, MESSAGES, temperature=0, max_tokens=LONG)
+        server.wait_for_log(since, "POST /v1/chat/completions:")
+        server.process.send_signal(signal.SIGTERM)
+        returncode = server.process.wait(60)  # it used to keep generating past 60 s
+        response = pending.result()
+    assert returncode == -signal.SIGTERM  # uvicorn ends by re-raising the signal it handled
+    assert response.status == 503 and response.json()["error"]["code"] == "shutting-down"
+    assert "Traceback" not in server.log()[since:]

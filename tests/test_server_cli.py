@@ -204,3 +204,22 @@ def test_pins_full_hash_finds_a_flipped_weight(pinned_pack):
     assert result.returncode == 1
     assert "model.safetensors: sha256 expected" in result.stderr
     assert "sha256:" in result.stderr  # the progress bar
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_gives_every_default(script):
+    result = run(script, "--help", env=clean_env(COLUMNS="400"))  # no line breaks inside the texts
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for default in ("(default: 8080)", "(default: mlx-vlm's, <think>)", "(default: mlx-vlm's, </think>)",
+                    "(default: 600; 0: no limit)", "(default: base64 data URLs only)"):
+        assert default in text, default
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens", "40000"], "--max-tokens 40000 is above the model's context length 32768"),
+    (["--allow-image-dir", "/nonexistent/images"], "--allow-image-dir /nonexistent/images: not a folder"),
+])
+def test_options_checked_against_the_pack(pinned_pack, argv, message):
+    result = start_with_pins(pinned_pack, *argv)
+    assert result.returncode == 1 and message in result.stderr, result.stderr

@@ -1,0 +1,287 @@
+"""The gateway's request checks in-process: serve.py's Gateway, with serve_dflash2.py's
+routing and the checks in dflash2_http.py, in front of a stub in mlx-vlm's place.
+
+No model and no server process: starlette's TestClient calls the ASGI app directly, so
+each case takes milliseconds. What needs generation or a real server (crashes,
+disconnects, timeouts of real generation, SIGTERM, stop sequences, CORS over the wire)
+is in test_server.py.
+"""
+
+import asyncio
+import base64
+import io
+import json
+import os
+
+import pytest
+from PIL import Image
+from starlette.testclient import TestClient
+
+from dflash2_http import PackLimits, check_chat_request, openapi_schema
+from serve import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
+from serve_dflash2 import route_chat
+
+MODEL_ID = "tiny-pack"
+VOCAB = 512
+CONTEXT = 32768
+MESSAGES = [{"role": "user", "content": "Hi"}]
+TIMEOUT_S = 0.3
+
+
+async def stub_mlx_vlm(scope, receive, send):
+    """In mlx-vlm's place: answers with the body it was forwarded; streams two chunks the
+    way mlx-vlm does (role in every delta, a new created time each); content "hang"
+    generates until the request is cancelled, as a real token stream would end."""
+    if scope["type"] != "http":
+        return
+    body = json.loads((await receive())["body"])
+    if body.get("stream"):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for created, text in ((100, "a"), (101, "b")):
+            chunk = {"id": "x", "object": "chat.completion.chunk", "created": created,
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                        "more_body": True})
+    while body["messages"][0]["content"] == "hang" and not current_request.get().cancelled:
+        await asyncio.sleep(0.01)
+    if body.get("stream"):
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        return
+    payload = json.dumps({"forwarded": body}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("allowed")
+    (folder / "red.png").write_bytes(png((32, 32)))
+    os.symlink("/etc/hostname", folder / "escape.png")
+    return folder
+
+
+def make_client(image_dir=None, top_logprobs_k=5):
+    limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve())
+
+    def decide(body):
+        return route_chat(check_chat_request(body, limits))
+
+    gateway = Gateway(stub_mlx_vlm, model_id=MODEL_ID, scrubber=PathScrubber(local_paths([], MODEL_ID)),
+                      decide=decide, header="x-dflash2", request_timeout=TIMEOUT_S)
+    return TestClient(with_loopback_cors(gateway), base_url="http://127.0.0.1:8080")
+
+
+@pytest.fixture(scope="module")
+def client(image_dir):
+    return make_client(image_dir)
+
+
+def post(client, body, **headers):
+    return client.post("/v1/chat/completions", content=json.dumps(body),
+                       headers={"content-type": "application/json", **headers})
+
+
+def assert_refused(response, status, reason, param=None):
+    assert response.status_code == status, response.text
+    assert response.headers["x-dflash2"] == f"refused; reason={reason}"
+    error = response.json()["error"]
+    assert error["code"] == reason and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def png(size):
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (200, 40, 40)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def image_body(url):
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+            "temperature": 0}
+
+
+def data_url(data):
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+# ---------------------------------------------------------------------------------------
+# Values checked against the pack (each of these crashed or 500ed a server before)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": {"999999999": 100}, "temperature": 0}, "logit_bias"),
+    ({"logit_bias": {str(VOCAB): 5}, "temperature": 0.5}, "logit_bias"),
+    ({"logit_bias": {"-1": 5}}, "logit_bias"),
+    ({"logit_bias": {"\u0661": 5}}, "logit_bias"),  # a non-ASCII digit int() would accept
+    ({"logit_bias": {"7": 101}}, "logit_bias.7"),
+    ({"top_k": VOCAB}, "top_k"),
+    ({"top_k": 100000}, "top_k"),
+    ({"max_tokens": CONTEXT + 1}, "max_tokens"),
+    ({"max_tokens": 2 ** 31}, "max_tokens"),
+    ({"max_completion_tokens": CONTEXT + 1}, "max_completion_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without "logprobs": true
+    ({"logprobs": True, "top_logprobs": 6}, "top_logprobs"),  # above --top-logprobs-k 5
+    ({"messages": [{"role": {}, "content": "Hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": [], "content": "Hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "Hi \ud800"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages[0].content[0].text"),
+    ({"user": "\ud83d"}, "user"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ""}, "stop"),
+    ({"stop": 5}, "stop"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_out_of_range_values_name_the_field(client, fields, param):
+    assert_refused(post(client, {"messages": MESSAGES, **fields}), 400, "invalid-request", param)
+
+
+def test_values_at_the_limits_pass(client):
+    body = {"messages": MESSAGES, "temperature": 0.5, "top_k": VOCAB - 1, "max_tokens": CONTEXT,
+            "logit_bias": {str(VOCAB - 1): -100}, "logprobs": True, "top_logprobs": 5, "stop": "x",
+            "tools": [{"type": "function", "function": {"name": "get.weather_2"}}],
+            "tool_choice": {"type": "function", "function": {"name": "get.weather_2"}}}
+    response = post(client, body)
+    assert response.status_code == 200, response.text
+    forwarded = response.json()["forwarded"]
+    assert "stop" not in forwarded  # applied by the gateway, not mlx-vlm
+    assert forwarded["logit_bias"] == body["logit_bias"] and forwarded["model"] == MODEL_ID
+
+
+def test_unknown_fields_deep_in_the_request(client):
+    body = {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "color": 1}}]}
+    assert_refused(post(client, body), 400, "unknown-field", "tools[0].function.color")
+
+
+def test_deeply_nested_json(client):
+    deep = "[" * 100000 + "]" * 100000
+    response = client.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+    assert_refused(response, 400, "invalid-json")
+
+
+# ---------------------------------------------------------------------------------------
+# Images: base64 data URLs, or files inside --allow-image-dir; sizes checked
+
+
+@pytest.mark.parametrize("size", [(3000, 1), (1, 3000), (201, 1)])
+def test_extreme_aspect_ratios_are_refused(client, size):
+    error = assert_refused(post(client, image_body(data_url(png(size)))), 400, "invalid-image")
+    assert "aspect ratio" in error["message"]
+
+
+def test_local_paths_are_refused_alike_whether_they_exist_or_not(client, image_dir):
+    messages = set()
+    for url in ("/etc/passwd", "/nonexistent/x.png", "file:///etc/shadow", "file:///proc/self/environ",
+                str(image_dir / ".." / "outside.png"), str(image_dir / "escape.png"),
+                str(image_dir / "missing.png"), "red.png"):
+        error = assert_refused(post(client, image_body(url)), 400, "local-image",
+                               "messages[0].content[0].image_url.url")
+        messages.add(error["message"])
+    assert len(messages) == 1, messages
+
+
+def test_without_an_image_folder_every_path_is_refused(image_dir):
+    response = post(make_client(None), image_body(str(image_dir / "red.png")))
+    assert_refused(response, 400, "local-image")
+
+
+@pytest.mark.parametrize("form", [str, lambda p: f"file://{p}"])
+def test_a_file_inside_the_image_folder_is_accepted(client, image_dir, form):
+    response = post(client, image_body(form(image_dir / "red.png")))
+    assert response.status_code == 200, response.text
+    part = response.json()["forwarded"]["messages"][0]["content"][0]
+    assert part["image_url"]["url"] == str((image_dir / "red.png").resolve())
+
+
+# ---------------------------------------------------------------------------------------
+# Headers, methods, documents
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_chat_needs_json_content_type(client, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    response = client.post("/v1/chat/completions", content=json.dumps({"messages": MESSAGES}), headers=headers)
+    assert_refused(response, 415, "unsupported-media-type")
+
+
+def test_json_content_type_with_charset_is_accepted(client):
+    response = post(client, {"messages": MESSAGES}, **{"content-type": "application/json; charset=utf-8"})
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", f"/v1/models/{MODEL_ID}", "/openapi.json"])
+def test_head_answers_like_get_without_a_body(client, path):
+    head, get = client.head(path), client.get(path)
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and int(head.headers["content-length"]) == len(get.content)
+
+
+def test_openapi_describes_the_served_endpoints(client):
+    document = client.get("/openapi.json").json()
+    assert document == json.loads(json.dumps(openapi_schema(MODEL_ID)))
+    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health"}
+    request = document["components"]["schemas"]["ChatRequest"]
+    assert request["additionalProperties"] is False and "stop" in request["properties"]
+
+
+def test_cross_origin_preflight(client):
+    foreign = client.options("/v1/chat/completions", headers={
+        "origin": "https://attacker.example", "access-control-request-method": "POST"})
+    assert foreign.status_code == 400 and "access-control-allow-origin" not in foreign.headers
+    local = client.options("/v1/chat/completions", headers={
+        "origin": "http://localhost:3000", "access-control-request-method": "POST",
+        "access-control-request-headers": "content-type"})
+    assert local.status_code == 200
+    assert local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "access-control-allow-credentials" not in local.headers
+
+
+# ---------------------------------------------------------------------------------------
+# Streams and time limits
+
+
+def test_streamed_role_once_and_one_created_time(client):
+    response = post(client, {"messages": MESSAGES, "stream": True})
+    chunks = [json.loads(line[len("data: "):]) for line in response.text.split("\n\n")
+              if line.startswith("data: {")]
+    assert [chunk["choices"][0]["delta"].get("role") for chunk in chunks] == ["assistant", None]
+    assert {chunk["created"] for chunk in chunks} == {100}
+
+
+def test_request_timeout_answers_504(client):
+    response = post(client, {"messages": [{"role": "user", "content": "hang"}]})
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "request-timeout"
+
+
+def test_request_timeout_ends_a_stream_with_an_error_event(client):
+    response = post(client, {"messages": [{"role": "user", "content": "hang"}], "stream": True})
+    assert response.status_code == 200
+    events = [line for line in response.text.split("\n\n") if line]
+    assert json.loads(events[-1][len("data: "):])["error"]["code"] == "request-timeout"
+    assert "data: [DONE]" not in events
+
+
+# ---------------------------------------------------------------------------------------
+# Scrubbing
+
+
+def test_scrubber_names_each_kind_of_local_path(tmp_path, monkeypatch):
+    import sys
+
+    pack = tmp_path / "pack"
+    monkeypatch.chdir(tmp_path)
+    scrub = PathScrubber(local_paths([pack], MODEL_ID))
+    text = (f'File "{sys.prefix}/lib/python3.11/asyncio/tasks.py", line 1\n'
+            f"{pack}/serve.py {os.path.expanduser('~')}/.cache {tmp_path}/notes.txt "
+            "<_io.BytesIO object at 0x7f3a2c1d9e40>")
+    scrubbed = scrub(text)
+    assert scrubbed == ('File "<python>/lib/python3.11/asyncio/tasks.py", line 1\n'
+                        f"{MODEL_ID}/serve.py ~/.cache <cwd>/notes.txt <_io.BytesIO object>")
