@@ -25,9 +25,7 @@ logits - logsumexp. The verify forward is the round's `_dflash_verify_greedy` ca
 
 import argparse
 import json
-import platform
 import re
-import shlex
 import sys
 import tempfile
 from collections import Counter
@@ -189,12 +187,13 @@ def count_steps(lm, taps, lengths=LENGTHS) -> dict:
     vocab = lm.model.embed_tokens.weight.shape[0]
     prompt = [t % vocab for t in range(1, PROMPT_TOKENS + 1)]
     block = [t % vocab for t in range(7, 7 + max(lengths))]
-    state = prompt_state(lm, prompt)
-    decode, decode_kinds = count_decode_step(lm, caches_at(lm, state), block[0])
-    verify = {
-        length: count_verify(lm, caches_at(lm, state), block[:length], taps)
-        for length in lengths
-    }
+    with mx.stream(mx.cpu):  # the graph CPU builds, on any machine
+        state = prompt_state(lm, prompt)
+        decode, decode_kinds = count_decode_step(lm, caches_at(lm, state), block[0])
+        verify = {
+            length: count_verify(lm, caches_at(lm, state), block[:length], taps)
+            for length in lengths
+        }
     return {
         "decode": decode,
         "verify": {length: n for length, (n, _) in verify.items()},
@@ -225,9 +224,8 @@ def main():
     parser.add_argument("--out", default=str(REPO / "evidence"))
     args = parser.parse_args()
 
-    import mlx_vlm
-
     import dflash2_runtime
+    from parity import run_environment
 
     model, taps = load_target(args.pack)
     lm = model.language_model
@@ -235,14 +233,10 @@ def main():
     status = dflash2_runtime.install(model)
     exact = count_steps(lm, taps)
     record = {
-        "backend": "cpu",
-        "versions": {
-            "mlx": mx.__version__,
-            "mlx_vlm": mlx_vlm.__version__,
-            "python": platform.python_version(),
-        },
-        "command": "python " + shlex.join(["tools/graph_count.py", *sys.argv[1:]]),
-        "pack": Path(args.pack).name if args.pack else "synthetic tiny widths, 64 layers, seed 0",
+        **run_environment(
+            "graph_count.py",
+            Path(args.pack).name if args.pack else "synthetic tiny widths, 64 layers, seed 0",
+        ),
         "layers": len(lm.model.layers),
         "rule": "non-view primitives of everything the step leaves to evaluate; each "
         "rms_norm and exact-matmul call counts 1; attention as MLX's unfused formula",
