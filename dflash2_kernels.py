@@ -13,8 +13,9 @@ position alone in plain decode, on this backend:
   16l + 512r, one fp16 fma chain per element slot, slots summed in float from +0,
   xor butterfly 16..1, round-to-nearest fp16 store), several output rows a warp.
   metal: affine_qmv_fast's arithmetic with MLX's load_vector/qdot copied verbatim
-  (N % 8 == 0 and K % 512 == 0 only, as MLX). cpu: MLX's batched call, which the
-  self-test proves equal to its single-row call there. One row on Metal or CPU
+  (N % 8 == 0 and K % 512 == 0 only, as MLX). cpu: one stock single-row call per
+  row (MLX's batched CPU call happens to equal it today, but nothing promises that;
+  the tests' GPU-like CPU backend, tests/gpu_rounding.py, makes it differ). One row on Metal or CPU
   is MLX's own call; on CUDA it takes the kernel (about twice as fast, H200).
 - `rotate(x, block, signs)`: mlx-vlm's four-primitive `hadamard_transform`
   (astype fp32, times the fp32 signs, `mx.hadamard_transform`, astype back) in one
@@ -640,7 +641,7 @@ def backend_kernel(backend: str) -> Kernel:
         return cuda_matmul
     if backend == "metal":
         return metal_matmul
-    return stock_quantized_matmul
+    return stock_rows
 
 
 # backend -> whether the last self-test of the real kernel passed.

@@ -11,3 +11,13 @@ def tiny_pack(tmp_path_factory):
     from make_synthetic_pack import make_pack
 
     return make_pack(tmp_path_factory.mktemp("tiny_pack"), size="tiny", seed=0)
+
+
+@pytest.fixture
+def gpu_like_rounding(monkeypatch):
+    """While active, matmuls over several rows, attention over several queries and stock
+    verify's multi-step recurrence round differently from their one-row calls, as on
+    GPUs; one-row calls stay MLX's own (tests/gpu_rounding.py says which ops and how)."""
+    from gpu_rounding import swap_row_variant_ops
+
+    swap_row_variant_ops(monkeypatch)

@@ -4,7 +4,12 @@ Greedy speculative tokens equal plain decoding; verify logits and captured hidde
 states equal single-token decode bit for bit; rollback at every accepted count
 leaves the cache a never-speculated run would have; a changed mlx-vlm function
 refuses the install and is named. The same checks run on a GPU through
-tools/parity.py, where (unlike on CPU) the stock path fails them.
+tools/parity.py.
+
+Every test here runs on the GPU-like CPU backend (conftest's gpu_like_rounding): on
+plain CPU, batched ops equal their one-row calls, so stock verify would pass these
+checks too. Under it stock verify fails them (the negative control below), so they
+can fail.
 """
 
 import subprocess
@@ -30,6 +35,8 @@ from parity import (
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATED = 12
+
+pytestmark = pytest.mark.usefixtures("gpu_like_rounding")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +114,29 @@ def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target):
     cases = rollback_cases(lm, ids, taps, greedy(model, ids, 8), lengths=(2, 8))
     assert len(cases) == 2 + 8
     assert [c for c in cases if c["logits"]] == []
+
+
+@pytest.fixture
+def stock_verify(monkeypatch):
+    """The runtime's replacements put back for one test: stock mlx-vlm, as if not installed."""
+    for patch in dflash2_runtime.PATCHES:
+        if patch.replacement is not None:
+            owner, name = dflash2_runtime._resolve(patch.target)
+            monkeypatch.setattr(owner, name, getattr(owner, name).__dflash2_stock__)
+
+
+def test_stock_verify_fails_the_same_checks(target, stock_verify):
+    """The negative control: the checks above see stock verify's batched rounding."""
+    model, processor, drafter = target
+    lm, taps = model.language_model, drafter.config.target_layer_ids
+    ids = raw_ids(processor, PROMPTS[0])
+    continuation = greedy(model, ids, 8)
+    verify = verify_cases(lm, ids, taps, continuation, lengths=(2, 5, 8))
+    assert all(c["logits"] and c["hidden"] for c in verify), verify
+    rollback = rollback_cases(lm, ids, taps, continuation, lengths=(8,))
+    assert all(c["logits"] for c in rollback), rollback
+    tokens = token_cases(model, processor.tokenizer, GENERATED, [(PROMPTS[0], False, 8, 0.0)])
+    assert not tokens[0]["identical"], tokens
 
 
 def test_changed_mlx_vlm_function_refuses_and_is_named():

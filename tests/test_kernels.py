@@ -322,3 +322,86 @@ def test_block_dim_runs_split_where_the_block_dim_changes():
 def test_scale_bits(block, bits):
     # 1/sqrt(block) rounded to fp32: 2^-5 and 2^-6 exactly, else 2^-k times fp32(1/sqrt 2) = 0x3F3504F3.
     assert dk.scale_bits(block) == bits
+
+def test_cpu_path_stays_exact_where_batched_calls_round_differently(gpu_like_rounding):
+    """The CPU path is per-row stock calls, so a backend whose batched call rounds
+    otherwise (the negative control counts it) leaves it exact."""
+    result = dk.self_test(shapes=[SHAPE])
+    assert result.ok, result.reason
+    assert result.stock_mismatches > 0
+
+
+# ---------------------------------------------------------------------------------------
+# Launch selection, in process: which kernel serves, and the CUDA launch geometry.
+
+
+@pytest.mark.parametrize(
+    ("backend", "n", "k", "rows", "want"),
+    [
+        ("cuda", 16, 512, 1, dk.cuda_matmul),  # one row too: faster than MLX's, same bits
+        ("cuda", 42, 640, 8, dk.cuda_matmul),  # every shape
+        ("metal", 16, 512, 1, None),  # one row is MLX's own call
+        ("metal", 16, 512, 5, dk.metal_matmul),
+        ("metal", 42, 512, 5, None),  # N % 8: MLX itself leaves qmv_fast
+        ("metal", 16, 640, 5, None),  # K % 512
+        ("cpu", 16, 512, 1, None),
+        ("cpu", 42, 640, 8, dk.stock_rows),
+    ],
+)
+def test_serving_kernel_by_backend_shape_and_rows(monkeypatch, backend, n, k, rows, want):
+    monkeypatch.setitem(dk._verified, backend, True)
+    assert dk._serving_kernel(backend, n, k, rows) is want
+
+
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_kernel_that_failed_its_self_test_never_serves(monkeypatch, backend):
+    monkeypatch.setitem(dk._verified, backend, False)
+    monkeypatch.setattr(dk, "_warned", set())
+    with pytest.warns(UserWarning, match=f"{backend} kernel failed its self-test"):
+        assert dk._serving_kernel(backend, 16, 512, 4) is None
+
+
+class RecordingKernel:
+    """Stands in for mx.fast.cuda_kernel's callable: records each launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        self.launches.append({"template": dict(template), "grid": grid, "threadgroup": threadgroup})
+        return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
+
+
+def rows_stored(n, rows_per_warp, grid, threadgroup):
+    """Output rows the launch writes, by qmv_rows' mapping: warp w of block b takes rows
+    (b * warps + w) * R + j, stored while below n."""
+    blocks, warps = grid[0] // threadgroup[0], threadgroup[1]
+    return [
+        (block * warps + warp) * rows_per_warp + j
+        for block in range(blocks)
+        for warp in range(warps)
+        for j in range(rows_per_warp)
+        if (block * warps + warp) * rows_per_warp + j < n
+    ]
+
+
+@pytest.mark.parametrize("n", [16, 42, 1024, 5120, 17408])
+def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch, n):
+    kernel = RecordingKernel()
+    monkeypatch.setattr(dk, "_cuda_kernel", lambda: kernel)
+    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    monkeypatch.setitem(dk._verified, "cuda", True)
+    weight, scales, biases = dk.make_weights(n, 512, mx.random.key(1))
+    x = dk.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(2))
+    for rows in range(1, dk.MAX_ROWS + 1):
+        assert dk.exact_quantized_matmul(x[:rows], weight, scales, biases).shape == (rows, n)
+    for rows, launch in enumerate(kernel.launches, start=1):
+        rows_per_warp, chunk, prefetch = dk.CUDA_LAUNCH[rows]
+        assert launch["template"] == {"M": rows, "R": rows_per_warp, "C": chunk, "PREFETCH": bool(prefetch)}
+        assert launch["threadgroup"] == (32, dk.CUDA_WARPS_PER_BLOCK, 1)
+        assert launch["grid"][0] % 32 == 0 and launch["grid"][1:] == (dk.CUDA_WARPS_PER_BLOCK, 1)
+        stored = rows_stored(n, rows_per_warp, launch["grid"], launch["threadgroup"])
+        assert sorted(stored) == list(range(n))  # each output row once, none missing
+        # and no block is launched with nothing to do
+        assert (launch["grid"][0] // 32 - 1) * dk.CUDA_WARPS_PER_BLOCK * rows_per_warp < n
+    assert len(kernel.launches) == dk.MAX_ROWS

@@ -2,6 +2,10 @@
 """Write a synthetic DFlash2 model pack with random weights in the real on-disk formats.
 
     python tools/make_synthetic_pack.py --size tiny --seed 0 --out /tmp/pack
+    python tools/make_synthetic_pack.py --size tiny --layers 64 --out /tmp/pack64
+
+--layers keeps a size's widths with another layer count (every 4th layer attention, as
+in the real model): tiny widths with the real 64-layer pattern for graph counts.
 
 DIR/target is a prism_hadamard_qwen35 pack as mlx-vlm 0.7.2 loads it: 2-bit affine packed
 weights (uint32 codes, fp16 scales and biases, fp32 +-1 Hadamard signs where block > 0), a
@@ -366,9 +370,21 @@ def tokenizer_files(tokenizer, special_base, max_length):
 # Configs
 
 
-def target_config(size):
+def text_sizes(size, layers=None):
+    """The language model sizes of `size`, with `layers` layers if given."""
+    text = dict(SIZES[size]["text"])
+    if layers is not None:
+        # At least one attention layer, and every layer the drafter taps.
+        least = max(text["full_attention_interval"], max(SIZES[size]["drafter"]["target_layer_ids"]) + 1)
+        if layers < least:
+            raise ValueError(f"the {size} size needs at least {least} layers, got {layers}")
+        text["num_hidden_layers"] = layers
+    return text
+
+
+def target_config(size, layers=None):
     sizes = SIZES[size]
-    text = dict(sizes["text"])
+    text = text_sizes(size, layers)
     mrope_section = text.pop("mrope_section")
     ids = special_token_ids(sizes["special_base"])
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
@@ -445,9 +461,9 @@ def hadamard_block(width):
     return next((block for block in HADAMARD_BLOCKS if width % block == 0), 0)
 
 
-def drafter_config(size, form="bf16"):
+def drafter_config(size, form="bf16", layers=None):
     sizes = SIZES[size]
-    text, drafter = sizes["text"], dict(sizes["drafter"])
+    text, drafter = text_sizes(size, layers), dict(sizes["drafter"])
     # The mask token is the first id after the specials: inside the vocabulary, not a
     # tokenizer token (as in the real pack, 248070).
     mask_token_id = sizes["special_base"] + len(SPECIAL_TOKENS)
@@ -737,10 +753,10 @@ def write_text_files(folder, files):
 # Entry points
 
 
-def write_target(folder, size="tiny", seed=0, dense_dtype="float16", verbose=False):
+def write_target(folder, size="tiny", seed=0, dense_dtype="float16", verbose=False, layers=None):
     """Write a prism_hadamard_qwen35 target folder: configs, tokenizer, weights."""
     folder = Path(folder)
-    config = target_config(size)
+    config = target_config(size, layers)
     special_base = SIZES[size]["special_base"]
     tokenizer = build_tokenizer(special_base)
     max_length = config["text_config"]["max_position_embeddings"]
@@ -760,10 +776,13 @@ def write_target(folder, size="tiny", seed=0, dense_dtype="float16", verbose=Fal
     write_safetensors(folder / "model.safetensors", weights, verbose)
 
 
-def write_drafter(folder, size="tiny", seed=0, form="bf16", codebook_names="plain", verbose=False):
-    """Write a DFlash2DraftModel folder (bf16 or prequantized 4-bit)."""
+def write_drafter(
+    folder, size="tiny", seed=0, form="bf16", codebook_names="plain", verbose=False, layers=None
+):
+    """Write a DFlash2DraftModel folder (bf16 or prequantized 4-bit) for a target of
+    `layers` layers (default: the size's)."""
     folder = Path(folder)
-    config = drafter_config(size, form)
+    config = drafter_config(size, form, layers)
     write_text_files(folder, {"config.json": dump_json(config)})
     if verbose:
         log(f"drafter: generating {form} weights (seed {seed})")
@@ -779,9 +798,11 @@ def make_pack(
     codebook_names="plain",
     dense_dtype="float16",
     verbose=None,
+    layers=None,
 ):
     """Write DIR/target and DIR/drafter. Returns {"root", "target", "drafter"} paths.
-    Progress goes to stderr, by default for the 27b size only.
+    Progress goes to stderr, by default for the 27b size only. layers: the target's layer
+    count, if not the size's.
 
     dense_dtype is the dtype of the target's unpacked language tensors (norms, conv, GDN
     gates). The real 27B file's size (8,595,478,392 bytes) is matched to the byte by
@@ -789,15 +810,15 @@ def make_pack(
     the residual stream, and so the packed matmuls' activations, fp32."""
     verbose = size == "27b" if verbose is None else verbose
     root = Path(out_dir)
-    write_target(root / "target", size, seed, dense_dtype, verbose)
-    write_drafter(root / "drafter", size, seed, drafter_form, codebook_names, verbose)
+    write_target(root / "target", size, seed, dense_dtype, verbose, layers)
+    write_drafter(root / "drafter", size, seed, drafter_form, codebook_names, verbose, layers)
     return {"root": root, "target": root / "target", "drafter": root / "drafter"}
 
 
-def build_target_model(size="tiny", seed=0, dense_dtype="float16"):
+def build_target_model(size="tiny", seed=0, dense_dtype="float16", layers=None):
     """The target model with its random weights loaded in memory, no files written
     (for benchmarks on a GPU machine). Same tensors as make_pack writes."""
-    config = target_config(size)
+    config = target_config(size, layers)
     tokenizer = build_tokenizer(SIZES[size]["special_base"])
     live_rows = live_token_rows(tokenizer, config["vocab_size"])
     model = instantiate(config)
@@ -816,6 +837,7 @@ def main():
     parser.add_argument("--drafter-form", choices=["bf16", "4bit"], default="bf16")
     parser.add_argument("--codebook-names", choices=["plain", "weight"], default="plain")
     parser.add_argument("--dense-dtype", choices=["float16", "float32"], default="float16")
+    parser.add_argument("--layers", type=int, help="layer count (default: the size's)")
     args = parser.parse_args()
     paths = make_pack(
         args.out,
@@ -824,6 +846,7 @@ def main():
         drafter_form=args.drafter_form,
         codebook_names=args.codebook_names,
         dense_dtype=args.dense_dtype,
+        layers=args.layers,
     )
     print(json.dumps({key: str(value) for key, value in paths.items()}, indent=2))
 

@@ -322,6 +322,25 @@ def raw_token_cases(model, ids, max_tokens, blocks=range(2, 9), errors=(0.0, 0.3
     return cases
 
 
+def run_environment(tool: str, pack: str) -> dict:
+    """A record's header: where and with what it ran, the command that wrote it."""
+    import mlx_vlm
+
+    import dflash2_kernels
+
+    return {
+        "backend": dflash2_kernels.backend_name(),
+        "device": mx.device_info().get("device_name", platform.machine()),
+        "versions": {
+            "mlx": mx.__version__,
+            "mlx_vlm": mlx_vlm.__version__,
+            "python": platform.python_version(),
+        },
+        "command": "python " + shlex.join([f"tools/{tool}", *sys.argv[1:]]),
+        "pack": pack,
+    }
+
+
 def case_mismatches(case) -> int:
     if case["check"] == "tokens":
         return 0 if case["identical"] else 1
@@ -342,8 +361,6 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
     args = parser.parse_args()
-
-    import mlx_vlm
 
     import dflash2_kernels
     import dflash2_runtime
@@ -401,18 +418,10 @@ def main():
     shapes = PACKED_SHAPES_27B if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
 
-    backend = dflash2_kernels.backend_name()
-    environment = {
-        "backend": backend,
-        "device": mx.device_info().get("device_name", platform.machine()),
-        "versions": {
-            "mlx": mx.__version__,
-            "mlx_vlm": mlx_vlm.__version__,
-            "python": platform.python_version(),
-        },
-        "command": "python " + shlex.join(["tools/parity.py", *sys.argv[1:]]),
-        "pack": Path(args.pack).name if args.pack else f"synthetic {args.size} target, seed 0",
-    }
+    environment = run_environment(
+        "parity.py", Path(args.pack).name if args.pack else f"synthetic {args.size} target, seed 0"
+    )
+    backend = environment["backend"]
     record = {
         **environment,
         "runtime_status": {"speculative": status.speculative, "reason": status.reason},

@@ -1,0 +1,142 @@
+"""A CPU backend whose multi-row work rounds differently from single-row work, as GPUs do.
+
+On MLX's CPU backend a batched op gives each row exactly what the op gives that row
+alone, so stock verify equals decode there and a CPU test cannot tell exact code from
+inexact code. `swap_row_variant_ops(monkeypatch)` replaces the ops whose GPU kernels
+change with the number of rows or queries (../shared/notes/exact-fast-verify.md, sections
+1-2) by versions that sum in another order whenever they see more than one row. A call
+with one row, one query or one step is MLX's own call, untouched.
+
+- `mx.quantized_matmul`, more than one row: activations and packed codes reversed along
+  K (the CPU kernel accumulates in order, so the order shows).
+- dense matmul (`mx.matmul`, `mx.addmm`, the `@` operator that `nn.Linear` uses), more
+  than one row: the sum of two K halves, each rounded to the output dtype (a split-K GEMM).
+- `mx.fast.scaled_dot_product_attention`, more than one query: MLX's unfused formula with
+  split-K matmuls for q.k and p.v.
+- the GatedDeltaNet recurrence that records every step's state (stock verify's
+  `_gated_delta_with_states_ops`), more than one step: key dimension reversed. The
+  recurrence that loops decode's compiled step (`gated_delta_ops`) is decode's
+  arithmetic at any T, as is the Metal kernel, so it stays stock.
+
+Row-wise ops (norms, softmax, logsumexp, argmax, element-wise, Hadamard) take their GPU
+launch shape from the row length, never the row count, so they stay stock too. The swaps
+are looked up where callers look: attributes of `mlx.core`, `mlx.core.fast`,
+`mlx.core.array` and the mlx-vlm module, so every caller sees them while active.
+"""
+
+import mlx.core as mx
+from mlx_vlm.models.qwen3_5 import gated_delta
+
+STOCK_QUANTIZED_MATMUL = mx.quantized_matmul
+STOCK_MATMUL = mx.matmul
+STOCK_ARRAY_MATMUL = mx.array.__matmul__
+STOCK_ADDMM = mx.addmm
+STOCK_SDPA = mx.fast.scaled_dot_product_attention
+STOCK_WITH_STATES = gated_delta._gated_delta_with_states_ops
+
+
+def matmul_rows(a, b) -> int:
+    """Rows one GEMM sees: a shared 2-D weight folds every leading dim of `a` into M."""
+    if a.ndim < 2:
+        return 1
+    return a.size // a.shape[-1] if b.ndim == 2 else a.shape[-2]
+
+
+def split_k(a, b):
+    """a @ b as two K halves, each rounded to the output dtype, then added."""
+    half = a.shape[-1] // 2
+    if half == 0:
+        return STOCK_MATMUL(a, b)
+    return STOCK_MATMUL(a[..., :half], b[..., :half, :]) + STOCK_MATMUL(
+        a[..., half:], b[..., half:, :]
+    )
+
+
+def matmul(a, b, **kwargs):
+    if kwargs or matmul_rows(a, b) == 1 or b.ndim < 2:
+        return STOCK_MATMUL(a, b, **kwargs)
+    return split_k(a, b)
+
+
+def array_matmul(a, b):
+    if not isinstance(b, mx.array) or matmul_rows(a, b) == 1 or b.ndim < 2:
+        return STOCK_ARRAY_MATMUL(a, b)
+    return split_k(a, b)
+
+
+def addmm(c, a, b, alpha=1.0, beta=1.0, **kwargs):
+    if kwargs or matmul_rows(a, b) == 1:
+        return STOCK_ADDMM(c, a, b, alpha=alpha, beta=beta, **kwargs)
+    return beta * c + alpha * split_k(a, b)
+
+
+def reversed_codes(weight, bits):
+    """Packed codes in reverse order along K (words reversed, codes in each word reversed)."""
+    per_word = 32 // bits
+    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+    codes = (weight[..., None] >> shifts) & ((1 << bits) - 1)
+    return mx.sum(codes[..., ::-1, ::-1] << shifts, axis=-1).astype(mx.uint32)
+
+
+def quantized_matmul(
+    x, w, scales=None, biases=None, transpose=True, group_size=None, bits=None,
+    mode="affine", **kwargs
+):
+    options = dict(transpose=transpose, group_size=group_size, bits=bits, mode=mode, **kwargs)
+    rows = x.size // x.shape[-1]
+    if rows == 1 or not transpose or mode != "affine" or biases is None or kwargs:
+        return STOCK_QUANTIZED_MATMUL(x, w, scales, biases, **options)
+    return STOCK_QUANTIZED_MATMUL(
+        x[..., ::-1],
+        reversed_codes(w, bits or 4),
+        scales[..., ::-1],
+        biases[..., ::-1],
+        **options,
+    )
+
+
+def attention_mask(mask, queries: int, keys: int):
+    if isinstance(mask, str):  # "causal": query i sees keys up to keys - queries + i
+        return mx.arange(keys)[None] <= (keys - queries + mx.arange(queries))[:, None]
+    return mask
+
+
+def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, **kwargs):
+    if q.shape[-2] == 1 or sinks is not None or kwargs:
+        return STOCK_SDPA(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
+    batch, heads, queries, width = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    repeats = heads // kv_heads
+    q = (q * mx.array(scale, dtype=q.dtype)).reshape(batch, kv_heads, repeats, queries, width)
+    scores = split_k(q, k[:, :, None].swapaxes(-1, -2))
+    mask = attention_mask(mask, queries, keys)
+    if mask is not None:
+        if mask.ndim >= 3 and mask.shape[-3] == heads:
+            mask = mask.reshape(*mask.shape[:-3], kv_heads, repeats, queries, keys)
+        elif mask.ndim >= 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-float("inf"), dtype=scores.dtype))
+        else:
+            scores = scores + mask
+    probabilities = mx.softmax(scores, axis=-1, precise=True)
+    return split_k(probabilities, v[:, :, None]).reshape(batch, heads, queries, -1)
+
+
+def with_states_ops(q, k, v, g, beta, state, mask=None, state_steps=None):
+    if q.shape[1] == 1:
+        return STOCK_WITH_STATES(q, k, v, g, beta, state, mask, state_steps)
+    y, state, states = STOCK_WITH_STATES(
+        q[..., ::-1], k[..., ::-1], v, g, beta, state[..., ::-1], mask, state_steps
+    )
+    return y, state[..., ::-1], states[..., ::-1]
+
+
+def swap_row_variant_ops(monkeypatch):
+    """Install the swaps for the rest of the test (monkeypatch undoes them)."""
+    monkeypatch.setattr(mx, "quantized_matmul", quantized_matmul)
+    monkeypatch.setattr(mx, "matmul", matmul)
+    monkeypatch.setattr(mx.array, "__matmul__", array_matmul)
+    monkeypatch.setattr(mx, "addmm", addmm)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", scaled_dot_product_attention)
+    monkeypatch.setattr(gated_delta, "_gated_delta_with_states_ops", with_states_ops)

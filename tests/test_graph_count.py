@@ -1,0 +1,48 @@
+"""tools/graph_count.py: the counting rule, and issue 13's launch budget for exact verify."""
+
+import mlx.core as mx
+import pytest
+
+import dflash2_kernels as dk
+import dflash2_runtime
+from graph_count import count_steps, gpu_primitives, load_target, one_launch_calls, primitive_kinds
+
+
+def count(build):
+    with one_launch_calls() as calls:
+        outputs = build()
+    return gpu_primitives(primitive_kinds(outputs), calls)
+
+
+def test_views_are_free_and_one_launch_calls_count_once():
+    x, weight = mx.ones((8, 512), mx.float16), mx.ones((512,), mx.float16)
+    packed = dk.make_weights(16, 512, mx.random.key(0))
+    mx.eval(x, weight, packed)
+    assert count(lambda: [x.reshape(8, 4, 128).transpose(1, 0, 2)[:, 2:]]) == 0
+    assert count(lambda: [mx.fast.rms_norm(x, weight, 1e-6), mx.fast.rms_norm(x, None, 1e-6)]) == 2
+    assert count(lambda: [dk.exact_quantized_matmul(x, *packed)]) == 1
+    assert count(lambda: [dk.stock_rows(x, *packed)]) == 9  # eight calls and a concatenate
+    assert count(lambda: [mx.exp(x) + 1]) == 2
+
+
+@pytest.fixture(scope="module")
+def counts():
+    """Decode and verify(8) of the tiny-width target with the real 64-layer pattern; decode
+    with every replacement a CUDA machine may choose (the fewest launches)."""
+    model, taps = load_target(None)
+    assert dflash2_runtime.install(model).speculative
+    dflash2_runtime.use_decode_arm("rotation+recurrence+matmul")
+    try:
+        return count_steps(model.language_model, taps, lengths=(8,))
+    finally:
+        dflash2_runtime.use_decode_arm("mlx")
+
+
+def test_counts_see_the_whole_step(counts):
+    # 64 layers, over 30 launches each: a count that missed layers would be far lower.
+    assert counts["decode"] > 64 * 30
+    assert counts["verify"][8] > counts["decode"]
+
+
+def test_exact_verify_of_eight_launches_at_most_1_3_decode_steps(counts):
+    assert counts["verify"][8] <= 1.3 * counts["decode"]

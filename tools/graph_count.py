@@ -1,0 +1,311 @@
+"""Primitives of one decode step and of one verify forward (L = 2..8), counted on CPU.
+
+    python tools/graph_count.py                  # tiny widths, the real 64-layer pattern
+    python tools/graph_count.py --pack DIR       # a built pack
+    python tools/graph_count.py --out evidence/  # writes graph-counts-cpu.json and .md
+
+On MLX's CUDA backend a decode step is host-bound, about 15 us a primitive, so a verify
+round costs about what it launches (../shared/notes/exact-fast-verify.md, section 3).
+Counts are GPU-equivalent primitives, by this rule:
+- the graph is every array the step leaves to evaluate: its outputs (greedy tokens,
+  captured hidden states) and every array the layer caches and the round's cache
+  transaction hold, built on caches evaluated after the prefill;
+- view primitives (VIEWS: broadcast, reshape, slice, transpose, ...) launch nothing and
+  are not counted; everything else counts once, a compiled (fused) kernel included;
+- each call of a ONE_LAUNCH function counts as 1: `mx.fast.rms_norm` (one kernel on
+  GPUs, 8 or 9 ops on CPU) and dflash2_kernels' exact matmul (one kernel launch for
+  all rows on CUDA and Metal, one stock call per row on CPU). The ops CPU builds such a
+  call from are counted by rebuilding the call on evaluated zeros of the same shapes;
+- attention counts as CPU builds it, MLX's unfused formula: what CUDA runs at the 27B's
+  head dim 256 (on Metal it is one sdpa_vector kernel, so this overcounts there).
+The decode step is generate_step's: a forward of one token, then the argmax of
+logits - logsumexp. The verify forward is the round's `_dflash_verify_greedy` call
+(verify forward and greedy tokens), stock before the runtime is installed, exact after.
+"""
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_vlm.models.cache import KVCache
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+import dflash2_kernels  # noqa: E402
+
+VIEWS = {
+    "AsStrided", "Broadcast", "BroadcastAxes", "ExpandDims", "Flatten", "Reshape", "Slice",
+    "Split", "Squeeze", "StopGradient", "Transpose", "Unflatten", "View",
+}
+# Kernel launches a call makes on CUDA, where CPU builds it from several ops (or, for
+# dflash2_kernels' multi-position functions, from one stock call per position).
+ONE_LAUNCH = (
+    (mx.fast, "rms_norm", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "exact_quantized_matmul", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "rotate", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "gdn_recurrence", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "dense_rows", lambda *args, **kwargs: 1),
+    # Scores, softmax and gather kernels, then decode's own p @ v call per query.
+    (dflash2_kernels, "decode_attention_rows", lambda queries, *args, **kwargs: 3 + queries.shape[2]),
+)
+LENGTHS = range(2, 9)
+PROMPT_TOKENS = 2
+
+
+def primitive_kinds(outputs) -> Counter:
+    """Non-view primitives of the graph of `outputs`, by kind (evaluated arrays are leaves)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "graph.dot"
+        mx.export_to_dot(str(path), *outputs)
+        labels = re.findall(r'label ="([^"]*)", shape=rectangle', path.read_text())
+    return Counter(label for label in labels if label not in VIEWS)
+
+
+def signature(value):
+    """A hashable stand-in for a call argument: arrays by shape and dtype."""
+    if isinstance(value, mx.array):
+        return ("array", tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(signature(v) for v in value)
+    if isinstance(value, dict):
+        return ("dict", tuple((k, signature(v)) for k, v in sorted(value.items())))
+    return value
+
+
+def placeholder(sig):
+    """Evaluated zeros for an array signature; other arguments as they were."""
+    if isinstance(sig, tuple) and sig[:1] == ("array",):
+        array = mx.zeros(sig[1], sig[2])
+        mx.eval(array)
+        return array
+    if isinstance(sig, tuple) and sig[:1] == ("dict",):
+        return {k: placeholder(v) for k, v in sig[1]}
+    if isinstance(sig, tuple):
+        return tuple(placeholder(v) for v in sig)
+    return sig
+
+
+@contextmanager
+def one_launch_calls():
+    """While active, records each call of a ONE_LAUNCH function: yields a Counter of
+    (function, argument signatures)."""
+    calls, swapped = Counter(), []
+    for owner, name, launches in ONE_LAUNCH:
+        stock = getattr(owner, name)
+
+        def counted(*args, stock=stock, launches=launches, **kwargs):
+            calls[stock, signature(args), signature(kwargs), launches(*args, **kwargs)] += 1
+            return stock(*args, **kwargs)
+
+        swapped.append((owner, name, stock))
+        setattr(owner, name, counted)
+    try:
+        yield calls
+    finally:
+        for owner, name, stock in swapped:
+            setattr(owner, name, stock)
+
+
+def call_primitives(function, args, kwargs) -> int:
+    """Non-view primitives CPU builds one such call from, on evaluated placeholders."""
+    output = function(*placeholder(args), **placeholder(kwargs))
+    outputs = list(output) if isinstance(output, tuple) else [output]
+    return sum(primitive_kinds(outputs).values())
+
+
+def gpu_primitives(kinds: Counter, calls: Counter) -> int:
+    """Non-view primitives, each ONE_LAUNCH call counted as the launches it makes."""
+    folded = sum(
+        times * (call_primitives(function, args, kwargs) - launches)
+        for (function, args, kwargs, launches), times in calls.items()
+    )
+    return sum(kinds.values()) - folded
+
+
+def held_arrays(*objects) -> list:
+    """Every mx.array reachable from the objects' attributes, lists, tuples and dicts."""
+    found, seen, stack = [], set(), list(objects)
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, mx.array):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif hasattr(value, "__dict__") and not callable(value):
+            stack.extend(vars(value).values())
+    return found
+
+
+def prompt_state(lm, prompt) -> list:
+    """The caches' evaluated state after the prompt, fed a token at a time (CPU's
+    chunked GatedDeltaNet prefill is slow, and the counts do not need it)."""
+    cache = lm.make_cache()
+    for token in prompt:
+        lm(mx.array([[token]]), cache=cache)
+    state = [c.state for c in cache]
+    mx.eval(state)
+    return state
+
+
+def caches_at(lm, state) -> list:
+    """Fresh, evaluated caches holding that state, the KV buffers with the spare room a
+    decode step has between growth steps: every count starts from the same point."""
+    cache = lm.make_cache()
+    for layer_cache, layer_state in zip(cache, state):
+        layer_cache.state = list(layer_state)  # a copy: ArraysCache keeps the list it is given
+        if isinstance(layer_cache, KVCache):
+            layer_cache.prefix_cache_reserve(layer_cache.offset + 1)
+    mx.eval(held_arrays(cache))
+    return cache
+
+
+def count_decode_step(lm, cache, token) -> tuple[int, Counter]:
+    """generate_step's step: one token's logits, the argmax of logits - logsumexp."""
+    with one_launch_calls() as calls:
+        logits = lm(mx.array([[token]]), cache=cache).logits[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    kinds = primitive_kinds([mx.argmax(logprobs, axis=-1), *held_arrays(cache)])
+    return gpu_primitives(kinds, calls), kinds
+
+
+def count_verify(lm, cache, block, taps) -> tuple[int, Counter]:
+    """The round's verify call (whatever _dflash_verify_greedy is now), then aborted."""
+    from mlx_vlm.speculative import dflash as rounds
+    from mlx_vlm.speculative.cache_state import abort_speculative_round
+
+    with one_launch_calls() as calls:
+        hidden, transaction, tokens = rounds._dflash_verify_greedy(
+            lm, mx.array([block]), cache, taps, lambda logits: mx.argmax(logits, axis=-1)
+        )
+    kinds = primitive_kinds([tokens, *hidden, *held_arrays(cache, transaction)])
+    abort_speculative_round(transaction)
+    return gpu_primitives(kinds, calls), kinds
+
+
+def count_steps(lm, taps, lengths=LENGTHS) -> dict:
+    """Primitives of one decode step and of one verify call per block length, each on
+    caches prefilled with the same prompt: {"decode", "verify": {L: n}, "kinds"}."""
+    vocab = lm.model.embed_tokens.weight.shape[0]
+    prompt = [t % vocab for t in range(1, PROMPT_TOKENS + 1)]
+    block = [t % vocab for t in range(7, 7 + max(lengths, default=1))]
+    with mx.stream(mx.cpu):  # the graph CPU builds, on any machine
+        state = prompt_state(lm, prompt)
+        decode, decode_kinds = count_decode_step(lm, caches_at(lm, state), block[0])
+        verify = {
+            length: count_verify(lm, caches_at(lm, state), block[:length], taps)
+            for length in lengths
+        }
+    return {
+        "decode": decode,
+        "verify": {length: n for length, (n, _) in verify.items()},
+        "kinds": {"decode": decode_kinds, "verify": verify[max(lengths)][1] if verify else None},
+    }
+
+
+def load_target(pack):
+    """(model, drafter taps): a built pack, or the tiny synthetic target with 64 layers."""
+    if pack:
+        from dflash2_pack import find_pack, load_pack
+
+        model, _, drafter = load_pack(*find_pack(pack))
+        return model, list(drafter.config.target_layer_ids) if drafter else []
+    from make_synthetic_pack import build_target_model, drafter_config
+
+    taps = drafter_config("tiny", layers=64)["dflash_config"]["target_layer_ids"]
+    return build_target_model("tiny", seed=0, layers=64), list(taps)
+
+
+def ratios(counts) -> dict:
+    return {length: round(n / counts["decode"], 2) for length, n in counts["verify"].items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pack", help="pack folder (default: tiny synthetic target, 64 layers)")
+    parser.add_argument("--out", default=str(REPO / "evidence"))
+    args = parser.parse_args()
+
+    import dflash2_runtime
+    from parity import run_environment
+
+    model, taps = load_target(args.pack)
+    lm = model.language_model
+    stock = count_steps(lm, taps)
+    status = dflash2_runtime.install(model)
+    exact = count_steps(lm, taps)
+    # Plain decode under each replacement arm a machine may choose at install.
+    decode_by_arm = {}
+    for arm in dflash2_runtime.DECODE_ARMS:
+        dflash2_runtime.use_decode_arm(arm)
+        decode_by_arm[arm] = count_steps(lm, taps, lengths=())["decode"]
+    dflash2_runtime.use_decode_arm(status.decode_path.arm)
+    record = {
+        **run_environment(
+            "graph_count.py",
+            Path(args.pack).name if args.pack else "synthetic tiny widths, 64 layers, seed 0",
+        ),
+        "layers": len(lm.model.layers),
+        "rule": "non-view primitives of everything the step leaves to evaluate; each call "
+        "of a ONE_LAUNCH function counts as the kernel launches it makes on CUDA; stock "
+        "attention as MLX's unfused formula",
+        "runtime_status": {"speculative": status.speculative, "reason": status.reason},
+        "decode_primitives": stock["decode"],
+        "decode_primitives_by_arm": decode_by_arm,
+        "verify_primitives_by_block": exact["verify"],
+        "verify_ratio_by_block": ratios(exact),
+        "stock_verify_primitives_by_block": stock["verify"],
+        "stock_verify_ratio_by_block": ratios(stock),
+        # As CPU builds them (rms_norm and the exact matmul unfolded), most first.
+        "cpu_primitive_kinds": {
+            "decode": dict(stock["kinds"]["decode"].most_common()),
+            "exact_verify_8": dict(exact["kinds"]["verify"].most_common()),
+        },
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graph-counts-cpu.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "graph-counts-cpu.md").write_text(summary_markdown(record))
+    print(summary_markdown(record))
+
+
+def summary_markdown(record) -> str:
+    lines = [
+        f"# Primitives per decode step and per verify forward ({record['pack']})",
+        "",
+        f"Command: `{record['command']}`  ",
+        f"Versions: mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
+        f"Python {record['versions']['python']}; counted on CPU, {record['layers']} layers.  ",
+        f"Rule: {record['rule']} (tools/graph_count.py).",
+        "",
+        f"Decode step: {record['decode_primitives']} primitives as stock mlx-vlm runs it; "
+        "with the runtime's replacement arms (dflash2_runtime.DECODE_ARMS, chosen at install "
+        "by measurement): "
+        + ", ".join(f"{arm} {n}" for arm, n in record["decode_primitives_by_arm"].items())
+        + ". Ratios below are to the stock decode step.",
+        "",
+        "| block L | exact verify | / decode | stock verify | / decode |",
+        "|---|---|---|---|---|",
+    ]
+    for length, n in record["verify_primitives_by_block"].items():
+        lines.append(
+            f"| {length} | {n} | {record['verify_ratio_by_block'][length]} | "
+            f"{record['stock_verify_primitives_by_block'][length]} | "
+            f"{record['stock_verify_ratio_by_block'][length]} |"
+        )
+    return "\n".join(lines + [""])
+
+
+if __name__ == "__main__":
+    main()
