@@ -204,3 +204,11 @@ def test_pins_full_hash_finds_a_flipped_weight(pinned_pack):
     assert result.returncode == 1
     assert "model.safetensors: sha256 expected" in result.stderr
     assert "sha256:" in result.stderr  # the progress bar
+
+
+def test_bad_round_cost_table_stops_the_start(pinned_pack, tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"decode_step_ms": 1.0}))
+    result = start_with_pins(pinned_pack, "--dflash2-round-costs", str(costs))
+    assert result.returncode == 1
+    assert "--dflash2-round-costs costs.json: not a round cost table" in result.stderr

@@ -27,8 +27,8 @@ from dflash2_pack import PackError, check_drafter, check_target  # noqa: E402
 from serve_dflash2 import PINS_FILE, safetensors_header_sha256, sha256_file  # noqa: E402
 
 SUMS_FILE = "SHA256SUMS"
-RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_runtime.py", "dflash2_kernels.py",
-                 "dflash2_pack.py", "requirements.txt")
+RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_runtime.py", "dflash2_policy.py",
+                 "dflash2_kernels.py", "dflash2_pack.py", "requirements.txt")
 # Files the pack writes itself; a base file of the same name is replaced, not copied.
 GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)
 # Base files that make no sense beside the DFlash2 runtime (the card lists them).
