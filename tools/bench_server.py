@@ -16,7 +16,6 @@ the median, min and max of both figures, and the ratios to serve.py.
 import argparse
 import http.client
 import json
-import os
 import platform
 import shlex
 import socket
@@ -276,7 +275,8 @@ def summary_markdown(r) -> str:
         "",
         f"Outputs identical across servers and repeats: {r['outputs_identical']}.",
         "",
-        "| prompt | server | mode | decode tok/s | / serve.py | TTFT ms | / serve.py | tokens from rounds / plain steps |",
+        "| prompt | server | mode | decode tok/s | / serve.py | TTFT ms | / serve.py "
+        "| tokens from rounds / plain steps |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for prompt, arms in r["results"].items():
