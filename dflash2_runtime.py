@@ -43,6 +43,7 @@ from mlx_vlm.speculative.drafters.dflash2.dflash2 import DFlash2DraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
 
 import dflash2_kernels
+import dflash2_policy
 
 MLX_VERSION = "0.32.2"
 MLX_VLM_VERSION = "0.7.2"
@@ -448,7 +449,48 @@ PATCHES = (
     Patch(
         "mlx_vlm.speculative.dflash:_dflash_rounds",
         "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
-        "The round loop calls _dflash_verify_greedy and commits the cache transaction.",
+        "Mirrored by dflash2_policy's rounds (draft, _dflash_verify_greedy, walk, commit); "
+        "runs as is for sampling and when no cost table was measured.",
+    ),
+    Patch(
+        "mlx_vlm.speculative.utils:_dflash_rounds",
+        "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
+        "The round loop both generate_step and the server call: each round's block, or plain "
+        "decode steps, chosen from measured costs and the request's acceptance.",
+        dflash2_policy.policy_rounds,
+    ),
+    Patch(
+        "mlx_vlm.speculative.utils:run_speculative_server_rounds",
+        "a97853c0faa5c672226856995b183a096c70212f915a90d9da643c877b16d0c1",
+        "Relied on: the server reaches _dflash_rounds through utils' name at batch size 1.",
+    ),
+    Patch(
+        "mlx_vlm.speculative.utils:run_speculative_rounds",
+        "2f6dd995e5f8d5409cc213193aa52d065b633a2b400d595f63180c7815aa7e7c",
+        "Relied on: generate_step reaches _dflash_rounds through utils' name at batch size 1.",
+    ),
+    Patch(
+        "mlx_vlm.speculative.common:_speculative_walk",
+        "4487bf2099c8d3a60917c12ac7ce18dfe7b72f727ec22571e38c0245521e7f81",
+        "Relied on: the policy's rounds accept drafts up to the first mismatch, as stock.",
+    ),
+    Patch(
+        "mlx_vlm.speculative.cache_state:commit_speculative_round",
+        "58c3e8cf462dea7a576f56b42d0ff38d45daea051b95bc9e9bd8d1ef3698997c",
+        "Relied on: the policy's rounds keep accepted + 1 positions of the target cache.",
+    ),
+    Patch(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__",
+        "9feda6407e1129df917a478e5687d2bc7f53ea21c7986f641468b5749a90e10a",
+        "Unchanged arithmetic; during a policy plain step the drafter's tap layers also keep "
+        "their outputs, which the next round hands to the drafter.",
+        dflash2_policy._decoder_layer_call,
+    ),
+    Patch(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5Model.__call__",
+        "9dfc2048db0d818595bcdeb306a59e80cf1217331784fe7361c92a2dbf13ab65",
+        "Relied on: one decode step calls each layer once, in order (the one-row batch cache "
+        "path included), so plain steps record the taps capture_layer_ids would.",
     ),
 )
 
@@ -730,10 +772,11 @@ def configure_drafter(drafter, options: RuntimeOptions) -> None:
     """Apply the experiment options to a loaded drafter.
 
     The verify block never exceeds the drafter's trained block nor the kernel's
-    8 rows; a fixed block pins it, a cap bounds the adaptive choice.
+    8 rows, and the round policy chooses within that; a fixed block pins it, a
+    cap bounds the choice.
     """
     trained = int(drafter.config.block_size)
-    ceiling = min(trained, MAX_KERNEL_ROWS, dflash_rounds._dflash_block_total(drafter, None))
+    ceiling = min(trained, MAX_KERNEL_ROWS)
     for name, value in (("block size", options.block_size), ("block cap", options.block_cap)):
         if value is not None and not 2 <= value <= min(trained, MAX_KERNEL_ROWS):
             raise ValueError(f"{name} must be 2..{min(trained, MAX_KERNEL_ROWS)}, got {value}")

@@ -301,6 +301,7 @@ class RequestRecord:
     draft_rounds: int = None
     draft_n: int = None
     draft_n_accepted: int = None
+    round_counts: object = None  # dflash2_policy.RoundCounts, filled by the round loop as it runs
     peak_memory_gb: float = None
 
     def header_value(self) -> str:
@@ -329,6 +330,14 @@ class RequestRecord:
             self.draft_n = token.draft_n
             self.draft_n_accepted = token.draft_n_accepted
 
+    def note_round_counts(self, counts):
+        self.round_counts = counts
+
+    def token_sources(self) -> dict:
+        counts = self.round_counts
+        return {"tokens_from_rounds": counts and counts.tokens_from_rounds,
+                "tokens_from_plain_steps": counts and counts.tokens_from_plain_steps}
+
     def finish_summary(self) -> str:
         parts = [f"status={'disconnected' if self.cancelled == 'disconnected' else self.status}"]
         if self.cancelled not in (None, "disconnected"):
@@ -339,6 +348,8 @@ class RequestRecord:
                 acceptance = self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
                 parts.append(f"rounds={self.draft_rounds} "
                              f"accepted={self.draft_n_accepted}/{self.draft_n} ({acceptance:.0%})")
+            if self.round_counts is not None:
+                parts.append(" ".join(f"{name}={value}" for name, value in self.token_sources().items()))
             if self.peak_memory_gb is not None:
                 parts.append(f"peak_memory={self.peak_memory_gb:.3f}GB")
         return " ".join(parts)
@@ -582,7 +593,7 @@ class Gateway:
             gone.set()
 
         token = current_request.set(record)  # tasks copy the context: mlx-vlm's threads see it
-        inner = asyncio.ensure_future(self.app(scope, replay, output.send))
+        inner = asyncio.ensure_future(self.app(scope, replay, with_token_sources(output.send, record)))
         watcher = asyncio.ensure_future(watch_client())
         current_request.reset(token)
         try:
@@ -702,6 +713,49 @@ class EventStream:
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode()
 
 
+def with_token_sources(send, record):
+    """Adds where the tokens came from (rounds or plain steps) to mlx-vlm's timings, in a
+    JSON body (sent with its new length) or in a stream's usage chunk."""
+    held = {"start": None, "body": b""}
+
+    async def respond(message):
+        if message["type"] == "http.response.start":
+            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+            if message["status"] != 200 or not content_type.startswith(b"application/json"):
+                return await send(message)
+            held["start"] = message
+            return
+        if held["start"] is None:
+            body = message.get("body", b"")
+            if body.startswith(b"data: {") and b'"timings"' in body:
+                events = [b"data: " + with_timings(event[6:], record.token_sources())
+                          if event.startswith(b"data: {") else event for event in body.split(b"\n\n")]
+                message = {**message, "body": b"\n\n".join(events)}
+            return await send(message)
+        held["body"] += message.get("body", b"")
+        if message.get("more_body"):
+            return
+        body = with_timings(held["body"], record.token_sources())
+        headers = [(k, v) for k, v in held["start"].get("headers", []) if k.lower() != b"content-length"]
+        await send({**held["start"], "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return respond
+
+
+def with_timings(payload: bytes, fields: dict) -> bytes:
+    """A JSON payload whose final `timings` object (the one with predicted_n) gains fields."""
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return payload
+    timings = data.get("timings") if isinstance(data, dict) else None
+    if not isinstance(timings, dict) or "predicted_n" not in timings:
+        return payload
+    timings.update(fields)
+    return json.dumps(data).encode()
+
+
 class ClientGone(Exception):
     """The client disconnected before its request body arrived."""
 
@@ -794,6 +848,8 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
                 record = getattr(pending[0].args, "pack_record", None)
                 speculative = record is not None and record.speculative
                 self.draft_model = self.pack_drafter if speculative else None
+                if speculative:  # the round loop hands this request its token counts
+                    self.draft_model.round_counts_listener = record.note_round_counts
                 mx.reset_peak_memory()  # so each finish line reports its own request's peak
             return pending, should_stop
 

@@ -14,6 +14,9 @@ is routed, and every response says how in its x-dflash2 header:
 - refused; reason=R: thinking-budget, structured-output, n-above-1, and the gateway's
   refusals (serve.py, dflash2_http.py; README lists them all).
 Responses that generate nothing (/v1/models, /health) carry the server's mode.
+A speculative request runs rounds only while they pay: dflash2_policy picks each round's
+block, or plain decode steps, from a round cost table measured at start-up (in /health) and
+the request's acceptance; its timings say how many tokens came from rounds and from plain steps.
 The hardening (loopback only, exact pass-through options, refused environment, path
 scrubbing, one sequence at a time) is serve.py's.
 """
@@ -80,6 +83,9 @@ def make_dflash2_parser():
     dflash2.add_argument("--dflash2-sliding-window", action="store_true",
                          help="experimental: the drafter attends to its sliding_window last context "
                               "positions only (flat drafter memory)")
+    dflash2.add_argument("--dflash2-round-costs", type=Path, metavar="FILE",
+                         help="use this round cost table (JSON, as /health's round_costs, measured on "
+                              "this machine) instead of measuring it at start-up")
     return parser
 
 
@@ -213,6 +219,16 @@ def check_pins(pack_dir: Path, full_hash: bool) -> list:
     return failures
 
 
+def read_round_costs(path: Path):
+    """The --dflash2-round-costs table, or exit with what is wrong with the file."""
+    from dflash2_policy import RoundCosts
+
+    try:
+        return RoundCosts.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as error:
+        sys.exit(f"error: --dflash2-round-costs {path.name}: {error}")
+
+
 def demo_pack() -> Path:
     """The tiny synthetic pack (DIR/target, DIR/drafter), built once in the cache."""
     cache = Path(os.environ.get("DFLASH2_CACHE") or Path.home() / ".cache" / "dflash2-demo")
@@ -270,10 +286,12 @@ def main(argv=None):
     exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir or pack_dir / "drafter")
     limits = pack_limits(target_dir, model_id, args)
 
-    speculation = {"reason": "no-dflash2" if args.no_dflash2 else None, "error": None}
+    speculation = {"reason": "no-dflash2" if args.no_dflash2 else None, "error": None, "round_costs": None}
+    given_costs = read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None
 
     def load_drafter(model):
         # Runs on mlx-vlm's worker thread, right after it loaded the target.
+        import dflash2_policy
         import dflash2_runtime
         from mlx_vlm.speculative.drafters import load_drafter as load_stock_drafter
         from mlx_vlm.speculative.drafters import validate_drafter_compatibility
@@ -299,6 +317,16 @@ def main(argv=None):
         except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
             speculation["error"] = f"--dflash2-* options: {error}"
             return None, None
+        # What a round costs here decides, per request, each round's block or plain steps.
+        try:
+            drafter.round_costs = given_costs or dflash2_policy.measure_round_costs(model, drafter)
+        except Exception:
+            logger.exception("measuring the round costs failed; every request is served plain")
+            speculation["reason"] = "speculative-warm-up-failed"
+            return None, None
+        logger.info("DFlash2 round costs (%s): %s", "from --dflash2-round-costs" if given_costs else "measured",
+                    drafter.round_costs.summary())
+        speculation["round_costs"] = drafter.round_costs.to_json()
         return drafter, kind
 
     pass_options_to_mlx_vlm(args)
@@ -324,7 +352,7 @@ def main(argv=None):
         return route_chat(check_chat_request(body, limits), server_reason=server_reason,
                           multimodal_plain=args.dflash2_multimodal == "plain")
 
-    health = {"dflash2": server_mode[0], "reason": server_reason}
+    health = {"dflash2": server_mode[0], "reason": server_reason, "round_costs": speculation["round_costs"]}
     serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
                   server_mode=server_mode, health=health, request_timeout=args.request_timeout), args)
 

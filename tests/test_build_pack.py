@@ -13,7 +13,7 @@ import pytest
 
 from build_pack import build_pack
 from dflash2_pack import verify_pack
-from test_server import Server
+from test_server import Server, request
 from test_server_cli import clean_env
 
 
@@ -45,7 +45,8 @@ def test_layout_pins_and_unchanged_target(built_pack, tiny_pack):
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (built_pack / name).read_bytes() == (tiny_pack["target"] / name).read_bytes()
     assert (built_pack / "drafter" / "config.json").read_bytes() == (tiny_pack["drafter"] / "config.json").read_bytes()
-    for name in ("serve_dflash2.py", "serve.py", "requirements.txt", "README.md", "NOTICE.txt", "evidence"):
+    for name in ("serve_dflash2.py", "serve.py", "dflash2_policy.py", "requirements.txt", "README.md", "NOTICE.txt",
+                 "evidence"):
         assert (built_pack / name).exists(), name
     assert "Created using Bonsai by Prism ML" in (built_pack / "NOTICE.txt").read_text()
 
@@ -154,6 +155,11 @@ def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
         )
         assert raw.headers["x-dflash2"] == "speculative"
         assert raw.parse().usage.completion_tokens == 4
+        # The round costs were measured at start-up, for every block the drafter allows.
+        costs = request(server, "GET", "/health", record=False).json()["round_costs"]
+        assert costs["decode_step_ms"] > 0
+        assert list(costs["verify_steps_by_block"]) == [str(b) for b in range(2, 9)]
+        assert all(steps > 0 for steps in costs["draft_steps_by_block"].values())
     finally:
         server.stop()
 

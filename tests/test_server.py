@@ -4,6 +4,7 @@ One module-wide set of real server processes (uvicorn on 127.0.0.1, free ports),
 run from inside a flat pack folder the way a user runs it, with its own HOME and
 working directory so that path scrubbing can be checked:
   spec       serve_dflash2.py                            greedy requests speculative
+             (spec and mm_plain take a fixed round cost table instead of measuring one)
   plain      serve.py                                    the reference answers
   baseline   serve_dflash2.py --no-dflash2
   mm_plain   serve_dflash2.py --dflash2-multimodal plain --request-timeout 20
@@ -43,6 +44,11 @@ PACK_NAME = "tiny-dflash2-pack"
 MAX_TOKENS = 5
 REQUEST_TIMEOUT_S = 20
 LONG = 30000  # max_tokens no request here reaches: it ends by cancellation
+# Rounds pay at good acceptance; the pack's random drafter accepts nothing, so after the
+# first round a speculative request continues with plain steps.
+ROUND_COSTS = {"decode_step_ms": 100.0,
+               "verify_steps_by_block": {str(b): 1.0 + 0.25 * (b - 1) for b in range(2, 9)},
+               "draft_steps_by_block": {str(b): 0.2 for b in range(2, 9)}}
 SEEN = []  # every response's headers and body, scanned for local paths at the end
 
 # serve_dflash2.py whose runtime reports a failed kernel self-test (run from the pack folder).
@@ -137,12 +143,16 @@ def servers(pack, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("servers")
     for folder in ("cwd", "home", "images"):
         (workdir / folder).mkdir()
+    costs = workdir / "round-costs.json"
+    costs.write_text(json.dumps(ROUND_COSTS))
+    given_costs = ["--dflash2-round-costs", str(costs)]
     commands = {
-        "spec": [str(pack / "serve_dflash2.py"), "--top-logprobs-k", "5", "--allow-image-dir", str(workdir / "images")],
+        "spec": [str(pack / "serve_dflash2.py"), "--top-logprobs-k", "5", "--allow-image-dir", str(workdir / "images"),
+                 *given_costs],
         "plain": [str(pack / "serve.py")],
         "baseline": [str(pack / "serve_dflash2.py"), "--no-dflash2"],
         "mm_plain": [str(pack / "serve_dflash2.py"), "--dflash2-multimodal", "plain", "--request-timeout",
-                     str(REQUEST_TIMEOUT_S)],
+                     str(REQUEST_TIMEOUT_S), *given_costs],
         "no_kernel": ["-c", FAILING_SELF_TEST, "--enable-thinking", "--host", "localhost"],
     }
     started = {name: Server(name, pack, workdir, command) for name, command in commands.items()}
@@ -301,11 +311,16 @@ def test_speculative_answer_equals_plain_and_baseline(answers, case):
     assert answer(completion) == reference
     timings = completion.model_extra["timings"]
     assert timings["draft_rounds"] >= 1 and timings["draft_n"] >= timings["draft_n_accepted"] >= 0
+    # Every token after the prefill's came from a round or a plain step.
+    assert timings["tokens_from_rounds"] >= timings["draft_rounds"]
+    assert timings["tokens_from_rounds"] + timings["tokens_from_plain_steps"] == timings["predicted_n"] - 1
 
     mode, completion = answers["baseline"][case]
     assert mode == "fallback; reason=no-dflash2"
     assert answer(completion) == reference
-    assert completion.model_extra["timings"]["draft_rounds"] is None
+    timings = completion.model_extra["timings"]
+    assert timings["draft_rounds"] is None
+    assert timings["tokens_from_rounds"] is None and timings["tokens_from_plain_steps"] is None
 
 
 @pytest.mark.parametrize("case", ["text", "thinking"])
@@ -315,7 +330,9 @@ def test_streamed_equals_non_streamed(answers, case):
     assert mode == "speculative"
     assert (streamed_content or None, streamed_reasoning or None) == (content, reasoning)
     assert chunks[-1].usage.completion_tokens <= MAX_TOKENS
-    assert chunks[-1].model_extra["timings"]["draft_rounds"] >= 1
+    timings = chunks[-1].model_extra["timings"]
+    assert timings["draft_rounds"] >= 1
+    assert timings["tokens_from_rounds"] + timings["tokens_from_plain_steps"] == timings["predicted_n"] - 1
     # As OpenAI streams: the role in the first delta only, one created time.
     roles = [chunk.choices[0].delta.role for chunk in chunks if chunk.choices]
     assert roles[0] == "assistant" and set(roles[1:]) == {None}
@@ -361,7 +378,8 @@ def test_arrival_and_finish_log_lines(servers):
             break
         time.sleep(0.1)
     assert len(finish) == 1
-    for field in ("status=200", "tokens=3", "rounds=", "accepted=", "peak_memory="):
+    for field in ("status=200", "tokens=3", "rounds=", "accepted=", "tokens_from_rounds=",
+                  "tokens_from_plain_steps=", "peak_memory="):
         assert field in finish[0], finish[0]
     # The launch check says what it hashed.
     assert "weight data not hashed" in servers["spec"].log() and " passed" not in servers["spec"].log()
@@ -386,7 +404,12 @@ def test_fallback_rows(servers, fields, reason):
     assert response.mode == (f"fallback; reason={reason}" if reason else "speculative")
     body = response.json()
     assert body["usage"]["completion_tokens"] >= 1
-    assert (body["timings"]["draft_rounds"] is None) == (reason is not None)
+    # With one token left after the prefill's, a plain step is cheaper than any round.
+    assert (body["timings"]["tokens_from_plain_steps"] is None) == (reason is not None)
+    if reason is not None:
+        assert body["timings"]["draft_rounds"] is None
+    else:
+        assert body["timings"]["tokens_from_plain_steps"] == body["usage"]["completion_tokens"] - 1
     if reason == "logprobs":
         logprobs = body["choices"][0]["logprobs"]["content"]
         assert logprobs and any(item["logprob"] != 0.0 for item in logprobs)
@@ -438,10 +461,12 @@ def test_models_and_health(servers, pack):
     models = client(servers["spec"]).models.list()
     assert [m.id for m in models.data] == [PACK_NAME]
     assert client(servers["spec"]).models.retrieve(PACK_NAME).id == PACK_NAME
-    for name, mode in (("spec", "speculative"), ("baseline", "fallback; reason=no-dflash2")):
+    for name, mode, costs in (("spec", "speculative", ROUND_COSTS),
+                              ("baseline", "fallback; reason=no-dflash2", None)):
         response = request(servers[name], "GET", "/health")
         assert response.status == 200 and response.mode == mode
         assert response.json()["model"] == PACK_NAME
+        assert response.json()["round_costs"] == costs
     plain = request(servers["plain"], "GET", "/v1/models")
     assert plain.json()["data"][0]["id"] == PACK_NAME and "x-dflash2" not in plain.headers
     head = request(servers["plain"], "HEAD", "/health")

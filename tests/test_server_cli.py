@@ -223,3 +223,11 @@ def test_help_gives_every_default(script):
 def test_options_checked_against_the_pack(pinned_pack, argv, message):
     result = start_with_pins(pinned_pack, *argv)
     assert result.returncode == 1 and message in result.stderr, result.stderr
+
+
+def test_bad_round_cost_table_stops_the_start(pinned_pack, tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"decode_step_ms": 1.0}))
+    result = start_with_pins(pinned_pack, "--dflash2-round-costs", str(costs))
+    assert result.returncode == 1
+    assert "--dflash2-round-costs costs.json: not a round cost table" in result.stderr

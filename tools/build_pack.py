@@ -28,6 +28,7 @@ from serve_dflash2 import PINS_FILE, safetensors_header_sha256, sha256_file  # n
 
 SUMS_FILE = "SHA256SUMS"
 RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_http.py", "dflash2_runtime.py",
+                 "dflash2_policy.py",
                  "dflash2_kernels.py", "dflash2_pack.py", "requirements.txt")
 # Files the pack writes itself; a base file of the same name is replaced, not copied.
 GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)

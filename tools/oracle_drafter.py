@@ -2,7 +2,8 @@
 
 It plays the DFlash drafter's part in mlx-vlm's round loop, so partial acceptance
 and rollback happen at acceptance levels the test or benchmark chooses, without a
-trained drafter. It needs the plain greedy continuation it should propose.
+trained drafter. It needs the plain greedy continuation it should propose. The error
+rate may be a function of the continuation index (acceptance that changes mid-request).
 """
 
 import random
@@ -48,11 +49,8 @@ class OracleDrafter:
         self.accept_lens, self.draft_lens = [], []
         self._rng = random.Random(self.seed)
         self._cost_cache = self.cost_drafter.reset(target_model) if self.cost_drafter else None
+        self._context = []  # rows of target hidden states handed over, per call
         return []
-
-    def _emitted(self) -> int:
-        # The first token comes from prefill; each round emits accepted + 1.
-        return 1 + sum(int(accepted) + 1 for accepted in self.accept_lens)
 
     def draft_block(self, last_bonus, hidden, cache, block_size, sampler, token_dtype=mx.int32):
         del cache
@@ -62,7 +60,11 @@ class OracleDrafter:
                     last_bonus, hidden, self._cost_cache, block_size, sampler, token_dtype
                 )
             )
-        start = self._emitted()
+        # The drafter sees one hidden row per token the target processed: the prompt's at
+        # the first call, then one per token since (rounds or plain steps). The bonus token
+        # is continuation[emitted - 1], so the proposal starts at `emitted`.
+        self._context.append(int(hidden.shape[1]))
+        start = 1 + sum(self._context[1:])
         if self.accepted_per_round is not None:
             rounds, rate = len(self.accept_lens), self.accepted_per_round
             right = int((rounds + 1) * rate) - int(rounds * rate)
@@ -72,7 +74,8 @@ class OracleDrafter:
             if self.accepted_per_round is not None:
                 wrong = offset >= right
             else:
-                wrong = self._rng.random() < self.error_rate
+                rate = self.error_rate(index) if callable(self.error_rate) else self.error_rate
+                wrong = self._rng.random() < rate
             if wrong:
                 token = (token + 1) % self.vocab_size
             proposal.append(token)

@@ -1,0 +1,426 @@
+"""Chooses each round's block, or plain steps, from measured costs and the request's acceptance.
+
+A speculative round of block B (B - 1 drafts) costs the drafter's pass plus one verify
+forward, and yields 1 + the accepted drafts. At warm-up `measure_round_costs` times both, per
+block, in units of one plain decode step on this machine. Per request, `RoundPolicy` keeps an
+estimate of how often each draft position is accepted and, before every round, picks the
+block with the most expected tokens per decode-step-equivalent. When no block beats plain
+decoding (one token per step), the request continues with plain decode steps, which give the
+same tokens, and probes with a round again once the steps lost to unpaid rounds fit in a small
+share of the request (PROBE_BUDGET).
+
+`policy_rounds` replaces mlx-vlm's greedy DFlash round loop (dflash2_runtime.PATCHES). Plain
+steps are decode's own call and greedy rule; the drafter still needs the target's tap hidden
+states of the tokens they produce, which `_decoder_layer_call` records during a plain step.
+"""
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+from mlx_vlm.models.qwen3_5.language import Qwen3_5DecoderLayer
+from mlx_vlm.speculative import dflash as dflash_rounds
+from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
+from mlx_vlm.speculative.common import (
+    _dflash_block_total,
+    _record_speculative_round,
+    _speculative_walk,
+    generation_stream,
+)
+
+# Share of a request's decode steps that rounds which did not pay for themselves may cost
+# (the request's first round is always tried).
+PROBE_BUDGET = 0.03
+# Acceptance evidence weighs less with every token emitted since (half-life ~23 tokens).
+ACCEPTANCE_DECAY = 0.97
+# Before any evidence, a draft is accepted half the time (about a chat-like drafter), with
+# the weight of half a round; an unobserved deeper position is assumed as good as the one before.
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 0.5
+
+
+# ---------------------------------------------------------------------------
+# Costs, measured at warm-up
+
+
+@dataclass
+class RoundCosts:
+    """A round's cost per block, in plain decode steps of this machine."""
+
+    decode_step_ms: float
+    verify_steps_by_block: dict  # block -> verify, walk and commit, in decode steps
+    draft_steps_by_block: dict  # block -> the drafter's pass, in decode steps
+
+    def round_steps(self, block: int) -> float:
+        return self.verify_steps_by_block[block] + self.draft_steps_by_block[block]
+
+    @property
+    def blocks(self) -> list:
+        return sorted(self.verify_steps_by_block)
+
+    def can_pay(self, ceiling: int = 8) -> bool:
+        """Whether any block up to `ceiling` beats plain decoding at full acceptance."""
+        return any(block > self.round_steps(block) for block in self.blocks if block <= ceiling)
+
+    def to_json(self) -> dict:
+        return {
+            "decode_step_ms": round(self.decode_step_ms, 3),
+            "verify_steps_by_block": {str(b): round(v, 3) for b, v in sorted(self.verify_steps_by_block.items())},
+            "draft_steps_by_block": {str(b): round(v, 3) for b, v in sorted(self.draft_steps_by_block.items())},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RoundCosts":
+        """The table to_json wrote (e.g. /health's round_costs); ValueError names what is wrong."""
+        try:
+            step = float(data["decode_step_ms"])
+            tables = [{int(block): float(steps) for block, steps in data[key].items()}
+                      for key in ("verify_steps_by_block", "draft_steps_by_block")]
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"not a round cost table ({error!r})") from None
+        if tables[0].keys() != tables[1].keys() or not tables[0]:
+            raise ValueError("verify_steps_by_block and draft_steps_by_block need the same blocks")
+        values = [step, *tables[0].values(), *tables[1].values()]
+        if not all(2 <= block <= 8 for block in tables[0]) or not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError("blocks must be 2..8 and costs finite and non-negative")
+        return cls(step, *tables)
+
+    def summary(self) -> str:
+        rounds = ", ".join(
+            f"{block}: {self.verify_steps_by_block[block]:.2f}+{self.draft_steps_by_block[block]:.2f}"
+            for block in self.blocks
+        )
+        verdict = "can pay" if self.can_pay() else "cannot pay at any acceptance: plain steps only"
+        return (f"decode step {self.decode_step_ms:.2f} ms; round cost in decode steps "
+                f"(block: verify+draft) {rounds}; speculation {verdict}")
+
+
+# ---------------------------------------------------------------------------
+# Per request: acceptance and the choice
+
+
+class AcceptanceEstimate:
+    """How often each draft position is accepted, given the ones before it were."""
+
+    def __init__(self, positions: int):
+        self.accepted = [0.0] * positions
+        self.tried = [0.0] * positions
+
+    def age(self, tokens: int) -> None:
+        factor = ACCEPTANCE_DECAY**tokens
+        self.accepted = [value * factor for value in self.accepted]
+        self.tried = [value * factor for value in self.tried]
+
+    def record(self, drafted: int, accepted: int) -> None:
+        # Position k was reached when the k drafts before it were accepted.
+        for position in range(min(drafted, accepted + 1)):
+            self.tried[position] += 1
+            self.accepted[position] += position < accepted
+
+    def conditional(self) -> list:
+        rates, prior = [], PRIOR_ACCEPTANCE
+        for accepted, tried in zip(self.accepted, self.tried):
+            prior = (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
+            rates.append(prior)
+        return rates
+
+    def expected_tokens(self, block: int) -> float:
+        """1 + the expected accepted drafts of a block (its first block - 1 positions)."""
+        total, reach = 1.0, 1.0
+        for rate in self.conditional()[: block - 1]:
+            reach *= rate
+            total += reach
+        return total
+
+
+@dataclass
+class RoundCounts:
+    """Where a request's generated tokens came from (the first comes from prefill)."""
+
+    tokens_from_rounds: int = 0
+    tokens_from_plain_steps: int = 0
+
+
+class RoundPolicy:
+    """Per request: the next round's block, or how many plain steps come first."""
+
+    def __init__(self, costs: RoundCosts, ceiling: int, fixed_block: Optional[int] = None):
+        self.costs = costs
+        self.blocks = [block for block in costs.blocks if block <= ceiling]
+        self.fixed_block = fixed_block
+        self.estimate = AcceptanceEstimate(max(self.blocks, default=1))
+        self.can_pay = costs.can_pay(ceiling)
+        self.rounds = 0
+        self.tokens = 1  # the prefill's token
+        self.lost_steps = 0.0  # decode steps spent beyond what rounds returned
+
+    def value(self, block: int) -> float:
+        """Expected tokens per decode-step-equivalent of a round of this block."""
+        return self.estimate.expected_tokens(block) / self.costs.round_steps(block)
+
+    def probe_loss(self, block: int) -> float:
+        return self.costs.round_steps(block) - self.estimate.expected_tokens(block)
+
+    def best_block(self, remaining: int) -> Optional[int]:
+        """The most valuable block that wants no more than `remaining` tokens."""
+        blocks = [block for block in self.blocks if block <= remaining]
+        return max(blocks, key=self.value) if blocks and self.can_pay else None
+
+    def choose_block(self, remaining: int) -> Optional[int]:
+        """The next round's block, or None for plain steps; `remaining` tokens are wanted."""
+        if self.fixed_block is not None:
+            return min(self.fixed_block, remaining + 1)
+        best = self.best_block(remaining)
+        if best is None:
+            return None
+        if self.value(best) > 1 or self.rounds == 0:
+            return best
+        # Otherwise a round runs only as a probe, within the budget for rounds that do not pay.
+        if self.lost_steps + self.probe_loss(best) <= PROBE_BUDGET * self.tokens:
+            return best
+        return None
+
+    def plain_run(self, remaining: int) -> int:
+        """Plain steps until a probe fits the budget (or the request ends)."""
+        best = self.best_block(remaining)
+        if best is None:
+            return remaining
+        wanted = (self.lost_steps + self.probe_loss(best)) / PROBE_BUDGET - self.tokens
+        return max(1, min(remaining, math.ceil(wanted)))
+
+    def record_round(self, block: int, accepted: int, tokens: int) -> None:
+        self.estimate.age(tokens)
+        self.estimate.record(block - 1, accepted)
+        self.lost_steps = max(0.0, self.lost_steps + self.costs.round_steps(block) - tokens)
+        self.tokens += tokens
+        self.rounds += 1
+
+    def record_plain(self, tokens: int) -> None:
+        self.estimate.age(tokens)
+        self.tokens += tokens
+
+
+# ---------------------------------------------------------------------------
+# Plain steps record the drafter's tap hidden states
+
+_stock_decoder_layer_call = Qwen3_5DecoderLayer.__call__
+_tap_recorder = None  # (ids of the tap layers, their outputs) while a plain step builds
+
+
+def _decoder_layer_call(self, *args, **kwargs):
+    """Qwen3_5DecoderLayer.__call__, keeping tap layers' outputs during a plain step."""
+    output = _stock_decoder_layer_call(self, *args, **kwargs)
+    if _tap_recorder is not None and id(self) in _tap_recorder[0]:
+        _tap_recorder[1].append(output)
+    return output
+
+
+# ---------------------------------------------------------------------------
+# One request's target and drafter
+
+
+class RequestDecoder:
+    """Rounds and plain steps on one request's caches, keeping the drafter's context whole.
+
+    `context` holds the target's tap hidden states of the tokens the target processed
+    since the drafter last read them; a round hands them all to the drafter.
+    """
+
+    def __init__(self, model, draft_model, prompt_cache, hidden, bonus, sampler, token_dtype):
+        self.lm = getattr(model, "language_model", model)
+        self.draft_model = draft_model
+        self.prompt_cache = prompt_cache
+        self.taps = list(draft_model.config.target_layer_ids)
+        self.tap_layers = {id(self.lm.model.layers[index]) for index in self.taps}
+        self.draft_cache = draft_model.reset(model)
+        self.context = [hidden]
+        self.bonus = bonus
+        self.sampler = sampler
+        self.token_dtype = token_dtype
+
+    def draft(self, block: int, hidden: mx.array) -> mx.array:
+        draft = getattr(self.draft_model, "draft_block_greedy", self.draft_model.draft_block)
+        tokens = draft(self.bonus, hidden, self.draft_cache, block, self.sampler, self.token_dtype)
+        mx.async_eval(tokens)
+        return tokens
+
+    def round(self, block: int, budget: int):
+        """mlx-vlm's greedy DFlash round (draft, verify, walk, commit); returns (accepted, tokens)."""
+        hidden = self.context[0] if len(self.context) == 1 else mx.concatenate(self.context, axis=1)
+        self.context = []
+        draft_tokens = self.draft(block, hidden)
+        gdn_states = None
+        try:
+            with mx.stream(generation_stream):
+                verify_input = mx.concatenate(
+                    [mx.array([[self.bonus]], dtype=self.token_dtype), draft_tokens], axis=1
+                )
+                captured, gdn_states, target_tokens = dflash_rounds._dflash_verify_greedy(
+                    self.lm, verify_input, self.prompt_cache, self.taps, self.sampler
+                )
+                hidden = mx.concatenate(captured, axis=-1)
+            mx.async_eval(target_tokens, hidden)
+            accepted, tokens = _speculative_walk(draft_tokens, target_tokens, budget)
+            _record_speculative_round(self.draft_model, accepted, block - 1)
+            with mx.stream(generation_stream):
+                commit_speculative_round(self.lm, self.prompt_cache, gdn_states, accepted, block)
+        except BaseException:
+            abort_speculative_round(gdn_states)
+            raise
+        self.context.append(hidden[:, : accepted + 1])
+        self.bonus = tokens[-1] if tokens else self.bonus
+        return accepted, tokens
+
+    def _plain_step(self, token: mx.array) -> mx.array:
+        """One decode step as plain generation runs it: fp16 logits - logsumexp, argmax."""
+        global _tap_recorder
+        _tap_recorder = (self.tap_layers, [])
+        try:
+            with mx.stream(generation_stream):
+                logits = self.lm(token, cache=self.prompt_cache).logits[:, -1, :]
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                next_token = mx.argmax(logprobs, axis=-1)
+        finally:
+            taps, _tap_recorder = _tap_recorder[1], None
+        self.context.append(mx.concatenate(taps, axis=-1))
+        mx.async_eval(next_token)
+        return next_token
+
+    def plain_steps(self, count: int):
+        """Yield `count` greedy tokens; each step is queued before the previous token is read."""
+        pending = self._plain_step(mx.array([[self.bonus]], dtype=self.token_dtype))
+        for index in range(count):
+            token = pending
+            if index + 1 < count:
+                pending = self._plain_step(token.reshape(1, 1))
+            self.bonus = int(token.item())
+            yield self.bonus
+
+
+# ---------------------------------------------------------------------------
+# The round loop
+
+
+def policy_rounds(
+    model,
+    draft_model,
+    prompt_cache,
+    hidden,
+    *,
+    first_bonus,
+    max_tokens,
+    sampler,
+    draft_block_size=None,
+    token_dtype=mx.int32,
+    use_model_initial_block_size=True,
+    greedy_sampling=True,
+):
+    """Replaces mlx-vlm's _dflash_rounds (same arguments, same tokens) for greedy requests.
+
+    Without a measured cost table on the drafter (`draft_model.round_costs`), for sampling,
+    or for drafters that prepare the target's hidden states themselves, mlx-vlm's own loop runs.
+    """
+    costs = getattr(draft_model, "round_costs", None)
+    if costs is None or not greedy_sampling or callable(getattr(draft_model, "prepare_target_hidden", None)):
+        yield from dflash_rounds._dflash_rounds(
+            model, draft_model, prompt_cache, hidden, first_bonus=first_bonus,
+            max_tokens=max_tokens, sampler=sampler, draft_block_size=draft_block_size,
+            token_dtype=token_dtype, use_model_initial_block_size=use_model_initial_block_size,
+            greedy_sampling=greedy_sampling,
+        )
+        return
+    ceiling = _dflash_block_total(draft_model, draft_block_size)
+    fixed = ceiling if getattr(draft_model, "prefer_requested_block_size", False) else None
+    policy = RoundPolicy(costs, ceiling, fixed)
+    decoder = RequestDecoder(model, draft_model, prompt_cache, hidden, first_bonus, sampler, token_dtype)
+    with mx.stream(generation_stream):
+        dflash_rounds._reserve_dflash_target_cache(prompt_cache, ceiling)
+    counts = draft_model.round_counts = RoundCounts()
+    listener = getattr(draft_model, "round_counts_listener", None)
+    if listener is not None:
+        listener(counts)
+
+    emitted = 1  # the caller yielded the prefill's token
+    while emitted < max_tokens:
+        remaining = max_tokens - emitted
+        block = policy.choose_block(remaining)
+        if block is None:
+            for token in decoder.plain_steps(policy.plain_run(remaining)):
+                policy.record_plain(1)
+                counts.tokens_from_plain_steps += 1
+                emitted += 1
+                yield token, None
+            continue
+        accepted, tokens = decoder.round(block, remaining)
+        policy.record_round(block, accepted, len(tokens))
+        for token in tokens:
+            counts.tokens_from_rounds += 1
+            emitted += 1
+            yield token, None
+
+
+# ---------------------------------------------------------------------------
+# Warm-up measurement
+
+
+def _timed(action) -> float:
+    start = time.perf_counter()
+    action()
+    mx.synchronize()
+    return (time.perf_counter() - start) * 1000
+
+
+def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, plain_run=4) -> RoundCosts:
+    """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling.
+
+    Runs the request loop's own code on a scratch cache after a short synthetic prompt: one
+    warm-up pass of every arm, then `repeats` passes in rotating order; each figure is the
+    median. A round's verify cost is the round's time minus the drafter's in the same pass.
+    """
+    lm = getattr(model, "language_model", model)
+    blocks = list(range(2, _dflash_block_total(draft_model, None) + 1))
+    vocab = int(lm.args.vocab_size)
+    ids = (mx.arange(prompt_length, dtype=mx.int32)[None] * 7 + 3) % vocab
+    cache = lm.make_cache()
+    taps = list(draft_model.config.target_layer_ids)
+    # Token by token: MLX CUDA's chunked GatedDeltaNet prefill fails at the 27B shape.
+    with mx.stream(generation_stream):
+        outs = [lm(ids[:, i : i + 1], cache=cache, capture_layer_ids=taps) for i in range(prompt_length)]
+    hidden = mx.concatenate([mx.concatenate(out.hidden_states, axis=-1) for out in outs], axis=1)
+    first = int(mx.argmax(outs[-1].logits[0, -1]).item())
+
+    def argmax(logits):
+        return mx.argmax(logits, axis=-1)
+
+    decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax, mx.int32)
+    one_row = hidden[:, -1:]
+    arms = {"decode": lambda: sum(1 for _ in decoder.plain_steps(plain_run))}
+    for block in blocks:
+        arms[("draft", block)] = lambda block=block: mx.eval(decoder.draft(block, one_row))
+        arms[("round", block)] = lambda block=block: decoder.round(block, block)
+    names = list(arms)
+    samples = {name: [] for name in names}
+    for name in names:  # warm-up: compilation and first-use costs
+        arms[name]()
+    mx.synchronize()
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_timed(arms[name]))
+    # Leave the target as a fresh request expects it.
+    lm._position_ids = lm._rope_deltas = None
+    draft_model.reset(model)
+
+    step_ms = statistics.median(samples["decode"]) / plain_run
+    verify = {
+        block: statistics.median(r - d for r, d in zip(samples[("round", block)], samples[("draft", block)]))
+        for block in blocks
+    }
+    return RoundCosts(
+        decode_step_ms=step_ms,
+        verify_steps_by_block={block: max(verify[block], 0.0) / step_ms for block in blocks},
+        draft_steps_by_block={block: statistics.median(samples[("draft", block)]) / step_ms for block in blocks},
+    )

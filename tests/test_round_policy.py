@@ -1,0 +1,179 @@
+"""The round policy: each round's block, or plain steps, from costs and acceptance.
+
+Pure checks of the choice against an exhaustive expected-value calculation and of the
+probe budget, then the real round loop on the tiny pack with the oracle drafter and a
+synthetic cost table: the tokens equal plain decoding at full, zero and recovering
+acceptance, and the policy's blocks and plain steps are the ones the costs call for.
+"""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+import dflash2_policy
+from dflash2_policy import PROBE_BUDGET, RoundCosts, RoundPolicy
+from oracle_drafter import OracleDrafter
+from parity import PROMPTS, chat_ids, greedy
+from test_exact_verify import target  # noqa: F401  (the installed tiny pack)
+
+BLOCKS = range(2, 9)
+# Blocks up to 5 verify cheaply, bigger ones do not: at full acceptance block 5 is best.
+COSTS = RoundCosts(
+    decode_step_ms=1.0,
+    verify_steps_by_block={b: 1.0 + 0.15 * b if b <= 5 else 2.5 + 0.3 * b for b in BLOCKS},
+    draft_steps_by_block={b: 0.1 for b in BLOCKS},
+)
+GENERATED = 40
+
+
+def exhaustive_choice(costs, rates, remaining):
+    """The best block by enumerating every accepted count, or None when plain is better."""
+    best, best_value = None, 1.0
+    for block in costs.blocks:
+        if block > remaining:
+            continue
+        expected = 0.0
+        for accepted in range(block):
+            # P(exactly `accepted` drafts): the first `accepted` pass, the next one fails.
+            probability = 1.0 if accepted == block - 1 else 1.0 - rates[accepted]
+            for rate in rates[:accepted]:
+                probability *= rate
+            expected += probability * (accepted + 1)
+        value = expected / costs.round_steps(block)
+        if value > best_value:
+            best, best_value = block, value
+    return best
+
+
+def policy_with_rates(costs, rates):
+    """A policy past its first round, with no probe budget left, estimating `rates`."""
+    policy = RoundPolicy(costs, ceiling=8)
+    policy.rounds, policy.tokens, policy.lost_steps = 1, 10, 100.0
+    policy.estimate.tried = [1e9] * len(rates)
+    policy.estimate.accepted = [rate * 1e9 for rate in rates]
+    return policy
+
+
+def test_choice_equals_exhaustive_expected_value():
+    rng = random.Random(0)
+    choices = set()
+    for _ in range(300):
+        costs = RoundCosts(1.0, {b: rng.uniform(0.5, 2.0) * (1 + 0.3 * b) for b in BLOCKS},
+                           {b: rng.uniform(0.0, 1.0) for b in BLOCKS})
+        policy = policy_with_rates(costs, [rng.random() ** 0.3 for _ in range(7)])
+        rates = policy.estimate.conditional()
+        remaining = rng.choice([1, 3, 100])
+        choice = policy.choose_block(remaining)
+        assert choice == exhaustive_choice(costs, rates, remaining), (costs, rates, remaining)
+        choices.add(choice)
+    assert None in choices and len(choices) >= 5  # plain and several blocks were chosen
+
+
+def test_probe_waits_for_the_budget_plain_run_says_how_long():
+    policy = RoundPolicy(COSTS, ceiling=8)
+    assert policy.choose_block(100) is not None  # the first round is always tried
+    policy.record_round(3, 0, 1)
+    assert policy.lost_steps == pytest.approx(COSTS.round_steps(3) - 1)
+    assert policy.choose_block(100) is None
+    run = policy.plain_run(100)
+    assert 1 < run < 100
+    for _ in range(run):  # evidence ages meanwhile, so the probe may fit a little earlier
+        policy.record_plain(1)
+    block = policy.choose_block(100)
+    assert block is not None
+    assert policy.lost_steps + policy.probe_loss(block) <= PROBE_BUDGET * policy.tokens
+
+
+def test_costs_that_never_pay_mean_plain_steps_only_and_fixed_blocks_stay_fixed():
+    never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS})
+    assert not never.can_pay()
+    policy = RoundPolicy(never, ceiling=8)
+    assert policy.choose_block(50) is None and policy.plain_run(50) == 50
+    fixed = RoundPolicy(never, ceiling=6, fixed_block=6)
+    assert [fixed.choose_block(remaining) for remaining in (50, 3)] == [6, 4]
+
+
+def test_cost_table_round_trips_and_bad_tables_are_named():
+    assert RoundCosts.from_json(COSTS.to_json()).to_json() == COSTS.to_json()
+    for bad in ({}, {**COSTS.to_json(), "draft_steps_by_block": {"2": 0.1}},
+                {**COSTS.to_json(), "decode_step_ms": -1},
+                {**COSTS.to_json(), "verify_steps_by_block": {str(b): 1.0 for b in range(1, 8)}}):
+        with pytest.raises(ValueError):
+            RoundCosts.from_json(bad)
+
+
+# ---------------------------------------------------------------------------
+# The round loop on the tiny pack
+
+
+@pytest.fixture(scope="module")
+def prompt_and_plain(target):  # noqa: F811
+    model, processor, _ = target
+    ids = chat_ids(processor.tokenizer, PROMPTS[1], thinking=False)
+    return ids, greedy(model, ids, GENERATED)
+
+
+def run_policy(target, prompt_and_plain, error_rate):  # noqa: F811
+    model, _, drafter = target
+    ids, plain = prompt_and_plain
+    oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=error_rate,
+                           target_layer_ids=drafter.config.target_layer_ids)
+    oracle.prefer_requested_block_size = False  # the policy chooses
+    oracle.round_costs = COSTS
+    tokens = greedy(model, ids, GENERATED, drafter=oracle)
+    blocks = [drafted + 1 for drafted in oracle.draft_lens]
+    return tokens == plain, oracle.round_counts, list(zip(blocks, oracle.accept_lens))
+
+
+def test_full_acceptance_runs_the_best_block(target, prompt_and_plain):  # noqa: F811
+    identical, counts, rounds = run_policy(target, prompt_and_plain, 0.0)
+    assert identical
+    # Only a last single token wanted is cheaper as a plain step than as a round.
+    assert counts.tokens_from_plain_steps <= 1
+    assert counts.tokens_from_rounds + counts.tokens_from_plain_steps == GENERATED - 1
+    best = exhaustive_choice(COSTS, [1.0] * 7, GENERATED)
+    assert best == 5
+    blocks = [block for block, _ in rounds]
+    assert max(set(blocks), key=blocks.count) == best, rounds
+    assert all(accepted == block - 1 for block, accepted in rounds)
+
+
+def test_zero_acceptance_switches_to_plain_steps(target, prompt_and_plain):  # noqa: F811
+    identical, counts, rounds = run_policy(target, prompt_and_plain, 1.0)
+    assert identical
+    assert counts.tokens_from_rounds == len(rounds) >= 1  # each round gave its bonus only
+    assert counts.tokens_from_plain_steps >= 3 * counts.tokens_from_rounds
+    assert counts.tokens_from_rounds + counts.tokens_from_plain_steps == GENERATED - 1
+
+
+def test_probes_return_to_rounds_when_acceptance_recovers(target, prompt_and_plain):  # noqa: F811
+    recovered_at = 12
+    identical, counts, rounds = run_policy(
+        target, prompt_and_plain, lambda index: 1.0 if index < recovered_at else 0.0)
+    assert identical
+    assert counts.tokens_from_plain_steps > 0
+    # The drafter's context stayed aligned through the plain steps: after a probe found
+    # acceptance again, rounds ran full blocks.
+    last = rounds[-3:]
+    assert len(rounds) >= 4 and all(accepted == block - 1 for block, accepted in last), rounds
+    assert max(block for block, _ in last) >= 4, rounds
+
+
+def test_plain_steps_record_the_taps_capture_layer_ids_gives(target):  # noqa: F811
+    model, processor, drafter = target
+    lm, taps = model.language_model, list(drafter.config.target_layer_ids)
+    ids = chat_ids(processor.tokenizer, PROMPTS[0], thinking=False)
+    caches = [lm.make_cache(), lm.make_cache()]
+    outs = [lm(ids, cache=cache, capture_layer_ids=taps) for cache in caches]
+    first = int(mx.argmax(outs[0].logits[0, -1]).item())
+    decoder = dflash2_policy.RequestDecoder(
+        model, drafter, caches[0], mx.concatenate(outs[0].hidden_states, -1), first,
+        lambda x: mx.argmax(x, -1), mx.int32)
+    tokens = list(decoder.plain_steps(3))
+    recorded = mx.concatenate(decoder.context[1:], axis=1)
+    expected = [lm(mx.array([[token]]), cache=caches[1], capture_layer_ids=taps)
+                for token in [first] + tokens[:2]]
+    assert tokens == [int(mx.argmax(out.logits[0, -1]).item()) for out in expected]
+    captured = mx.concatenate([mx.concatenate(out.hidden_states, -1) for out in expected], axis=1)
+    assert mx.array_equal(recorded, captured).item()
