@@ -86,6 +86,38 @@ class RuntimeStatus:
     decode_path: Optional[DecodePathChoice] = None
     verify_check: Optional["VerifySelfCheck"] = None
 
+    def log_lines(self) -> list[str]:
+        """What start-up logs: kernels, the verify self-check, plain decode's path."""
+        lines = [
+            "kernel self-tests: "
+            + ", ".join(f"{name} {'ok' if r.ok else 'FAILED'}" + (f" ({r.reason})" if r.reason else "")
+                        for name, r in self.self_test.items())
+        ]
+        if self.verify_check is not None:
+            lines.append(self.verify_check.summary())
+        if self.decode_path is not None:
+            timings = ", ".join(f"{arm} {t['median']:.2f} ms" for arm, t in self.decode_path.step_ms.items())
+            lines.append(f"plain decode path: {self.decode_path.arm} ({self.decode_path.why}"
+                         + (f"; median step: {timings}" if timings else "") + ")")
+        return lines
+
+    def to_json(self) -> dict:
+        """For /health."""
+        check = self.verify_check
+        return {
+            "backend": self.backend,
+            "kernels": {name: {"ok": r.ok, "reason": r.reason} for name, r in self.self_test.items()},
+            "verify_self_check": None if check is None else {
+                "blocks": check.blocks, "differing": check.differing,
+                "stock_differing": check.stock_differing, "seconds": round(check.seconds, 2),
+                "summary": check.summary(),
+            },
+            "plain_decode_path": None if self.decode_path is None else {
+                "arm": self.decode_path.arm, "why": self.decode_path.why,
+                "step_ms": self.decode_path.step_ms,
+            },
+        }
+
 
 # ---------------------------------------------------------------------------
 # Exact verify forward
@@ -264,6 +296,7 @@ def _gate_projections(layer, x):
     cached = getattr(layer, "_dflash2_gate_weight", None)
     if cached is None or cached[0] is not b_weight or cached[1] is not a_weight:
         cached = (b_weight, a_weight, mx.concatenate([b_weight, a_weight]))
+        mx.eval(cached[2])  # once, as mlx-vlm prepares decode's convolution weight
         layer._dflash2_gate_weight = cached
     out = dflash2_kernels.dense_rows(x, cached[2])
     return out[..., : b_weight.shape[0]], out[..., b_weight.shape[0] :]

@@ -9,8 +9,8 @@ is routed, and every response says how in its x-dflash2 header:
   (images too, unless --dflash2-multimodal plain);
 - fallback; reason=R: served plain. Per request R is temperature-omitted (the pack's
   sampling defaults apply), sampling, logprobs, penalties, logit-bias or multimodal-plain;
-  for every request it is no-dflash2 (--no-dflash2), kernel-self-test-failed or
-  speculative-warm-up-failed;
+  for every request it is no-dflash2 (--no-dflash2), kernel-self-test-failed,
+  verify-self-check-failed or speculative-warm-up-failed;
 - refused; reason=R: thinking-budget, structured-output, n-above-1, and the gateway's
   refusals (serve.py, dflash2_http.py; README lists them all).
 Responses that generate nothing (/v1/models, /health) carry the server's mode.
@@ -286,7 +286,8 @@ def main(argv=None):
     exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir or pack_dir / "drafter")
     limits = pack_limits(target_dir, model_id, args)
 
-    speculation = {"reason": "no-dflash2" if args.no_dflash2 else None, "error": None, "round_costs": None}
+    speculation = {"reason": "no-dflash2" if args.no_dflash2 else None, "error": None, "round_costs": None,
+                   "runtime": None}
     given_costs = read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None
 
     def load_drafter(model):
@@ -307,6 +308,9 @@ def main(argv=None):
             return None, None
         logger.info("DFlash2 runtime: backend %s, speculation %s", status.backend,
                     "on" if status.speculative else f"off ({status.reason})")
+        for line in status.log_lines():
+            logger.info("DFlash2 %s", line)
+        speculation["runtime"] = status.to_json()
         if not status.speculative:
             speculation["reason"] = status.reason.split(":")[0]  # e.g. kernel-self-test-failed
             return None, None
@@ -352,7 +356,8 @@ def main(argv=None):
         return route_chat(check_chat_request(body, limits), server_reason=server_reason,
                           multimodal_plain=args.dflash2_multimodal == "plain")
 
-    health = {"dflash2": server_mode[0], "reason": server_reason, "round_costs": speculation["round_costs"]}
+    health = {"dflash2": server_mode[0], "reason": server_reason, "runtime": speculation["runtime"],
+              "round_costs": speculation["round_costs"]}
     serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
                   server_mode=server_mode, health=health, request_timeout=args.request_timeout), args)
 

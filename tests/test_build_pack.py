@@ -121,8 +121,9 @@ def test_refuses_a_folder_it_did_not_build(tiny_pack, tmp_path):
     assert (tmp_path / "mine.txt").read_text() == "user file\n"
 
 
-def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
-    """Same shapes, some tensors edited, rewritten with safetensors: a valid new pack."""
+def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pack, tmp_path):
+    """Same shapes, some tensors edited, rewritten with safetensors: a valid new pack,
+    built with the drafter prequantized to 4 bits."""
     target = Path(shutil.copytree(tiny_pack["target"], tmp_path / "derivative"))
     weights, metadata = mx.load(str(target / "model.safetensors"), return_metadata=True)
     edited = [name for name in sorted(weights) if name.endswith("norm.weight")][:3]
@@ -134,9 +135,17 @@ def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
     (target / "edited.safetensors").replace(target / "model.safetensors")
     assert (target / "model.safetensors").read_bytes() != (tiny_pack["target"] / "model.safetensors").read_bytes()
 
-    pack_dir = build(tiny_pack, tmp_path / "pack", target=target)
+    pack_dir = build_pack(str(target), str(tiny_pack["drafter"]), tmp_path / "pack", drafter_form="4bit")
     assert (pack_dir / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
-    results = verify_pack(pack_dir)
+    quantization = json.loads((pack_dir / "drafter" / "config.json").read_text())["quantization"]
+    assert (quantization["bits"], quantization["group_size"], quantization["mode"]) == (4, 64, "affine")
+    kept = sorted(path for path, value in quantization.items() if value is False)
+    assert kept and all("kernel_projection" in p or "candidate_selector." in p for p in kept)
+    header = json.loads((pack_dir / "drafter" / "model.safetensors").read_bytes()[8:][: int.from_bytes(
+        (pack_dir / "drafter" / "model.safetensors").read_bytes()[:8], "little")])
+    assert all(f"{path}.scales" not in header for path in kept)
+    assert any(name.endswith(".scales") for name in header)
+    results = verify_pack(pack_dir)  # the loader's drafter check accepts the 4-bit form
     assert all(ok for _, ok, _ in results), results
 
     # The built folder serves: launch pins pass and a greedy request runs speculative.
@@ -160,6 +169,11 @@ def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
         assert costs["decode_step_ms"] > 0
         assert list(costs["verify_steps_by_block"]) == [str(b) for b in range(2, 9)]
         assert all(steps > 0 for steps in costs["draft_steps_by_block"].values())
+        runtime = request(server, "GET", "/health", record=False).json()["runtime"]
+        check = runtime["verify_self_check"]
+        assert check["blocks"] == 7 and check["differing"] == 0
+        assert runtime["plain_decode_path"]["arm"] in ("mlx", "rotation", "rotation+recurrence",
+                                                       "rotation+recurrence+matmul")
     finally:
         server.stop()
 

@@ -1,6 +1,6 @@
 """Assemble a DFlash2 pack folder from a base (target) pack and a drafter.
 
-    python tools/build_pack.py --base SRC --drafter SRC --out DIR [--dry-run]
+    python tools/build_pack.py --base SRC --drafter SRC --out DIR [--drafter-form 4bit] [--dry-run]
 
 SRC is a local folder or a Hugging Face repo id, optionally with @revision (downloaded
 through huggingface_hub, or taken from the local HF cache when offline). The pack holds
@@ -16,6 +16,7 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
@@ -24,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash2_pack import PackError, check_drafter, check_target  # noqa: E402
+from make_synthetic_pack import prequantize_drafter  # noqa: E402
 from serve_dflash2 import PINS_FILE, safetensors_header_sha256, sha256_file  # noqa: E402
 
 SUMS_FILE = "SHA256SUMS"
@@ -200,10 +202,19 @@ def write_text(path, text):
 # ---------------------------------------------------------------------------------------
 
 
-def build_pack(base, drafter, out_dir, dry_run=False):
+def build_pack(base, drafter, out_dir, dry_run=False, drafter_form="as-is"):
     base_dir, base_id, base_revision = resolve_source(base)
     drafter_dir, drafter_id, drafter_revision = resolve_source(drafter)
     out_dir = Path(out_dir)
+    if drafter_form == "4bit":
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                kept = prequantize_drafter(drafter_dir, Path(folder) / "drafter")
+            except ValueError as error:
+                sys.exit(f"error: --drafter-form 4bit: {error}")
+            print(f"drafter prequantized to 4 bits (group 64, affine); {len(kept)} matrices kept "
+                  f"in bf16: {', '.join(kept)}")
+            return build_pack(base, Path(folder) / "drafter", out_dir, dry_run)
     try:
         check_target(base_dir)
         check_drafter(drafter_dir, base_dir)
@@ -256,8 +267,11 @@ def main(argv=None):
     parser.add_argument("--drafter", required=True, help="drafter: folder or repo/id[@revision]")
     parser.add_argument("--out", required=True, help="pack folder to write")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    parser.add_argument("--drafter-form", choices=["as-is", "4bit"], default="as-is",
+                        help="4bit: write the bf16 drafter prequantized (4-bit, group 64, affine; the "
+                             "conv kernel projections and the candidate selector stay bf16)")
     args = parser.parse_args(argv)
-    build_pack(args.base, args.drafter, args.out, dry_run=args.dry_run)
+    build_pack(args.base, args.drafter, args.out, dry_run=args.dry_run, drafter_form=args.drafter_form)
 
 
 if __name__ == "__main__":

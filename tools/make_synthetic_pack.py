@@ -22,6 +22,7 @@ cheap on a GPU machine.
 import argparse
 import json
 import math
+import shutil
 import struct
 import sys
 import zlib
@@ -681,21 +682,55 @@ def drafter_weights(config, seed, codebook_names="plain"):
     if codebook_names not in ("plain", "weight"):
         raise ValueError(f"codebook_names must be 'plain' or 'weight', got {codebook_names!r}")
     skeleton = instantiate(config)
-    quantization = config.get("quantization")
     weights = {}
     for name, like in tree_flatten(skeleton.parameters()):
         value = dense_tensor(seed, name, like.shape, dtype=mx.bfloat16)
-        path, _, leaf = name.rpartition(".")
+        path = name.rpartition(".")[0]
         if codebook_names == "plain" and path.endswith("_codebook"):
             name = path  # stored bare; mlx-vlm's sanitize adds the ".weight" back
-        if quantization and leaf == "weight" and value.ndim == 2 and quantization.get(path, True):
+        weights[name] = value
+    quantization = config.get("quantization")
+    return quantize_drafter_weights(weights, quantization) if quantization else weights
+
+
+def quantize_drafter_weights(weights, quantization):
+    """mlx-lm's prequantized form of bf16 drafter tensors: every 2-D `.weight` the
+    quantization block does not keep in bf16 becomes affine codes, scales and biases."""
+    quantized = {}
+    for name, value in weights.items():
+        path, _, leaf = name.rpartition(".")
+        if leaf == "weight" and value.ndim == 2 and quantization.get(path, True):
             weight, scales, biases = mx.quantize(
                 value, group_size=quantization["group_size"], bits=quantization["bits"]
             )
-            weights.update({name: weight, f"{path}.scales": scales, f"{path}.biases": biases})
+            quantized.update({name: weight, f"{path}.scales": scales, f"{path}.biases": biases})
         else:
-            weights[name] = value
-    return weights
+            quantized[name] = value
+    return quantized
+
+
+def prequantize_drafter(source, destination):
+    """Write the 4-bit form (group 64, affine, DRAFTER_KEPT_BF16 matrices in bf16) of a
+    bf16 DFlash2 drafter folder; the other files are copied unchanged. Returns the
+    matrices kept in bf16."""
+    source, destination = Path(source), Path(destination)
+    config = json.loads((source / "config.json").read_text())
+    if config.get("quantization") or config.get("quantization_config"):
+        raise ValueError(f"{source.name}/config.json: the drafter is already quantized")
+    quantization = {"group_size": 64, "bits": 4, "mode": "affine"}
+    kept = drafter_bf16_modules(config)
+    quantization.update({path: False for path in kept})
+    config["quantization"] = config["quantization_config"] = quantization
+    weights = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        weights.update(mx.load(str(shard)))
+    destination.mkdir(parents=True, exist_ok=True)
+    write_safetensors(destination / "model.safetensors", quantize_drafter_weights(weights, quantization))
+    (destination / "config.json").write_text(dump_json(config))
+    for extra in sorted(source.iterdir()):
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name != "config.json":
+            shutil.copyfile(extra, destination / extra.name)
+    return kept
 
 
 # ---------------------------------------------------------------------------------------

@@ -424,7 +424,7 @@ def main():
     backend = environment["backend"]
     record = {
         **environment,
-        "runtime_status": {"speculative": status.speculative, "reason": status.reason},
+        "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
         "exact_mismatches": sum(case_mismatches(c) for c in exact) + kernel.mismatches,
         "stock_mismatches": sum(case_mismatches(c) for c in stock) + kernel.stock_mismatches,
         "kernel_self_test": {
@@ -502,6 +502,9 @@ def summary_markdown(record) -> str:
     lines.append(
         f"| MLX multi-row matmul (negative control) | {kernel['cases']} | {kernel['stock_mismatches']} |"
     )
+    check = record["runtime_status"].get("verify_self_check")
+    if check:
+        lines += ["", f"Start-up {check['summary']}."]
     lines += [
         "",
         f"exact_mismatches = {record['exact_mismatches']}, "
