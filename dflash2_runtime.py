@@ -795,7 +795,7 @@ def choose_decode_path(model) -> DecodePathChoice:
         use_decode_arm("mlx")
         return DecodePathChoice("mlx", "no decode kernel on this backend")
     arms = {arm: (lambda arm=arm: use_decode_arm(arm)) for arm in DECODE_ARMS}
-    timings = time_decode_steps(model.language_model, arms)
+    timings = time_decode_steps(model.language_model, arms, repeats=7, steps=4)
     fastest = min(timings, key=lambda arm: timings[arm]["median"])
     use_decode_arm(fastest)
     return DecodePathChoice(fastest, "fastest median decode step of the arms", timings)
