@@ -272,9 +272,24 @@ def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
     ]
 
 
-def token_cases(model, tokenizer, max_tokens, combos):
-    """Greedy speculative tokens (oracle drafter) against plain decoding."""
+def oracle_token_case(model, ids, plain, block, error_rate, max_tokens, **labels):
+    """Greedy speculative tokens (oracle drafter at one block and error rate) against plain."""
     vocab = model.language_model.lm_head.weight.shape[0]
+    drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
+    spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
+    return {
+        "check": "tokens",
+        **labels,
+        "block": block,
+        "error_rate": error_rate,
+        "accepted": int(sum(drafter.accept_lens)),
+        "rounds": len(drafter.accept_lens),
+        "identical": spec == plain,
+    }
+
+
+def token_cases(model, tokenizer, max_tokens, combos):
+    """Greedy speculative tokens (oracle drafter) against plain decoding, chat prompts."""
     plain_by_prompt = {}
     cases = []
     for prompt, thinking, block, error_rate in combos:
@@ -282,44 +297,20 @@ def token_cases(model, tokenizer, max_tokens, combos):
         if (prompt, thinking) not in plain_by_prompt:
             plain_by_prompt[prompt, thinking] = greedy(model, ids, max_tokens)
         plain = plain_by_prompt[prompt, thinking]
-        drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
-        spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
         cases.append(
-            {
-                "check": "tokens",
-                "prompt": prompt,
-                "thinking": thinking,
-                "block": block,
-                "error_rate": error_rate,
-                "accepted": int(sum(drafter.accept_lens)),
-                "rounds": len(drafter.accept_lens),
-                "identical": spec == plain,
-            }
+            oracle_token_case(model, ids, plain, block, error_rate, max_tokens, prompt=prompt, thinking=thinking)
         )
     return cases
 
 
 def raw_token_cases(model, ids, max_tokens, blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
-    """Greedy speculative tokens (oracle drafter) against plain decoding, raw-id prompt."""
-    vocab = model.language_model.lm_head.weight.shape[0]
+    """The same for a raw-id prompt (targets without tokenizer files)."""
     plain = greedy(model, ids, max_tokens)
-    cases = []
-    for block in blocks:
-        for error_rate in errors:
-            drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
-            spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
-            cases.append(
-                {
-                    "check": "tokens",
-                    "prompt": "raw ids",
-                    "block": block,
-                    "error_rate": error_rate,
-                    "accepted": int(sum(drafter.accept_lens)),
-                    "rounds": len(drafter.accept_lens),
-                    "identical": spec == plain,
-                }
-            )
-    return cases
+    return [
+        oracle_token_case(model, ids, plain, block, error_rate, max_tokens, prompt="raw ids")
+        for block in blocks
+        for error_rate in errors
+    ]
 
 
 def run_environment(tool: str, pack: str) -> dict:
