@@ -811,6 +811,13 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
     import mlx.core as mx
     import mlx_vlm.server as server
     from fastapi import HTTPException
+
+    import dflash2_audit
+
+    try:  # before any weight loads: the overrides below are audited there too
+        dflash2_audit.check_sources()
+    except dflash2_audit.SourceMismatch as mismatch:
+        sys.exit(f"error: {mismatch}")
     from mlx_vlm.server.generation import ResponseGenerator
     from mlx_vlm.vision_cache import VisionFeatureCache
 
@@ -874,18 +881,17 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
             raise HTTPException(status_code=404, detail=f"model {model_path!r} is not served here")
         return model, processor, config
 
-    stock_template = server.apply_chat_template
-
     def apply_chat_template(*args, **kwargs):
         # A template that cannot render the client's messages is the client's mistake.
         try:
-            return stock_template(*args, **kwargs)
+            return apply_chat_template.__dflash2_stock__(*args, **kwargs)
         except Exception as exc:
             raise HTTPException(status_code=400,
                                 detail=f"the chat template could not render these messages: {exc}")
 
-    server.get_cached_model = app_module.get_cached_model = get_cached_model
-    server.apply_chat_template = apply_chat_template
+    dflash2_audit.replace("mlx_vlm.server.app:get_cached_model", get_cached_model)
+    server.get_cached_model = get_cached_model  # the package re-exports app's function
+    dflash2_audit.replace("mlx_vlm.server:apply_chat_template", apply_chat_template)
     return generator, app_module.app
 
 

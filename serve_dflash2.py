@@ -291,6 +291,7 @@ def main(argv=None):
 
     def load_drafter(model):
         # Runs on mlx-vlm's worker thread, right after it loaded the target.
+        import dflash2_audit
         import dflash2_policy
         import dflash2_runtime
         from mlx_vlm.speculative.drafters import load_drafter as load_stock_drafter
@@ -302,7 +303,7 @@ def main(argv=None):
                                                  sliding_window=args.dflash2_sliding_window)
         try:
             status = dflash2_runtime.install(model)
-        except dflash2_runtime.RuntimeMismatch as mismatch:
+        except dflash2_audit.SourceMismatch as mismatch:
             speculation["error"] = str(mismatch)
             return None, None
         logger.info("DFlash2 runtime: backend %s, speculation %s", status.backend,

@@ -231,3 +231,43 @@ def test_bad_round_cost_table_stops_the_start(pinned_pack, tmp_path):
     result = start_with_pins(pinned_pack, "--dflash2-round-costs", str(costs))
     assert result.returncode == 1
     assert "--dflash2-round-costs costs.json: not a round cost table" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Audited mlx-vlm sources
+
+
+@pytest.fixture(scope="module")
+def edited_mlx_vlm(tmp_path_factory):
+    """A scratch copy of the installed mlx-vlm in which every function, method or object the
+    pack replaces (dflash2_audit.REPLACED) has one edited source line; returns its parent."""
+    import inspect
+
+    import mlx_vlm
+    import mlx_vlm.server  # noqa: F401  (the targets resolve only once it is imported)
+
+    import dflash2_audit
+
+    installed = Path(mlx_vlm.__file__).parent
+    root = tmp_path_factory.mktemp("edited")
+    shutil.copytree(installed, root / "mlx_vlm", ignore=shutil.ignore_patterns("__pycache__"))
+    for row in dflash2_audit.REPLACED:
+        obj = dflash2_audit.stock(row.target)
+        obj = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+        path = root / "mlx_vlm" / Path(inspect.getsourcefile(obj)).relative_to(installed)
+        lines = path.read_text().split("\n")
+        lines[inspect.getsourcelines(obj)[1] - 1] += "  # edited"  # a comment: still valid Python
+        path.write_text("\n".join(lines))
+    return root
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_edited_mlx_vlm_sources_refuse_the_start_and_are_named(script, pinned_pack, edited_mlx_vlm):
+    import dflash2_audit
+
+    result = run(script, "--pack", str(pinned_pack), env=clean_env(PYTHONPATH=str(edited_mlx_vlm)))
+    assert result.returncode == 1, result.stderr
+    assert "these mlx-vlm sources differ from the audited ones" in result.stderr
+    named = {line.strip().split(": source sha256")[0] for line in result.stderr.splitlines()
+             if ": source sha256" in line}
+    assert named == {row.target for row in dflash2_audit.REPLACED}
