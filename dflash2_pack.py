@@ -30,6 +30,7 @@ TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_e
 DRAFTER_ARCHITECTURE = "DFlash2DraftModel"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 MAX_LISTED = 8
+SUMS_FILE = "SHA256SUMS"
 
 
 class PackError(ValueError):
@@ -391,25 +392,59 @@ def load_pack(target_dir, drafter_dir=None):
     return model, processor, drafter
 
 
+def kernel_shapes(model) -> dict:
+    """The pack's own shapes for dflash2_kernels.verify_kernel_self_tests (a skeleton
+    from build_skeleton is enough: only shapes are read)."""
+    import dflash2_kernels
+    from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
+
+    text = model.language_model.model
+    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention")}
+    for _, module in model.language_model.named_modules():
+        if isinstance(module, HadamardQuantizedLinear):
+            width = dflash2_kernels.packed_width(module.weight)
+            shapes["packed"].add((module.weight.shape[0], width))
+            if module.block:
+                shapes["rotations"].add((width, module.block))
+    for layer in text.layers:
+        if layer.is_linear:
+            gdn = layer.linear_attn
+            shapes["gdn"].add((1, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))
+            gates = gdn.in_proj_b.weight.shape[0] + gdn.in_proj_a.weight.shape[0]
+            shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
+        else:
+            attention = layer.self_attn
+            shapes["attention"].add(
+                (1, attention.num_attention_heads, attention.num_key_value_heads, attention.head_dim)
+            )
+    return {key: sorted(value) for key, value in shapes.items()}
+
+
 # ---------------------------------------------------------------------------------------
 # Verifying a built pack (python serve_dflash2.py --verify-pack)
+
+
+def read_sha256sums(pack_dir):
+    """({path in the pack: sha256} listed in SHA256SUMS, [malformed-line problems])."""
+    listed, problems = {}, []
+    text = (Path(pack_dir) / SUMS_FILE).read_text(errors="replace")
+    for number, line in enumerate(text.splitlines(), 1):
+        digest, _, name = line.partition("  ")
+        if line and not (re.fullmatch(r"[0-9a-f]{64}", digest) and name and not Path(name).is_absolute()
+                         and ".." not in Path(name).parts):
+            problems.append(f"{SUMS_FILE}: line {number} is not '<sha256>  <path in the pack>'")
+        elif line:
+            listed[name] = digest
+    return listed, problems
 
 
 def sha256sums_problems(pack_dir):
     """Every file listed in SHA256SUMS present with its hash, and no file that is not listed."""
     from serve_dflash2 import sha256_file
 
-    sums = pack_dir / "SHA256SUMS"
-    if not sums.is_file():
-        return ["SHA256SUMS: file is missing"]
-    listed, problems = {}, []
-    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
-        digest, _, name = line.partition("  ")
-        if line and not (re.fullmatch(r"[0-9a-f]{64}", digest) and name and not Path(name).is_absolute()
-                         and ".." not in Path(name).parts):
-            problems.append(f"SHA256SUMS: line {number} is not '<sha256>  <path in the pack>'")
-        elif line:
-            listed[name] = digest
+    if not (pack_dir / SUMS_FILE).is_file():
+        return [f"{SUMS_FILE}: file is missing"]
+    listed, problems = read_sha256sums(pack_dir)
     for name, expected in sorted(listed.items()):
         path = pack_dir / name
         if not path.is_file():
@@ -422,7 +457,7 @@ def sha256sums_problems(pack_dir):
         for path in pack_dir.rglob("*")
         if path.is_file() and "__pycache__" not in path.relative_to(pack_dir).parts
     }
-    for name in sorted(present - listed.keys() - {"SHA256SUMS"}):
+    for name in sorted(present - listed.keys() - {SUMS_FILE}):
         problems.append(f"{name}: not listed in SHA256SUMS (unexpected file)")
     return problems
 
@@ -475,9 +510,15 @@ def verify_pack(pack_dir):
             record(check, [])
         except PackError as error:
             record(check, [str(error)])
-    test = dflash2_kernels.self_test()
-    record(f"kernel self-test ({test.backend})",
-           [] if test.ok else [f"{test.reason or 'failed'}: {test.mismatches} differing elements"])
+    try:  # at the pack's own shapes, as the server's start-up runs them
+        skeleton = build_skeleton(read_config(target_dir), relative_name(target_dir, "config.json"))
+        tests = dflash2_kernels.verify_kernel_self_tests(kernel_shapes(skeleton))
+    except PackError as error:
+        record("kernel self-test", [str(error)])
+        return results
+    for name, test in tests.items():
+        record(f"kernel self-test {name} ({test.backend})",
+               [] if test.ok else [f"{test.reason or 'failed'}: {test.mismatches} differing elements"])
     return results
 
 

@@ -40,9 +40,9 @@ from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
 
 import dflash2_audit
 import dflash2_kernels
+import dflash2_pack
 import dflash2_policy
 
-MAX_KERNEL_ROWS = 8
 
 
 class ExactnessError(RuntimeError):
@@ -97,12 +97,12 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     )
     outputs = [
         matmul(
-            rows[start : start + MAX_KERNEL_ROWS],
+            rows[start : start + dflash2_kernels.MAX_ROWS],
             linear.weight,
             linear.scales,
             linear.biases,
         )
-        for start in range(0, rows.shape[0], MAX_KERNEL_ROWS)
+        for start in range(0, rows.shape[0], dflash2_kernels.MAX_ROWS)
     ]
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -352,30 +352,6 @@ def apply_patches() -> None:
         dflash2_audit.replace(target, replacement)
 
 
-def kernel_shapes(model) -> dict:
-    """The pack's own shapes for dflash2_kernels.verify_kernel_self_tests."""
-    text = model.language_model.model
-    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention")}
-    for _, module in model.language_model.named_modules():
-        if isinstance(module, HadamardQuantizedLinear):
-            width = module.weight.shape[1] * 16
-            shapes["packed"].add((module.weight.shape[0], width))
-            if module.block:
-                shapes["rotations"].add((width, module.block))
-    for layer in text.layers:
-        if layer.is_linear:
-            gdn = layer.linear_attn
-            shapes["gdn"].add((1, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))
-            gates = gdn.in_proj_b.weight.shape[0] + gdn.in_proj_a.weight.shape[0]
-            shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
-        else:
-            attention = layer.self_attn
-            shapes["attention"].add(
-                (1, attention.num_attention_heads, attention.num_key_value_heads, attention.head_dim)
-            )
-    return {key: sorted(value) for key, value in shapes.items()}
-
-
 def install(model=None) -> RuntimeStatus:
     """Check versions and fingerprints, patch mlx-vlm, prove exactness here.
 
@@ -392,7 +368,7 @@ def install(model=None) -> RuntimeStatus:
     if model is None:
         result = {"qmv": dflash2_kernels.self_test()}
     else:
-        result = dflash2_kernels.verify_kernel_self_tests(kernel_shapes(model))
+        result = dflash2_kernels.verify_kernel_self_tests(dflash2_pack.kernel_shapes(model))
     # The other kernels fall back to single-position stock calls where their test
     # failed (exact, slower); a failed matmul kernel turns speculation off.
     if not result["qmv"].ok:
@@ -571,10 +547,10 @@ def configure_drafter(drafter, options: RuntimeOptions) -> None:
     cap bounds the choice.
     """
     trained = int(drafter.config.block_size)
-    ceiling = min(trained, MAX_KERNEL_ROWS)
+    ceiling = min(trained, dflash2_kernels.MAX_ROWS)
     for name, value in (("block size", options.block_size), ("block cap", options.block_cap)):
-        if value is not None and not 2 <= value <= min(trained, MAX_KERNEL_ROWS):
-            raise ValueError(f"{name} must be 2..{min(trained, MAX_KERNEL_ROWS)}, got {value}")
+        if value is not None and not 2 <= value <= min(trained, dflash2_kernels.MAX_ROWS):
+            raise ValueError(f"{name} must be 2..{min(trained, dflash2_kernels.MAX_ROWS)}, got {value}")
     if options.block_size is not None:
         drafter.prefer_requested_block_size = True
         ceiling = options.block_size

@@ -1,4 +1,4 @@
-"""Shared fixtures. Keep each one small; add yours below."""
+"""Shared fixtures and helpers. Keep each one small; add yours below."""
 
 import pytest
 
@@ -21,3 +21,10 @@ def gpu_like_rounding(monkeypatch):
     from gpu_rounding import swap_row_variant_ops
 
     swap_row_variant_ops(monkeypatch)
+
+
+def flip_byte(path, offset: int):
+    """Flips one bit of the byte at offset (negative: from the end), size unchanged."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from build_pack import build_pack
+from conftest import flip_byte
 from dflash2_pack import verify_pack
 from test_server import Server, request
 from test_server_cli import clean_env
@@ -73,11 +74,9 @@ def test_verify_twice_then_rebuild_gives_identical_sha256sums(built_pack, tiny_p
     assert (pack_copy / "SHA256SUMS").read_bytes() == (built_pack / "SHA256SUMS").read_bytes()
 
 
-def flip_byte(pack_dir):
+def flip_weight_byte(pack_dir):
     path = pack_dir / "model.safetensors"
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x01  # inside the weights, past the header
-    path.write_bytes(bytes(data))
+    flip_byte(path, path.stat().st_size - 100)  # inside the weights, past the header
     return "model.safetensors"
 
 
@@ -99,7 +98,7 @@ def add_unexpected_file(pack_dir):
     return "evidence/notes.txt"
 
 
-@pytest.mark.parametrize("tamper", [flip_byte, edit_config_field, remove_file, add_unexpected_file])
+@pytest.mark.parametrize("tamper", [flip_weight_byte, edit_config_field, remove_file, add_unexpected_file])
 def test_verify_pack_names_the_tampered_file(pack_copy, tamper):
     name = tamper(pack_copy)
     result = verify_from_the_pack(pack_copy)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import flip_byte
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["serve.py", "serve_dflash2.py"]
 
@@ -152,12 +154,6 @@ def pinned_pack(tiny_pack, tmp_path):
 
 def start_with_pins(pack, *args):
     return run("serve_dflash2.py", "--pack", str(pack), *args)
-
-
-def flip_byte(path: Path, offset: int):
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def test_pins_edited_config(pinned_pack):
