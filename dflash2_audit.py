@@ -79,6 +79,12 @@ REPLACED = (
         "their outputs, which the next round hands to the drafter.",
     ),
     Audited(
+        "mlx_vlm.server.generation:ResponseGenerator.__init__",
+        "ee4704d8e6422ef901e58956f839b2d4185c0cb32242a66e31b5af02be38e662",
+        "Extended by the engine (model path, vision cache, top_logprobs_k, prefill step size): "
+        "the table of records waiting for the worker exists before the worker starts.",
+    ),
+    Audited(
         "mlx_vlm.server.generation:ResponseGenerator._initialize_model",
         "e47152fbf3a0708c3cdffd92997586c5c9badeec0e6501b3710feccd52cc6241",
         "Overridden by the engine: after mlx-vlm's own target load, the drafter loads on the "
@@ -228,12 +234,6 @@ AUDITED = (
         "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel.draft_block",
         "5af196cd5861a4891a8773334693db20d64c25265a64406d1e5ee171da48a24c",
         "Called with --dflash2-candidate-selector: drafts through the trained selector.",
-    ),
-    Audited(
-        "mlx_vlm.server.generation:ResponseGenerator.__init__",
-        "ee4704d8e6422ef901e58956f839b2d4185c0cb32242a66e31b5af02be38e662",
-        "Relied on by the engine's subclass: model path, vision cache, top_logprobs_k and "
-        "prefill step size.",
     ),
     Audited(
         "mlx_vlm.server.generation:ResponseGenerator._run_impl",

@@ -4,8 +4,11 @@ The checks read config.json and the safetensors headers only (plus the small Had
 sign vectors), so a broken or mismatched pack stops with a PackError that names the file,
 the field or tensor, and what was expected, before any weight is loaded. Loading itself is
 mlx-vlm's own code: `mlx_vlm.utils.load` and `mlx_vlm.speculative.drafters.load_drafter`.
+A built pack's files are pinned in dflash2-pack.json (checked at launch) and SHA256SUMS
+(checked by --verify-pack, with everything else here).
 """
 
+import hashlib
 import json
 import re
 import struct
@@ -30,7 +33,9 @@ TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_e
 DRAFTER_ARCHITECTURE = "DFlash2DraftModel"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 MAX_LISTED = 8
+PINS_FILE = "dflash2-pack.json"
 SUMS_FILE = "SHA256SUMS"
+HASH_CHUNK = 8 * 1024 * 1024
 
 
 class PackError(ValueError):
@@ -421,7 +426,91 @@ def kernel_shapes(model) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# Verifying a built pack (python serve_dflash2.py --verify-pack)
+# Launch pins (dflash2-pack.json) and SHA256SUMS
+
+
+def sha256_file(path: Path, progress=None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return digest.hexdigest()
+
+
+def safetensors_header_sha256(path: Path) -> str:
+    """sha256 of the 8-byte header length and the JSON header: every tensor's name,
+    dtype, shape and offsets, read without touching the weights."""
+    with open(path, "rb") as f:
+        length_bytes = f.read(8)
+        length = int.from_bytes(length_bytes, "little")
+        return hashlib.sha256(length_bytes + f.read(length)).hexdigest()
+
+
+def read_pins(pack_dir: Path) -> dict:
+    """dflash2-pack.json, checked for the shape the launch checks read; raises ValueError
+    with a one-line message otherwise."""
+    try:
+        pins = json.loads((pack_dir / PINS_FILE).read_text())
+    except OSError as error:
+        raise ValueError(f"{PINS_FILE}: cannot be read ({error.strerror})") from None
+    except ValueError as error:
+        raise ValueError(f"{PINS_FILE}: not valid JSON ({error})") from None
+    files = pins.get("files") if isinstance(pins, dict) else None
+    if not isinstance(files, dict) or not isinstance(pins.get("runtime", {}), dict):
+        raise ValueError(f'{PINS_FILE}: expected {{"files": {{...}}, "runtime": {{...}}}}')
+    for name, pin in files.items():
+        hashes = ("sha256", "header_sha256") if name.endswith(".safetensors") else ("sha256",)
+        well_formed = (
+            isinstance(pin, dict) and isinstance(pin.get("size"), int)
+            and all(isinstance(pin.get(key), str) for key in hashes)
+            and not Path(name).is_absolute() and ".." not in Path(name).parts
+        )
+        if not well_formed:
+            raise ValueError(f'{PINS_FILE}: files[{name!r}]: expected a path inside the pack with '
+                             f'{{"size": bytes, {", ".join(repr(h) + ": hex" for h in hashes)}}}')
+    return pins
+
+
+def check_pins(pack_dir: Path, full_hash: bool) -> list:
+    """Compares the pack folder with dflash2-pack.json; returns one line per failure.
+
+    dflash2-pack.json holds {"files": {"<path in the pack>": {"size": bytes, "sha256": hex,
+    "header_sha256": hex}}} (header_sha256 for .safetensors files). At launch every pinned
+    file's size is checked, small files (configs, README, tokenizer, template) are hashed
+    whole, and weights by their safetensors header; --dflash2-full-hash hashes every file.
+    """
+    from tqdm import tqdm
+
+    try:
+        pins = read_pins(pack_dir)["files"]
+    except ValueError as error:
+        return [str(error)]
+    failures, to_hash = [], []
+    for name, pin in sorted(pins.items()):
+        path = pack_dir / name
+        if not path.is_file():
+            failures.append(f"{name}: missing (expected size {pin['size']})")
+            continue
+        size = path.stat().st_size
+        if size != pin["size"]:
+            failures.append(f"{name}: size expected {pin['size']}, actual {size}")
+            continue
+        if name.endswith(".safetensors") and not full_hash:
+            actual = safetensors_header_sha256(path)
+            if actual != pin["header_sha256"]:
+                failures.append(f"{name}: safetensors header sha256 expected {pin['header_sha256']}, "
+                                f"actual {actual}")
+        else:
+            to_hash.append((name, path, pin))
+    with tqdm(total=sum(path.stat().st_size for _, path, _ in to_hash), unit="B", unit_scale=True,
+              desc="sha256", disable=not full_hash) as progress:
+        for name, path, pin in to_hash:
+            actual = sha256_file(path, progress)
+            if actual != pin["sha256"]:
+                failures.append(f"{name}: sha256 expected {pin['sha256']}, actual {actual}")
+    return failures
 
 
 def read_sha256sums(pack_dir):
@@ -438,10 +527,12 @@ def read_sha256sums(pack_dir):
     return listed, problems
 
 
+# ---------------------------------------------------------------------------------------
+# Verifying a built pack (python serve_dflash2.py --verify-pack)
+
+
 def sha256sums_problems(pack_dir):
     """Every file listed in SHA256SUMS present with its hash, and no file that is not listed."""
-    from serve_dflash2 import sha256_file
-
     if not (pack_dir / SUMS_FILE).is_file():
         return [f"{SUMS_FILE}: file is missing"]
     listed, problems = read_sha256sums(pack_dir)
@@ -484,7 +575,6 @@ def verify_pack(pack_dir):
     dflash2-pack.json and the installed runtime versions, the target and drafter checks,
     and the kernel self-test on this machine."""
     import dflash2_kernels
-    from serve_dflash2 import PINS_FILE, check_pins, read_pins
 
     pack_dir = Path(pack_dir)
     target_dir, drafter_dir = find_pack(pack_dir)

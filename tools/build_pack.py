@@ -22,12 +22,20 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash2_pack import SUMS_FILE, PackError, check_drafter, check_target, read_sha256sums  # noqa: E402
-from serve_dflash2 import PINS_FILE, safetensors_header_sha256, sha256_file  # noqa: E402
+from dflash2_pack import (  # noqa: E402
+    PINS_FILE,
+    SUMS_FILE,
+    PackError,
+    check_drafter,
+    check_target,
+    read_sha256sums,
+    safetensors_header_sha256,
+    sha256_file,
+)
 
-RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_http.py", "dflash2_runtime.py",
-                 "dflash2_policy.py", "dflash2_audit.py", "dflash2_kernels.py", "dflash2_pack.py",
-                 "requirements.txt")
+RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_options.py", "dflash2_gateway.py",
+                 "dflash2_http.py", "dflash2_engine.py", "dflash2_runtime.py", "dflash2_policy.py",
+                 "dflash2_audit.py", "dflash2_kernels.py", "dflash2_pack.py", "requirements.txt")
 # Files the pack writes itself; a base file of the same name is replaced, not copied.
 GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)
 # Base files that make no sense beside the DFlash2 runtime (the card lists them).
