@@ -40,16 +40,6 @@ GENERATED = 12
 pytestmark = pytest.mark.usefixtures("gpu_like_rounding")
 
 
-@pytest.fixture(scope="module")
-def target(tiny_pack):
-    from dflash2_pack import load_pack
-
-    model, processor, drafter = load_pack(tiny_pack["target"], tiny_pack["drafter"])
-    status = dflash2_runtime.install(model)
-    assert status.speculative, status.reason
-    return model, processor, drafter
-
-
 def raw_ids(processor, text):
     """A short prompt without the chat template: the bitwise checks prefill it often."""
     return mx.array([processor.tokenizer.encode(text, add_special_tokens=False)])

@@ -5,7 +5,6 @@ All of these stop before any model is loaded, so each is a fast subprocess.
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import flip_byte
+from conftest import clean_env, flip_byte, write_pins
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["serve.py", "serve_dflash2.py"]
@@ -43,13 +42,6 @@ REFUSED_ENVIRONMENT = ["KV_BITS", "KV_GROUP_SIZE", "MAX_KV_SIZE", "PREFILL_STEP_
                        "TOP_LOGPROBS_K", "EXPERT_CACHE_GB", "MLX_TRUST_REMOTE_CODE", "MLX_VLM_MAX_NUM_SEQS",
                        "MLX_VLM_DRAFT_MODEL", "MLX_VLM_PRELOAD_MODEL", "MLX_VLM_THINKING_BUDGET",
                        "APC_ENABLED", "APC_DISK_PATH"]
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KV_", "MLX_VLM_", "APC_", "DFLASH2_"))}
-    env.update(extra)
-    return env
 
 
 def run(script, *args, env=None, cwd=REPO, timeout=60):
@@ -122,24 +114,6 @@ def test_demo_and_pack_exclude_each_other(tmp_path):
 
 # ---------------------------------------------------------------------------------------
 # Launch checks against dflash2-pack.json
-
-
-def write_pins(pack: Path):
-    """dflash2-pack.json as the pack builder writes it: every file with size and sha256,
-    safetensors files with the sha256 of their header too."""
-    files = {}
-    for path in sorted(p for p in pack.rglob("*") if p.is_file() and p.suffix != ".py"):
-        name = path.relative_to(pack).as_posix()
-        if name == "dflash2-pack.json":
-            continue
-        data = path.read_bytes()
-        pin = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        if name.endswith(".safetensors"):
-            length = int.from_bytes(data[:8], "little")
-            pin["header_sha256"] = hashlib.sha256(data[:8 + length]).hexdigest()
-        files[name] = pin
-    (pack / "dflash2-pack.json").write_text(json.dumps({"files": files}, indent=1))
-    return files
 
 
 @pytest.fixture
