@@ -1,5 +1,5 @@
 """The chat request the pack serves: typed request models, the checks of every value
-against the pack, and the OpenAPI description of the served endpoints."""
+against the pack, each request's route, and the OpenAPI description of the served endpoints."""
 
 import base64
 import binascii
@@ -378,6 +378,67 @@ def has_images(body: dict) -> bool:
         and any(part["type"] == "image_url" for part in message["content"])
         for message in body["messages"]
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Routing: speculative only where it gives plain decoding's answer
+
+
+@dataclass
+class Decision:
+    """A chat body's route: speculative, fallback (with its reason) or plain, and the body
+    to forward."""
+
+    mode: str  # speculative | fallback | plain
+    reason: str = None
+    body: dict = None
+
+
+def plain_decision(body: dict) -> Decision:
+    return Decision("plain", None, body)
+
+
+# Penalty values that change nothing; a client sending them still gets speculation.
+NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
+
+
+def route_chat(body: dict, *, server_reason=None, multimodal_plain=False) -> Decision:
+    """Refuses what the pack does not serve, then routes speculative or plain with a reason.
+
+    The refusals hold with --no-dflash2 too, so the baseline answers the same requests.
+    """
+    if "thinking_budget" in body:
+        raise Refusal(400, "thinking-budget", "thinking budgets are not supported; use "
+                                              "\"enable_thinking\" and max_tokens", "thinking_budget")
+    if body.get("response_format", {}).get("type", "text") != "text":
+        raise Refusal(400, "structured-output",
+                      "structured output (response_format) is not supported", "response_format")
+    body.pop("response_format", None)
+    for name, neutral in NEUTRAL_PENALTIES.items():
+        if body.get(name) == neutral:
+            del body[name]
+    if body.get("logit_bias") == {}:
+        del body["logit_bias"]
+    reason = server_reason or fallback_reason(body, multimodal_plain)
+    return Decision("fallback" if reason else "speculative", reason, body)
+
+
+def fallback_reason(body: dict, multimodal_plain: bool):
+    """Why speculation could not give this request plain decoding's answer, or None."""
+    if "temperature" not in body:
+        return "temperature-omitted"  # the pack's sampling defaults apply
+    if body["temperature"] > 0:
+        return "sampling"
+    if body.get("logprobs") or body.get("top_logprobs"):
+        return "logprobs"
+    if any(name in body for name in NEUTRAL_PENALTIES):
+        return "penalties"
+    if "logit_bias" in body:
+        return "logit-bias"
+    if multimodal_plain and has_images(body):
+        return "multimodal-plain"
+    return None
+
 
 
 # ---------------------------------------------------------------------------------------

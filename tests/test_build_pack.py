@@ -1,6 +1,7 @@
 """tools/build_pack.py and the pack verification (dflash2_pack.verify_pack and
 serve_dflash2.py --verify-pack) on packs built from the tiny synthetic target and drafter."""
 
+import ast
 import json
 import shutil
 import subprocess
@@ -11,10 +12,9 @@ import mlx.core as mx
 import openai
 import pytest
 
-from build_pack import build_pack
+from build_pack import RUNTIME_FILES, build_pack
+from conftest import Server, clean_env, flip_byte, request
 from dflash2_pack import verify_pack
-from test_server import Server, request
-from test_server_cli import clean_env
 
 
 def build(sources, out_dir, target=None):
@@ -45,8 +45,7 @@ def test_layout_pins_and_unchanged_target(built_pack, tiny_pack):
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (built_pack / name).read_bytes() == (tiny_pack["target"] / name).read_bytes()
     assert (built_pack / "drafter" / "config.json").read_bytes() == (tiny_pack["drafter"] / "config.json").read_bytes()
-    for name in ("serve_dflash2.py", "serve.py", "dflash2_policy.py", "requirements.txt", "README.md", "NOTICE.txt",
-                 "evidence"):
+    for name in (*RUNTIME_FILES, "README.md", "NOTICE.txt", "evidence"):
         assert (built_pack / name).exists(), name
     assert "Created using Bonsai by Prism ML" in (built_pack / "NOTICE.txt").read_text()
 
@@ -73,11 +72,9 @@ def test_verify_twice_then_rebuild_gives_identical_sha256sums(built_pack, tiny_p
     assert (pack_copy / "SHA256SUMS").read_bytes() == (built_pack / "SHA256SUMS").read_bytes()
 
 
-def flip_byte(pack_dir):
+def flip_weight_byte(pack_dir):
     path = pack_dir / "model.safetensors"
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x01  # inside the weights, past the header
-    path.write_bytes(bytes(data))
+    flip_byte(path, path.stat().st_size - 100)  # inside the weights, past the header
     return "model.safetensors"
 
 
@@ -99,7 +96,7 @@ def add_unexpected_file(pack_dir):
     return "evidence/notes.txt"
 
 
-@pytest.mark.parametrize("tamper", [flip_byte, edit_config_field, remove_file, add_unexpected_file])
+@pytest.mark.parametrize("tamper", [flip_weight_byte, edit_config_field, remove_file, add_unexpected_file])
 def test_verify_pack_names_the_tampered_file(pack_copy, tamper):
     name = tamper(pack_copy)
     result = verify_from_the_pack(pack_copy)
@@ -232,3 +229,26 @@ def test_invalid_pins_file_is_named_at_start_and_by_verify(pack_copy, pins, mess
     assert verify.returncode == 1 and message in verify.stdout, verify.stdout
     for result in (verify, start):
         assert "Traceback" not in result.stdout + result.stderr
+
+
+REPO = Path(__file__).resolve().parents[1]
+# The top-level modules, entry points first: each imports only modules after it.
+LAYERS = ["serve_dflash2", "serve", "dflash2_engine", "dflash2_gateway", "dflash2_options", "dflash2_http",
+          "dflash2_runtime", "dflash2_policy", "dflash2_pack", "dflash2_audit", "dflash2_kernels"]
+
+
+def imported_modules(path):
+    tree = ast.parse(path.read_text())
+    return {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+            for alias in node.names} | {node.module.split(".")[0] for node in ast.walk(tree)
+                                        if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_the_pack_ships_every_module_and_imports_run_downward():
+    assert {f"{name}.py" for name in LAYERS} == {path.name for path in REPO.glob("*.py")}
+    assert {f"{name}.py" for name in LAYERS} <= set(RUNTIME_FILES)
+    for index, name in enumerate(LAYERS):
+        upward = imported_modules(REPO / f"{name}.py") & set(LAYERS[:index + 1])
+        assert not upward, f"{name} imports {upward}"
+    for path in (REPO / "tools").glob("*.py"):
+        assert not imported_modules(path) & {"serve", "serve_dflash2"}, path.name

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash2_http import ChatRequest, Message  # noqa: E402
+from records import write_record  # noqa: E402
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 4}
 TINY = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 1}
@@ -402,10 +403,7 @@ def main(argv=None):
                 "answers_changed": tally.answers_changed, "rss_kb_before": before, "rss_kb_after": after or 0}
         record.setdefault("schemathesis", {"ran": False, "note": "not run with --quick"})
         record["damaged_packs"] = [] if args.quick else damaged_packs(pack, workdir)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"battery-{record['backend']}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(record))
+    write_record(args.out, f"battery-{record['backend']}", record, markdown(record))
     print(markdown(record))
     failed = any(s["client_5xx"] or s["crashes"] or s["path_leaks"] or s["answers_changed"]
                  for s in record["servers"].values())

@@ -15,7 +15,6 @@ pack; `--pack DIR` measures a built pack's own target and drafter.
 """
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -45,6 +44,7 @@ from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import build_target_model, write_drafter  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from parity import greedy  # noqa: E402
+from records import write_record  # noqa: E402
 
 BLOCK = 8
 # Profiles named by tokens per round at block 8 (seed 003's published figures:
@@ -241,11 +241,8 @@ def main():
         "tokens_identical": identical,
         "seconds": round(time.time() - started, 1),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"bench-{record['backend']}-{'pack' if args.pack else args.size}"
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / f"{name}.md").write_text(summary_markdown(record))
+    write_record(args.out, name, record, summary_markdown(record))
     print(summary_markdown(record))
 
 

@@ -14,7 +14,6 @@ import argparse
 import hashlib
 import json
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -24,14 +23,21 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash2_pack import PackError, check_drafter, check_target  # noqa: E402
+from dflash2_pack import (  # noqa: E402
+    PINS_FILE,
+    SUMS_FILE,
+    PackError,
+    check_drafter,
+    check_target,
+    read_sha256sums,
+    safetensors_header_sha256,
+    sha256_file,
+)
 from make_synthetic_pack import prequantize_drafter  # noqa: E402
-from serve_dflash2 import PINS_FILE, safetensors_header_sha256, sha256_file  # noqa: E402
 
-SUMS_FILE = "SHA256SUMS"
-RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_http.py", "dflash2_runtime.py",
-                 "dflash2_policy.py",
-                 "dflash2_kernels.py", "dflash2_pack.py", "requirements.txt")
+RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_options.py", "dflash2_gateway.py",
+                 "dflash2_http.py", "dflash2_engine.py", "dflash2_runtime.py", "dflash2_policy.py",
+                 "dflash2_audit.py", "dflash2_kernels.py", "dflash2_pack.py", "requirements.txt")
 # Files the pack writes itself; a base file of the same name is replaced, not copied.
 GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)
 # Base files that make no sense beside the DFlash2 runtime (the card lists them).
@@ -99,8 +105,7 @@ def previous_build_files(out_dir):
     if not sums.is_file() or not (out_dir / PINS_FILE).is_file():
         sys.exit(f"error: {out_dir} is not empty and is not a previous pack build "
                  f"(no {SUMS_FILE} / {PINS_FILE}); choose an empty or new folder")
-    listed = {line.split("  ", 1)[1] for line in sums.read_text().splitlines() if line}
-    listed |= {SUMS_FILE}
+    listed = set(read_sha256sums(out_dir)[0]) | {SUMS_FILE}
     unknown = [name for name in source_files(out_dir) if name not in listed]
     if unknown:
         sys.exit(f"error: {out_dir} holds files that no build wrote: {', '.join(unknown[:8])}; "

@@ -17,7 +17,6 @@ speculative with the pack's own drafter) to evidence/fixture-checks-<backend>.*.
 
 import argparse
 import copy
-import json
 import os
 import platform
 import shlex
@@ -42,23 +41,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from oracle_drafter import OracleDrafter  # noqa: E402
+from records import write_record  # noqa: E402
 
 PROMPTS = [
     "Write a short poem about the sea.",
     "List three prime numbers and explain why.",
     "def reverse(s):",
-]
-# (N, K) of every packed matrix kind in Ternary-Bonsai-2-27B (target-and-baselines notes).
-PACKED_SHAPES_27B = [
-    (12288, 5120),  # attention q_proj (gated: 24 heads x 256 x 2)
-    (1024, 5120),  # attention k_proj / v_proj (4 kv heads x 256)
-    (5120, 6144),  # attention o_proj
-    (10240, 5120),  # GDN in_proj_qkv (2 x 16 x 128 + 48 x 128)
-    (6144, 5120),  # GDN in_proj_z
-    (5120, 6144),  # GDN out_proj
-    (17408, 5120),  # MLP gate / up
-    (5120, 17408),  # MLP down
-    (248320, 5120),  # lm_head and embed_tokens
 ]
 
 
@@ -406,7 +394,7 @@ def main():
         exact += token_cases(model, processor.tokenizer, args.max_tokens, all_token_combos())
         fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
     log("kernel self-test")
-    shapes = PACKED_SHAPES_27B if args.kernel_shapes == "27b" else None
+    shapes = list(dflash2_kernels.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
 
     environment = run_environment(
@@ -429,14 +417,10 @@ def main():
         "cases": exact,
         "seconds": round(time.time() - started, 1),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"parity-{backend}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / f"parity-{backend}.md").write_text(summary_markdown(record))
+    write_record(args.out, f"parity-{backend}", record, summary_markdown(record))
     fixture_record = {**environment, "all_identical": all(c["identical"] for c in fixtures), "cases": fixtures}
     if fixtures:
-        (out / f"fixture-checks-{backend}.json").write_text(json.dumps(fixture_record, indent=1) + "\n")
-        (out / f"fixture-checks-{backend}.md").write_text(fixture_markdown(fixture_record))
+        write_record(args.out, f"fixture-checks-{backend}", fixture_record, fixture_markdown(fixture_record))
         print(fixture_markdown(fixture_record))
     print(summary_markdown(record))
     exact = record["exact_mismatches"] == 0 and fixture_record["all_identical"]
