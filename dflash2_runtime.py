@@ -492,6 +492,41 @@ PATCHES = (
         "Relied on: one decode step calls each layer once, in order (the one-row batch cache "
         "path included), so plain steps record the taps capture_layer_ids would.",
     ),
+    # The servers' engine (serve.py's PackGenerator subclasses mlx-vlm's ResponseGenerator;
+    # serve.py itself runs without this runtime, on the pinned mlx-vlm).
+    Patch(
+        "mlx_vlm.server.generation:ResponseGenerator._initialize_model",
+        "e47152fbf3a0708c3cdffd92997586c5c9badeec0e6501b3710feccd52cc6241",
+        "Extended by PackGenerator: loads the drafter right after the target.",
+    ),
+    Patch(
+        "mlx_vlm.server.generation:ResponseGenerator.generate",
+        "76c27ca4e8020006c38e459acccbb5edc68a07ffb8e05511d4e0a6e71d8166d7",
+        "Extended by PackGenerator: the request's record, stop sequences and cancellation "
+        "around the token stream; relied on to check the context budget before queueing.",
+    ),
+    Patch(
+        "mlx_vlm.server.generation:ResponseGenerator._collect_pending_requests",
+        "11773ed949253777ab45d32c87ad2a98ea0a1bf0a58bfd952c41b16543a64140",
+        "Extended by PackGenerator: one sequence at a time, each with its own route.",
+    ),
+    Patch(
+        "mlx_vlm.server.generation:ResponseGenerator.validate_context_budget",
+        "584e9a2aedeb366fc01ca2be74fd0e42d8f2cce94b3cfaf5e4f79e9dcab64468",
+        "Extended by PackGenerator: the check before a stream opens holds the tokenizer lock.",
+    ),
+    Patch(
+        "mlx_vlm.server.generation:get_configured_context_limit",
+        "e57421c0797ca38297d2687426afd8c0b19f9fc60ca912d058fe02b0b3951cf3",
+        "Relied on: the budget is runtime.config.max_kv_size, which start_engine sets to the "
+        "model's context length after the model has loaded.",
+    ),
+    Patch(
+        "mlx_vlm.server.generation:_check_configured_context_budget",
+        "47ccaec08d07e22f233a514e088d3fb3c12500267dd4d75dd1dd7412d16af29d",
+        "Relied on: prompt plus max_tokens above the budget is refused, with the message "
+        "serve.MLX_VLM_CONTEXT_BUDGET reads.",
+    ),
 )
 
 

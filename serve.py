@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote
 
-from dflash2_http import PackLimits, Refusal, check_chat_request, openapi_schema
+from dflash2_http import PackLimits, Refusal, check_chat_request, context_refusal, openapi_schema
 
 logger = logging.getLogger("dflash2.server")
 
@@ -44,6 +44,10 @@ GRACEFUL_SHUTDOWN_S = 3
 MAX_BODY_BYTES = 32 * 1024 * 1024
 LOOPBACK_HOST_HEADER = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?")
 LOOPBACK_ORIGIN = r"https?://(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?"
+# mlx-vlm's refusal of a prompt plus max_tokens beyond its context budget (set to the
+# model's context length in start_engine).
+MLX_VLM_CONTEXT_BUDGET = re.compile(
+    r"Request needs (\d+) context tokens \((\d+) prompt \+ (\d+) max generation\), but MAX_KV_SIZE is (\d+)\.")
 MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 # Environment variables mlx-vlm reads for generation, caching or batching. An inherited
@@ -188,6 +192,21 @@ def public_model_id(requested, pack_dir: Path) -> str:
     return model_id
 
 
+def max_prompt_chars(target_dir: Path, context_length: int):
+    """Characters of text that can never fit in context_length tokens, for a BPE tokenizer
+    with no normalizer but NFC: a token covers at most its longest entry's characters, and
+    NFC joins at most four characters into one. None for other tokenizers."""
+    try:
+        tokenizer = json.loads((target_dir / "tokenizer.json").read_text())
+        model, normalizer = tokenizer["model"], tokenizer.get("normalizer")
+        if model["type"] != "BPE" or normalizer not in (None, {"type": "NFC"}):
+            return None
+        longest = max(map(len, [*model["vocab"], *(token["content"] for token in tokenizer["added_tokens"])]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # mlx-vlm's loader reports a missing or broken tokenizer
+    return 4 * longest * context_length
+
+
 def pack_limits(target_dir: Path, model_id: str, args) -> PackLimits:
     """What requests may ask of this pack (after exit_if_pack_invalid read its config)."""
     text = json.loads((target_dir / "config.json").read_text())["text_config"]
@@ -199,7 +218,8 @@ def pack_limits(target_dir: Path, model_id: str, args) -> PackLimits:
         if not args.allow_image_dir.is_dir():
             sys.exit(f"error: --allow-image-dir {args.allow_image_dir}: not a folder")
         image_dir = Path(os.path.realpath(args.allow_image_dir))
-    return PackLimits(model_id, text["vocab_size"], context, args.top_logprobs_k or 0, image_dir)
+    return PackLimits(model_id, text["vocab_size"], context, args.top_logprobs_k or 0, image_dir,
+                      max_prompt_chars(target_dir, context))
 
 
 # ---------------------------------------------------------------------------------------
@@ -662,14 +682,19 @@ class ChatOutput:
         await self._send(message)
 
     async def reshape_error(self):
-        status, code = self.error_start["status"], "server-error"
+        status, code, param = self.error_start["status"], "server-error", None
+        message = self.scrub(inner_error_message(self.error_body))
         if status < 500:  # FastAPI validation (422) and mlx-vlm's own 4xx: the client's input
-            code = "invalid-request"
+            code, status = "invalid-request", 400 if status == 422 else status
+            budget = MLX_VLM_CONTEXT_BUDGET.fullmatch(message)
+            if budget:
+                refusal = context_refusal("the prompt is {1} tokens and max_tokens is {2}: {0} in all, above "
+                                          "the model's context length of {3}".format(*budget.groups()))
+                code, message, param = refusal.reason, refusal.message, refusal.param
             self.record.mode, self.record.reason = "refused", code
-            status = 400 if status == 422 else status
         self.record.log_arrival()
         self.complete = True
-        await send_json(self._send, status, error_payload(status, code, self.scrub(inner_error_message(self.error_body))))
+        await send_json(self._send, status, error_payload(status, code, message, param))
 
     async def end_with_error(self, status: int, code: str, text: str):
         """Ends the response here: an error response, or an error event once the stream has begun."""
@@ -800,10 +825,13 @@ async def send_json(send, status: int, payload: dict, headers=(), head=False):
 # The engine: mlx-vlm's ResponseGenerator, one sequence at a time, locked to the pack
 
 
-def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top_logprobs_k=None,
-                 load_drafter=None):
+def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefill_step_size=None,
+                 top_logprobs_k=None, load_drafter=None):
     """Loads the target (and, through load_drafter(model), a drafter) in mlx-vlm's worker
     thread and wires mlx-vlm's server to it. Returns (generator, mlx-vlm's FastAPI app).
+
+    A request whose prompt plus max_tokens exceeds context_length is refused after its
+    prompt is tokenized, before it reaches the worker (a stream: before it opens).
 
     A drafter is used only for requests whose record says speculative: stock mlx-vlm
     sends every request through a loaded drafter, sampling ones included.
@@ -828,15 +856,20 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
             record = current_request.get()
             if args is not None:
                 args.pack_record = record  # read back on the worker thread
-            if record is not None:
-                record.log_arrival()
             ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
             tokens = RecordingTokens(tokens, record)
             if record is not None:
+                record.log_arrival()  # after mlx-vlm's own checks (the context budget among them)
                 record.token_stream = tokens
                 if record.cancelled:  # while it waited for its turn
                     tokens.close()
             return ctx, tokens
+
+        def validate_context_budget(self, *args, **kwargs):
+            # mlx-vlm's check before a stream opens tokenizes without the lock generate()
+            # holds around the shared tokenizer.
+            with self._tokenizer_lock:
+                return super().validate_context_budget(*args, **kwargs)
 
         def _collect_pending_requests(self, *, active, capacity=None, **kwargs):
             # Single sequence: admit the next request only when the running one has
@@ -861,6 +894,9 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
         prefill_step_size=prefill_step_size,
     )
     model, processor, config = generator.wait_until_ready()
+    # mlx-vlm's context budget: its loader, which also reads it, has run; from here on
+    # only its prompt checks do.
+    server.runtime.config.max_kv_size = context_length
     server.runtime.response_generator = generator
     server.runtime.model_cache.set("text_generation", {
         "model_path": model_id, "adapter_path": None, "model": model, "processor": processor,
@@ -933,7 +969,8 @@ def main(argv=None):
     exit_if_pack_invalid(target_dir)
     limits = pack_limits(target_dir, model_id, args)
     pass_options_to_mlx_vlm(args)
-    generator, inner_app = start_engine(target_dir, model_id, prefill_step_size=args.prefill_step_size,
+    generator, inner_app = start_engine(target_dir, model_id, limits.context_length,
+                                        prefill_step_size=args.prefill_step_size,
                                         top_logprobs_k=args.top_logprobs_k)
     warm_up(generator, "plain")
     serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, request_timeout=args.request_timeout,

@@ -331,7 +331,7 @@ def main(argv=None):
 
     pass_options_to_mlx_vlm(args)
     generator, inner_app = start_engine(
-        target_dir, model_id, prefill_step_size=args.prefill_step_size,
+        target_dir, model_id, limits.context_length, prefill_step_size=args.prefill_step_size,
         top_logprobs_k=args.top_logprobs_k, load_drafter=None if args.no_dflash2 else load_drafter)
     if speculation["error"]:
         generator.stop_and_join()
