@@ -194,8 +194,8 @@ def public_model_id(requested, pack_dir: Path) -> str:
 
 def max_prompt_chars(target_dir: Path, context_length: int):
     """Characters of text that can never fit in context_length tokens, for a BPE tokenizer
-    with no normalizer but NFC: a token covers at most its longest entry's characters, and
-    NFC joins at most four characters into one. None for other tokenizers."""
+    whose only normalizer is NFC (or none): a token covers at most its longest entry's
+    characters, and NFC joins at most four characters into one. None for other tokenizers."""
     try:
         tokenizer = json.loads((target_dir / "tokenizer.json").read_text())
         model, normalizer = tokenizer["model"], tokenizer.get("normalizer")
