@@ -103,6 +103,11 @@ REPLACED = (
         "admitted request's route.",
     ),
     Audited(
+        "mlx_vlm.server.generation:ResponseGenerator.validate_context_budget",
+        "584e9a2aedeb366fc01ca2be74fd0e42d8f2cce94b3cfaf5e4f79e9dcab64468",
+        "Extended by the engine: the check before a stream opens holds the tokenizer lock.",
+    ),
+    Audited(
         "mlx_vlm.server.app:get_cached_model",
         "32f3dcea3e7c0617bc3e3c787afa6cbc329de7fb768e43128e3c76148b053bde",
         "Swapped by the engine (under this name and mlx_vlm.server's, the same function): a "
@@ -245,6 +250,18 @@ AUDITED = (
         "mlx_vlm.server.generation:GenerationArguments",
         "98083c9de47f873427d238f68ce5e512b18c04a93c83f18c3c70d7f057123fe3",
         "Warm-up builds its greedy request arguments with it.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:get_configured_context_limit",
+        "e57421c0797ca38297d2687426afd8c0b19f9fc60ca912d058fe02b0b3951cf3",
+        "Relied on: the budget is runtime.config.max_kv_size, which the engine sets to the "
+        "model's context length after the model has loaded.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:_check_configured_context_budget",
+        "47ccaec08d07e22f233a514e088d3fb3c12500267dd4d75dd1dd7412d16af29d",
+        "Relied on: prompt plus max_tokens above the budget is refused, with the message "
+        "dflash2_gateway.MLX_VLM_CONTEXT_BUDGET reads.",
     ),
     Audited(
         "mlx_vlm.server.runtime:ServerRuntime",

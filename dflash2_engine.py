@@ -136,11 +136,14 @@ class RecordingTokens:
 
 
 
-def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top_logprobs_k=None,
-                 drafter: DrafterSetup = None):
+def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefill_step_size=None,
+                 top_logprobs_k=None, drafter: DrafterSetup = None):
     """Checks the audited mlx-vlm sources, loads the target (and with a DrafterSetup, the
     drafter: generator.speculation says how that went) in mlx-vlm's worker thread and wires
     mlx-vlm's server to it. Returns (generator, mlx-vlm's FastAPI app).
+
+    A request whose prompt plus max_tokens exceeds context_length is refused after its
+    prompt is tokenized, before it reaches the worker (a stream: before it opens).
 
     A drafter is used only for requests routed speculative: stock mlx-vlm sends every
     request through a loaded drafter, sampling ones included.
@@ -179,10 +182,8 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
 
         def generate(self, prompt, images=None, audio=None, args=None, **kwargs):
             record = current_request.get()
-            if record is not None:
-                record.log_arrival()
-                if args is not None:
-                    self.waiting_records[id(args)] = record
+            if record is not None and args is not None:
+                self.waiting_records[id(args)] = record
             try:
                 ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
             finally:
@@ -190,10 +191,17 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
                     self.waiting_records.pop(id(args), None)
             tokens = RecordingTokens(tokens, record)
             if record is not None:
+                record.log_arrival()  # after mlx-vlm's own checks (the context budget among them)
                 record.token_stream = tokens
                 if record.cancelled:  # while it waited for its turn
                     tokens.close()
             return ctx, tokens
+
+        def validate_context_budget(self, *args, **kwargs):
+            # mlx-vlm's check before a stream opens tokenizes without the lock generate()
+            # holds around the shared tokenizer.
+            with self._tokenizer_lock:
+                return super().validate_context_budget(*args, **kwargs)
 
         def _collect_pending_requests(self, *, active, capacity=None, **kwargs):
             # Single sequence: admit the next request only when the running one has
@@ -218,6 +226,9 @@ def start_engine(target_dir: Path, model_id: str, *, prefill_step_size=None, top
         prefill_step_size=prefill_step_size,
     )
     model, processor, config = generator.wait_until_ready()
+    # mlx-vlm's context budget: its loader, which also reads it, has run; from here on
+    # only its prompt checks do.
+    server.runtime.config.max_kv_size = context_length
     server.runtime.response_generator = generator
     server.runtime.model_cache.set("text_generation", {
         "model_path": model_id, "adapter_path": None, "model": model, "processor": processor,

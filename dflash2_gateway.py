@@ -25,12 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote
 
-from dflash2_http import Refusal, openapi_schema
+from dflash2_http import Refusal, context_refusal, openapi_schema
 
 logger = logging.getLogger("dflash2.server")
 
 GRACEFUL_SHUTDOWN_S = 3
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# mlx-vlm's refusal of a prompt plus max_tokens beyond its context budget (set to the
+# model's context length in dflash2_engine.start_engine).
+MLX_VLM_CONTEXT_BUDGET = re.compile(
+    r"Request needs (\d+) context tokens \((\d+) prompt \+ (\d+) max generation\), but MAX_KV_SIZE is (\d+)\.")
 LOOPBACK_HOST_HEADER = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?")
 LOOPBACK_ORIGIN = r"https?://(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?"
 
@@ -442,14 +446,19 @@ class ChatOutput:
         await self._send(message)
 
     async def reshape_error(self):
-        status, code = self.error_start["status"], "server-error"
+        status, code, param = self.error_start["status"], "server-error", None
+        message = self.scrub(inner_error_message(self.error_body))
         if status < 500:  # FastAPI validation (422) and mlx-vlm's own 4xx: the client's input
-            code = "invalid-request"
+            code, status = "invalid-request", 400 if status == 422 else status
+            budget = MLX_VLM_CONTEXT_BUDGET.fullmatch(message)
+            if budget:
+                refusal = context_refusal("the prompt is {1} tokens and max_tokens is {2}: {0} in all, above "
+                                          "the model's context length of {3}".format(*budget.groups()))
+                code, message, param = refusal.reason, refusal.message, refusal.param
             self.record.mode, self.record.reason = "refused", code
-            status = 400 if status == 422 else status
         self.record.log_arrival()
         self.complete = True
-        await send_json(self._send, status, error_payload(status, code, self.scrub(inner_error_message(self.error_body))))
+        await send_json(self._send, status, error_payload(status, code, message, param))
 
     async def end_with_error(self, status: int, code: str, text: str):
         """Ends the response here: an error response, or an error event once the stream has begun."""

@@ -36,6 +36,11 @@ def invalid(param: str, message: str):
     return Refusal(400, "invalid-request", f"{param}: {message}", param)
 
 
+def context_refusal(detail: str) -> Refusal:
+    return Refusal(400, "context-length-exceeded",
+                   f"messages: {detail}; shorten the messages or lower max_tokens", "messages")
+
+
 @dataclass(frozen=True)
 class PackLimits:
     """What the pack and the server's options allow a request to ask for."""
@@ -45,6 +50,7 @@ class PackLimits:
     context_length: int
     top_logprobs_k: int = 0
     image_dir: Optional[Path] = None
+    max_prompt_chars: Optional[int] = None  # more characters of user text never fit the context
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,6 +341,17 @@ def check_sampling(request: ChatRequest, limits: PackLimits):
                                           "alternatives per token (its --top-logprobs-k)")
 
 
+def user_text_chars(request: ChatRequest) -> int:
+    """Characters of the user messages' text, which every chat template renders as is."""
+    total = 0
+    for message in request.messages:
+        if message.role == "user" and isinstance(message.content, str):
+            total += len(message.content)
+        elif message.role == "user" and message.content:
+            total += sum(len(part.text) for part in message.content if isinstance(part, TextPart))
+    return total
+
+
 def check_chat_request(body, limits: PackLimits) -> dict:
     """Validates a chat completion body; returns it normalised for mlx-vlm.
 
@@ -367,6 +384,10 @@ def check_chat_request(body, limits: PackLimits) -> dict:
     check_tools(request)
     if isinstance(body.get("stop"), str):
         body["stop"] = [body["stop"]]
+    if limits.max_prompt_chars is not None and user_text_chars(request) > limits.max_prompt_chars:
+        # Refused before anything tokenizes it; longer prompts are measured after tokenizing.
+        raise context_refusal(f"the user messages hold more than {limits.max_prompt_chars} characters, more "
+                              f"than the model's context of {limits.context_length} tokens can take")
     body["messages"] = [check_message(raw, message, f"messages[{index}]", limits)
                         for index, (raw, message) in enumerate(zip(body["messages"], request.messages))]
     return body

@@ -161,6 +161,21 @@ def public_model_id(requested, pack_dir: Path) -> str:
     return model_id
 
 
+def max_prompt_chars(target_dir: Path, context_length: int):
+    """Characters of text that can never fit in context_length tokens, for a BPE tokenizer
+    whose only normalizer is NFC (or none): a token covers at most its longest entry's
+    characters, and NFC joins at most four characters into one. None for other tokenizers."""
+    try:
+        tokenizer = json.loads((target_dir / "tokenizer.json").read_text())
+        model, normalizer = tokenizer["model"], tokenizer.get("normalizer")
+        if model["type"] != "BPE" or normalizer not in (None, {"type": "NFC"}):
+            return None
+        longest = max(map(len, [*model["vocab"], *(token["content"] for token in tokenizer["added_tokens"])]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # mlx-vlm's loader reports a missing or broken tokenizer
+    return 4 * longest * context_length
+
+
 def pack_limits(target_dir: Path, model_id: str, args) -> PackLimits:
     """What requests may ask of this pack (after exit_if_pack_invalid read its config)."""
     text = json.loads((target_dir / "config.json").read_text())["text_config"]
@@ -172,4 +187,5 @@ def pack_limits(target_dir: Path, model_id: str, args) -> PackLimits:
         if not args.allow_image_dir.is_dir():
             sys.exit(f"error: --allow-image-dir {args.allow_image_dir}: not a folder")
         image_dir = Path(os.path.realpath(args.allow_image_dir))
-    return PackLimits(model_id, text["vocab_size"], context, args.top_logprobs_k or 0, image_dir)
+    return PackLimits(model_id, text["vocab_size"], context, args.top_logprobs_k or 0, image_dir,
+                      max_prompt_chars(target_dir, context))

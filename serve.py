@@ -37,7 +37,8 @@ def main(argv=None):
     exit_if_pack_invalid(target_dir)
     limits = pack_limits(target_dir, model_id, args)
     pass_options_to_mlx_vlm(args)
-    generator, inner_app = start_engine(target_dir, model_id, prefill_step_size=args.prefill_step_size,
+    generator, inner_app = start_engine(target_dir, model_id, limits.context_length,
+                                        prefill_step_size=args.prefill_step_size,
                                         top_logprobs_k=args.top_logprobs_k)
     warm_up(generator, "plain")
     serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, request_timeout=args.request_timeout,

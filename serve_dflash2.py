@@ -141,7 +141,8 @@ def main(argv=None):
         dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
              candidate_selector=args.dflash2_candidate_selector, sliding_window=args.dflash2_sliding_window),
         read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None)
-    generator, inner_app = start_engine(target_dir, model_id, prefill_step_size=args.prefill_step_size,
+    generator, inner_app = start_engine(target_dir, model_id, limits.context_length,
+                                        prefill_step_size=args.prefill_step_size,
                                         top_logprobs_k=args.top_logprobs_k, drafter=drafter)
     if generator.speculation.error:
         generator.stop_and_join()

@@ -35,6 +35,12 @@ async def stub_mlx_vlm(scope, receive, send):
     if scope["type"] != "http":
         return
     body = json.loads((await receive())["body"])
+    if body["messages"][0]["content"] == "over budget":  # mlx-vlm's own context-budget refusal
+        detail = "Request needs 32800 context tokens (32700 prompt + 100 max generation), but MAX_KV_SIZE is 32768."
+        payload = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": payload})
+        return
     if body.get("stream"):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
@@ -61,8 +67,8 @@ def image_dir(tmp_path_factory):
     return folder
 
 
-def make_client(image_dir=None, top_logprobs_k=5, server_reason=None):
-    limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve())
+def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None):
+    limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
 
     def decide(body):
         return route_chat(check_chat_request(body, limits), server_reason=server_reason)
@@ -236,6 +242,37 @@ def test_values_at_the_limits_pass(client):
     forwarded = response.json()["forwarded"]
     assert "stop" not in forwarded  # applied by the gateway, not mlx-vlm
     assert forwarded["logit_bias"] == body["logit_bias"] and forwarded["model"] == MODEL_ID
+
+
+def test_user_text_beyond_any_prompt_that_fits_is_refused_untokenized():
+    client = make_client(max_prompt_chars=100)
+    parts = [{"type": "text", "text": "a" * 50}, {"type": "text", "text": "b" * 50}]
+    fits = [{"role": "system", "content": "s" * 500}, {"role": "user", "content": parts}]
+    assert post(client, {"messages": fits}).status_code == 200  # only user text counts
+    too_long = [*fits, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "c"}]
+    error = assert_refused(post(client, {"messages": too_long}), 400, "context-length-exceeded", "messages")
+    assert "more than 100 characters" in error["message"]
+
+
+def test_mlx_vlm_context_budget_refusal_is_reshaped(client):
+    body = {"messages": [{"role": "user", "content": "over budget"}], "max_tokens": 100}
+    for stream in (False, True):
+        error = assert_refused(post(client, {**body, "stream": stream}), 400, "context-length-exceeded", "messages")
+        assert error["message"] == ("messages: the prompt is 32700 tokens and max_tokens is 100: 32800 in all, above "
+                                    "the model's context length of 32768; shorten the messages or lower max_tokens")
+
+
+def test_max_prompt_chars_from_the_tokenizer(tmp_path):
+    from dflash2_options import max_prompt_chars
+
+    tokenizer = {"normalizer": {"type": "NFC"}, "model": {"type": "BPE", "vocab": {"a": 0, "abcd": 1}},
+                 "added_tokens": [{"content": "<|im_start|>"}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert max_prompt_chars(tmp_path, 1000) == 4 * len("<|im_start|>") * 1000
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**tokenizer, "normalizer": {"type": "Lowercase"}}))
+    assert max_prompt_chars(tmp_path, 1000) is None  # another normalizer: no bound is known
+    (tmp_path / "tokenizer.json").unlink()
+    assert max_prompt_chars(tmp_path, 1000) is None
 
 
 def test_unknown_fields_deep_in_the_request(client):

@@ -40,6 +40,7 @@ from conftest import SEEN, Response, Server, request, write_pins
 REPO = Path(__file__).resolve().parents[1]
 PACK_NAME = "tiny-dflash2-pack"
 MAX_TOKENS = 5
+CONTEXT = 32768  # the tiny pack's max_position_embeddings
 REQUEST_TIMEOUT_S = 20
 LONG = 30000  # max_tokens no request here reaches: it ends by cancellation
 # Rounds pay at good acceptance; the pack's random drafter accepts nothing, so after the
@@ -407,6 +408,35 @@ def test_values_that_crashed_the_server_are_refused(servers, name):
         response = request(server, "POST", "/v1/chat/completions", {"messages": MESSAGES, **fields})
         assert 400 <= response.status < 500 and response.json()["error"]["param"] == param, response.body
     assert server.process.poll() is None
+    assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
+
+
+@pytest.mark.parametrize("name", ["spec", "plain"])
+def test_prompts_beyond_the_context_are_refused_before_generation(servers, name):
+    server = servers[name]
+    since = len(server.log())
+    long_text = "hello world the quick brown fox " * 2100  # 33,600 tokens of the tiny pack's tokenizer
+    cases = [
+        ({"messages": MESSAGES, "max_tokens": CONTEXT}, "max_tokens is 32768"),  # the prompt's tokens on top
+        ({"messages": [{"role": "user", "content": long_text}], "max_tokens": 1}, "the prompt is 336"),
+        ({"messages": [{"role": "user", "content": long_text}], "max_tokens": 1, "stream": True}, "the prompt is 336"),
+        ({"messages": [{"role": "user", "content": "a" * 2_700_000}]}, "more than 2621440 characters"),  # untokenized
+    ]
+    for body, detail in cases:
+        response = request(server, "POST", "/v1/chat/completions", {**body, "temperature": 0})
+        assert response.status == 400, response.body
+        assert response.headers["content-type"] == "application/json"
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context-length-exceeded", "messages")
+        assert detail in error["message"] and f"{CONTEXT}" in error["message"]
+        assert "MAX_KV_SIZE" not in error["message"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens is 2048") as refused:  # the default max_tokens
+        create_streamed(server, {"messages": [{"role": "user", "content": long_text}], "temperature": 0})
+    assert (refused.value.code, refused.value.param) == ("context-length-exceeded", "messages")
+    # Logged as refused, never as generating; the server answers as before.
+    arrivals = [line for line in server.log()[since:].splitlines() if "POST /v1/chat/completions:" in line]
+    assert len(arrivals) == len(cases) + 1, arrivals
+    assert all(line.endswith(": refused; reason=context-length-exceeded") for line in arrivals), arrivals
     assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
 
 
