@@ -208,7 +208,7 @@ def summary_markdown(record):
     if record.get("kernel_build_seconds"):
         builds = record["kernel_build_seconds"]
         lines += [
-            f"First-call (NVRTC build) seconds by rows, default launch table: "
+            "First-call (NVRTC build) seconds by rows, default launch table: "
             + ", ".join(f"{rows}: {value}" for rows, value in builds.items())
             + f" (total {round(sum(builds.values()), 1)} s per process)",
             "",
