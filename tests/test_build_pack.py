@@ -50,6 +50,21 @@ def test_layout_pins_and_unchanged_target(built_pack, tiny_pack):
     assert "Created using Bonsai by Prism ML" in (built_pack / "NOTICE.txt").read_text()
 
 
+def test_readme_is_a_model_card_filled_from_evidence(built_pack, tiny_pack):
+    card = (built_pack / "README.md").read_text()
+    front = card.split("---\n")[1]
+    for key in ("license:", "base_model:", "library_name: mlx", "pipeline_tag:", "tags:"):
+        assert key in front, key
+    for section in ("## Check and serve", "## Routing", "## How it works", "## Correctness",
+                    "## Measured speed", "## Limitations", "## Licenses and attribution"):
+        assert section in card, section
+    # Figures come from the records as written: the parity record's count appears verbatim.
+    parity = json.loads((built_pack / "evidence" / "parity-cuda.json").read_text())
+    assert f"| exact_mismatches | {parity['exact_mismatches']} |" in card
+    bench = json.loads((built_pack / "evidence" / "bench-cuda-27b.json").read_text())
+    assert f"| e2e_speedup.chat | {bench['e2e_speedup']['chat']} |" in card
+
+
 @pytest.mark.parametrize("tool", [["sha256sum", "-c"], ["shasum", "-a", "256", "-c"]])
 def test_checksum_tools_accept_sha256sums(built_pack, tool):
     if shutil.which(tool[0]) is None:

@@ -155,23 +155,63 @@ def notice_text(base_dir, drafter_dir):
 
 
 def evidence_rows(evidence):
-    """Markdown table rows of the top-level figures of one evidence JSON, copied as written."""
+    """Markdown table rows of the figures of one evidence JSON, copied as written: its
+    top-level values, and one level into tables of values (e.g. e2e_speedup.chat)."""
     rows = []
     for key, value in evidence.items():
         if isinstance(value, (bool, int, float, str)) and key != "command":
             rows.append(f"| {key} | {value} |")
+        elif isinstance(value, dict) and value and all(
+            isinstance(item, (bool, int, float, str)) for item in value.values()
+        ):
+            rows += [f"| {key}.{name} | {item} |" for name, item in value.items()]
     return rows
 
 
-def readme_text(pack_dir, pins):
-    """The README card: sources, contents and the evidence figures, filled from files."""
+def card_license(base_dir) -> str:
+    """The base pack's license from its README's card metadata ("other" if none)."""
+    readme = base_dir / "README.md"
+    text = readme.read_text(errors="replace") if readme.is_file() else ""
+    front = re.match(r"---\n(.*?)\n---", text, re.S)
+    license_line = front and re.search(r"^license:\s*(\S+)", front.group(1), re.M)
+    return license_line.group(1) if license_line else "other"
+
+
+def card_results(pack_dir) -> list:
+    """Correctness and speed lines filled from the pack's own evidence records."""
+    lines = []
+    for name, label in (("parity-", "Correctness"), ("bench-", "Measured speed")):
+        records = sorted((pack_dir / "evidence").glob(f"{name}*.json"))
+        lines += ["", f"## {label}", ""]
+        if not records:
+            lines.append("No record in evidence/ yet: run `python tools/make_evidence.py --pack DIR`.")
+        for path in records:
+            record = json.loads(path.read_text())
+            where = f"{record.get('backend', '?')} ({record.get('device', '?')})"
+            lines += [f"From `evidence/{path.name}` on {where}; command `{record.get('command', 'not recorded')}`:",
+                      "", "| figure | value |", "| --- | --- |", *evidence_rows(record), ""]
+    return lines
+
+
+def readme_text(pack_dir, base_dir, pins):
+    """The pack's Hugging Face model card: metadata, what it is, how to check and serve it,
+    routing, how it works, correctness and speed filled from evidence/, limits, licenses."""
     base, drafter = pins["base"], pins["drafter"]
     lines = [
+        "---",
+        f"license: {card_license(base_dir)}",
+        f"base_model: {base['source']}",
+        "library_name: mlx",
+        "pipeline_tag: image-text-to-text",
+        "tags: [mlx, mlx-vlm, dflash2, speculative-decoding, qwen3.5, 2-bit]",
+        "---",
+        "",
         f"# {base['source']} with DFlash2",
         "",
-        "The base pack's files, unchanged, with a DFlash2 drafter and the runtime that serves it.",
-        "Greedy output is token-identical to plain decoding; the figures below are copied",
-        "from the evidence files written by the pack's scripts.",
+        "The base pack's files, unchanged, with a DFlash 2 drafter and the runtime that serves",
+        "it on pinned mlx-vlm. Greedy output is token-identical to plain decoding of the same",
+        "pack: the target verifies each drafted block with the arithmetic of its own",
+        "single-token decode step, bit for bit, and rolls back what it rejects.",
         "",
         "| part | source | revision |",
         "| --- | --- | --- |",
@@ -180,15 +220,44 @@ def readme_text(pack_dir, pins):
         "",
         "Runtime pins: " + ", ".join(f"{name}=={version}" for name, version in pins["runtime"].items()),
         "",
-        "Check the download: `shasum -a 256 -c SHA256SUMS` (or `sha256sum -c SHA256SUMS`), then",
-        "`python serve_dflash2.py --verify-pack`. Serve: `python serve_dflash2.py`; plain: `python serve.py`.",
+        "## Check and serve",
         "",
-        "## Evidence",
+        "```",
+        "shasum -a 256 -c SHA256SUMS && python serve_dflash2.py --verify-pack",
+        "python -m pip install -r requirements.txt",
+        "python serve_dflash2.py          # DFlash2, OpenAI-compatible, 127.0.0.1:8080",
+        "python serve.py                  # plain decoding, same pack",
+        "```",
+        "",
+        "## Routing",
+        "",
+        "Every response says how it was served in its `x-dflash2` header: `speculative`",
+        "(explicit temperature 0, no logprobs, penalties or logit_bias, n = 1), `fallback;",
+        "reason=...` (served plain, same answer as `serve.py`), or `refused; reason=...` (HTTP",
+        "4xx naming the field). `/health` reports the start-up self-tests, the exact verify",
+        "self-check, plain decode's path and the measured round costs.",
+        "",
+        "## How it works",
+        "",
+        "At start-up the runtime checks the audited mlx-vlm sources (any drift refuses to",
+        "start), self-tests every exact kernel bit for bit at this pack's shapes, and runs one",
+        "verify round per block size against plain decode steps on the pack's own weights,",
+        "with stock verify as the negative control; anything that differs turns speculation",
+        "off. Per request, a round policy picks each block, or plain decode steps, from the",
+        "round costs measured on this machine and the request's acceptance.",
+        *card_results(pack_dir),
+        "## Limitations",
+        "",
+        "- Only greedy requests are speculative; sampling, logprobs, penalties and logit_bias",
+        "  are served plain.",
+        "- One sequence at a time; every turn prefills its whole prompt.",
+        "- Metal kernels are written from MLX's source; they serve only after passing their",
+        "  self-test on the user's machine.",
+        "",
+        "## Licenses and attribution",
+        "",
+        "See NOTICE.txt: the base pack's and the drafter's notices are kept there unchanged.",
     ]
-    for path in sorted((pack_dir / "evidence").glob("*.json")):
-        evidence = json.loads(path.read_text())
-        lines += ["", f"### evidence/{path.name}", "", f"Command: `{evidence.get('command', 'not recorded')}`",
-                  "", "| figure | value |", "| --- | --- |", *evidence_rows(evidence)]
     return "\n".join(lines) + "\n"
 
 
@@ -253,7 +322,7 @@ def build_pack(base, drafter, out_dir, dry_run=False, drafter_form="as-is"):
         "runtime": runtime_pins(),
         "config_sha256": {name: digests[name] for name in ("config.json", "drafter/config.json")},
     }
-    digests["README.md"] = write_text(out_dir / "README.md", readme_text(out_dir, pins))
+    digests["README.md"] = write_text(out_dir / "README.md", readme_text(out_dir, base_dir, pins))
     pins["files"] = {name: file_pin(out_dir / name, digests[name]) for name in sorted(digests)}
     digests[PINS_FILE] = write_text(out_dir / PINS_FILE, json.dumps(pins, indent=2, sort_keys=True) + "\n")
 
