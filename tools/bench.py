@@ -7,9 +7,11 @@ Run on a GPU machine (it builds a random-weight 27B-shape target in memory and a
 one process, warm-up first, arms interleaved (ABAB), median of --repeats with min and
 max: the plain decode step; the exact verify round for blocks 2..8 (forward, greedy
 choice, cache commit with rollback) and the drafter, as ratios to the decode step;
-plain decoding with the runtime installed against stock; end-to-end tokens per second,
+plain decoding with the runtime installed (each decode arm) against stock; the round
+policy's cost table as the server measures it at warm-up; end-to-end tokens per second,
 plain against speculative with the oracle drafter (paying the real drafter's cost each
-round) at the acceptance profiles below; token identity. It writes
+round) at the acceptance profiles below, under the round policy and at each fixed block of
+--fixed-blocks; token identity. It writes
 evidence/bench-<backend>-<size>.json and .md. `--size tiny` runs the same on the tiny
 pack; `--pack DIR` measures a built pack's own target and drafter.
 """
@@ -39,6 +41,7 @@ from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E4
 from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
 import dflash2_kernels  # noqa: E402
+import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import build_target_model, write_drafter  # noqa: E402
@@ -123,7 +126,12 @@ def main():
     parser.add_argument("--context", type=int, default=32, help="prompt tokens before timing")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per end-to-end run")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fixed-blocks", default="2,3,4,5,6,7,8",
+                        help="fixed blocks measured end to end beside the round policy (must include 8)")
     args = parser.parse_args()
+    fixed_blocks = sorted({int(block) for block in args.fixed_blocks.split(",")})
+    if BLOCK not in fixed_blocks or not all(2 <= block <= BLOCK for block in fixed_blocks):
+        parser.error(f"--fixed-blocks: blocks 2..{BLOCK}, including {BLOCK} (the profiles are named at it)")
     started = time.time()
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
 
@@ -139,9 +147,12 @@ def main():
                 write_drafter(Path(folder) / form, args.size, seed=0, form=form)
                 drafters[form], _ = load_drafter(Path(folder) / form)
     mx.eval([drafter.parameters() for drafter in drafters.values()])
+    for drafter in drafters.values():  # as the server configures its drafter (blocks 2..8)
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions())
     lm = model.language_model
     log("target and drafters ready")
-    cost_drafter = next(iter(drafters.values()))  # the end-to-end profiles pay this one's cost
+    # The end-to-end profiles pay the form a pack should ship: 4-bit when there is one.
+    cost_drafter = drafters.get("4bit", next(iter(drafters.values())))
     drafter_names = {id(drafter): form for form, drafter in drafters.items()}
     taps = list(cost_drafter.config.target_layer_ids)
     prompt = [(17 * i + 3) % 200 + 1 for i in range(args.context)]
@@ -156,9 +167,12 @@ def main():
     verify = {L: rounds[f"verify {L}"]["median"] / decode_ms for L in range(2, BLOCK + 1)}
     drafter_cost = {form: rounds[f"draft {form}"]["median"] / decode_ms for form in drafters}
     log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}")
+    costs = dflash2_policy.measure_round_costs(model, cost_drafter)
+    log(f"round policy costs: {costs.summary()}")
 
-    # End to end: stock plain, installed plain and one speculative arm per profile,
-    # interleaved in one loop so every arm sees the same machine state.
+    # End to end: plain under each decode arm ("mlx" is stock), and per profile the round
+    # policy and each fixed block, interleaved in one loop so every arm sees the same
+    # machine state.
     vocab = lm.lm_head.weight.shape[0]
     prompt_ids = mx.array([prompt[:8]])
     dflash2_runtime.use_decode_arm("mlx")
@@ -172,45 +186,65 @@ def main():
 
         return run
 
-    def speculative_arm(profile, drafter=cost_drafter):
+    def speculative_arm(profile, block=None, drafter=cost_drafter):
+        """block None: the round policy (ceiling BLOCK), as the server runs it."""
         accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
 
         def run():
             dflash2_runtime.use_decode_arm(chosen_arm)
             oracle = OracleDrafter(
-                reference, vocab_size=vocab, accepted_per_round=accepted, block_size=BLOCK,
+                reference, vocab_size=vocab, accepted_per_round=accepted, block_size=block or BLOCK,
                 target_layer_ids=taps, cost_drafter=drafter,
             )
-            key = profile if drafter is cost_drafter else f"{profile}, {drafter_names[id(drafter)]}"
-            outputs[key] = greedy(model, prompt_ids, args.tokens, drafter=oracle, block_size=BLOCK)
+            oracle.round_costs = costs
+            oracle.prefer_requested_block_size = block is not None
+            key = arm_name(profile, block, drafter)
+            outputs[key] = greedy(model, prompt_ids, args.tokens, drafter=oracle, block_size=block or BLOCK)
             oracles[key] = oracle
 
         return run
 
-    arms = {"stock plain": timed_ms(plain_arm("mlx")), "plain": timed_ms(plain_arm(chosen_arm))}
-    arms.update({profile: timed_ms(speculative_arm(profile)) for profile in PROFILE_TOKENS_PER_ROUND})
-    # The other drafter forms' cost at the same acceptance (proposals may differ with real
-    # weights; the tokens may not).
+    def arm_name(profile, block, drafter=cost_drafter):
+        name = f"{profile}, {'policy' if block is None else f'block {block}'}"
+        return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
+
+    arms = {f"plain {arm}": timed_ms(plain_arm(arm)) for arm in dflash2_runtime.DECODE_ARMS}
+    for profile in PROFILE_TOKENS_PER_ROUND:
+        arms[arm_name(profile, None)] = timed_ms(speculative_arm(profile))
+        for block in fixed_blocks:
+            arms[arm_name(profile, block)] = timed_ms(speculative_arm(profile, block))
+    # The other drafter forms' cost at the same acceptance, block 8 (proposals may differ
+    # with real weights; the tokens may not).
     for form, drafter in drafters.items():
         if drafter is not cost_drafter:
             for profile in ("chat", "median", "code"):
-                arms[f"{profile}, {form} drafter"] = timed_ms(speculative_arm(profile, drafter))
+                arms[arm_name(profile, BLOCK, drafter)] = timed_ms(speculative_arm(profile, BLOCK, drafter))
     e2e_ms = dflash2_runtime.interleaved_ms(arms, args.repeats)
     dflash2_runtime.use_decode_arm(chosen_arm)
-    plain_ms = e2e_ms["plain"]["median"]
-    e2e = {profile: plain_ms / e2e_ms[profile]["median"] for profile in PROFILE_TOKENS_PER_ROUND}
+    plain_ms = e2e_ms[f"plain {chosen_arm}"]["median"]
+    speedup = {name: plain_ms / stats["median"] for name, stats in e2e_ms.items()}
+    e2e = {profile: speedup[arm_name(profile, None)] for profile in PROFILE_TOKENS_PER_ROUND}
+    e2e_fixed = {
+        profile: {str(block): speedup[arm_name(profile, block)] for block in fixed_blocks}
+        for profile in PROFILE_TOKENS_PER_ROUND
+    }
+    policy_vs_best_fixed = {profile: e2e[profile] / max(e2e_fixed[profile].values()) for profile in e2e}
+    round_counts = {
+        profile: vars(oracles[arm_name(profile, None)].round_counts) for profile in PROFILE_TOKENS_PER_ROUND
+    }
+    # Profiles are named by tokens per round at block 8.
     tokens_per_round = {
-        profile: (args.tokens - 1) / max(1, len(oracles[profile].accept_lens))
+        profile: (args.tokens - 1) / max(1, len(oracles[arm_name(profile, BLOCK)].accept_lens))
         for profile in PROFILE_TOKENS_PER_ROUND
     }
     e2e_by_form = {
-        form: {profile: plain_ms / e2e_ms[f"{profile}, {form} drafter"]["median"]
-               for profile in ("chat", "median", "code")}
+        form: {profile: speedup[arm_name(profile, BLOCK, drafter)] for profile in ("chat", "median", "code")}
         for form, drafter in drafters.items() if drafter is not cost_drafter
     }
     identical = all(output == reference for output in outputs.values())
     counts = primitive_counts()
-    log(f"e2e {e2e}; tokens per round {tokens_per_round}; identical {identical}")
+    log(f"e2e (policy) {e2e}; policy / best fixed block {policy_vs_best_fixed}; "
+        f"tokens per round at block {BLOCK} {tokens_per_round}; identical {identical}")
 
     record = {
         "size": Path(args.pack).name if args.pack else args.size,
@@ -221,6 +255,7 @@ def main():
         "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
         "plain_decode_path": {"arm": chosen_arm, "why": status.decode_path.why,
                               "step_ms_by_arm": status.decode_path.step_ms},
+        "round_costs": costs.to_json(),
         "context_tokens": args.context,
         "tokens": args.tokens,
         "repeats": args.repeats,
@@ -229,9 +264,15 @@ def main():
         "verify_ratio_by_block": verify,
         "drafter_ratio_by_form": drafter_cost,
         "e2e_ms": e2e_ms,
-        "installed_plain_ratio": e2e_ms["stock plain"]["median"] / plain_ms,
+        "installed_plain_ratio": e2e_ms["plain mlx"]["median"] / plain_ms,
+        "plain_ratio_by_arm": {arm: e2e_ms["plain mlx"]["median"] / e2e_ms[f"plain {arm}"]["median"]
+                               for arm in dflash2_runtime.DECODE_ARMS},
+        # The round policy, as the server runs it; then each fixed block.
         "e2e_speedup": e2e,
-        "cost_drafter_form": next(iter(drafters)),
+        "e2e_speedup_fixed_block": e2e_fixed,
+        "policy_vs_best_fixed_block": policy_vs_best_fixed,
+        "policy_round_counts": round_counts,
+        "cost_drafter_form": drafter_names[id(cost_drafter)],
         "e2e_speedup_by_other_drafter_form": e2e_by_form,
         # Counted on CPU for the same layer pattern (tools/graph_count.py): launches per step.
         "decode_primitives": counts["decode"],
@@ -265,24 +306,39 @@ def summary_markdown(r) -> str:
     ]
     for arm, stats in r["round_ms"].items():
         lines.append(f"| {arm} | {spread(stats)} | {stats['median'] / r['decode_step_ms']:.2f} |")
+    costs = r["round_costs"]
     lines += [
         "",
-        f"End to end, {r['tokens']} tokens, block 8, oracle drafter paying the real drafter's cost:",
+        f"Round policy's cost table, measured as the server does at warm-up (decode step "
+        f"{costs['decode_step_ms']:.2f} ms), in decode steps, block: verify+draft: "
+        + ", ".join(f"{b}: {v:.2f}+{costs['draft_steps_by_block'][b]:.2f}"
+                    for b, v in costs["verify_steps_by_block"].items()) + ".",
         "",
-        "| arm | ms per run | target tokens per round | measured tokens per round | speculative / plain |",
-        "|---|---|---|---|---|",
+        f"Plain end to end under each decode arm, stock / arm: "
+        + ", ".join(f"{arm} {ratio:.2f}x" for arm, ratio in r["plain_ratio_by_arm"].items()) + ".",
+        "",
+        f"End to end, {r['tokens']} tokens, oracle drafter paying the {r['cost_drafter_form']} drafter's cost, "
+        f"speculative / plain (`{r['plain_decode_path']['arm']}`):",
+        "",
+        "| profile | tokens per round at block 8 (target) | policy | "
+        + " | ".join(f"block {b}" for b in next(iter(r["e2e_speedup_fixed_block"].values())))
+        + " | policy / best fixed | policy tokens from rounds / plain steps |",
+        "|---|---|---|" + "---|" * len(next(iter(r["e2e_speedup_fixed_block"].values()))) + "---|---|",
     ]
-    for arm, stats in r["e2e_ms"].items():
-        if arm in r["e2e_speedup"]:
-            lines.append(
-                f"| {arm} | {spread(stats)} | {r['profile_target_tokens_per_round'][arm]:.2f} | "
-                f"{r['tokens_per_round'][arm]:.2f} | {r['e2e_speedup'][arm]:.2f}x |"
-            )
-        else:
-            lines.append(f"| {arm} | {spread(stats)} | | | |")
+    for profile, speedup in r["e2e_speedup"].items():
+        counts = r["policy_round_counts"][profile]
+        lines.append(
+            f"| {profile} | {r['tokens_per_round'][profile]:.2f} ({r['profile_target_tokens_per_round'][profile]:.2f}) "
+            f"| {speedup:.2f}x | "
+            + " | ".join(f"{v:.2f}x" for v in r["e2e_speedup_fixed_block"][profile].values())
+            + f" | {r['policy_vs_best_fixed_block'][profile]:.3f} "
+            f"| {counts['tokens_from_rounds']} / {counts['tokens_from_plain_steps']} |"
+        )
+    lines += ["", "| arm | ms per run |", "|---|---|"]
+    lines += [f"| {arm} | {spread(stats)} |" for arm, stats in r["e2e_ms"].items()]
     for form, speedups in r["e2e_speedup_by_other_drafter_form"].items():
         lines.append("")
-        lines.append(f"Same profiles paying the {form} drafter's cost: "
+        lines.append(f"Same profiles at block 8 paying the {form} drafter's cost: "
                      + ", ".join(f"{profile} {s:.2f}x" for profile, s in speedups.items()) + ".")
     lines += [
         "",
