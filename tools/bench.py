@@ -128,6 +128,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--fixed-blocks", default="2,3,4,5,6,7,8",
                         help="fixed blocks measured end to end beside the round policy (must include 8)")
+    parser.add_argument("--drafter-forms", default="bf16,4bit", help="random drafters to build: bf16, 4bit or both")
     args = parser.parse_args()
     fixed_blocks = sorted({int(block) for block in args.fixed_blocks.split(",")})
     if BLOCK not in fixed_blocks or not all(2 <= block <= BLOCK for block in fixed_blocks):
@@ -143,7 +144,7 @@ def main():
         model = build_target_model(args.size, seed=0)
         drafters = {}
         with tempfile.TemporaryDirectory() as folder:
-            for form in ("bf16", "4bit"):
+            for form in args.drafter_forms.split(","):
                 write_drafter(Path(folder) / form, args.size, seed=0, form=form)
                 drafters[form], _ = load_drafter(Path(folder) / form)
     mx.eval([drafter.parameters() for drafter in drafters.values()])
