@@ -373,12 +373,13 @@ def _timed(action) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, plain_run=4) -> RoundCosts:
+def measure_round_costs(model, draft_model, *, repeats=7, prompt_length=16, plain_run=4) -> RoundCosts:
     """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling.
 
     Runs the request loop's own code on a scratch cache after a short synthetic prompt: one
     warm-up pass of every arm, then `repeats` passes in rotating order; each figure is the
-    median. A round's verify cost is the round's time minus the drafter's in the same pass.
+    median. What the policy uses is a whole round's median (verify plus draft); its verify
+    part is that minus the drafter's median, for the log.
     """
     lm = getattr(model, "language_model", model)
     blocks = list(range(2, _dflash_block_total(draft_model, None) + 1))
@@ -415,12 +416,12 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, plai
     draft_model.reset(model)
 
     step_ms = statistics.median(samples["decode"]) / plain_run
-    verify = {
-        block: statistics.median(r - d for r, d in zip(samples[("round", block)], samples[("draft", block)]))
-        for block in blocks
-    }
+    draft = {block: min(statistics.median(samples[("draft", block)]), statistics.median(samples[("round", block)]))
+             for block in blocks}
     return RoundCosts(
         decode_step_ms=step_ms,
-        verify_steps_by_block={block: max(verify[block], 0.0) / step_ms for block in blocks},
-        draft_steps_by_block={block: statistics.median(samples[("draft", block)]) / step_ms for block in blocks},
+        verify_steps_by_block={
+            block: (statistics.median(samples[("round", block)]) - draft[block]) / step_ms for block in blocks
+        },
+        draft_steps_by_block={block: draft[block] / step_ms for block in blocks},
     )
