@@ -67,6 +67,8 @@ class PromptKey:
     media: tuple  # ((start, end, sha256 of the embeddings), ...)
 
     def common_prefix(self, other: "PromptKey") -> int:
+        if self.rows.shape[1] != other.rows.shape[1]:  # one-row against multimodal position ids
+            return 0
         n = min(len(self.rows), len(other.rows))
         differing = np.flatnonzero((self.rows[:n] != other.rows[:n]).any(axis=1))
         common = int(differing[0]) if differing.size else n
