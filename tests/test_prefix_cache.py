@@ -11,22 +11,19 @@ differently, which the negative control shows. test_prefix_cache_server.py check
 same over HTTP.
 """
 
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_vlm.generate.ar import BatchGenerator
 from mlx_vlm.utils import prepare_inputs
 from PIL import Image
 
 import dflash2_prefix_cache
-from dflash2_prefix_cache import PrefixPromptBatch, PrefixStore, kept_boundaries
+from bench_prefix import first_token_logits, request
+from dflash2_prefix_cache import PrefixStore, kept_boundaries
 from parity import differing
 
 STEP = 8
 MAX_TOKENS = 3
-STOCK_BATCH = sys.modules["mlx_vlm.generate"].PromptProcessingBatch
 
 pytestmark = pytest.mark.usefixtures("gpu_like_rounding")
 
@@ -68,55 +65,17 @@ def chat_inputs(processor, messages, *, thinking=False, images=None):
     return prepare_inputs(processor, images=images, prompts=prompt)
 
 
-def request_kwargs(model, inputs):
-    """input ids and prompt arguments as the server's worker makes them (_gpu_embed)."""
-    data = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-    features = model.get_input_embeddings(inputs["input_ids"], inputs.get("pixel_values"),
-                                          mask=inputs.get("attention_mask"), **data)
-    return inputs["input_ids"], {**data, **{k: v for k, v in features.to_dict().items() if v is not None}}
-
-
 @pytest.fixture
-def first_logits(target, monkeypatch):
-    """The logits of each request's first token, as its prefill's final forward gives them."""
-    language_model = type(target[0].language_model)
-    stock = language_model.__call__
-    seen = []
-
-    def call(self, *args, **kwargs):
-        out = stock(self, *args, **kwargs)
-        if "logits_to_keep" in kwargs:
-            seen.append(out.logits[:, -1])
-        return out
-
-    monkeypatch.setattr(language_model, "__call__", call)
-    return seen
+def first_logits(target):
+    with first_token_logits(target[0]) as seen:
+        yield seen
 
 
 def run(model, processor, inputs, *, store=None, drafter=None, ids=None):
-    """One greedy request through BatchGenerator: (tokens, cached tokens). store None: cold,
-    mlx-vlm's own prompt batch. ids: raw prompt ids instead of inputs (text only)."""
-    generate_module = sys.modules["mlx_vlm.generate"]
-    generate_module.PromptProcessingBatch = (
-        STOCK_BATCH if store is None else type("StoredPromptBatch", (PrefixPromptBatch,), {"store": store}))
-    try:
-        if ids is not None:
-            inputs = {"input_ids": mx.array([ids]), "attention_mask": mx.ones((1, len(ids)), dtype=mx.int32)}
-        input_ids, kwargs = request_kwargs(model, inputs)
-        generator = BatchGenerator(model.language_model, processor, prefill_step_size=STEP, draft_model=drafter,
-                                   draft_kind="dflash" if drafter else None, greedy_sampling=True)
-        generator.insert([input_ids[0].tolist()], max_tokens=MAX_TOKENS, prompt_kwargs=[kwargs])
-        tokens, cached, finished = [], None, False
-        while not finished:
-            prompt_responses, responses = generator.next()
-            cached = next((p.cached_tokens for p in prompt_responses), cached)
-            for response in responses:
-                tokens.append(int(response.token))
-                finished = finished or response.finish_reason is not None
-        generator.close()
-        return tokens, cached
-    finally:
-        generate_module.PromptProcessingBatch = STOCK_BATCH
+    """One greedy request as the server's worker runs it: (tokens, cached tokens). store
+    None: cold. ids: raw prompt ids instead of the processor's inputs."""
+    inputs = {"input_ids": mx.array([ids])} if ids is not None else inputs
+    return request(model, processor, inputs, step=STEP, store=store, drafter=drafter, max_tokens=MAX_TOKENS)[:2]
 
 
 @pytest.mark.parametrize("route", ["plain", "speculative"])
