@@ -119,9 +119,80 @@ REPLACED = (
         "Wrapped by the engine (it is mlx_vlm.prompt_utils' function, which warm-up calls): a "
         "template that cannot render the client's messages answers 400.",
     ),
+    Audited(
+        "mlx_vlm.generate:PromptProcessingBatch",
+        "f5b45e396d60c860e9191627ca9f5c08488a2ef7acce97390c89aabe1cbbdadc",
+        "Subclassed and swapped by the engine (dflash2_prefix_cache.PrefixPromptBatch): the exact "
+        "prefix cache restores a stored chunk boundary as if prompt_step had prefilled up to it "
+        "(cache, inputs, sequence-aligned arguments, tap chunks, processed columns, cached "
+        "tokens), records the boundaries prompt_step passes and stores them before generate.",
+    ),
 )
 
 AUDITED = (
+    Audited(
+        "mlx_vlm.generate.ar:BatchGenerator._next",
+        "bd54cdd3a03327bd718158b74dd44a3a99b048134c208284d4c1c561a17b9d05",
+        "Relied on by the prefix cache: builds each prompt batch with the class "
+        "_generate_module_override finds, then calls prompt_step until done and generate.",
+    ),
+    Audited(
+        "mlx_vlm.generate.ar:_generate_module_override",
+        "cba02480457fc79a90646ea6cd6238fd7e652cfbf55067f2d020aa0025d5d8a1",
+        "Relied on by the prefix cache: the prompt batch class is looked up on mlx_vlm.generate.",
+    ),
+    Audited(
+        "mlx_vlm.generate.ar:_slice_sequence_aligned_prompt_kwarg",
+        "cbf69bb495c4ac5057c927e76f8576c2367b796658ad9068e5c600d30801d0ab",
+        "Called by the prefix cache to drop the restored positions, as prompt_step drops "
+        "prefilled ones.",
+    ),
+    Audited(
+        "mlx_vlm.models.cache:KVCache",
+        "3d8af32e443cc774eb246d636203075bc8560dbc475f1e45b86dbfe72e3735f0",
+        "Copied by the prefix cache (plain route's attention layers): keys and values over "
+        "[:offset] are the state, written by slice update into a buffer grown by concatenation.",
+    ),
+    Audited(
+        "mlx_vlm.models.cache:BatchKVCache",
+        "b86f2e9c3dd34250794d8ae670da371fc15b9a9ecdf17aa177d3330fccff8873",
+        "Copied by the prefix cache (speculative route's attention layers): keys and values over "
+        "[:_idx], offset and left_padding are the state.",
+    ),
+    Audited(
+        "mlx_vlm.models.cache:ArraysCache",
+        "a0a71f1acbdbb155fd9b3cb7895c982beb6492d90a205e92db81dc08cbaf61f7",
+        "Copied by the prefix cache (GatedDeltaNet layers): the cache list and padding metadata "
+        "are the state; updates rebind list items, never write into a stored array.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.utils:SpeculativePrefill",
+        "f909df339ada560ce3d951721cb99c48bb985b7d3d3531e620dbda735c791842",
+        "Relied on by the prefix cache: the drafter's context is the concatenation of the tap "
+        "chunks (a restore puts the stored prefix's taps first).",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.qwen3_5:Model.get_input_embeddings",
+        "3cc43ebce94c8bd5bfc3c4c7c4fb382b609f593d2712384a90b22d96a591777e",
+        "Relied on by the prefix cache: position ids for the whole prompt come with the "
+        "embeddings, so a restored prefill gets its positions without the model's own state.",
+    ),
+    Audited(
+        "mlx_vlm.apc:media_token_spans",
+        "ce16d201fd8783e09e4c39cc41ba278f13d55d6f4389c2bdb8d51c4550642443",
+        "Called by the prefix cache: the image and video runs whose embeddings key the prompt.",
+    ),
+    Audited(
+        "mlx_vlm.apc:multimodal_token_ids_from_config",
+        "08878dc4a0e30b7eb1181988f7a3ddce09632d41b7a4c8380c36254ff7709db2",
+        "Called by the prefix cache: which tokens are media placeholders.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:ResponseGenerator._step",
+        "d7abfe591a2ab6cdd0fe4b577c29786198e00722f1f7499b53b1af41a1df657a",
+        "Relied on: a prompt batch's cached tokens reach each token's cached_tokens (usage "
+        "prompt_tokens_details and the finish log line).",
+    ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:LanguageModel.__call__",
         "af7f3f6427c2e59ab5266798b7518eaf026c3f7f749dd0962e38a6acece49cc9",

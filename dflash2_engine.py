@@ -137,10 +137,13 @@ class RecordingTokens:
 
 
 def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefill_step_size=None,
-                 top_logprobs_k=None, drafter: DrafterSetup = None):
+                 top_logprobs_k=None, drafter: DrafterSetup = None, prefix_cache_gb=None):
     """Checks the audited mlx-vlm sources, loads the target (and with a DrafterSetup, the
     drafter: generator.speculation says how that went) in mlx-vlm's worker thread and wires
     mlx-vlm's server to it. Returns (generator, mlx-vlm's FastAPI app).
+
+    With prefix_cache_gb, every route prefills through dflash2_prefix_cache's exact prefix
+    cache with that budget.
 
     A request whose prompt plus max_tokens exceeds context_length is refused after its
     prompt is tokenized, before it reaches the worker (a stream: before it opens).
@@ -159,6 +162,11 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     except dflash2_audit.SourceMismatch as mismatch:
         sys.exit(f"error: {mismatch}")
     app_module = sys.modules["mlx_vlm.server.app"]  # mlx_vlm.server.app is the FastAPI object
+    if prefix_cache_gb:
+        import dflash2_prefix_cache
+
+        dflash2_prefix_cache.PrefixPromptBatch.store = dflash2_prefix_cache.PrefixStore(prefix_cache_gb)
+        dflash2_audit.replace("mlx_vlm.generate:PromptProcessingBatch", dflash2_prefix_cache.PrefixPromptBatch)
 
     class PackGenerator(ResponseGenerator):
         speculation = Speculation()  # no drafter: every request plain
@@ -191,6 +199,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
                     self.waiting_records.pop(id(args), None)
             tokens = RecordingTokens(tokens, record)
             if record is not None:
+                record.prompt_tokens = ctx.prompt_tokens
                 record.log_arrival()  # after mlx-vlm's own checks (the context budget among them)
                 record.token_stream = tokens
                 if record.cancelled:  # while it waited for its turn
@@ -226,6 +235,9 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
         prefill_step_size=prefill_step_size,
     )
     model, processor, config = generator.wait_until_ready()
+    if prefix_cache_gb:
+        logger.info("exact prefix cache: %g GB, snapshots at multiples of %d prompt tokens",
+                    prefix_cache_gb, generator.prefill_step_size)
     # mlx-vlm's context budget: its loader, which also reads it, has run; from here on
     # only its prompt checks do.
     server.runtime.config.max_kv_size = context_length

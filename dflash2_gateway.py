@@ -135,6 +135,8 @@ class RequestRecord:
     token_stream: object = None  # the engine's RecordingTokens, once generation starts
     status: int = None
     tokens: int = 0
+    prompt_tokens: int = None
+    cached_tokens: int = None  # prompt tokens restored from the prefix cache
     draft_rounds: int = None
     draft_n: int = None
     draft_n_accepted: int = None
@@ -163,6 +165,7 @@ class RequestRecord:
         self.tokens += getattr(token, "token_count", 1)
         if token.finish_reason:
             self.peak_memory_gb = token.peak_memory
+            self.cached_tokens = token.cached_tokens
             self.draft_rounds = token.draft_rounds
             self.draft_n = token.draft_n
             self.draft_n_accepted = token.draft_n_accepted
@@ -181,6 +184,8 @@ class RequestRecord:
             parts.append(f"cancelled={self.cancelled}")
         if self.tokens:
             parts.append(f"tokens={self.tokens}")
+            if self.prompt_tokens is not None:
+                parts.append(f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens or 0}")
             if self.draft_rounds is not None:
                 acceptance = self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
                 parts.append(f"rounds={self.draft_rounds} "

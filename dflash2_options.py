@@ -17,6 +17,7 @@ from dflash2_http import PackLimits
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 DEFAULT_PORT = 8080
 DEFAULT_REQUEST_TIMEOUT_S = 600
+DEFAULT_PREFIX_CACHE_GB = 8.0
 MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 # Environment variables mlx-vlm reads for generation, caching or batching. An inherited
@@ -76,6 +77,16 @@ def int_in(low, high):
     return parse
 
 
+def positive_gb(value):
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number")
+    if not 0 < number < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{number:g} is not a positive number of GB")
+    return number
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The options both servers accept; mlx-vlm's own pass through by exact name only."""
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
@@ -92,6 +103,12 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="cancel a chat request still running after this long and answer 504 "
                              f"(default: {DEFAULT_REQUEST_TIMEOUT_S}; 0: no limit)")
+    cache = parser.add_argument_group("prefix cache")
+    cache.add_argument("--prefix-cache-gb", type=positive_gb, metavar="GB", default=DEFAULT_PREFIX_CACHE_GB,
+                       help="memory for the exact prefix cache's snapshots of recent prompts, least "
+                            f"recently used dropped first (default: {DEFAULT_PREFIX_CACHE_GB:g})")
+    cache.add_argument("--no-prefix-cache", action="store_true",
+                       help="prefill every prompt from its first token (default: prefix cache on)")
     mlx_vlm = parser.add_argument_group("mlx-vlm options passed through")
     mlx_vlm.add_argument("--enable-thinking", action="store_true",
                          help="think by default; a request can send \"enable_thinking\": false "
@@ -111,6 +128,11 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     mlx_vlm.add_argument("--top-logprobs-k", type=int_in(0, 20),
                          help="most top_logprobs a request may ask for (default: 0, none)")
     return parser
+
+
+def prefix_cache_gb(args):
+    """The prefix cache's budget, or None when it is off."""
+    return None if args.no_prefix_cache else args.prefix_cache_gb
 
 
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:

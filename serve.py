@@ -19,6 +19,7 @@ from dflash2_options import (
     pack_limits,
     parse_args,
     pass_options_to_mlx_vlm,
+    prefix_cache_gb,
     public_model_id,
 )
 
@@ -39,7 +40,8 @@ def main(argv=None):
     pass_options_to_mlx_vlm(args)
     generator, inner_app = start_engine(target_dir, model_id, limits.context_length,
                                         prefill_step_size=args.prefill_step_size,
-                                        top_logprobs_k=args.top_logprobs_k)
+                                        top_logprobs_k=args.top_logprobs_k,
+                                        prefix_cache_gb=prefix_cache_gb(args))
     warm_up(generator, "plain")
     serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, request_timeout=args.request_timeout,
                   decide=lambda body: plain_decision(check_chat_request(body, limits))), args)

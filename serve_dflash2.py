@@ -39,6 +39,7 @@ from dflash2_options import (
     pack_limits,
     parse_args,
     pass_options_to_mlx_vlm,
+    prefix_cache_gb,
     public_model_id,
 )
 
@@ -143,7 +144,8 @@ def main(argv=None):
         read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None)
     generator, inner_app = start_engine(target_dir, model_id, limits.context_length,
                                         prefill_step_size=args.prefill_step_size,
-                                        top_logprobs_k=args.top_logprobs_k, drafter=drafter)
+                                        top_logprobs_k=args.top_logprobs_k,
+                                        prefix_cache_gb=prefix_cache_gb(args), drafter=drafter)
     if generator.speculation.error:
         generator.stop_and_join()
         sys.exit(f"error: {generator.speculation.error}")

@@ -1,0 +1,190 @@
+"""The exact prefix cache (dflash2_prefix_cache.py), in process on the tiny pack.
+
+Requests run through mlx-vlm's BatchGenerator as the server's worker runs them, on the
+plain and the speculative route, with a prefill step of STEP tokens so that every prompt
+prefills in several chunks. A conversation's turns run cached (one store for the whole
+conversation) and cold (mlx-vlm's own prompt batch); the first token's logits must be the
+same bits and the greedy answers the same tokens. Everything runs on the GPU-like CPU
+backend (conftest's gpu_like_rounding), where a chunk's rounding depends on its rows and on
+the keys it attends over: a restore at a boundary a cold prefill does not pass rounds
+differently, which the negative control shows. test_prefix_cache_server.py checks the
+same over HTTP.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_vlm.utils import prepare_inputs
+from PIL import Image
+
+import dflash2_prefix_cache
+from bench_prefix import first_token_logits, request
+from dflash2_prefix_cache import PrefixStore, kept_boundaries
+from parity import differing
+
+STEP = 8
+MAX_TOKENS = 3
+
+pytestmark = pytest.mark.usefixtures("gpu_like_rounding")
+
+
+def image(seed=0):
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+
+
+TOOL_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+# name -> turns; each turn is the whole message list a client sends (the history grows).
+CONVERSATIONS = {
+    "text": [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
+         {"role": "user", "content": "Bye"}],
+    ],
+    "thinking": [
+        [{"role": "user", "content": "Why?"}],
+        [{"role": "user", "content": "Why?"},
+         {"role": "assistant", "content": "Because.", "reasoning_content": "Short."},
+         {"role": "user", "content": "Ok"}],
+    ],
+    "tool-call": [
+        [{"role": "user", "content": "Weather?"}],
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+         {"role": "tool", "content": "sunny"}],
+    ],
+    "image": [
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}],
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+         {"role": "assistant", "content": "Noise."}, {"role": "user", "content": "Sure?"}],
+    ],
+}
+
+
+def chat_inputs(processor, messages, *, thinking=False, images=None):
+    prompt = processor.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+    return prepare_inputs(processor, images=images, prompts=prompt)
+
+
+@pytest.fixture
+def first_logits(target):
+    with first_token_logits(target[0]) as seen:
+        yield seen
+
+
+def run(model, processor, inputs, *, store=None, drafter=None, ids=None):
+    """One greedy request as the server's worker runs it: (tokens, cached tokens). store
+    None: cold. ids: raw prompt ids instead of the processor's inputs."""
+    inputs = {"input_ids": mx.array([ids])} if ids is not None else inputs
+    return request(model, processor, inputs, step=STEP, store=store, drafter=drafter, max_tokens=MAX_TOKENS)[:2]
+
+
+@pytest.mark.parametrize("route", ["plain", "speculative"])
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_cached_turns_equal_cold_turns(target, first_logits, name, route):
+    model, processor, drafter = target
+    drafter = drafter if route == "speculative" else None
+    store = PrefixStore(1.0)
+    for turn, messages in enumerate(CONVERSATIONS[name]):
+        inputs = chat_inputs(processor, messages, thinking=name == "thinking",
+                             images=[image()] if name == "image" else None)
+        cached_answer, cached = run(model, processor, inputs, store=store, drafter=drafter)
+        cold_answer, _ = run(model, processor, inputs, drafter=drafter)
+        cold_logits, cached_logits = first_logits.pop(), first_logits.pop()
+        assert differing(cached_logits, cold_logits) == 0, f"turn {turn}"
+        assert cached_answer == cold_answer, f"turn {turn}"
+        if turn:  # the history is reused, from a chunk boundary
+            assert cached > 0 and cached % STEP == 0, cached
+
+
+def test_other_image_same_tokens_is_not_reused(target):
+    model, processor, _ = target
+    store = PrefixStore(1.0)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look at this picture:"}, {"type": "image"}]}]
+    run(model, processor, chat_inputs(processor, messages, images=[image(0)]), store=store)
+    _, same = run(model, processor, chat_inputs(processor, messages, images=[image(0)]), store=store)
+    _, other = run(model, processor, chat_inputs(processor, messages, images=[image(1)]), store=store)
+    prompt = chat_inputs(processor, messages, images=[image(1)])["input_ids"][0].tolist()
+    start = prompt.index(target[0].config.image_token_index)
+    assert same == len(prompt) - 1  # the same prompt again: all but its last token
+    assert 0 < other <= start  # the text before the image only
+
+
+def test_misaligned_restore_differs_from_cold(target, first_logits, monkeypatch):
+    """The negative control: the prompt extends a stored one, whose final boundary (its
+    length - 1) is no boundary of the longer prompt's cold prefill. Restoring there (a rule
+    that takes any stored boundary within the common prefix) prefills the rest in other
+    chunks, here with a one-row chunk where the cold prefill has several rows, and the bits
+    change; the cache's own rule restores the last multiple of STEP and matches."""
+    model, processor, _ = target
+    first = chat_inputs(processor, CONVERSATIONS["text"][0])["input_ids"][0].tolist()
+    longer = first + processor.tokenizer.encode("Hello, how are you today?", add_special_tokens=False)[:STEP + 1]
+    assert (len(first) - 1) % STEP and (len(longer) - len(first)) % STEP == 1
+    run(model, processor, None, ids=longer)
+    cold = first_logits.pop()
+
+    def cached_logits(store):
+        run(model, processor, None, ids=first, store=store)
+        _, cached = run(model, processor, None, ids=longer, store=store)
+        return cached, first_logits.pop()
+
+    cached, logits = cached_logits(PrefixStore(1.0))
+    assert cached == (len(first) - 1) // STEP * STEP and differing(logits, cold) == 0
+    monkeypatch.setattr(dflash2_prefix_cache, "usable", lambda position, common, length, step:
+                        0 < position <= min(common, length - 1))
+    cached, logits = cached_logits(PrefixStore(1.0))
+    assert cached == len(first) - 1 and differing(logits, cold) > 0
+
+
+def test_stored_snapshots_survive_the_requests_that_restore_them(target):
+    """A restored cache is updated in place by prefill and decode; the stored arrays keep
+    their bits, on both routes."""
+    model, processor, drafter = target
+    for route_drafter in (None, drafter):
+        store = PrefixStore(1.0)
+        turns = CONVERSATIONS["text"]
+        run(model, processor, chat_inputs(processor, turns[0]), store=store, drafter=route_drafter)
+        (entry,) = store.entries.values()
+        before = [np.array(array) for array in entry.arrays()]
+        for _ in range(2):  # the same prompt restores its last boundary; the next turn an earlier one
+            run(model, processor, chat_inputs(processor, turns[0]), store=store, drafter=route_drafter)
+        run(model, processor, chat_inputs(processor, turns[1]), store=store, drafter=route_drafter)
+        after = [np.array(array) for array in entry.arrays()]
+        assert len(before) == len(after)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after))
+
+
+def test_kept_boundaries():
+    positions = range(8, 8 * 40, 8)
+    assert kept_boundaries([*positions, 317], 8) == {8, 16, 32, 64, 128, 256, 304, 312, 317}
+    assert kept_boundaries([8, 13], 8) == {8, 13}
+
+
+def entry(boundaries, step=STEP):
+    """An entry without arrays, for the store's bookkeeping."""
+    return dflash2_prefix_cache.Entry((("KVCache",), (), step), None, {p: () for p in boundaries}, [None])
+
+
+def test_an_entry_replaces_its_source_when_it_holds_all_its_aligned_boundaries():
+    store = PrefixStore(1.0)
+    first, second, third = entry([8, 16, 21]), entry([8, 16, 24, 29]), entry([8, 13])
+    store.add(first)
+    store.add(second, source=first, restored=16)  # only first's final boundary, 21, is lost
+    assert list(store.entries.values()) == [second]
+    store.add(third, source=second, restored=8)  # second's 16 and 24 are not in third
+    assert list(store.entries.values()) == [second, third]
+
+
+def test_budget_evicts_least_recently_used(target):
+    model, processor, _ = target
+    store = PrefixStore(1.0)
+    prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10] for i in range(3)]
+    for ids in prompts:
+        run(model, processor, None, ids=ids, store=store)
+    assert len(store.entries) == 3
+    one = store.nbytes() // 3
+    store.budget = 2 * one + one // 2  # room for two
+    _, cached = run(model, processor, None, ids=prompts[0], store=store)  # used again: most recent
+    assert cached == len(prompts[0]) - 1
+    run(model, processor, None, ids=[4, 2, 3, 4, 5, 6, 7, 8, 9, 10], store=store)
+    assert store.nbytes() <= store.budget and len(store.entries) == 2
+    assert [run(model, processor, None, ids=ids, store=store)[1] for ids in prompts[:2]] == [9, 0]

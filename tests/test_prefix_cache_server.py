@@ -1,0 +1,163 @@
+"""The exact prefix cache over HTTP, on the tiny pack and the GPU-like CPU backend.
+
+Three real servers (uvicorn on 127.0.0.1), each with a prefill step of STEP tokens and
+tests/gpu_rounding.py's swaps installed before it starts:
+  cached_spec   serve_dflash2.py, prefix cache on
+  cached_plain  serve.py, prefix cache on
+  cold          serve_dflash2.py --no-prefix-cache: the reference answers
+Conversations (text, thinking, a tool call answered by the tool's result, an image) run
+turn by turn through the openai client, greedy on the speculative route and, with
+top_logprobs, on the plain route; cached answers and log-probabilities must equal the cold
+server's exactly, and later turns must report the reused prefix in usage and in the log.
+"""
+
+import base64
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import Server
+from test_server import ROUND_COSTS, client, pack, png  # noqa: F401  (pack: the flat pack folder)
+
+STEP = 8
+MAX_TOKENS = 4
+TOP_LOGPROBS = 3
+TESTS = str(__import__("pathlib").Path(__file__).resolve().parent)
+# Runs a server script (argv[1]) from the pack folder with the GPU-like rounding installed.
+WITH_GPU_ROUNDING = f"""
+import runpy, sys
+sys.path.insert(0, {TESTS!r})
+import pytest
+from gpu_rounding import swap_row_variant_ops
+swap_row_variant_ops(pytest.MonkeyPatch())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+SYSTEM = {"role": "system", "content": "Answer in one word."}
+
+
+def image_url(color):
+    return "data:image/png;base64," + base64.b64encode(png(color)).decode()
+
+
+IMAGE_URL = image_url((30, 120, 200))
+TOOL_CALL = {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+CONVERSATIONS = {  # name -> (enable_thinking, the messages of each turn)
+    "text": (False, [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
+         {"role": "user", "content": "Bye"}],
+    ]),
+    "thinking": (True, [
+        [{"role": "user", "content": "Why?"}],
+        [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."},
+         {"role": "user", "content": "Ok"}],
+    ]),
+    "tool-call": (False, [
+        [{"role": "user", "content": "Weather?"}],
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+    ]),
+    # mlx-vlm's chat endpoint attaches a request's images to its last user message, so the
+    # history before that message (here the system prompt) is what a later turn reuses.
+    "image": (False, [
+        [SYSTEM, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE_URL}},
+                                              {"type": "text", "text": "What?"}]}],
+        [SYSTEM, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE_URL}},
+                                              {"type": "text", "text": "What?"}]},
+         {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Sure?"}],
+    ]),
+}
+ROUTES = {"speculative": {}, "plain": {"logprobs": True, "top_logprobs": TOP_LOGPROBS}}
+SERVED = {"cached_spec": ROUTES, "cached_plain": {"plain": ROUTES["plain"]}, "cold": ROUTES}
+
+
+@pytest.fixture(scope="module")
+def servers(pack, tmp_path_factory):  # noqa: F811
+    workdir = tmp_path_factory.mktemp("prefix_servers")
+    for folder in ("cwd", "home"):
+        (workdir / folder).mkdir()
+    costs = workdir / "round-costs.json"
+    costs.write_text(json.dumps(ROUND_COSTS))
+    common = ["--prefill-step-size", str(STEP), "--top-logprobs-k", str(TOP_LOGPROBS)]
+    spec = ["serve_dflash2.py", *common, "--dflash2-round-costs", str(costs)]
+    commands = {"cached_spec": spec, "cached_plain": ["serve.py", *common], "cold": [*spec, "--no-prefix-cache"]}
+    started = {name: Server(name, pack, workdir, ["-c", WITH_GPU_ROUNDING, *command])
+               for name, command in commands.items()}
+    try:
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def turn(server, messages, thinking, route_fields):
+    """One greedy request: (mode header, answer, log-probabilities, prompt tokens, cached tokens)."""
+    raw = client(server).chat.completions.with_raw_response.create(
+        model="tiny-dflash2-pack", messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+        extra_body={"enable_thinking": thinking}, **route_fields)
+    completion = raw.parse()
+    choice = completion.choices[0]
+    message = choice.message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    logprobs = choice.logprobs and [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                                    for t in choice.logprobs.content]
+    usage = completion.usage
+    return (raw.headers.get("x-dflash2"), (message.content, getattr(message, "reasoning", None), calls), logprobs,
+            usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
+
+
+@pytest.fixture(scope="module")
+def results(servers):
+    """{server: {(conversation, route, turn): turn()}}: each server runs its conversations
+    in order, the servers side by side."""
+    def run(name):
+        return {(conversation, route, index): turn(servers[name], messages, thinking, fields)
+                for route, fields in SERVED[name].items()
+                for conversation, (thinking, turns) in CONVERSATIONS.items()
+                for index, messages in enumerate(turns)}
+
+    with ThreadPoolExecutor(len(SERVED)) as pool:
+        return dict(zip(SERVED, pool.map(run, SERVED)))
+
+
+@pytest.mark.parametrize("name", ["cached_spec", "cached_plain"])
+def test_cached_answers_equal_cold_answers(results, name):
+    for key, (mode, answer, logprobs, _, _) in results[name].items():
+        cold_mode, cold_answer, cold_logprobs, _, cold_cached = results["cold"][key]
+        assert cold_cached == 0, key
+        assert (answer, logprobs) == (cold_answer, cold_logprobs), key
+        if name == "cached_spec":
+            assert mode == cold_mode == ("speculative" if key[1] == "speculative" else "fallback; reason=logprobs")
+
+
+@pytest.mark.parametrize("name", ["cached_spec", "cached_plain"])
+def test_later_turns_reuse_the_history_and_say_so(results, servers, name):
+    log = servers[name].log()
+    for (conversation, route, index), (_, _, _, prompt_tokens, cached) in results[name].items():
+        if index:
+            assert 0 < cached < prompt_tokens and cached % STEP == 0, (conversation, route, cached)
+            assert f"prompt_tokens={prompt_tokens} cached_tokens={cached}" in log
+
+
+def test_a_repeated_prompt_restores_all_but_its_last_token(results, servers):
+    thinking, turns = CONVERSATIONS["text"]
+    again = turn(servers["cached_spec"], turns[1], thinking, ROUTES["speculative"])
+    first = results["cached_spec"][("text", "speculative", 1)]
+    assert again[1] == first[1] and again[4] == again[3] - 1
+
+
+def test_images_are_keyed_by_their_content(results, servers):
+    """The image turn again restores all but its last token; the same tokens with another
+    image restore only what comes before the image."""
+    thinking, turns = CONVERSATIONS["image"]
+    server = servers["cached_plain"]
+    same = turn(server, turns[0], thinking, ROUTES["plain"])
+    other_image = json.loads(json.dumps(turns[0]).replace(IMAGE_URL, image_url((200, 40, 40))))
+    other = turn(server, other_image, thinking, ROUTES["plain"])
+    assert same[4] == same[3] - 1 and same[1:3] == results["cached_plain"][("image", "plain", 0)][1:3]
+    assert other[3] == same[3] and 0 < other[4] < same[4] - 1 and other[4] % STEP == 0

@@ -1,0 +1,221 @@
+"""Time to first token of a conversation's next turn, cold and from the exact prefix cache.
+
+    python tools/bench_prefix.py --out evidence/ [--contexts 1024 4096 16384] [--step-sizes 2048 512]
+
+Run on a GPU machine at the real 27B shape (random weights built in memory, as tools/bench.py;
+`--pack DIR` measures a built pack). For each prefill step size and context N: a first turn of
+N random tokens, then a second turn that keeps all but the first turn's last 6 tokens (the
+generation prompt a chat template does not repeat) and appends --follow-up tokens (the answer
+and the next question). Each request runs through mlx-vlm's BatchGenerator as the server's
+worker runs it; the time runs from the prompt's embedding to its first token. The second
+turn is timed cold (mlx-vlm's own prompt batch), cached (after the first turn stored its
+boundaries) and repeated (the same prompt again: all but its last token restored); the
+record says whether the cached first-token logits are bitwise the cold ones, how many tokens
+were reused and how large the store grew. `--speculative` runs the speculative route (the
+drafter's taps are stored too) beside the plain one. Median of --repeats.
+Writes evidence/prefix-cache-<backend>-<size>.json and .md.
+"""
+
+import argparse
+import contextlib
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+import mlx_vlm  # noqa: E402
+from mlx_vlm.generate.ar import BatchGenerator  # noqa: E402
+
+import dflash2_kernels  # noqa: E402
+import dflash2_runtime  # noqa: E402
+from dflash2_prefix_cache import PrefixPromptBatch, PrefixStore  # noqa: E402
+from parity import differing  # noqa: E402
+from records import write_record  # noqa: E402
+
+GENERATION_PROMPT = 6  # tokens a first turn's prompt has after the history the next turn repeats
+
+
+def request_kwargs(model, inputs):
+    """Input ids and prompt arguments as the server's worker makes them (_gpu_embed)."""
+    data = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    features = model.get_input_embeddings(inputs["input_ids"], inputs.get("pixel_values"),
+                                          mask=inputs.get("attention_mask"), **data)
+    return inputs["input_ids"], {**data, **{k: v for k, v in features.to_dict().items() if v is not None}}
+
+
+@contextlib.contextmanager
+def first_token_logits(model):
+    """Collects the logits of each request's first token, as its prefill's final forward
+    (the call with logits_to_keep) gives them."""
+    language_model = type(model.language_model)
+    stock = language_model.__call__
+    seen = []
+
+    def call(self, *args, **kwargs):
+        out = stock(self, *args, **kwargs)
+        if "logits_to_keep" in kwargs:
+            seen.append(out.logits[:, -1])
+        return out
+
+    language_model.__call__ = call
+    try:
+        yield seen
+    finally:
+        language_model.__call__ = stock
+
+
+def request(model, processor, inputs, *, step, store=None, drafter=None, max_tokens=3):
+    """One greedy request through BatchGenerator: (tokens, cached tokens, seconds to the first
+    token). store None: cold, mlx-vlm's own prompt batch; otherwise the prefix cache's."""
+    generate_module = sys.modules["mlx_vlm.generate"]
+    stock = generate_module.PromptProcessingBatch
+    if store is not None:
+        generate_module.PromptProcessingBatch = type("StoredPromptBatch", (PrefixPromptBatch,), {"store": store})
+    try:
+        generator = BatchGenerator(model.language_model, processor, prefill_step_size=step, draft_model=drafter,
+                                   draft_kind="dflash" if drafter else None, greedy_sampling=True)
+        started = time.perf_counter()
+        input_ids, kwargs = request_kwargs(model, inputs)
+        generator.insert([input_ids[0].tolist()], max_tokens=max_tokens, prompt_kwargs=[kwargs])
+        tokens, cached, first, finished = [], None, None, False
+        while not finished:
+            prompt_responses, responses = generator.next()
+            cached = next((p.cached_tokens for p in prompt_responses), cached)
+            for response in responses:
+                tokens.append(int(response.token))
+                first = first or time.perf_counter() - started
+                finished = finished or response.finish_reason is not None
+        generator.close()
+        return tokens, cached, first
+    finally:
+        generate_module.PromptProcessingBatch = stock
+
+
+def turns(context: int, follow_up: int, vocab: int, seed: int):
+    """Token ids of a first turn and of the next turn that extends its history."""
+    key = mx.random.key(seed)
+    first = mx.random.randint(0, vocab, (context,), key=key).tolist()
+    extra = mx.random.randint(0, vocab, (follow_up,), key=mx.random.split(key)[1]).tolist()
+    return first, first[: context - GENERATION_PROMPT] + extra
+
+
+def measure(model, processor, context, step, args, drafter=None):
+    vocab = min(model.language_model.args.vocab_size, 150000)  # clear of the special tokens
+    samples = {"cold": [], "first_turn": [], "cached": [], "repeat": []}
+    exact, cached_tokens, store_gb = True, None, None
+    with first_token_logits(model) as seen:
+        for repeat in range(args.repeats):
+            first, second = ({"input_ids": mx.array([ids])} for ids in
+                             turns(context, args.follow_up, vocab, seed=repeat))
+            cold_tokens, _, ttft = request(model, processor, second, step=step, drafter=drafter)
+            samples["cold"].append(ttft)
+            store = PrefixStore(args.budget_gb)
+            samples["first_turn"].append(request(model, processor, first, step=step, store=store, drafter=drafter)[2])
+            store_gb = store.nbytes() / 1e9
+            tokens, cached_tokens, ttft = request(model, processor, second, step=step, store=store, drafter=drafter)
+            samples["cached"].append(ttft)
+            samples["repeat"].append(request(model, processor, second, step=step, store=store, drafter=drafter)[2])
+            cold, _, cached, repeated = seen[-4:]
+            exact = exact and differing(cached, cold) == differing(repeated, cold) == 0 and tokens == cold_tokens
+            seen.clear()
+            mx.clear_cache()
+    ttft_ms = {name: round(1000 * statistics.median(values), 1) for name, values in samples.items()}
+    return {"ttft_ms": ttft_ms, "cached_over_cold": round(ttft_ms["cached"] / ttft_ms["cold"], 3),
+            "cached_tokens": cached_tokens, "second_turn_tokens": context - GENERATION_PROMPT + args.follow_up,
+            "store_gb_after_first_turn": round(store_gb, 3), "exact": exact,
+            "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2)}
+
+
+def load(args):
+    """(model, processor, drafter or None). A random-weight model gets the tiny pack's
+    processor: BatchGenerator reads only its stop criteria."""
+    from dflash2_pack import find_pack, load_pack
+    from make_synthetic_pack import build_target_model, make_pack, write_drafter
+    from mlx_vlm.speculative.drafters import load_drafter
+    from mlx_vlm.utils import load_processor
+
+    if args.pack:
+        target, drafter_dir = find_pack(Path(args.pack))
+        return load_pack(target, drafter_dir if args.speculative else None)
+    folder = Path(tempfile.mkdtemp())
+    processor = load_processor(make_pack(folder / "tiny", size="tiny", seed=0)["target"])
+    drafter = None
+    if args.speculative:
+        write_drafter(folder / "drafter", args.size, seed=0)
+        drafter, _ = load_drafter(folder / "drafter")
+    return build_target_model(args.size, seed=0), processor, drafter
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
+    parser.add_argument("--pack", help="measure a built pack instead of random weights")
+    parser.add_argument("--out", default=str(REPO / "evidence"))
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--step-sizes", type=int, nargs="+", default=[2048, 512])
+    parser.add_argument("--follow-up", type=int, default=150, help="tokens the second turn adds")
+    parser.add_argument("--speculative", action="store_true", help="also the speculative route")
+    parser.add_argument("--budget-gb", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    started = time.time()
+    model, processor, drafter = load(args)
+    status = dflash2_runtime.install(model)
+    routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
+    request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
+    results = {}
+    for route, route_drafter in routes.items():
+        for step in args.step_sizes:
+            for context in args.contexts:
+                result = measure(model, processor, context, step, args, route_drafter)
+                print(f"{route} step {step} context {context}: {result}", flush=True)
+                results.setdefault(route, {}).setdefault(str(step), {})[str(context)] = result
+    record = {
+        "size": Path(args.pack).name if args.pack else args.size,
+        "backend": dflash2_kernels.backend_name(),
+        "device": mx.device_info().get("device_name", platform.machine()),
+        "versions": {"mlx": mx.__version__, "mlx_vlm": mlx_vlm.__version__},
+        "command": "python " + shlex.join(["tools/bench_prefix.py", *sys.argv[1:]]),
+        "runtime_speculative": status.speculative,
+        "follow_up_tokens": args.follow_up,
+        "repeats": args.repeats,
+        "by_route_step_context": results,
+        "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values()),
+        "seconds": round(time.time() - started, 1),
+    }
+    write_record(args.out, f"prefix-cache-{record['backend']}-{record['size']}", record, summary_markdown(record))
+    print(summary_markdown(record))
+
+
+def summary_markdown(r) -> str:
+    lines = [
+        f"# Time to first token with the exact prefix cache, {r['size']} shape on {r['backend']} ({r['device']})",
+        "",
+        f"Command: `{r['command']}`; mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}. "
+        f"Second turn = first turn less its last {GENERATION_PROMPT} tokens + {r['follow_up_tokens']} tokens; "
+        f"median of {r['repeats']}.",
+        "",
+        "| route | step | context | cold ms | cached ms | cached / cold | repeat ms | reused tokens | store GB | "
+        "logits bitwise |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for route, steps in r["by_route_step_context"].items():
+        for step, contexts in steps.items():
+            for context, m in contexts.items():
+                t = m["ttft_ms"]
+                lines.append(f"| {route} | {step} | {context} | {t['cold']} | {t['cached']} | "
+                             f"{m['cached_over_cold']:.2f} | {t['repeat']} | {m['cached_tokens']} / "
+                             f"{m['second_turn_tokens']} | {m['store_gb_after_first_turn']} | {m['exact']} |")
+    return "\n".join(lines + ["", f"Every cached first token bitwise the cold one: {r['exact']}.", ""])
+
+
+if __name__ == "__main__":
+    main()
