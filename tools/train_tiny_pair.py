@@ -152,14 +152,23 @@ def chat_samples(sources, renderer):
 
 
 def make_renderer(tokenizer):
+    """Renders [user, assistant] as a request without thinking and its answer: the prompt
+    exactly as the server builds it (generation prompt with an empty think block), then the
+    assistant turn as the template writes it."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=CHAT_TEMPLATE)
 
-    def render(messages, tools=None):
-        return fast.apply_chat_template(messages, tools=tools, tokenize=False, enable_thinking=False)
+    def render(messages, tools=None, generation_prompt=False):
+        return fast.apply_chat_template(messages, tools=tools, tokenize=False, enable_thinking=False,
+                                        add_generation_prompt=generation_prompt)
 
-    return render
+    def render_turn(messages, tools=None):
+        request = render(messages[:1], tools)
+        answer = render(messages, tools)[len(request) + len("<|im_start|>assistant\n"):]
+        return render(messages[:1], tools, generation_prompt=True) + answer
+
+    return render_turn
 
 
 class Corpus:
@@ -396,7 +405,7 @@ def drafter_tensors(drafter):
 
 def sha256sums(root):
     lines = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name not in ("SHA256SUMS", "README.md")):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name not in ("SHA256SUMS", "README.md", "training.json")):
         lines.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.relative_to(root)}")
     (root / "SHA256SUMS").write_text("\n".join(lines) + "\n")
 
@@ -405,8 +414,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "fixtures" / "tiny-pair")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target-steps", type=int, default=140)
-    parser.add_argument("--drafter-steps", type=int, default=90)
+    parser.add_argument("--target-steps", type=int, default=120)
+    parser.add_argument("--drafter-steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=12)
     args = parser.parse_args()
     rerun_with_openblas()
@@ -431,7 +440,7 @@ def main():
     mask_id = draft_config["dflash_config"]["mask_token_id"]
     embed = mx.stop_gradient(lm.model.embed_tokens.dense())
     head = mx.stop_gradient(lm.lm_head.dense())
-    anchors_per_row = 8
+    anchors_per_row = 16
 
     def drafter_batch():
         tokens = corpus.batch(args.batch)[:, :-1]
@@ -440,9 +449,8 @@ def main():
         anchors = mx.array(corpus.rng.integers(1, SEQ_LEN - BLOCK + 1, (args.batch, anchors_per_row)))
         return embed, head, h_taps, greedy, tokens, anchors, mask_id
 
-    draft_loss = train(drafter, block_loss, drafter_batch, args.drafter_steps, 2e-3, "drafter")
+    draft_loss = train(drafter, block_loss, drafter_batch, args.drafter_steps, 3e-3, "drafter")
     write_drafter(args.out / "drafter", SIZE, args.seed, trained=drafter_tensors(drafter))
-    sha256sums(args.out)
     record = {
         "seed": args.seed,
         "target_steps": args.target_steps,
@@ -455,8 +463,10 @@ def main():
         "python": sys.version.split()[0],
         "mlx": mx.__version__,
         "seconds": round(time.time() - started),
+        "note": "a test and demo fixture, not a substitute for Ternary-Bonsai-2-27B",
     }
-    log(json.dumps(record))
+    (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    sha256sums(args.out)
     print(json.dumps(record, indent=1))
 
 
