@@ -16,8 +16,14 @@ from acceptance import PAIR, acceptance_cases, all_prompt_ids
 from dflash2_policy import RequestDecoder, RoundCosts
 from parity import greedy
 
-GENERATED = 20
+GENERATED = 12
 BLOCKS = range(2, 9)
+
+
+def short_prompts(tokenizer):
+    """Code and prose prompts: on CPU the exact path prefills row by row, and the tool-call
+    prompts' tools preamble makes them slow (tools/acceptance.py measures them)."""
+    return [prompt for prompt in all_prompt_ids(tokenizer, per_kind=2) if prompt[0] != "tool-call"]
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +46,10 @@ def test_fixture_matches_its_sha256sums():
 @pytest.mark.usefixtures("gpu_like_rounding")
 def test_speculative_equals_plain_with_accepted_drafts(pair):
     model, processor, drafter = pair
-    cases = acceptance_cases(model, processor.tokenizer, drafter, GENERATED, blocks=(4,), per_kind=1)
-    assert [c for c in cases if not c["identical"]] == []
-    for kind in ("code", "prose", "tool-call"):
+    cases = acceptance_cases(model, processor.tokenizer, drafter, short_prompts(processor.tokenizer),
+                             GENERATED, blocks=(4,))
+    assert len(cases) == 4 and [c for c in cases if not c["identical"]] == []
+    for kind in ("code", "prose"):
         assert sum(c["accepted"] for c in cases if c["kind"] == kind) > 0, kind
     # Full and partial rounds both happened.
     assert any(0 < c["accepted"] < c["drafted"] for c in cases)
@@ -56,7 +63,7 @@ def test_partial_acceptance_leaves_the_drafter_exactly_the_committed_context(pai
     model, processor, drafter = pair
     lm, taps, block = model.language_model, list(drafter.config.target_layer_ids), 5
     accepted_counts = set()
-    for _, _, ids in all_prompt_ids(processor.tokenizer, per_kind=1):
+    for _, _, ids in short_prompts(processor.tokenizer):
         cache = lm.make_cache()
         out = lm(ids, cache=cache, capture_layer_ids=taps)
         bonus = int(mx.argmax(out.logits[0, -1]).item())
@@ -86,15 +93,16 @@ def test_partial_acceptance_leaves_the_drafter_exactly_the_committed_context(pai
 
 def test_round_policy_varies_the_block_when_rounds_pay(pair):
     model, processor, drafter = pair
-    # Rounds cost a little more with every block: deep blocks pay only while drafts are accepted.
+    # Rounds pay (as on a GPU) and cost a little more with every block: how deep a block
+    # pays depends on how far the drafts are being accepted.
     drafter.round_costs = RoundCosts(
         decode_step_ms=1.0,
-        verify_steps_by_block={b: 1.0 + 0.25 * b for b in BLOCKS},
-        draft_steps_by_block={b: 0.1 for b in BLOCKS},
+        verify_steps_by_block={b: 1.0 + 0.1 * b for b in BLOCKS},
+        draft_steps_by_block={b: 0.05 for b in BLOCKS},
     )
     blocks, accepted = set(), 0
     try:
-        for _, _, ids in all_prompt_ids(processor.tokenizer, per_kind=1):
+        for _, _, ids in short_prompts(processor.tokenizer):
             plain = greedy(model, ids, GENERATED)
             assert greedy(model, ids, GENERATED, drafter=drafter) == plain
             blocks |= {drafted + 1 for drafted in drafter.draft_lens}

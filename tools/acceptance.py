@@ -65,10 +65,11 @@ def all_prompt_ids(tokenizer, per_kind=None):
             for kind, texts in PROMPTS.items() for text in texts[:per_kind]]
 
 
-def acceptance_cases(model, tokenizer, drafter, max_tokens, blocks=BLOCKS, per_kind=None):
-    """Each prompt plain and speculative at each fixed block: rounds, drafts, accepted."""
+def acceptance_cases(model, tokenizer, drafter, prompts, max_tokens, blocks=BLOCKS):
+    """Each (kind, text, ids) prompt plain and speculative at each fixed block: rounds,
+    drafts, accepted."""
     cases = []
-    for kind, text, ids in all_prompt_ids(tokenizer, per_kind):
+    for kind, text, ids in prompts:
         plain = greedy(model, ids, max_tokens)
         for block in blocks:
             spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
@@ -173,7 +174,8 @@ def main():
     status = dflash2_runtime.install(model)
     if not status.speculative:
         sys.exit(f"speculation is off: {status.reason}")
-    cases = acceptance_cases(model, processor.tokenizer, drafter, args.max_tokens)
+    tokenizer = processor.tokenizer
+    cases = acceptance_cases(model, tokenizer, drafter, all_prompt_ids(tokenizer), args.max_tokens)
     pack = "trained tiny pair (fixtures/tiny-pair), a fixture, not the 27B" if args.pack == PAIR else args.pack.name
     record = {
         **run_environment("acceptance.py", pack),

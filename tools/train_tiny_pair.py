@@ -189,7 +189,7 @@ class Corpus:
 
     def batch(self, size):
         rows = []
-        for kind in self.rng.choice(["raw", "raw", "code", "tools"], size):
+        for kind in self.rng.choice(["raw", "raw", "code", "code", "tools"], size):
             if kind == "raw":
                 start = self.rng.integers(0, len(self.raw) - SEQ_LEN - 1)
                 rows.append(self.raw[start : start + SEQ_LEN + 1])
@@ -327,7 +327,7 @@ def block_attention(attn, x, h_ctx, anchors, rope):
     batch, context, _ = h_ctx.shape
     per_row = rows // batch
 
-    def heads(t, count, positions=None):
+    def heads(t, count):
         return t.reshape(t.shape[0], t.shape[1], count, -1).transpose(0, 2, 1, 3)
 
     q = rope(attn.q_norm(heads(attn.q_proj(x), attn.n_heads)), offset=anchors)
@@ -404,8 +404,10 @@ def drafter_tensors(drafter):
 
 
 def sha256sums(root):
+    """SHA256SUMS of the pack files (the README and the timed training record are not pinned)."""
+    unpinned = ("SHA256SUMS", "README.md", "training.json")
     lines = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name not in ("SHA256SUMS", "README.md", "training.json")):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name not in unpinned):
         lines.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.relative_to(root)}")
     (root / "SHA256SUMS").write_text("\n".join(lines) + "\n")
 
@@ -414,7 +416,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "fixtures" / "tiny-pair")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target-steps", type=int, default=120)
+    parser.add_argument("--target-steps", type=int, default=300)
     parser.add_argument("--drafter-steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=12)
     args = parser.parse_args()
