@@ -1,5 +1,5 @@
 """The chat request the pack serves: typed request models, the checks of every value
-against the pack, and the OpenAPI description of the served endpoints."""
+against the pack, each request's route, and the OpenAPI description of the served endpoints."""
 
 import base64
 import binascii
@@ -36,6 +36,11 @@ def invalid(param: str, message: str):
     return Refusal(400, "invalid-request", f"{param}: {message}", param)
 
 
+def context_refusal(detail: str) -> Refusal:
+    return Refusal(400, "context-length-exceeded",
+                   f"messages: {detail}; shorten the messages or lower max_tokens", "messages")
+
+
 @dataclass(frozen=True)
 class PackLimits:
     """What the pack and the server's options allow a request to ask for."""
@@ -45,6 +50,7 @@ class PackLimits:
     context_length: int
     top_logprobs_k: int = 0
     image_dir: Optional[Path] = None
+    max_prompt_chars: Optional[int] = None  # more characters of user text never fit the context
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,6 +341,17 @@ def check_sampling(request: ChatRequest, limits: PackLimits):
                                           "alternatives per token (its --top-logprobs-k)")
 
 
+def user_text_chars(request: ChatRequest) -> int:
+    """Characters of the user messages' text, which every chat template renders as is."""
+    total = 0
+    for message in request.messages:
+        if message.role == "user" and isinstance(message.content, str):
+            total += len(message.content)
+        elif message.role == "user" and message.content:
+            total += sum(len(part.text) for part in message.content if isinstance(part, TextPart))
+    return total
+
+
 def check_chat_request(body, limits: PackLimits) -> dict:
     """Validates a chat completion body; returns it normalised for mlx-vlm.
 
@@ -367,6 +384,10 @@ def check_chat_request(body, limits: PackLimits) -> dict:
     check_tools(request)
     if isinstance(body.get("stop"), str):
         body["stop"] = [body["stop"]]
+    if limits.max_prompt_chars is not None and user_text_chars(request) > limits.max_prompt_chars:
+        # Refused before anything tokenizes it; longer prompts are measured after tokenizing.
+        raise context_refusal(f"the user messages hold more than {limits.max_prompt_chars} characters, more "
+                              f"than the model's context of {limits.context_length} tokens can take")
     body["messages"] = [check_message(raw, message, f"messages[{index}]", limits)
                         for index, (raw, message) in enumerate(zip(body["messages"], request.messages))]
     return body
@@ -378,6 +399,67 @@ def has_images(body: dict) -> bool:
         and any(part["type"] == "image_url" for part in message["content"])
         for message in body["messages"]
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Routing: speculative only where it gives plain decoding's answer
+
+
+@dataclass
+class Decision:
+    """A chat body's route: speculative, fallback (with its reason) or plain, and the body
+    to forward."""
+
+    mode: str  # speculative | fallback | plain
+    reason: str = None
+    body: dict = None
+
+
+def plain_decision(body: dict) -> Decision:
+    return Decision("plain", None, body)
+
+
+# Penalty values that change nothing; a client sending them still gets speculation.
+NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
+
+
+def route_chat(body: dict, *, server_reason=None, multimodal_plain=False) -> Decision:
+    """Refuses what the pack does not serve, then routes speculative or plain with a reason.
+
+    The refusals hold with --no-dflash2 too, so the baseline answers the same requests.
+    """
+    if "thinking_budget" in body:
+        raise Refusal(400, "thinking-budget", "thinking budgets are not supported; use "
+                                              "\"enable_thinking\" and max_tokens", "thinking_budget")
+    if body.get("response_format", {}).get("type", "text") != "text":
+        raise Refusal(400, "structured-output",
+                      "structured output (response_format) is not supported", "response_format")
+    body.pop("response_format", None)
+    for name, neutral in NEUTRAL_PENALTIES.items():
+        if body.get(name) == neutral:
+            del body[name]
+    if body.get("logit_bias") == {}:
+        del body["logit_bias"]
+    reason = server_reason or fallback_reason(body, multimodal_plain)
+    return Decision("fallback" if reason else "speculative", reason, body)
+
+
+def fallback_reason(body: dict, multimodal_plain: bool):
+    """Why speculation could not give this request plain decoding's answer, or None."""
+    if "temperature" not in body:
+        return "temperature-omitted"  # the pack's sampling defaults apply
+    if body["temperature"] > 0:
+        return "sampling"
+    if body.get("logprobs") or body.get("top_logprobs"):
+        return "logprobs"
+    if any(name in body for name in NEUTRAL_PENALTIES):
+        return "penalties"
+    if "logit_bias" in body:
+        return "logit-bias"
+    if multimodal_plain and has_images(body):
+        return "multimodal-plain"
+    return None
+
 
 
 # ---------------------------------------------------------------------------------------

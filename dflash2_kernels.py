@@ -174,6 +174,11 @@ def stock_quantized_matmul(x, weight, scales, biases):
     )
 
 
+def packed_width(weight) -> int:
+    """K, the input width of a packed 2-bit weight (32 // BITS values per uint32)."""
+    return weight.shape[1] * 32 // BITS
+
+
 def stock_rows(x, weight, scales, biases):
     """One stock single-row call per row: the reference every kernel must equal."""
     rows = [stock_quantized_matmul(x[m : m + 1], weight, scales, biases) for m in range(x.shape[0])]
@@ -671,7 +676,7 @@ def _check_arguments(x, weight, scales, biases):
         raise TypeError(f"x must be float16, got {x.dtype}")
     if weight.dtype != mx.uint32 or weight.ndim != 2:
         raise TypeError(f"weight must be a 2-D uint32 array, got {weight.dtype} {weight.shape}")
-    n, k = weight.shape[0], weight.shape[1] * 32 // BITS
+    n, k = weight.shape[0], packed_width(weight)
     for name, array in (("scales", scales), ("biases", biases)):
         if array.dtype != mx.float16 or tuple(array.shape) != (n, k // GROUP_SIZE):
             raise TypeError(
@@ -795,6 +800,17 @@ def self_test(kernel: Optional[Kernel] = None, shapes=None, seed: int = 0) -> Se
 ROTATE_BLOCKS = (512, 1024, 2048, 4096)  # the blocks mlx-vlm accepts (prism_hadamard_qwen35.py:33)
 ROTATE_INPUT_KINDS = INPUT_KINDS + ("nonfinite",)
 SIGN_KINDS = ("pm1", "general")  # the pack's +-1 signs; any fp32 values (one multiply, like MLX)
+# (N, K) of every packed matrix of the 27B target: what it is, and its calls per decode step.
+PACKED_SHAPES_27B = {
+    (12288, 5120): ("attention q_proj", 16),
+    (1024, 5120): ("attention k_proj, v_proj", 32),
+    (5120, 6144): ("attention o_proj, GDN out_proj", 64),
+    (10240, 5120): ("GDN in_proj_qkv", 48),
+    (6144, 5120): ("GDN in_proj_z", 48),
+    (17408, 5120): ("MLP gate_proj, up_proj", 128),
+    (5120, 17408): ("MLP down_proj", 64),
+    (248320, 5120): ("lm_head", 1),
+}
 # (K, block): the 27B pack's rotated widths with every block that divides them;
 # tiny widths covering the other block sizes (the tiny synthetic pack rotates K = 512).
 ROTATE_SHAPES_27B = (

@@ -4,8 +4,11 @@ The checks read config.json and the safetensors headers only (plus the small Had
 sign vectors), so a broken or mismatched pack stops with a PackError that names the file,
 the field or tensor, and what was expected, before any weight is loaded. Loading itself is
 mlx-vlm's own code: `mlx_vlm.utils.load` and `mlx_vlm.speculative.drafters.load_drafter`.
+A built pack's files are pinned in dflash2-pack.json (checked at launch) and SHA256SUMS
+(checked by --verify-pack, with everything else here).
 """
 
+import hashlib
 import json
 import re
 import struct
@@ -30,6 +33,9 @@ TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_e
 DRAFTER_ARCHITECTURE = "DFlash2DraftModel"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 MAX_LISTED = 8
+PINS_FILE = "dflash2-pack.json"
+SUMS_FILE = "SHA256SUMS"
+HASH_CHUNK = 8 * 1024 * 1024
 
 
 class PackError(ValueError):
@@ -391,25 +397,145 @@ def load_pack(target_dir, drafter_dir=None):
     return model, processor, drafter
 
 
+def kernel_shapes(model) -> dict:
+    """The pack's own shapes for dflash2_kernels.verify_kernel_self_tests (a skeleton
+    from build_skeleton is enough: only shapes are read)."""
+    import dflash2_kernels
+    from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
+
+    text = model.language_model.model
+    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention")}
+    for _, module in model.language_model.named_modules():
+        if isinstance(module, HadamardQuantizedLinear):
+            width = dflash2_kernels.packed_width(module.weight)
+            shapes["packed"].add((module.weight.shape[0], width))
+            if module.block:
+                shapes["rotations"].add((width, module.block))
+    for layer in text.layers:
+        if layer.is_linear:
+            gdn = layer.linear_attn
+            shapes["gdn"].add((1, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))
+            gates = gdn.in_proj_b.weight.shape[0] + gdn.in_proj_a.weight.shape[0]
+            shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
+        else:
+            attention = layer.self_attn
+            shapes["attention"].add(
+                (1, attention.num_attention_heads, attention.num_key_value_heads, attention.head_dim)
+            )
+    return {key: sorted(value) for key, value in shapes.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# Launch pins (dflash2-pack.json) and SHA256SUMS
+
+
+def sha256_file(path: Path, progress=None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return digest.hexdigest()
+
+
+def safetensors_header_sha256(path: Path) -> str:
+    """sha256 of the 8-byte header length and the JSON header: every tensor's name,
+    dtype, shape and offsets, read without touching the weights."""
+    with open(path, "rb") as f:
+        length_bytes = f.read(8)
+        length = int.from_bytes(length_bytes, "little")
+        return hashlib.sha256(length_bytes + f.read(length)).hexdigest()
+
+
+def read_pins(pack_dir: Path) -> dict:
+    """dflash2-pack.json, checked for the shape the launch checks read; raises ValueError
+    with a one-line message otherwise."""
+    try:
+        pins = json.loads((pack_dir / PINS_FILE).read_text())
+    except OSError as error:
+        raise ValueError(f"{PINS_FILE}: cannot be read ({error.strerror})") from None
+    except ValueError as error:
+        raise ValueError(f"{PINS_FILE}: not valid JSON ({error})") from None
+    files = pins.get("files") if isinstance(pins, dict) else None
+    if not isinstance(files, dict) or not isinstance(pins.get("runtime", {}), dict):
+        raise ValueError(f'{PINS_FILE}: expected {{"files": {{...}}, "runtime": {{...}}}}')
+    for name, pin in files.items():
+        hashes = ("sha256", "header_sha256") if name.endswith(".safetensors") else ("sha256",)
+        well_formed = (
+            isinstance(pin, dict) and isinstance(pin.get("size"), int)
+            and all(isinstance(pin.get(key), str) for key in hashes)
+            and not Path(name).is_absolute() and ".." not in Path(name).parts
+        )
+        if not well_formed:
+            raise ValueError(f'{PINS_FILE}: files[{name!r}]: expected a path inside the pack with '
+                             f'{{"size": bytes, {", ".join(repr(h) + ": hex" for h in hashes)}}}')
+    return pins
+
+
+def check_pins(pack_dir: Path, full_hash: bool) -> list:
+    """Compares the pack folder with dflash2-pack.json; returns one line per failure.
+
+    dflash2-pack.json holds {"files": {"<path in the pack>": {"size": bytes, "sha256": hex,
+    "header_sha256": hex}}} (header_sha256 for .safetensors files). At launch every pinned
+    file's size is checked, small files (configs, README, tokenizer, template) are hashed
+    whole, and weights by their safetensors header; --dflash2-full-hash hashes every file.
+    """
+    from tqdm import tqdm
+
+    try:
+        pins = read_pins(pack_dir)["files"]
+    except ValueError as error:
+        return [str(error)]
+    failures, to_hash = [], []
+    for name, pin in sorted(pins.items()):
+        path = pack_dir / name
+        if not path.is_file():
+            failures.append(f"{name}: missing (expected size {pin['size']})")
+            continue
+        size = path.stat().st_size
+        if size != pin["size"]:
+            failures.append(f"{name}: size expected {pin['size']}, actual {size}")
+            continue
+        if name.endswith(".safetensors") and not full_hash:
+            actual = safetensors_header_sha256(path)
+            if actual != pin["header_sha256"]:
+                failures.append(f"{name}: safetensors header sha256 expected {pin['header_sha256']}, "
+                                f"actual {actual}")
+        else:
+            to_hash.append((name, path, pin))
+    with tqdm(total=sum(path.stat().st_size for _, path, _ in to_hash), unit="B", unit_scale=True,
+              desc="sha256", disable=not full_hash) as progress:
+        for name, path, pin in to_hash:
+            actual = sha256_file(path, progress)
+            if actual != pin["sha256"]:
+                failures.append(f"{name}: sha256 expected {pin['sha256']}, actual {actual}")
+    return failures
+
+
+def read_sha256sums(pack_dir):
+    """({path in the pack: sha256} listed in SHA256SUMS, [malformed-line problems])."""
+    listed, problems = {}, []
+    text = (Path(pack_dir) / SUMS_FILE).read_text(errors="replace")
+    for number, line in enumerate(text.splitlines(), 1):
+        digest, _, name = line.partition("  ")
+        if line and not (re.fullmatch(r"[0-9a-f]{64}", digest) and name and not Path(name).is_absolute()
+                         and ".." not in Path(name).parts):
+            problems.append(f"{SUMS_FILE}: line {number} is not '<sha256>  <path in the pack>'")
+        elif line:
+            listed[name] = digest
+    return listed, problems
+
+
 # ---------------------------------------------------------------------------------------
 # Verifying a built pack (python serve_dflash2.py --verify-pack)
 
 
 def sha256sums_problems(pack_dir):
     """Every file listed in SHA256SUMS present with its hash, and no file that is not listed."""
-    from serve_dflash2 import sha256_file
-
-    sums = pack_dir / "SHA256SUMS"
-    if not sums.is_file():
-        return ["SHA256SUMS: file is missing"]
-    listed, problems = {}, []
-    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
-        digest, _, name = line.partition("  ")
-        if line and not (re.fullmatch(r"[0-9a-f]{64}", digest) and name and not Path(name).is_absolute()
-                         and ".." not in Path(name).parts):
-            problems.append(f"SHA256SUMS: line {number} is not '<sha256>  <path in the pack>'")
-        elif line:
-            listed[name] = digest
+    if not (pack_dir / SUMS_FILE).is_file():
+        return [f"{SUMS_FILE}: file is missing"]
+    listed, problems = read_sha256sums(pack_dir)
     for name, expected in sorted(listed.items()):
         path = pack_dir / name
         if not path.is_file():
@@ -422,7 +548,7 @@ def sha256sums_problems(pack_dir):
         for path in pack_dir.rglob("*")
         if path.is_file() and "__pycache__" not in path.relative_to(pack_dir).parts
     }
-    for name in sorted(present - listed.keys() - {"SHA256SUMS"}):
+    for name in sorted(present - listed.keys() - {SUMS_FILE}):
         problems.append(f"{name}: not listed in SHA256SUMS (unexpected file)")
     return problems
 
@@ -449,7 +575,6 @@ def verify_pack(pack_dir):
     dflash2-pack.json and the installed runtime versions, the target and drafter checks,
     and the kernel self-test on this machine."""
     import dflash2_kernels
-    from serve_dflash2 import PINS_FILE, check_pins, read_pins
 
     pack_dir = Path(pack_dir)
     target_dir, drafter_dir = find_pack(pack_dir)
@@ -475,9 +600,15 @@ def verify_pack(pack_dir):
             record(check, [])
         except PackError as error:
             record(check, [str(error)])
-    test = dflash2_kernels.self_test()
-    record(f"kernel self-test ({test.backend})",
-           [] if test.ok else [f"{test.reason or 'failed'}: {test.mismatches} differing elements"])
+    try:  # at the pack's own shapes, as the server's start-up runs them
+        skeleton = build_skeleton(read_config(target_dir), relative_name(target_dir, "config.json"))
+        tests = dflash2_kernels.verify_kernel_self_tests(kernel_shapes(skeleton))
+    except PackError as error:
+        record("kernel self-test", [str(error)])
+        return results
+    for name, test in tests.items():
+        record(f"kernel self-test {name} ({test.backend})",
+               [] if test.ok else [f"{test.reason or 'failed'}: {test.mismatches} differing elements"])
     return results
 
 

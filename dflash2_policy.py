@@ -9,7 +9,7 @@ decoding (one token per step), the request continues with plain decode steps, wh
 same tokens, and probes with a round again once the steps lost to unpaid rounds fit in a small
 share of the request (PROBE_BUDGET).
 
-`policy_rounds` replaces mlx-vlm's greedy DFlash round loop (dflash2_runtime.PATCHES). Plain
+`policy_rounds` replaces mlx-vlm's greedy DFlash round loop (dflash2_audit.REPLACED). Plain
 steps are decode's own call and greedy rule; the drafter still needs the target's tap hidden
 states of the tokens they produce, which `_decoder_layer_call` records during a plain step.
 """

@@ -8,13 +8,10 @@ below make every verify position use the decode step's own arithmetic: packed
 pass, each row bitwise equal to MLX's single-row kernel); dense linears,
 convolution, GatedDeltaNet recurrence and attention run one position at a time
 through the same functions decode calls; and the greedy token is picked the way
-plain decode picks it. Every patched or mirrored mlx-vlm function is fingerprinted:
-if its source differs from the audited one, `install` refuses and names it.
+plain decode picks it. Every replaced or mirrored mlx-vlm function is in dflash2_audit's
+table: if its source differs from the audited one, `install` refuses and names it.
 """
 
-import hashlib
-import importlib
-import inspect
 import os
 import statistics
 import time
@@ -31,7 +28,6 @@ os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-import mlx_vlm  # noqa: E402
 from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5 import gated_delta as gated_delta_module
@@ -42,16 +38,11 @@ from mlx_vlm.speculative.cache_state import abort_speculative_round
 from mlx_vlm.speculative.drafters.dflash2.dflash2 import DFlash2DraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
 
+import dflash2_audit
 import dflash2_kernels
+import dflash2_pack
 import dflash2_policy
 
-MLX_VERSION = "0.32.2"
-MLX_VLM_VERSION = "0.7.2"
-MAX_KERNEL_ROWS = 8
-
-
-class RuntimeMismatch(RuntimeError):
-    """The installed mlx / mlx-vlm is not the audited one; nothing was patched."""
 
 
 class ExactnessError(RuntimeError):
@@ -86,6 +77,38 @@ class RuntimeStatus:
     decode_path: Optional[DecodePathChoice] = None
     verify_check: Optional["VerifySelfCheck"] = None
 
+    def log_lines(self) -> list[str]:
+        """What start-up logs: kernels, the verify self-check, plain decode's path."""
+        lines = [
+            "kernel self-tests: "
+            + ", ".join(f"{name} {'ok' if r.ok else 'FAILED'}" + (f" ({r.reason})" if r.reason else "")
+                        for name, r in self.self_test.items())
+        ]
+        if self.verify_check is not None:
+            lines.append(self.verify_check.summary())
+        if self.decode_path is not None:
+            timings = ", ".join(f"{arm} {t['median']:.2f} ms" for arm, t in self.decode_path.step_ms.items())
+            lines.append(f"plain decode path: {self.decode_path.arm} ({self.decode_path.why}"
+                         + (f"; median step: {timings}" if timings else "") + ")")
+        return lines
+
+    def to_json(self) -> dict:
+        """For /health."""
+        check = self.verify_check
+        return {
+            "backend": self.backend,
+            "kernels": {name: {"ok": r.ok, "reason": r.reason} for name, r in self.self_test.items()},
+            "verify_self_check": None if check is None else {
+                "blocks": check.blocks, "differing": check.differing,
+                "stock_differing": check.stock_differing, "seconds": round(check.seconds, 2),
+                "summary": check.summary(),
+            },
+            "plain_decode_path": None if self.decode_path is None else {
+                "arm": self.decode_path.arm, "why": self.decode_path.why,
+                "step_ms": self.decode_path.step_ms,
+            },
+        }
+
 
 # ---------------------------------------------------------------------------
 # Exact verify forward
@@ -106,12 +129,12 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     )
     outputs = [
         matmul(
-            rows[start : start + MAX_KERNEL_ROWS],
+            rows[start : start + dflash2_kernels.MAX_ROWS],
             linear.weight,
             linear.scales,
             linear.biases,
         )
-        for start in range(0, rows.shape[0], MAX_KERNEL_ROWS)
+        for start in range(0, rows.shape[0], dflash2_kernels.MAX_ROWS)
     ]
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -264,6 +287,7 @@ def _gate_projections(layer, x):
     cached = getattr(layer, "_dflash2_gate_weight", None)
     if cached is None or cached[0] is not b_weight or cached[1] is not a_weight:
         cached = (b_weight, a_weight, mx.concatenate([b_weight, a_weight]))
+        mx.eval(cached[2])  # once, as mlx-vlm prepares decode's convolution weight
         layer._dflash2_gate_weight = cached
     out = dflash2_kernels.dense_rows(x, cached[2])
     return out[..., : b_weight.shape[0]], out[..., b_weight.shape[0] :]
@@ -337,248 +361,28 @@ def _embed_input_tokens_bf16(self, inputs):
 
 
 # ---------------------------------------------------------------------------
-# The patch table: every mlx-vlm function this runtime replaces or mirrors, with
-# the sha256 of its audited 0.7.2 source. `replacement` None means the exact path
-# reproduces that function's arithmetic step for step, so it must not change.
+# The replacements, by dflash2_audit.REPLACED target (that table holds their audited
+# sources and why each is replaced; the engine's overrides are in dflash2_engine).
 
-
-@dataclass(frozen=True)
-class Patch:
-    target: str  # "module:qualname"
-    sha256: str
-    why: str
-    replacement: object = None
-
-
-PATCHES = (
-    Patch(
-        "mlx_vlm.models.qwen3_5.language:_EXACT_SPECULATIVE_VERIFIER",
-        "2fdf1228267e54774c9529ea04b390bfd220ea42ad22f49dbd0e7ca38f8bb1b5",
-        "The verify forward: batched quantized matmuls, batched dense GDN gates, "
-        "L==2 batched attention, full-block convolution and the with-states "
-        "recurrence all round differently from decode on GPUs.",
-        ExactVerifier(),
-    ),
-    Patch(
-        "mlx_vlm.speculative.dflash:_dflash_verify_greedy",
-        "1b472dc300554ab6017495bdeb18480be431578aa6958ff7b35c0145e8412971",
-        "Stock greedy verify takes argmax of raw logits; decode takes it of fp16 logprobs.",
-        exact_verify_greedy,
-    ),
-    Patch(
-        "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._hidden",
-        "e01ca795d8183f747210f41ee0e30810c99eb447c7b268186898ac14f289caa0",
-        "Run the bf16 drafter in bf16 and return the target's dtype to its head.",
-        _draft_hidden_bf16,
-    ),
-    Patch(
-        "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens",
-        "46d8b30d7519be85a0e2c3323ce7667008b85e4a2f85187216afd97bcd2e6542",
-        "The target's fp16 embeddings enter the drafter as bf16.",
+REPLACEMENTS = {
+    "mlx_vlm.models.qwen3_5.language:_EXACT_SPECULATIVE_VERIFIER": ExactVerifier(),
+    "mlx_vlm.speculative.dflash:_dflash_verify_greedy": exact_verify_greedy,
+    "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._hidden": _draft_hidden_bf16,
+    "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens":
         _embed_input_tokens_bf16,
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.language:LanguageModel.__call__",
-        "af7f3f6427c2e59ab5266798b7518eaf026c3f7f749dd0962e38a6acece49cc9",
-        "Mirrored: hands speculative_verify to the verifier with decode's position ids.",
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.language:Qwen3_5Attention.__call__",
-        "b051c66057acc90f4ed78691f90254685cfdb20d5814b0d58beec4d2bb34c184",
-        "Mirrored: decode attention, reproduced per verify position.",
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.language:Qwen3_5Attention._prepare_projected_qkv",
-        "da21fd76217c72aa7ef15d4097e1fe428ff0022259f9556eb8fd95b59217c109",
-        "Called per verify position: norms, rotary, KV cache append.",
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__",
-        "0ab0be71156568f50a248f898d431b657b36b399166e29e25c16c7a45f6cc81b",
-        "Mirrored: decode GatedDeltaNet step, reproduced per verify position.",
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._causal_conv1d_decode",
-        "77f9695692b994b6204f8df1ae58178dadb5ec91dd6194337a6e282c2e4bf17f",
-        "Called per verify position: decode's depthwise convolution.",
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update",
-        "66b3e98fcd83bed63869d1fcf6b3b130b8f4b7cbd25fee5988b288457c6615f0",
-        "Mirrored: decode's recurrence call; on Metal called per verify position.",
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops",
-        "9751b1354ae88830f815b23c3a2ed4ec3a5154ccbbb2bbaa400f407efdd0540a",
-        "Decode's single recurrence step on the recurrence kernel where measured faster "
-        "(same bits: the kernel reproduces its head repeat and compiled step).",
-        _gated_delta_ops_call,
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.gated_delta:_compute_g_beta",
-        "55e3a2984cc2e3ac92b7fe9cb3c1214d8360b774a426ff7906556a23d5c71429",
-        "Called once for all verify positions (element-wise).",
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.speculative_verifier:Qwen3_5BatchInvariantForward",
-        "2fdf1228267e54774c9529ea04b390bfd220ea42ad22f49dbd0e7ca38f8bb1b5",
-        "Base class of ExactVerifier: layer, model and head plumbing kept from stock.",
-    ),
-    Patch(
-        "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__",
-        "3303ee4843ce5fe54d9668368360cb8a01e90acce70773658cfc0bf0b7b642d4",
-        "Decode's one-row packed matmul on the faster exact kernel (same bits), and "
-        "mirrored for many rows in verify.",
+    "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops": _gated_delta_ops_call,
+    "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
         _hadamard_linear_call,
-    ),
-    Patch(
-        "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:hadamard_transform",
-        "26f78584fe230a4dae3782c9c29ceb97bddf51bdad9afa170c857fc9fd126400",
-        "Reproduced by dflash2_kernels.rotate in one launch (verify, and decode where faster).",
-    ),
-    Patch(
-        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
-        "7eaabc86f5be71f93d2c7ae79cfd3baaaa2f812885119a737c5619d9602c073d",
-        "Relied on by the sliding-window option: trims the drafter's context to its window.",
-    ),
-    Patch(
-        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashDraftModel.make_cache",
-        "db5892186958bf9da98834ab163d1c09bcb424b3b71f6c9bc9cbeda400d97dae",
-        "Relied on by the sliding-window option: rotating caches for sliding layers.",
-    ),
-    Patch(
-        "mlx_vlm.speculative.dflash:_dflash_rounds",
-        "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
-        "Mirrored by dflash2_policy's rounds (draft, _dflash_verify_greedy, walk, commit); "
-        "runs as is for sampling and when no cost table was measured.",
-    ),
-    Patch(
-        "mlx_vlm.speculative.utils:_dflash_rounds",
-        "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
-        "The round loop both generate_step and the server call: each round's block, or plain "
-        "decode steps, chosen from measured costs and the request's acceptance.",
-        dflash2_policy.policy_rounds,
-    ),
-    Patch(
-        "mlx_vlm.speculative.utils:run_speculative_server_rounds",
-        "a97853c0faa5c672226856995b183a096c70212f915a90d9da643c877b16d0c1",
-        "Relied on: the server reaches _dflash_rounds through utils' name at batch size 1.",
-    ),
-    Patch(
-        "mlx_vlm.speculative.utils:run_speculative_rounds",
-        "2f6dd995e5f8d5409cc213193aa52d065b633a2b400d595f63180c7815aa7e7c",
-        "Relied on: generate_step reaches _dflash_rounds through utils' name at batch size 1.",
-    ),
-    Patch(
-        "mlx_vlm.speculative.common:_speculative_walk",
-        "4487bf2099c8d3a60917c12ac7ce18dfe7b72f727ec22571e38c0245521e7f81",
-        "Relied on: the policy's rounds accept drafts up to the first mismatch, as stock.",
-    ),
-    Patch(
-        "mlx_vlm.speculative.cache_state:commit_speculative_round",
-        "58c3e8cf462dea7a576f56b42d0ff38d45daea051b95bc9e9bd8d1ef3698997c",
-        "Relied on: the policy's rounds keep accepted + 1 positions of the target cache.",
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__",
-        "9feda6407e1129df917a478e5687d2bc7f53ea21c7986f641468b5749a90e10a",
-        "Unchanged arithmetic; during a policy plain step the drafter's tap layers also keep "
-        "their outputs, which the next round hands to the drafter.",
-        dflash2_policy._decoder_layer_call,
-    ),
-    Patch(
-        "mlx_vlm.models.qwen3_5.language:Qwen3_5Model.__call__",
-        "9dfc2048db0d818595bcdeb306a59e80cf1217331784fe7361c92a2dbf13ab65",
-        "Relied on: one decode step calls each layer once, in order (the one-row batch cache "
-        "path included), so plain steps record the taps capture_layer_ids would.",
-    ),
-)
+    "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_policy.policy_rounds,
+    "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__": dflash2_policy._decoder_layer_call,
+}
 
 
-def _resolve(target: str):
-    module_name, qualname = target.split(":")
-    owner = importlib.import_module(module_name)
-    *path, name = qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, name
-
-
-def _audited_object(owner, name):
-    """The stock object; after install, the one our replacement wraps."""
-    value = getattr(owner, name)
-    return getattr(value, "__dflash2_stock__", value)
-
-
-def source_sha256(obj) -> str:
-    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
-        obj = type(obj)
-    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
-
-
-def fingerprint_mismatches(patches=PATCHES) -> list[str]:
-    """Every difference between the installed packages and the audited ones."""
-    problems = []
-    if mx.__version__ != MLX_VERSION:
-        problems.append(f"mlx {mx.__version__} is installed; the pack needs {MLX_VERSION}")
-    if mlx_vlm.__version__ != MLX_VLM_VERSION:
-        problems.append(
-            f"mlx-vlm {mlx_vlm.__version__} is installed; the pack needs {MLX_VLM_VERSION}"
-        )
-    for patch in patches:
-        try:
-            owner, name = _resolve(patch.target)
-            actual = source_sha256(_audited_object(owner, name))
-        except (ImportError, AttributeError, OSError, TypeError) as error:
-            problems.append(f"{patch.target}: not found ({error})")
-            continue
-        if actual != patch.sha256:
-            problems.append(
-                f"{patch.target}: source sha256 {actual}, audited {patch.sha256}"
-            )
-    return problems
-
-
-def apply_patches(patches=PATCHES) -> None:
-    problems = fingerprint_mismatches(patches)
-    if problems:
-        raise RuntimeMismatch(
-            "refusing to patch mlx-vlm; these differ from the audited versions:\n  "
-            + "\n  ".join(problems)
-        )
-    for patch in patches:
-        if patch.replacement is None:
-            continue
-        owner, name = _resolve(patch.target)
-        current = getattr(owner, name)
-        if getattr(current, "__dflash2_stock__", None) is not None:
-            continue  # already installed
-        patch.replacement.__dflash2_stock__ = current
-        setattr(owner, name, patch.replacement)
-
-
-def kernel_shapes(model) -> dict:
-    """The pack's own shapes for dflash2_kernels.verify_kernel_self_tests."""
-    text = model.language_model.model
-    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention")}
-    for _, module in model.language_model.named_modules():
-        if isinstance(module, HadamardQuantizedLinear):
-            width = module.weight.shape[1] * 16
-            shapes["packed"].add((module.weight.shape[0], width))
-            if module.block:
-                shapes["rotations"].add((width, module.block))
-    for layer in text.layers:
-        if layer.is_linear:
-            gdn = layer.linear_attn
-            shapes["gdn"].add((1, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))
-            gates = gdn.in_proj_b.weight.shape[0] + gdn.in_proj_a.weight.shape[0]
-            shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
-        else:
-            attention = layer.self_attn
-            shapes["attention"].add(
-                (1, attention.num_attention_heads, attention.num_key_value_heads, attention.head_dim)
-            )
-    return {key: sorted(value) for key, value in shapes.items()}
+def apply_patches() -> None:
+    """Checks every audited source (raising dflash2_audit.SourceMismatch), then replaces."""
+    dflash2_audit.check_sources()
+    for target, replacement in REPLACEMENTS.items():
+        dflash2_audit.replace(target, replacement)
 
 
 def install(model=None) -> RuntimeStatus:
@@ -586,7 +390,7 @@ def install(model=None) -> RuntimeStatus:
 
     Every kernel is self-tested at the pack's own shapes (dflash2_kernels).
 
-    Raises RuntimeMismatch if anything differs from the audited sources. A failed
+    Raises dflash2_audit.SourceMismatch if anything differs from the audited sources. A failed
     kernel self-test or verify self-check does not raise: speculation is reported
     off, with the reason, and the caller serves plain. With a model, also runs the
     verify self-check on the pack's own weights and chooses plain decode's
@@ -597,7 +401,7 @@ def install(model=None) -> RuntimeStatus:
     if model is None:
         result = {"qmv": dflash2_kernels.self_test()}
     else:
-        result = dflash2_kernels.verify_kernel_self_tests(kernel_shapes(model))
+        result = dflash2_kernels.verify_kernel_self_tests(dflash2_pack.kernel_shapes(model))
     # The other kernels fall back to single-position stock calls where their test
     # failed (exact, slower); a failed matmul kernel turns speculation off.
     if not result["qmv"].ok:
@@ -727,18 +531,30 @@ def interleaved_ms(arms: dict, repeats: int = 5) -> dict:
 
 
 def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:
-    """interleaved_ms of plain decode steps under each arm (name -> set-up function)."""
+    """interleaved_ms of plain decode steps under each arm (name -> set-up function).
+
+    Steps are pipelined as generation runs them: the next step's graph is built and
+    queued (async_eval) before the previous token is read, so host work that overlaps
+    the GPU is not counted twice."""
     cache = language_model.make_cache()
     mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
-    token = mx.array([[5]])
+
+    def next_token(token):
+        logits = language_model(token, cache=cache).logits[:, -1, :]
+        return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)[:, None]
 
     def sample(set_up):
         def run():
             set_up()
-            mx.eval(language_model(token, cache=cache).logits)  # graph and kernels warm
+            token = next_token(mx.array([[5]]))  # graph and kernels warm
+            mx.eval(token)
             start = time.perf_counter()
             for _ in range(steps):
-                mx.eval(language_model(token, cache=cache).logits)
+                following = next_token(token)
+                mx.async_eval(following)
+                token.item()
+                token = following
+            token.item()
             return 1000 * (time.perf_counter() - start) / steps
 
         return run
@@ -762,7 +578,7 @@ def choose_decode_path(model) -> DecodePathChoice:
         use_decode_arm("mlx")
         return DecodePathChoice("mlx", "no decode kernel on this backend")
     arms = {arm: (lambda arm=arm: use_decode_arm(arm)) for arm in DECODE_ARMS}
-    timings = time_decode_steps(model.language_model, arms)
+    timings = time_decode_steps(model.language_model, arms, repeats=7, steps=4)
     fastest = min(timings, key=lambda arm: timings[arm]["median"])
     use_decode_arm(fastest)
     return DecodePathChoice(fastest, "fastest median decode step of the arms", timings)
@@ -776,10 +592,10 @@ def configure_drafter(drafter, options: RuntimeOptions) -> None:
     cap bounds the choice.
     """
     trained = int(drafter.config.block_size)
-    ceiling = min(trained, MAX_KERNEL_ROWS)
+    ceiling = min(trained, dflash2_kernels.MAX_ROWS)
     for name, value in (("block size", options.block_size), ("block cap", options.block_cap)):
-        if value is not None and not 2 <= value <= min(trained, MAX_KERNEL_ROWS):
-            raise ValueError(f"{name} must be 2..{min(trained, MAX_KERNEL_ROWS)}, got {value}")
+        if value is not None and not 2 <= value <= min(trained, dflash2_kernels.MAX_ROWS):
+            raise ValueError(f"{name} must be 2..{min(trained, dflash2_kernels.MAX_ROWS)}, got {value}")
     if options.block_size is not None:
         drafter.prefer_requested_block_size = True
         ceiling = options.block_size

@@ -1,6 +1,7 @@
 """tools/build_pack.py and the pack verification (dflash2_pack.verify_pack and
 serve_dflash2.py --verify-pack) on packs built from the tiny synthetic target and drafter."""
 
+import ast
 import json
 import shutil
 import subprocess
@@ -11,10 +12,9 @@ import mlx.core as mx
 import openai
 import pytest
 
-from build_pack import build_pack
+from build_pack import RUNTIME_FILES, build_pack
+from conftest import Server, clean_env, flip_byte, request
 from dflash2_pack import verify_pack
-from test_server import Server, request
-from test_server_cli import clean_env
 
 
 def build(sources, out_dir, target=None):
@@ -45,10 +45,24 @@ def test_layout_pins_and_unchanged_target(built_pack, tiny_pack):
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (built_pack / name).read_bytes() == (tiny_pack["target"] / name).read_bytes()
     assert (built_pack / "drafter" / "config.json").read_bytes() == (tiny_pack["drafter"] / "config.json").read_bytes()
-    for name in ("serve_dflash2.py", "serve.py", "dflash2_policy.py", "requirements.txt", "README.md", "NOTICE.txt",
-                 "evidence"):
+    for name in (*RUNTIME_FILES, "README.md", "NOTICE.txt", "evidence"):
         assert (built_pack / name).exists(), name
     assert "Created using Bonsai by Prism ML" in (built_pack / "NOTICE.txt").read_text()
+
+
+def test_readme_is_a_model_card_filled_from_evidence(built_pack, tiny_pack):
+    card = (built_pack / "README.md").read_text()
+    front = card.split("---\n")[1]
+    for key in ("license:", "base_model:", "library_name: mlx", "pipeline_tag:", "tags:"):
+        assert key in front, key
+    for section in ("## Check and serve", "## Routing", "## How it works", "## Correctness",
+                    "## Measured speed", "## Limitations", "## Licenses and attribution"):
+        assert section in card, section
+    # Figures come from the records as written: the parity record's count appears verbatim.
+    parity = json.loads((built_pack / "evidence" / "parity-cuda.json").read_text())
+    assert f"| exact_mismatches | {parity['exact_mismatches']} |" in card
+    bench = json.loads((built_pack / "evidence" / "bench-cuda-27b.json").read_text())
+    assert f"| e2e_speedup.chat | {bench['e2e_speedup']['chat']} |" in card
 
 
 @pytest.mark.parametrize("tool", [["sha256sum", "-c"], ["shasum", "-a", "256", "-c"]])
@@ -73,11 +87,9 @@ def test_verify_twice_then_rebuild_gives_identical_sha256sums(built_pack, tiny_p
     assert (pack_copy / "SHA256SUMS").read_bytes() == (built_pack / "SHA256SUMS").read_bytes()
 
 
-def flip_byte(pack_dir):
+def flip_weight_byte(pack_dir):
     path = pack_dir / "model.safetensors"
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x01  # inside the weights, past the header
-    path.write_bytes(bytes(data))
+    flip_byte(path, path.stat().st_size - 100)  # inside the weights, past the header
     return "model.safetensors"
 
 
@@ -99,7 +111,7 @@ def add_unexpected_file(pack_dir):
     return "evidence/notes.txt"
 
 
-@pytest.mark.parametrize("tamper", [flip_byte, edit_config_field, remove_file, add_unexpected_file])
+@pytest.mark.parametrize("tamper", [flip_weight_byte, edit_config_field, remove_file, add_unexpected_file])
 def test_verify_pack_names_the_tampered_file(pack_copy, tamper):
     name = tamper(pack_copy)
     result = verify_from_the_pack(pack_copy)
@@ -121,8 +133,9 @@ def test_refuses_a_folder_it_did_not_build(tiny_pack, tmp_path):
     assert (tmp_path / "mine.txt").read_text() == "user file\n"
 
 
-def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
-    """Same shapes, some tensors edited, rewritten with safetensors: a valid new pack."""
+def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pack, tmp_path):
+    """Same shapes, some tensors edited, rewritten with safetensors: a valid new pack,
+    built with the drafter prequantized to 4 bits."""
     target = Path(shutil.copytree(tiny_pack["target"], tmp_path / "derivative"))
     weights, metadata = mx.load(str(target / "model.safetensors"), return_metadata=True)
     edited = [name for name in sorted(weights) if name.endswith("norm.weight")][:3]
@@ -134,9 +147,17 @@ def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
     (target / "edited.safetensors").replace(target / "model.safetensors")
     assert (target / "model.safetensors").read_bytes() != (tiny_pack["target"] / "model.safetensors").read_bytes()
 
-    pack_dir = build(tiny_pack, tmp_path / "pack", target=target)
+    pack_dir = build_pack(str(target), str(tiny_pack["drafter"]), tmp_path / "pack", drafter_form="4bit")
     assert (pack_dir / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
-    results = verify_pack(pack_dir)
+    quantization = json.loads((pack_dir / "drafter" / "config.json").read_text())["quantization"]
+    assert (quantization["bits"], quantization["group_size"], quantization["mode"]) == (4, 64, "affine")
+    kept = sorted(path for path, value in quantization.items() if value is False)
+    assert kept and all("kernel_projection" in p or "candidate_selector." in p for p in kept)
+    header = json.loads((pack_dir / "drafter" / "model.safetensors").read_bytes()[8:][: int.from_bytes(
+        (pack_dir / "drafter" / "model.safetensors").read_bytes()[:8], "little")])
+    assert all(f"{path}.scales" not in header for path in kept)
+    assert any(name.endswith(".scales") for name in header)
+    results = verify_pack(pack_dir)  # the loader's drafter check accepts the 4-bit form
     assert all(ok for _, ok, _ in results), results
 
     # The built folder serves: launch pins pass and a greedy request runs speculative.
@@ -160,6 +181,11 @@ def test_derivative_target_builds_verifies_and_serves(tiny_pack, tmp_path):
         assert costs["decode_step_ms"] > 0
         assert list(costs["verify_steps_by_block"]) == [str(b) for b in range(2, 9)]
         assert all(steps > 0 for steps in costs["draft_steps_by_block"].values())
+        runtime = request(server, "GET", "/health", record=False).json()["runtime"]
+        check = runtime["verify_self_check"]
+        assert check["blocks"] == 7 and check["differing"] == 0
+        assert runtime["plain_decode_path"]["arm"] in ("mlx", "rotation", "rotation+recurrence",
+                                                       "rotation+recurrence+matmul")
     finally:
         server.stop()
 
@@ -218,3 +244,26 @@ def test_invalid_pins_file_is_named_at_start_and_by_verify(pack_copy, pins, mess
     assert verify.returncode == 1 and message in verify.stdout, verify.stdout
     for result in (verify, start):
         assert "Traceback" not in result.stdout + result.stderr
+
+
+REPO = Path(__file__).resolve().parents[1]
+# The top-level modules, entry points first: each imports only modules after it.
+LAYERS = ["serve_dflash2", "serve", "dflash2_engine", "dflash2_gateway", "dflash2_options", "dflash2_http",
+          "dflash2_runtime", "dflash2_policy", "dflash2_pack", "dflash2_audit", "dflash2_kernels"]
+
+
+def imported_modules(path):
+    tree = ast.parse(path.read_text())
+    return {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+            for alias in node.names} | {node.module.split(".")[0] for node in ast.walk(tree)
+                                        if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_the_pack_ships_every_module_and_imports_run_downward():
+    assert {f"{name}.py" for name in LAYERS} == {path.name for path in REPO.glob("*.py")}
+    assert {f"{name}.py" for name in LAYERS} <= set(RUNTIME_FILES)
+    for index, name in enumerate(LAYERS):
+        upward = imported_modules(REPO / f"{name}.py") & set(LAYERS[:index + 1])
+        assert not upward, f"{name} imports {upward}"
+    for path in (REPO / "tools").glob("*.py"):
+        assert not imported_modules(path) & {"serve", "serve_dflash2"}, path.name

@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+import dflash2_audit
 import dflash2_runtime
 from oracle_drafter import OracleDrafter
 from parity import (
@@ -37,16 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 GENERATED = 12
 
 pytestmark = pytest.mark.usefixtures("gpu_like_rounding")
-
-
-@pytest.fixture(scope="module")
-def target(tiny_pack):
-    from dflash2_pack import load_pack
-
-    model, processor, drafter = load_pack(tiny_pack["target"], tiny_pack["drafter"])
-    status = dflash2_runtime.install(model)
-    assert status.speculative, status.reason
-    return model, processor, drafter
 
 
 def raw_ids(processor, text):
@@ -119,10 +110,8 @@ def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target):
 @pytest.fixture
 def stock_verify(monkeypatch):
     """The runtime's replacements put back for one test: stock mlx-vlm, as if not installed."""
-    for patch in dflash2_runtime.PATCHES:
-        if patch.replacement is not None:
-            owner, name = dflash2_runtime._resolve(patch.target)
-            monkeypatch.setattr(owner, name, getattr(owner, name).__dflash2_stock__)
+    for target in dflash2_runtime.REPLACEMENTS:
+        monkeypatch.setattr(*dflash2_audit.resolve(target), dflash2_audit.stock(target))
 
 
 def test_stock_verify_fails_the_same_checks(target, stock_verify):
@@ -146,22 +135,22 @@ def test_changed_mlx_vlm_function_refuses_and_is_named():
         def _dflash_verify_greedy(*args):  # as if mlx-vlm had changed it
             return None
         rounds._dflash_verify_greedy = _dflash_verify_greedy
-        import dflash2_runtime
+        import dflash2_audit, dflash2_runtime
         try:
             dflash2_runtime.apply_patches()
-        except dflash2_runtime.RuntimeMismatch as error:
+        except dflash2_audit.SourceMismatch as error:
             print(error)
             raise SystemExit(3)
         """
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 3, result.stderr
-    assert "refusing to patch" in result.stdout
+    assert "refusing to start" in result.stdout
     assert "mlx_vlm.speculative.dflash:_dflash_verify_greedy" in result.stdout
 
 
 def test_patch_table_matches_installed_mlx_vlm():
-    assert dflash2_runtime.fingerprint_mismatches() == []
+    assert dflash2_audit.mismatches() == []
 
 
 def test_fp32_dense_layout_verify_and_rollback_are_exact(tmp_path):

@@ -18,8 +18,8 @@ from PIL import Image
 from starlette.testclient import TestClient
 
 from dflash2_http import PackLimits, check_chat_request, openapi_schema
-from serve import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
-from serve_dflash2 import route_chat
+from dflash2_gateway import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
+from dflash2_http import route_chat
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
@@ -35,6 +35,12 @@ async def stub_mlx_vlm(scope, receive, send):
     if scope["type"] != "http":
         return
     body = json.loads((await receive())["body"])
+    if body["messages"][0]["content"] == "over budget":  # mlx-vlm's own context-budget refusal
+        detail = "Request needs 32800 context tokens (32700 prompt + 100 max generation), but MAX_KV_SIZE is 32768."
+        payload = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": payload})
+        return
     if body.get("stream"):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
@@ -61,11 +67,11 @@ def image_dir(tmp_path_factory):
     return folder
 
 
-def make_client(image_dir=None, top_logprobs_k=5):
-    limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve())
+def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None):
+    limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
 
     def decide(body):
-        return route_chat(check_chat_request(body, limits))
+        return route_chat(check_chat_request(body, limits), server_reason=server_reason)
 
     gateway = Gateway(stub_mlx_vlm, model_id=MODEL_ID, scrubber=PathScrubber(local_paths([], MODEL_ID)),
                       decide=decide, header="x-dflash2", request_timeout=TIMEOUT_S)
@@ -89,6 +95,7 @@ def assert_refused(response, status, reason, param=None):
     assert error["code"] == reason and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, error
+    assert "Traceback" not in response.text
     return error
 
 
@@ -105,6 +112,89 @@ def image_body(url):
 
 def data_url(data):
     return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals: 4xx in OpenAI's error shape, never a 500 or a traceback
+
+
+@pytest.mark.parametrize("method, path, body, status, reason", [
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "thinking_budget": 16}, 400, "thinking-budget"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "structured-output"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+     400, "structured-output"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "n-above-1"),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "model": "mlx-community/other"}, 404, "unknown-model"),
+    ("POST", "/v1/messages", {"model": MODEL_ID, "max_tokens": 5, "messages": MESSAGES}, 404, "anthropic-messages"),
+    ("POST", "/v1/messages/count_tokens", {"messages": MESSAGES}, 404, "anthropic-messages"),
+    ("GET", "/v1/settings", None, 404, "unsupported-endpoint"),
+    ("PATCH", "/v1/settings", {"kv_bits": 4}, 404, "unsupported-endpoint"),
+    ("POST", "/unload", None, 404, "unsupported-endpoint"),
+    ("GET", "/v1/cache/stats", None, 404, "unsupported-endpoint"),
+    ("POST", "/v1/cache/reset", None, 404, "unsupported-endpoint"),
+    ("GET", "/metrics", None, 404, "unsupported-endpoint"),
+    ("POST", "/v1/responses", {"input": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/completions", {"prompt": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/embeddings", {"input": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/audio/speech", {"input": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/images/generations", {"prompt": "Hi"}, 404, "unsupported-endpoint"),
+    ("GET", "/v1/models/other-model", None, 404, "unknown-model"),
+    ("GET", "/v1/chat/completions", None, 405, "method-not-allowed"),
+    ("DELETE", "/v1/models", None, 405, "method-not-allowed"),
+], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("server_reason", [None, "no-dflash2"])
+def test_refused_rows(server_reason, method, path, body, status, reason):
+    """The same refusals with the drafter and without it (--no-dflash2)."""
+    client = make_client(server_reason=server_reason)
+    response = client.request(method, path, content=None if body is None else json.dumps(body),
+                              headers={"content-type": "application/json"})
+    assert assert_refused(response, status, reason)["message"]
+
+
+@pytest.mark.parametrize("raw", [b'{"messages": [', b"\xff\xfe{}", b"NaN", b"", b'{"messages": [], "temperature": NaN}'])
+def test_malformed_json(client, raw):
+    response = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert_refused(response, 400, "invalid-json")
+
+
+@pytest.mark.parametrize("body, param", [
+    ([], "body"),
+    ({"messages": "Hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "Hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     "messages[0].content[0].image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ({"messages": MESSAGES, "temperature": True}, "temperature"),
+    ({"messages": MESSAGES, "temperature": 5}, "temperature"),
+    ({"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": MESSAGES, "stream": "yes"}, "stream"),
+    ({"messages": MESSAGES, "model": 7}, "model"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": MESSAGES, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": MESSAGES, "logit_bias": {"token": 1}}, "logit_bias"),
+    ({"messages": MESSAGES, "n": 0}, "n"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_wrong_types(client, body, param):
+    assert_refused(post(client, body), 400, "invalid-request", param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MESSAGES, "adapter_path": "/tmp/adapter"}, "adapter_path"),
+    ({"messages": MESSAGES, "kv_bits": 4}, "kv_bits"),
+    ({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "Hi", "mood": "happy"}]}, "messages[0].mood"),
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unknown_fields(client, body, param):
+    assert_refused(post(client, body), 400, "unknown-field", param)
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,6 +242,37 @@ def test_values_at_the_limits_pass(client):
     forwarded = response.json()["forwarded"]
     assert "stop" not in forwarded  # applied by the gateway, not mlx-vlm
     assert forwarded["logit_bias"] == body["logit_bias"] and forwarded["model"] == MODEL_ID
+
+
+def test_user_text_beyond_any_prompt_that_fits_is_refused_untokenized():
+    client = make_client(max_prompt_chars=100)
+    parts = [{"type": "text", "text": "a" * 50}, {"type": "text", "text": "b" * 50}]
+    fits = [{"role": "system", "content": "s" * 500}, {"role": "user", "content": parts}]
+    assert post(client, {"messages": fits}).status_code == 200  # only user text counts
+    too_long = [*fits, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "c"}]
+    error = assert_refused(post(client, {"messages": too_long}), 400, "context-length-exceeded", "messages")
+    assert "more than 100 characters" in error["message"]
+
+
+def test_mlx_vlm_context_budget_refusal_is_reshaped(client):
+    body = {"messages": [{"role": "user", "content": "over budget"}], "max_tokens": 100}
+    for stream in (False, True):
+        error = assert_refused(post(client, {**body, "stream": stream}), 400, "context-length-exceeded", "messages")
+        assert error["message"] == ("messages: the prompt is 32700 tokens and max_tokens is 100: 32800 in all, above "
+                                    "the model's context length of 32768; shorten the messages or lower max_tokens")
+
+
+def test_max_prompt_chars_from_the_tokenizer(tmp_path):
+    from dflash2_options import max_prompt_chars
+
+    tokenizer = {"normalizer": {"type": "NFC"}, "model": {"type": "BPE", "vocab": {"a": 0, "abcd": 1}},
+                 "added_tokens": [{"content": "<|im_start|>"}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert max_prompt_chars(tmp_path, 1000) == 4 * len("<|im_start|>") * 1000
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**tokenizer, "normalizer": {"type": "Lowercase"}}))
+    assert max_prompt_chars(tmp_path, 1000) is None  # another normalizer: no bound is known
+    (tmp_path / "tokenizer.json").unlink()
+    assert max_prompt_chars(tmp_path, 1000) is None
 
 
 def test_unknown_fields_deep_in_the_request(client):

@@ -15,7 +15,6 @@ import dflash2_policy
 from dflash2_policy import PROBE_BUDGET, RoundCosts, RoundPolicy
 from oracle_drafter import OracleDrafter
 from parity import PROMPTS, chat_ids, greedy
-from test_exact_verify import target  # noqa: F401  (the installed tiny pack)
 
 BLOCKS = range(2, 9)
 # Blocks up to 5 verify cheaply, bigger ones do not: at full acceptance block 5 is best.

@@ -26,9 +26,7 @@ import shutil
 import signal
 import site
 import socket
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,11 +35,12 @@ import openai
 import pytest
 from PIL import Image
 
-from test_server_cli import clean_env, write_pins
+from conftest import SEEN, Response, Server, request, write_pins
 
 REPO = Path(__file__).resolve().parents[1]
 PACK_NAME = "tiny-dflash2-pack"
 MAX_TOKENS = 5
+CONTEXT = 32768  # the tiny pack's max_position_embeddings
 REQUEST_TIMEOUT_S = 20
 LONG = 30000  # max_tokens no request here reaches: it ends by cancellation
 # Rounds pay at good acceptance; the pack's random drafter accepts nothing, so after the
@@ -49,7 +48,6 @@ LONG = 30000  # max_tokens no request here reaches: it ends by cancellation
 ROUND_COSTS = {"decode_step_ms": 100.0,
                "verify_steps_by_block": {str(b): 1.0 + 0.25 * (b - 1) for b in range(2, 9)},
                "draft_steps_by_block": {str(b): 0.2 for b in range(2, 9)}}
-SEEN = []  # every response's headers and body, scanned for local paths at the end
 
 # serve_dflash2.py whose runtime reports a failed kernel self-test (run from the pack folder).
 FAILING_SELF_TEST = """
@@ -67,63 +65,6 @@ runpy.run_path("serve_dflash2.py", run_name="__main__")
 
 # ---------------------------------------------------------------------------------------
 # Server processes
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, name, pack, workdir, command):
-        self.name = name
-        self.workdir = workdir
-        self.port = free_port()
-        self.log_path = workdir / f"{name}.log"
-        self.cwd = workdir / "cwd"
-        self.home = workdir / "home"
-        env = clean_env(HOME=str(self.home), PYTHONUNBUFFERED="1")
-        self.process = subprocess.Popen(
-            [sys.executable, *command, "--port", str(self.port)], cwd=pack if command[0] == "-c" else self.cwd,
-            env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout=300):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if request(self, "GET", "/health", record=False).status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        pytest.fail(f"{self.name} did not start:\n{self.log()[-4000:]}")
-
-    def log(self):
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for_log(self, since: int, text: str, timeout=300) -> str:
-        """The first line containing text that the log gained after offset since."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.log()[since:].splitlines():
-                if text in line:
-                    return line
-            time.sleep(0.1)
-        pytest.fail(f"{self.name} never logged {text!r}:\n{self.log()[since:][-4000:]}")
-
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -167,40 +108,6 @@ def servers(pack, tmp_path_factory):
 
 # ---------------------------------------------------------------------------------------
 # Clients
-
-
-class Response:
-    def __init__(self, status, headers, body):
-        self.status, self.headers, self.body = status, headers, body
-
-    def json(self):
-        return json.loads(self.body)
-
-    @property
-    def mode(self):
-        return self.headers.get("x-dflash2")
-
-
-def request(server, method, path, body=None, headers=None, record=True, host=None):
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-    if isinstance(body, (dict, list)):
-        body = json.dumps(body).encode()
-    all_headers = {"content-type": "application/json", **(headers or {})}
-    if host is not None:
-        connection.putrequest(method, path, skip_host=True)
-        connection.putheader("Host", host)
-        for name, value in all_headers.items():
-            connection.putheader(name, value)
-        connection.putheader("Content-Length", str(len(body or b"")))
-        connection.endheaders(body)
-    else:
-        connection.request(method, path, body=body, headers=all_headers)
-    reply = connection.getresponse()
-    response = Response(reply.status, {k.lower(): v for k, v in reply.getheaders()}, reply.read())
-    connection.close()
-    if record:
-        SEEN.append((f"{server.name} {method} {path}", str(response.headers) + response.body.decode("latin-1")))
-    return response
 
 
 def chat(server, messages, **fields):
@@ -416,40 +323,6 @@ def test_fallback_rows(servers, fields, reason):
         assert all(len(item["top_logprobs"]) == 2 for item in logprobs)
 
 
-@pytest.mark.parametrize("method, path, body, status, reason", [
-    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "thinking_budget": 16}, 400, "thinking-budget"),
-    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "structured-output"),
-    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
-     400, "structured-output"),
-    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "n-above-1"),
-    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "model": "mlx-community/other"}, 404, "unknown-model"),
-    ("POST", "/v1/messages", {"model": PACK_NAME, "max_tokens": 5, "messages": MESSAGES}, 404, "anthropic-messages"),
-    ("POST", "/v1/messages/count_tokens", {"messages": MESSAGES}, 404, "anthropic-messages"),
-    ("GET", "/v1/settings", None, 404, "unsupported-endpoint"),
-    ("PATCH", "/v1/settings", {"kv_bits": 4}, 404, "unsupported-endpoint"),
-    ("POST", "/unload", None, 404, "unsupported-endpoint"),
-    ("GET", "/v1/cache/stats", None, 404, "unsupported-endpoint"),
-    ("POST", "/v1/cache/reset", None, 404, "unsupported-endpoint"),
-    ("GET", "/metrics", None, 404, "unsupported-endpoint"),
-    ("POST", "/v1/responses", {"input": "Hi"}, 404, "unsupported-endpoint"),
-    ("POST", "/v1/completions", {"prompt": "Hi"}, 404, "unsupported-endpoint"),
-    ("POST", "/v1/embeddings", {"input": "Hi"}, 404, "unsupported-endpoint"),
-    ("POST", "/v1/audio/speech", {"input": "Hi"}, 404, "unsupported-endpoint"),
-    ("POST", "/v1/images/generations", {"prompt": "Hi"}, 404, "unsupported-endpoint"),
-    ("GET", "/v1/models/other-model", None, 404, "unknown-model"),
-    ("GET", "/v1/chat/completions", None, 405, "method-not-allowed"),
-    ("DELETE", "/v1/models", None, 405, "method-not-allowed"),
-], ids=lambda v: v if isinstance(v, str) else None)
-@pytest.mark.parametrize("name", ["spec", "baseline"])
-def test_refused_rows(servers, name, method, path, body, status, reason):
-    response = request(servers[name], method, path, body)
-    assert response.status == status
-    assert response.mode == f"refused; reason={reason}"
-    error = response.json()["error"]
-    assert error["code"] == reason and error["message"] and error["type"] == "invalid_request_error"
-
-
 def test_refusals_through_the_openai_client(servers):
     with pytest.raises(openai.BadRequestError, match="n > 1"):
         client(servers["spec"]).chat.completions.create(model=PACK_NAME, messages=MESSAGES, n=2)
@@ -485,50 +358,6 @@ def assert_refused(response, status, reason, param=None):
     if param is not None:
         assert error["param"] == param
     assert b"Traceback" not in response.body
-
-
-@pytest.mark.parametrize("raw", [b'{"messages": [', b"\xff\xfe{}", b"NaN", b"", b'{"messages": [], "temperature": NaN}'])
-def test_malformed_json(servers, raw):
-    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", raw), 400, "invalid-json")
-
-
-@pytest.mark.parametrize("body, param", [
-    ([], "body"),
-    ({"messages": "Hi"}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "robot", "content": "Hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-     "messages[0].content[0].image_url"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
-    ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-    ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
-    ({"messages": MESSAGES, "temperature": True}, "temperature"),
-    ({"messages": MESSAGES, "temperature": 5}, "temperature"),
-    ({"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
-    ({"messages": MESSAGES, "max_tokens": 1.5}, "max_tokens"),
-    ({"messages": MESSAGES, "stream": "yes"}, "stream"),
-    ({"messages": MESSAGES, "model": 7}, "model"),
-    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"messages": MESSAGES, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"messages": MESSAGES, "logit_bias": {"token": 1}}, "logit_bias"),
-    ({"messages": MESSAGES, "n": 0}, "n"),
-], ids=lambda v: v if isinstance(v, str) else None)
-def test_wrong_types(servers, body, param):
-    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", body), 400, "invalid-request", param)
-
-
-@pytest.mark.parametrize("body, param", [
-    ({"messages": MESSAGES, "adapter_path": "/tmp/adapter"}, "adapter_path"),
-    ({"messages": MESSAGES, "kv_bits": 4}, "kv_bits"),
-    ({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-    ({"messages": [{"role": "user", "content": "Hi", "mood": "happy"}]}, "messages[0].mood"),
-    ({"messages": MESSAGES, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
-], ids=lambda v: v if isinstance(v, str) else None)
-def test_unknown_fields(servers, body, param):
-    assert_refused(request(servers["spec"], "POST", "/v1/chat/completions", body), 400, "unknown-field", param)
 
 
 def test_mlx_vlm_errors_are_reshaped(servers):
@@ -579,6 +408,35 @@ def test_values_that_crashed_the_server_are_refused(servers, name):
         response = request(server, "POST", "/v1/chat/completions", {"messages": MESSAGES, **fields})
         assert 400 <= response.status < 500 and response.json()["error"]["param"] == param, response.body
     assert server.process.poll() is None
+    assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
+
+
+@pytest.mark.parametrize("name", ["spec", "plain"])
+def test_prompts_beyond_the_context_are_refused_before_generation(servers, name):
+    server = servers[name]
+    since = len(server.log())
+    long_text = "hello world the quick brown fox " * 2100  # 33,600 tokens of the tiny pack's tokenizer
+    cases = [
+        ({"messages": MESSAGES, "max_tokens": CONTEXT}, "max_tokens is 32768"),  # the prompt's tokens on top
+        ({"messages": [{"role": "user", "content": long_text}], "max_tokens": 1}, "the prompt is 336"),
+        ({"messages": [{"role": "user", "content": long_text}], "max_tokens": 1, "stream": True}, "the prompt is 336"),
+        ({"messages": [{"role": "user", "content": "a" * 2_700_000}]}, "more than 2621440 characters"),  # untokenized
+    ]
+    for body, detail in cases:
+        response = request(server, "POST", "/v1/chat/completions", {**body, "temperature": 0})
+        assert response.status == 400, response.body
+        assert response.headers["content-type"] == "application/json"
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context-length-exceeded", "messages")
+        assert detail in error["message"] and f"{CONTEXT}" in error["message"]
+        assert "MAX_KV_SIZE" not in error["message"]
+    with pytest.raises(openai.BadRequestError, match="max_tokens is 2048") as refused:  # the default max_tokens
+        create_streamed(server, {"messages": [{"role": "user", "content": long_text}], "temperature": 0})
+    assert (refused.value.code, refused.value.param) == ("context-length-exceeded", "messages")
+    # Logged as refused, never as generating; the server answers as before.
+    arrivals = [line for line in server.log()[since:].splitlines() if "POST /v1/chat/completions:" in line]
+    assert len(arrivals) == len(cases) + 1, arrivals
+    assert all(line.endswith(": refused; reason=context-length-exceeded") for line in arrivals), arrivals
     assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
 
 

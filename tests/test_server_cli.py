@@ -5,13 +5,14 @@ All of these stop before any model is loaded, so each is a fast subprocess.
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import clean_env, flip_byte, write_pins
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["serve.py", "serve_dflash2.py"]
@@ -41,13 +42,6 @@ REFUSED_ENVIRONMENT = ["KV_BITS", "KV_GROUP_SIZE", "MAX_KV_SIZE", "PREFILL_STEP_
                        "TOP_LOGPROBS_K", "EXPERT_CACHE_GB", "MLX_TRUST_REMOTE_CODE", "MLX_VLM_MAX_NUM_SEQS",
                        "MLX_VLM_DRAFT_MODEL", "MLX_VLM_PRELOAD_MODEL", "MLX_VLM_THINKING_BUDGET",
                        "APC_ENABLED", "APC_DISK_PATH"]
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KV_", "MLX_VLM_", "APC_", "DFLASH2_"))}
-    env.update(extra)
-    return env
 
 
 def run(script, *args, env=None, cwd=REPO, timeout=60):
@@ -121,24 +115,6 @@ def test_demo_and_pack_exclude_each_other(tmp_path):
 # Launch checks against dflash2-pack.json
 
 
-def write_pins(pack: Path):
-    """dflash2-pack.json as the pack builder writes it: every file with size and sha256,
-    safetensors files with the sha256 of their header too."""
-    files = {}
-    for path in sorted(p for p in pack.rglob("*") if p.is_file() and p.suffix != ".py"):
-        name = path.relative_to(pack).as_posix()
-        if name == "dflash2-pack.json":
-            continue
-        data = path.read_bytes()
-        pin = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        if name.endswith(".safetensors"):
-            length = int.from_bytes(data[:8], "little")
-            pin["header_sha256"] = hashlib.sha256(data[:8 + length]).hexdigest()
-        files[name] = pin
-    (pack / "dflash2-pack.json").write_text(json.dumps({"files": files}, indent=1))
-    return files
-
-
 @pytest.fixture
 def pinned_pack(tiny_pack, tmp_path):
     pack = tmp_path / "pinned-pack"
@@ -151,12 +127,6 @@ def pinned_pack(tiny_pack, tmp_path):
 
 def start_with_pins(pack, *args):
     return run("serve_dflash2.py", "--pack", str(pack), *args)
-
-
-def flip_byte(path: Path, offset: int):
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def test_pins_edited_config(pinned_pack):
@@ -230,3 +200,43 @@ def test_bad_round_cost_table_stops_the_start(pinned_pack, tmp_path):
     result = start_with_pins(pinned_pack, "--dflash2-round-costs", str(costs))
     assert result.returncode == 1
     assert "--dflash2-round-costs costs.json: not a round cost table" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Audited mlx-vlm sources
+
+
+@pytest.fixture(scope="module")
+def edited_mlx_vlm(tmp_path_factory):
+    """A scratch copy of the installed mlx-vlm in which every function, method or object the
+    pack replaces (dflash2_audit.REPLACED) has one edited source line; returns its parent."""
+    import inspect
+
+    import mlx_vlm
+    import mlx_vlm.server  # noqa: F401  (the targets resolve only once it is imported)
+
+    import dflash2_audit
+
+    installed = Path(mlx_vlm.__file__).parent
+    root = tmp_path_factory.mktemp("edited")
+    shutil.copytree(installed, root / "mlx_vlm", ignore=shutil.ignore_patterns("__pycache__"))
+    for row in dflash2_audit.REPLACED:
+        obj = dflash2_audit.stock(row.target)
+        obj = obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+        path = root / "mlx_vlm" / Path(inspect.getsourcefile(obj)).relative_to(installed)
+        lines = path.read_text().split("\n")
+        lines[inspect.getsourcelines(obj)[1] - 1] += "  # edited"  # a comment: still valid Python
+        path.write_text("\n".join(lines))
+    return root
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_edited_mlx_vlm_sources_refuse_the_start_and_are_named(script, pinned_pack, edited_mlx_vlm):
+    import dflash2_audit
+
+    result = run(script, "--pack", str(pinned_pack), env=clean_env(PYTHONPATH=str(edited_mlx_vlm)))
+    assert result.returncode == 1, result.stderr
+    assert "these mlx-vlm sources differ from the audited ones" in result.stderr
+    named = {line.strip().split(": source sha256")[0] for line in result.stderr.splitlines()
+             if ": source sha256" in line}
+    assert named == {row.target for row in dflash2_audit.REPLACED}

@@ -15,7 +15,6 @@ pack; `--pack DIR` measures a built pack's own target and drafter.
 """
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -45,6 +44,7 @@ from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import build_target_model, write_drafter  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from parity import greedy  # noqa: E402
+from records import write_record  # noqa: E402
 
 BLOCK = 8
 # Profiles named by tokens per round at block 8 (seed 003's published figures:
@@ -105,6 +105,16 @@ def round_arms(lm, cache, taps, drafters, hidden):
     return arms
 
 
+def primitive_counts() -> dict:
+    """Primitives of plain decode (the arm chosen at install) and of exact verify for
+    L = 2..8, counted on CPU on a tiny-width target with the real 64-layer pattern
+    (tools/graph_count.py: the counts depend on the layer pattern, not the widths)."""
+    from graph_count import count_steps, load_target
+
+    model, taps = load_target(None)
+    return count_steps(model.language_model, taps)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
@@ -131,7 +141,8 @@ def main():
     mx.eval([drafter.parameters() for drafter in drafters.values()])
     lm = model.language_model
     log("target and drafters ready")
-    cost_drafter = next(iter(drafters.values()))
+    cost_drafter = next(iter(drafters.values()))  # the end-to-end profiles pay this one's cost
+    drafter_names = {id(drafter): form for form, drafter in drafters.items()}
     taps = list(cost_drafter.config.target_layer_ids)
     prompt = [(17 * i + 3) % 200 + 1 for i in range(args.context)]
 
@@ -161,22 +172,29 @@ def main():
 
         return run
 
-    def speculative_arm(profile):
+    def speculative_arm(profile, drafter=cost_drafter):
         accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
 
         def run():
             dflash2_runtime.use_decode_arm(chosen_arm)
             oracle = OracleDrafter(
                 reference, vocab_size=vocab, accepted_per_round=accepted, block_size=BLOCK,
-                target_layer_ids=taps, cost_drafter=cost_drafter,
+                target_layer_ids=taps, cost_drafter=drafter,
             )
-            outputs[profile] = greedy(model, prompt_ids, args.tokens, drafter=oracle, block_size=BLOCK)
-            oracles[profile] = oracle
+            key = profile if drafter is cost_drafter else f"{profile}, {drafter_names[id(drafter)]}"
+            outputs[key] = greedy(model, prompt_ids, args.tokens, drafter=oracle, block_size=BLOCK)
+            oracles[key] = oracle
 
         return run
 
     arms = {"stock plain": timed_ms(plain_arm("mlx")), "plain": timed_ms(plain_arm(chosen_arm))}
     arms.update({profile: timed_ms(speculative_arm(profile)) for profile in PROFILE_TOKENS_PER_ROUND})
+    # The other drafter forms' cost at the same acceptance (proposals may differ with real
+    # weights; the tokens may not).
+    for form, drafter in drafters.items():
+        if drafter is not cost_drafter:
+            for profile in ("chat", "median", "code"):
+                arms[f"{profile}, {form} drafter"] = timed_ms(speculative_arm(profile, drafter))
     e2e_ms = dflash2_runtime.interleaved_ms(arms, args.repeats)
     dflash2_runtime.use_decode_arm(chosen_arm)
     plain_ms = e2e_ms["plain"]["median"]
@@ -185,7 +203,13 @@ def main():
         profile: (args.tokens - 1) / max(1, len(oracles[profile].accept_lens))
         for profile in PROFILE_TOKENS_PER_ROUND
     }
+    e2e_by_form = {
+        form: {profile: plain_ms / e2e_ms[f"{profile}, {form} drafter"]["median"]
+               for profile in ("chat", "median", "code")}
+        for form, drafter in drafters.items() if drafter is not cost_drafter
+    }
     identical = all(output == reference for output in outputs.values())
+    counts = primitive_counts()
     log(f"e2e {e2e}; tokens per round {tokens_per_round}; identical {identical}")
 
     record = {
@@ -194,7 +218,7 @@ def main():
         "device": mx.device_info().get("device_name", platform.machine()),
         "versions": {"mlx": mx.__version__, "mlx_vlm": mlx_vlm.__version__},
         "command": "python " + shlex.join(["tools/bench.py", *sys.argv[1:]]),
-        "runtime_status": {"speculative": status.speculative, "reason": status.reason},
+        "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
         "plain_decode_path": {"arm": chosen_arm, "why": status.decode_path.why,
                               "step_ms_by_arm": status.decode_path.step_ms},
         "context_tokens": args.context,
@@ -207,16 +231,18 @@ def main():
         "e2e_ms": e2e_ms,
         "installed_plain_ratio": e2e_ms["stock plain"]["median"] / plain_ms,
         "e2e_speedup": e2e,
+        "cost_drafter_form": next(iter(drafters)),
+        "e2e_speedup_by_other_drafter_form": e2e_by_form,
+        # Counted on CPU for the same layer pattern (tools/graph_count.py): launches per step.
+        "decode_primitives": counts["decode"],
+        "verify_primitives_by_block": counts["verify"],
         "profile_target_tokens_per_round": PROFILE_TOKENS_PER_ROUND,
         "tokens_per_round": tokens_per_round,
         "tokens_identical": identical,
         "seconds": round(time.time() - started, 1),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"bench-{record['backend']}-{'pack' if args.pack else args.size}"
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / f"{name}.md").write_text(summary_markdown(record))
+    write_record(args.out, name, record, summary_markdown(record))
     print(summary_markdown(record))
 
 
@@ -254,7 +280,19 @@ def summary_markdown(r) -> str:
             )
         else:
             lines.append(f"| {arm} | {spread(stats)} | | | |")
-    lines += ["", f"Tokens identical across every arm: {r['tokens_identical']}.", ""]
+    for form, speedups in r["e2e_speedup_by_other_drafter_form"].items():
+        lines.append("")
+        lines.append(f"Same profiles paying the {form} drafter's cost: "
+                     + ", ".join(f"{profile} {s:.2f}x" for profile, s in speedups.items()) + ".")
+    lines += [
+        "",
+        f"Primitives (tools/graph_count.py, counted on CPU for the same 64-layer pattern): decode step "
+        f"{r['decode_primitives']}; exact verify by block "
+        + ", ".join(f"{L}: {n}" for L, n in r["verify_primitives_by_block"].items()) + ".",
+        "",
+        f"Tokens identical across every arm: {r['tokens_identical']}.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from records import write_record  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
@@ -248,10 +249,7 @@ def main(argv=None):
         "outputs_identical": outputs_identical(samples),
         "seconds": round(time.time() - started, 1),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"bench-server-{record['backend']}"
-    (args.out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / f"{name}.md").write_text(summary_markdown(record))
+    write_record(args.out, f"bench-server-{record['backend']}", record, summary_markdown(record))
     print(summary_markdown(record))
     if not record["outputs_identical"]:
         sys.exit("error: the servers' outputs differ (see the record)")

@@ -1,6 +1,6 @@
 """Assemble a DFlash2 pack folder from a base (target) pack and a drafter.
 
-    python tools/build_pack.py --base SRC --drafter SRC --out DIR [--dry-run]
+    python tools/build_pack.py --base SRC --drafter SRC --out DIR [--drafter-form 4bit] [--dry-run]
 
 SRC is a local folder or a Hugging Face repo id, optionally with @revision (downloaded
 through huggingface_hub, or taken from the local HF cache when offline). The pack holds
@@ -14,8 +14,8 @@ import argparse
 import hashlib
 import json
 import re
-import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
@@ -23,13 +23,21 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash2_pack import PackError, check_drafter, check_target  # noqa: E402
-from serve_dflash2 import PINS_FILE, safetensors_header_sha256, sha256_file  # noqa: E402
+from dflash2_pack import (  # noqa: E402
+    PINS_FILE,
+    SUMS_FILE,
+    PackError,
+    check_drafter,
+    check_target,
+    read_sha256sums,
+    safetensors_header_sha256,
+    sha256_file,
+)
+from make_synthetic_pack import prequantize_drafter  # noqa: E402
 
-SUMS_FILE = "SHA256SUMS"
-RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_http.py", "dflash2_runtime.py",
-                 "dflash2_policy.py",
-                 "dflash2_kernels.py", "dflash2_pack.py", "requirements.txt")
+RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_options.py", "dflash2_gateway.py",
+                 "dflash2_http.py", "dflash2_engine.py", "dflash2_runtime.py", "dflash2_policy.py",
+                 "dflash2_audit.py", "dflash2_kernels.py", "dflash2_pack.py", "requirements.txt")
 # Files the pack writes itself; a base file of the same name is replaced, not copied.
 GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)
 # Base files that make no sense beside the DFlash2 runtime (the card lists them).
@@ -97,8 +105,7 @@ def previous_build_files(out_dir):
     if not sums.is_file() or not (out_dir / PINS_FILE).is_file():
         sys.exit(f"error: {out_dir} is not empty and is not a previous pack build "
                  f"(no {SUMS_FILE} / {PINS_FILE}); choose an empty or new folder")
-    listed = {line.split("  ", 1)[1] for line in sums.read_text().splitlines() if line}
-    listed |= {SUMS_FILE}
+    listed = set(read_sha256sums(out_dir)[0]) | {SUMS_FILE}
     unknown = [name for name in source_files(out_dir) if name not in listed]
     if unknown:
         sys.exit(f"error: {out_dir} holds files that no build wrote: {', '.join(unknown[:8])}; "
@@ -148,23 +155,63 @@ def notice_text(base_dir, drafter_dir):
 
 
 def evidence_rows(evidence):
-    """Markdown table rows of the top-level figures of one evidence JSON, copied as written."""
+    """Markdown table rows of the figures of one evidence JSON, copied as written: its
+    top-level values, and one level into tables of values (e.g. e2e_speedup.chat)."""
     rows = []
     for key, value in evidence.items():
         if isinstance(value, (bool, int, float, str)) and key != "command":
             rows.append(f"| {key} | {value} |")
+        elif isinstance(value, dict) and value and all(
+            isinstance(item, (bool, int, float, str)) for item in value.values()
+        ):
+            rows += [f"| {key}.{name} | {item} |" for name, item in value.items()]
     return rows
 
 
-def readme_text(pack_dir, pins):
-    """The README card: sources, contents and the evidence figures, filled from files."""
+def card_license(base_dir) -> str:
+    """The base pack's license from its README's card metadata ("other" if none)."""
+    readme = base_dir / "README.md"
+    text = readme.read_text(errors="replace") if readme.is_file() else ""
+    front = re.match(r"---\n(.*?)\n---", text, re.S)
+    license_line = front and re.search(r"^license:\s*(\S+)", front.group(1), re.M)
+    return license_line.group(1) if license_line else "other"
+
+
+def card_results(pack_dir) -> list:
+    """Correctness and speed lines filled from the pack's own evidence records."""
+    lines = []
+    for name, label in (("parity-", "Correctness"), ("bench-", "Measured speed")):
+        records = sorted((pack_dir / "evidence").glob(f"{name}*.json"))
+        lines += ["", f"## {label}", ""]
+        if not records:
+            lines.append("No record in evidence/ yet: run `python tools/make_evidence.py --pack DIR`.")
+        for path in records:
+            record = json.loads(path.read_text())
+            where = f"{record.get('backend', '?')} ({record.get('device', '?')})"
+            lines += [f"From `evidence/{path.name}` on {where}; command `{record.get('command', 'not recorded')}`:",
+                      "", "| figure | value |", "| --- | --- |", *evidence_rows(record), ""]
+    return lines
+
+
+def readme_text(pack_dir, base_dir, pins):
+    """The pack's Hugging Face model card: metadata, what it is, how to check and serve it,
+    routing, how it works, correctness and speed filled from evidence/, limits, licenses."""
     base, drafter = pins["base"], pins["drafter"]
     lines = [
+        "---",
+        f"license: {card_license(base_dir)}",
+        f"base_model: {base['source']}",
+        "library_name: mlx",
+        "pipeline_tag: image-text-to-text",
+        "tags: [mlx, mlx-vlm, dflash2, speculative-decoding, qwen3.5, 2-bit]",
+        "---",
+        "",
         f"# {base['source']} with DFlash2",
         "",
-        "The base pack's files, unchanged, with a DFlash2 drafter and the runtime that serves it.",
-        "Greedy output is token-identical to plain decoding; the figures below are copied",
-        "from the evidence files written by the pack's scripts.",
+        "The base pack's files, unchanged, with a DFlash 2 drafter and the runtime that serves",
+        "it on pinned mlx-vlm. Greedy output is token-identical to plain decoding of the same",
+        "pack: the target verifies each drafted block with the arithmetic of its own",
+        "single-token decode step, bit for bit, and rolls back what it rejects.",
         "",
         "| part | source | revision |",
         "| --- | --- | --- |",
@@ -173,15 +220,44 @@ def readme_text(pack_dir, pins):
         "",
         "Runtime pins: " + ", ".join(f"{name}=={version}" for name, version in pins["runtime"].items()),
         "",
-        "Check the download: `shasum -a 256 -c SHA256SUMS` (or `sha256sum -c SHA256SUMS`), then",
-        "`python serve_dflash2.py --verify-pack`. Serve: `python serve_dflash2.py`; plain: `python serve.py`.",
+        "## Check and serve",
         "",
-        "## Evidence",
+        "```",
+        "shasum -a 256 -c SHA256SUMS && python serve_dflash2.py --verify-pack",
+        "python -m pip install -r requirements.txt",
+        "python serve_dflash2.py          # DFlash2, OpenAI-compatible, 127.0.0.1:8080",
+        "python serve.py                  # plain decoding, same pack",
+        "```",
+        "",
+        "## Routing",
+        "",
+        "Every response says how it was served in its `x-dflash2` header: `speculative`",
+        "(explicit temperature 0, no logprobs, penalties or logit_bias, n = 1), `fallback;",
+        "reason=...` (served plain, same answer as `serve.py`), or `refused; reason=...` (HTTP",
+        "4xx naming the field). `/health` reports the start-up self-tests, the exact verify",
+        "self-check, plain decode's path and the measured round costs.",
+        "",
+        "## How it works",
+        "",
+        "At start-up the runtime checks the audited mlx-vlm sources (any drift refuses to",
+        "start), self-tests every exact kernel bit for bit at this pack's shapes, and runs one",
+        "verify round per block size against plain decode steps on the pack's own weights,",
+        "with stock verify as the negative control; anything that differs turns speculation",
+        "off. Per request, a round policy picks each block, or plain decode steps, from the",
+        "round costs measured on this machine and the request's acceptance.",
+        *card_results(pack_dir),
+        "## Limitations",
+        "",
+        "- Only greedy requests are speculative; sampling, logprobs, penalties and logit_bias",
+        "  are served plain.",
+        "- One sequence at a time; every turn prefills its whole prompt.",
+        "- Metal kernels are written from MLX's source; they serve only after passing their",
+        "  self-test on the user's machine.",
+        "",
+        "## Licenses and attribution",
+        "",
+        "See NOTICE.txt: the base pack's and the drafter's notices are kept there unchanged.",
     ]
-    for path in sorted((pack_dir / "evidence").glob("*.json")):
-        evidence = json.loads(path.read_text())
-        lines += ["", f"### evidence/{path.name}", "", f"Command: `{evidence.get('command', 'not recorded')}`",
-                  "", "| figure | value |", "| --- | --- |", *evidence_rows(evidence)]
     return "\n".join(lines) + "\n"
 
 
@@ -200,10 +276,19 @@ def write_text(path, text):
 # ---------------------------------------------------------------------------------------
 
 
-def build_pack(base, drafter, out_dir, dry_run=False):
+def build_pack(base, drafter, out_dir, dry_run=False, drafter_form="as-is"):
     base_dir, base_id, base_revision = resolve_source(base)
     drafter_dir, drafter_id, drafter_revision = resolve_source(drafter)
     out_dir = Path(out_dir)
+    if drafter_form == "4bit":
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                kept = prequantize_drafter(drafter_dir, Path(folder) / "drafter")
+            except ValueError as error:
+                sys.exit(f"error: --drafter-form 4bit: {error}")
+            print(f"drafter prequantized to 4 bits (group 64, affine); {len(kept)} matrices kept "
+                  f"in bf16: {', '.join(kept)}")
+            return build_pack(base, Path(folder) / "drafter", out_dir, dry_run)
     try:
         check_target(base_dir)
         check_drafter(drafter_dir, base_dir)
@@ -237,7 +322,7 @@ def build_pack(base, drafter, out_dir, dry_run=False):
         "runtime": runtime_pins(),
         "config_sha256": {name: digests[name] for name in ("config.json", "drafter/config.json")},
     }
-    digests["README.md"] = write_text(out_dir / "README.md", readme_text(out_dir, pins))
+    digests["README.md"] = write_text(out_dir / "README.md", readme_text(out_dir, base_dir, pins))
     pins["files"] = {name: file_pin(out_dir / name, digests[name]) for name in sorted(digests)}
     digests[PINS_FILE] = write_text(out_dir / PINS_FILE, json.dumps(pins, indent=2, sort_keys=True) + "\n")
 
@@ -256,8 +341,11 @@ def main(argv=None):
     parser.add_argument("--drafter", required=True, help="drafter: folder or repo/id[@revision]")
     parser.add_argument("--out", required=True, help="pack folder to write")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    parser.add_argument("--drafter-form", choices=["as-is", "4bit"], default="as-is",
+                        help="4bit: write the bf16 drafter prequantized (4-bit, group 64, affine; the "
+                             "conv kernel projections and the candidate selector stay bf16)")
     args = parser.parse_args(argv)
-    build_pack(args.base, args.drafter, args.out, dry_run=args.dry_run)
+    build_pack(args.base, args.drafter, args.out, dry_run=args.dry_run, drafter_form=args.drafter_form)
 
 
 if __name__ == "__main__":

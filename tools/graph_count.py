@@ -24,7 +24,6 @@ logits - logsumexp. The verify forward is the round's `_dflash_verify_greedy` ca
 """
 
 import argparse
-import json
 import re
 import sys
 import tempfile
@@ -39,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import dflash2_kernels  # noqa: E402
+from records import write_record  # noqa: E402
 
 VIEWS = {
     "AsStrided", "Broadcast", "BroadcastAxes", "ExpandDims", "Flatten", "Reshape", "Slice",
@@ -273,10 +273,7 @@ def main():
             "exact_verify_8": dict(exact["kinds"]["verify"].most_common()),
         },
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "graph-counts-cpu.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / "graph-counts-cpu.md").write_text(summary_markdown(record))
+    write_record(args.out, "graph-counts-cpu", record, summary_markdown(record))
     print(summary_markdown(record))
 
 

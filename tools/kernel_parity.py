@@ -16,7 +16,6 @@ Every figure comes from this run.
 
 import argparse
 import importlib.metadata
-import json
 import platform
 import statistics
 import sys
@@ -29,18 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import dflash2_kernels as dk  # noqa: E402
+from records import write_record  # noqa: E402
 
-# (N, K) of every packed matrix of the 27B target, with the calls per decode step.
-SHAPES_27B = {
-    (12288, 5120): ("attention q_proj", 16),
-    (1024, 5120): ("attention k_proj, v_proj", 32),
-    (5120, 6144): ("attention o_proj, GDN out_proj", 64),
-    (10240, 5120): ("GDN in_proj_qkv", 48),
-    (6144, 5120): ("GDN in_proj_z", 48),
-    (17408, 5120): ("MLP gate_proj, up_proj", 128),
-    (5120, 17408): ("MLP down_proj", 64),
-    (248320, 5120): ("lm_head", 1),
-}
 BENCH_ROWS = (1, 2, 4, 8)
 # CUDA launch shapes (output rows per warp, weight steps per load, prefetch)
 # tried by --tune, by activation rows.
@@ -172,7 +161,7 @@ def tune_cuda_launch(key):
                 if row["mismatches_vs_single_rows"]:
                     cost[rows, launch] = float("inf")  # never pick an inexact launch
                 else:
-                    cost[rows, launch] = cost.get((rows, launch), 0.0) + row["us"] * SHAPES_27B[n, k][1]
+                    cost[rows, launch] = cost.get((rows, launch), 0.0) + row["us"] * dk.PACKED_SHAPES_27B[n, k][1]
         del bench
     table = {
         rows: min(launches, key=lambda launch: cost[rows, launch])
@@ -187,7 +176,7 @@ def decode_step_estimate(timings):
     per-shape timings above with each shape's calls per step."""
     def total(name, rows):
         seconds = 0.0
-        for (n, k), (_, calls) in SHAPES_27B.items():
+        for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items():
             match = [t for t in timings if t["shape"] == [n, k] and t["name"] == name and t["rows"] == rows]
             if not match:
                 return None
@@ -219,7 +208,7 @@ def summary_markdown(record):
     if record.get("kernel_build_seconds"):
         builds = record["kernel_build_seconds"]
         lines += [
-            f"First-call (NVRTC build) seconds by rows, default launch table: "
+            "First-call (NVRTC build) seconds by rows, default launch table: "
             + ", ".join(f"{rows}: {value}" for rows, value in builds.items())
             + f" (total {round(sum(builds.values()), 1)} s per process)",
             "",
@@ -300,11 +289,8 @@ def timed_self_test(name, shapes, seed):
     return result, seconds
 
 
-def write_record(out, stem, record, markdown):
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown)
+def write_and_print(out, stem, record, markdown):
+    write_record(out, stem, record, markdown)
     print(markdown)
 
 
@@ -434,7 +420,7 @@ def run_kernel(name, args, backend):
     }
     if args.bench:
         record["timings"] = bench_kernel(name)
-    write_record(args.out, f"kernel-parity-{name}-{backend}", record, kernel_markdown(name, record))
+    write_and_print(args.out, f"kernel-parity-{name}-{backend}", record, kernel_markdown(name, record))
     return result.ok
 
 
@@ -446,7 +432,7 @@ def run_qmv(args, backend):
     """The exact 2-bit matmul's parity (and --tune, --bench); True if it passed."""
     # The 27B run also takes the small default shapes: they cover K % 512 != 0
     # and a partial last warp, which no 27B matrix has.
-    bench_shapes = list(SHAPES_27B) if args.shapes == "27b" else list(dk.DEFAULT_SHAPES)
+    bench_shapes = list(dk.PACKED_SHAPES_27B) if args.shapes == "27b" else list(dk.DEFAULT_SHAPES)
     shapes = bench_shapes + list(dk.DEFAULT_SHAPES) * (args.shapes == "27b")
     command = f"python3 tools/kernel_parity.py --shapes {args.shapes} --seed {args.seed}"
     command += " --bench" * args.bench + " --tune" * args.tune
@@ -485,7 +471,7 @@ def run_qmv(args, backend):
         if args.bench and args.shapes == "27b":
             record["decode_step_estimate"] = decode_step_estimate(timings)
 
-    write_record(args.out, f"kernel-parity-{backend}", record, summary_markdown(record))
+    write_and_print(args.out, f"kernel-parity-{backend}", record, summary_markdown(record))
     return result.ok
 
 

@@ -22,6 +22,7 @@ cheap on a GPU machine.
 import argparse
 import json
 import math
+import shutil
 import struct
 import sys
 import zlib
@@ -30,12 +31,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_vlm.utils import get_model_and_args, update_module_configs
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash2_pack import TARGET_SCHEMA  # noqa: E402  (the format the pack's checks demand)
+from dflash2_pack import TARGET_SCHEMA, build_skeleton  # noqa: E402  (the format the pack's checks demand)
 
 # The tokenizer's trained byte-level BPE vocabulary; Qwen's special tokens follow it.
 BPE_VOCAB_SIZE = 448
@@ -441,7 +441,7 @@ def target_config(size, layers=None):
 def packed_module_manifest(config):
     """Every Linear/Embedding of the language model (except the dense fp16 GDN gate
     projections in_proj_a / in_proj_b) is packed, embed_tokens and lm_head included."""
-    dense = instantiate(config, packed=False)
+    dense = build_skeleton({**config, "model_type": config["base_model_type"]}, "config.json")
     records = []
     for path, module in sorted(dense.language_model.named_modules()):
         if not isinstance(module, (nn.Linear, nn.Embedding)):
@@ -519,24 +519,13 @@ def drafter_config(size, form="bf16", layers=None):
 def drafter_bf16_modules(config):
     """Matrices the prequantized form keeps in bf16: conv kernel projections and the
     candidate selector (hidden projection and both codebooks)."""
-    draft = instantiate(config)
+    draft = build_skeleton(config, "config.json")
     return [
         path
         for path, module in sorted(draft.named_modules())
         if isinstance(module, (nn.Linear, nn.Embedding))
         and any(marker in path for marker in DRAFTER_KEPT_BF16)
     ]
-
-
-def instantiate(config, packed=True):
-    """Build mlx-vlm's model object for a config the way load_model does, without weights
-    (MLX is lazy, so even the 27b skeleton costs no memory until evaluated)."""
-    if not packed:
-        config = {**config, "model_type": config["base_model_type"]}
-    module, _ = get_model_and_args(config)
-    model_config = module.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, module, config, ["text", "vision"])
-    return module.Model(model_config)
 
 
 def generation_config(config):
@@ -627,7 +616,7 @@ def target_weights(config, seed, live_rows, dense_dtype="float16", trained=None)
     projections); the vision tower is always fp16. `trained` tensors (same names) replace
     the random ones."""
     language_dtype = getattr(mx, dense_dtype)
-    skeleton = instantiate(config)
+    skeleton = build_skeleton(config, "config.json")
     blocks = {record["path"]: record["block"] for record in config["modules"]}
     weights = {}
     for name, like in tree_flatten(skeleton.parameters()):
@@ -684,25 +673,59 @@ def drafter_weights(config, seed, codebook_names="plain", trained=None):
     names) replace the random ones."""
     if codebook_names not in ("plain", "weight"):
         raise ValueError(f"codebook_names must be 'plain' or 'weight', got {codebook_names!r}")
-    skeleton = instantiate(config)
-    quantization = config.get("quantization")
+    skeleton = build_skeleton(config, "config.json")
     weights = {}
     for name, like in tree_flatten(skeleton.parameters()):
         if trained and name in trained:
             value = trained[name].astype(mx.bfloat16)
         else:
             value = dense_tensor(seed, name, like.shape, dtype=mx.bfloat16)
-        path, _, leaf = name.rpartition(".")
+        path = name.rpartition(".")[0]
         if codebook_names == "plain" and path.endswith("_codebook"):
             name = path  # stored bare; mlx-vlm's sanitize adds the ".weight" back
-        if quantization and leaf == "weight" and value.ndim == 2 and quantization.get(path, True):
+        weights[name] = value
+    quantization = config.get("quantization")
+    return quantize_drafter_weights(weights, quantization) if quantization else weights
+
+
+def quantize_drafter_weights(weights, quantization):
+    """mlx-lm's prequantized form of bf16 drafter tensors: every 2-D `.weight` the
+    quantization block does not keep in bf16 becomes affine codes, scales and biases."""
+    quantized = {}
+    for name, value in weights.items():
+        path, _, leaf = name.rpartition(".")
+        if leaf == "weight" and value.ndim == 2 and quantization.get(path, True):
             weight, scales, biases = mx.quantize(
                 value, group_size=quantization["group_size"], bits=quantization["bits"]
             )
-            weights.update({name: weight, f"{path}.scales": scales, f"{path}.biases": biases})
+            quantized.update({name: weight, f"{path}.scales": scales, f"{path}.biases": biases})
         else:
-            weights[name] = value
-    return weights
+            quantized[name] = value
+    return quantized
+
+
+def prequantize_drafter(source, destination):
+    """Write the 4-bit form (group 64, affine, DRAFTER_KEPT_BF16 matrices in bf16) of a
+    bf16 DFlash2 drafter folder; the other files are copied unchanged. Returns the
+    matrices kept in bf16."""
+    source, destination = Path(source), Path(destination)
+    config = json.loads((source / "config.json").read_text())
+    if config.get("quantization") or config.get("quantization_config"):
+        raise ValueError(f"{source.name}/config.json: the drafter is already quantized")
+    quantization = {"group_size": 64, "bits": 4, "mode": "affine"}
+    kept = drafter_bf16_modules(config)
+    quantization.update({path: False for path in kept})
+    config["quantization"] = config["quantization_config"] = quantization
+    weights = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        weights.update(mx.load(str(shard)))
+    destination.mkdir(parents=True, exist_ok=True)
+    write_safetensors(destination / "model.safetensors", quantize_drafter_weights(weights, quantization))
+    (destination / "config.json").write_text(dump_json(config))
+    for extra in sorted(source.iterdir()):
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name != "config.json":
+            shutil.copyfile(extra, destination / extra.name)
+    return kept
 
 
 # ---------------------------------------------------------------------------------------
@@ -834,7 +857,7 @@ def build_target_model(size="tiny", seed=0, dense_dtype="float16", layers=None):
     config = target_config(size, layers)
     tokenizer = build_tokenizer(SIZES[size]["special_base"])
     live_rows = live_token_rows(tokenizer, config["vocab_size"])
-    model = instantiate(config)
+    model = build_skeleton(config, "config.json")
     weights = model.sanitize(target_weights(config, seed, live_rows, dense_dtype))
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())

@@ -17,7 +17,6 @@ speculative with the pack's own drafter) to evidence/fixture-checks-<backend>.*.
 
 import argparse
 import copy
-import json
 import os
 import platform
 import shlex
@@ -42,23 +41,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from oracle_drafter import OracleDrafter  # noqa: E402
+from records import write_record  # noqa: E402
 
 PROMPTS = [
     "Write a short poem about the sea.",
     "List three prime numbers and explain why.",
     "def reverse(s):",
-]
-# (N, K) of every packed matrix kind in Ternary-Bonsai-2-27B (target-and-baselines notes).
-PACKED_SHAPES_27B = [
-    (12288, 5120),  # attention q_proj (gated: 24 heads x 256 x 2)
-    (1024, 5120),  # attention k_proj / v_proj (4 kv heads x 256)
-    (5120, 6144),  # attention o_proj
-    (10240, 5120),  # GDN in_proj_qkv (2 x 16 x 128 + 48 x 128)
-    (6144, 5120),  # GDN in_proj_z
-    (5120, 6144),  # GDN out_proj
-    (17408, 5120),  # MLP gate / up
-    (5120, 17408),  # MLP down
-    (248320, 5120),  # lm_head and embed_tokens
 ]
 
 
@@ -272,9 +260,24 @@ def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
     ]
 
 
-def token_cases(model, tokenizer, max_tokens, combos):
-    """Greedy speculative tokens (oracle drafter) against plain decoding."""
+def oracle_token_case(model, ids, plain, block, error_rate, max_tokens, **labels):
+    """Greedy speculative tokens (oracle drafter at one block and error rate) against plain."""
     vocab = model.language_model.lm_head.weight.shape[0]
+    drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
+    spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
+    return {
+        "check": "tokens",
+        **labels,
+        "block": block,
+        "error_rate": error_rate,
+        "accepted": int(sum(drafter.accept_lens)),
+        "rounds": len(drafter.accept_lens),
+        "identical": spec == plain,
+    }
+
+
+def token_cases(model, tokenizer, max_tokens, combos):
+    """Greedy speculative tokens (oracle drafter) against plain decoding, chat prompts."""
     plain_by_prompt = {}
     cases = []
     for prompt, thinking, block, error_rate in combos:
@@ -282,44 +285,20 @@ def token_cases(model, tokenizer, max_tokens, combos):
         if (prompt, thinking) not in plain_by_prompt:
             plain_by_prompt[prompt, thinking] = greedy(model, ids, max_tokens)
         plain = plain_by_prompt[prompt, thinking]
-        drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
-        spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
         cases.append(
-            {
-                "check": "tokens",
-                "prompt": prompt,
-                "thinking": thinking,
-                "block": block,
-                "error_rate": error_rate,
-                "accepted": int(sum(drafter.accept_lens)),
-                "rounds": len(drafter.accept_lens),
-                "identical": spec == plain,
-            }
+            oracle_token_case(model, ids, plain, block, error_rate, max_tokens, prompt=prompt, thinking=thinking)
         )
     return cases
 
 
 def raw_token_cases(model, ids, max_tokens, blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
-    """Greedy speculative tokens (oracle drafter) against plain decoding, raw-id prompt."""
-    vocab = model.language_model.lm_head.weight.shape[0]
+    """The same for a raw-id prompt (targets without tokenizer files)."""
     plain = greedy(model, ids, max_tokens)
-    cases = []
-    for block in blocks:
-        for error_rate in errors:
-            drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
-            spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
-            cases.append(
-                {
-                    "check": "tokens",
-                    "prompt": "raw ids",
-                    "block": block,
-                    "error_rate": error_rate,
-                    "accepted": int(sum(drafter.accept_lens)),
-                    "rounds": len(drafter.accept_lens),
-                    "identical": spec == plain,
-                }
-            )
-    return cases
+    return [
+        oracle_token_case(model, ids, plain, block, error_rate, max_tokens, prompt="raw ids")
+        for block in blocks
+        for error_rate in errors
+    ]
 
 
 def run_environment(tool: str, pack: str) -> dict:
@@ -415,7 +394,7 @@ def main():
         exact += token_cases(model, processor.tokenizer, args.max_tokens, all_token_combos())
         fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
     log("kernel self-test")
-    shapes = PACKED_SHAPES_27B if args.kernel_shapes == "27b" else None
+    shapes = list(dflash2_kernels.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
 
     environment = run_environment(
@@ -424,7 +403,7 @@ def main():
     backend = environment["backend"]
     record = {
         **environment,
-        "runtime_status": {"speculative": status.speculative, "reason": status.reason},
+        "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
         "exact_mismatches": sum(case_mismatches(c) for c in exact) + kernel.mismatches,
         "stock_mismatches": sum(case_mismatches(c) for c in stock) + kernel.stock_mismatches,
         "kernel_self_test": {
@@ -438,14 +417,10 @@ def main():
         "cases": exact,
         "seconds": round(time.time() - started, 1),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"parity-{backend}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / f"parity-{backend}.md").write_text(summary_markdown(record))
+    write_record(args.out, f"parity-{backend}", record, summary_markdown(record))
     fixture_record = {**environment, "all_identical": all(c["identical"] for c in fixtures), "cases": fixtures}
     if fixtures:
-        (out / f"fixture-checks-{backend}.json").write_text(json.dumps(fixture_record, indent=1) + "\n")
-        (out / f"fixture-checks-{backend}.md").write_text(fixture_markdown(fixture_record))
+        write_record(args.out, f"fixture-checks-{backend}", fixture_record, fixture_markdown(fixture_record))
         print(fixture_markdown(fixture_record))
     print(summary_markdown(record))
     exact = record["exact_mismatches"] == 0 and fixture_record["all_identical"]
@@ -502,6 +477,9 @@ def summary_markdown(record) -> str:
     lines.append(
         f"| MLX multi-row matmul (negative control) | {kernel['cases']} | {kernel['stock_mismatches']} |"
     )
+    check = record["runtime_status"].get("verify_self_check")
+    if check:
+        lines += ["", f"Start-up {check['summary']}."]
     lines += [
         "",
         f"exact_mismatches = {record['exact_mismatches']}, "

@@ -50,12 +50,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
+from dflash2_pack import build_skeleton  # noqa: E402
 from make_synthetic_pack import (  # noqa: E402
     CHAT_TEMPLATE,
     SIZES,
     build_tokenizer,
     drafter_config,
-    instantiate,
     special_token_ids,
     target_config,
     write_drafter,
@@ -250,7 +250,7 @@ def packed_signs(seed, path, width):
 def training_target(config, seed):
     """mlx-vlm's dense Qwen3.5 language model with every packed module made a PackedLinear."""
     mx.random.seed(seed)
-    lm = instantiate(config, packed=False).language_model
+    lm = build_skeleton({**config, "model_type": config["base_model_type"]}, "config.json").language_model
     modules = dict(lm.named_modules())
     replacements = []
     for record in config["modules"]:
@@ -381,7 +381,7 @@ def block_loss(drafter, embed, head, h_taps, greedy, tokens, anchors, mask_id):
 
 def training_drafter(config, seed):
     mx.random.seed(seed + 1)
-    drafter = instantiate(config)
+    drafter = build_skeleton(config, "config.json")
     for layer in drafter.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):
             # Start as the identity: the current position passes, the dynamic part is small.

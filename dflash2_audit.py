@@ -1,0 +1,346 @@
+"""The mlx-vlm sources the pack replaces or relies on, with their audited sha256, and the check
+that the installed ones are those.
+
+REPLACED: what the pack installs its own version of (runtime patches, the engine's overrides
+and swaps); AUDITED: what it calls, mirrors or subclasses unchanged. Either kind, changed,
+could make the pack serve something other than plain decoding's answer, so both servers
+refuse to start and name every difference. Importing this module patches nothing.
+"""
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+
+MLX_VERSION = "0.32.2"
+MLX_VLM_VERSION = "0.7.2"
+
+
+class SourceMismatch(RuntimeError):
+    """The installed mlx / mlx-vlm is not the audited one; nothing was replaced."""
+
+
+@dataclass(frozen=True)
+class Audited:
+    target: str  # "module:qualname"
+    sha256: str  # of its source (an object's: of its class's source)
+    why: str
+
+
+REPLACED = (
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:_EXACT_SPECULATIVE_VERIFIER",
+        "2fdf1228267e54774c9529ea04b390bfd220ea42ad22f49dbd0e7ca38f8bb1b5",
+        "The verify forward: batched quantized matmuls, batched dense GDN gates, L==2 batched "
+        "attention, full-block convolution and the with-states recurrence all round differently "
+        "from decode on GPUs. Its class, Qwen3_5BatchInvariantForward, is ExactVerifier's base "
+        "(layer, model and head plumbing kept from stock).",
+    ),
+    Audited(
+        "mlx_vlm.speculative.dflash:_dflash_verify_greedy",
+        "1b472dc300554ab6017495bdeb18480be431578aa6958ff7b35c0145e8412971",
+        "Stock greedy verify takes argmax of raw logits; decode takes it of fp16 logprobs. The "
+        "policy's rounds call it by this name.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._hidden",
+        "e01ca795d8183f747210f41ee0e30810c99eb447c7b268186898ac14f289caa0",
+        "Run the bf16 drafter in bf16 and return the target's dtype to its head.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens",
+        "46d8b30d7519be85a0e2c3323ce7667008b85e4a2f85187216afd97bcd2e6542",
+        "The target's fp16 embeddings enter the drafter as bf16.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops",
+        "9751b1354ae88830f815b23c3a2ed4ec3a5154ccbbb2bbaa400f407efdd0540a",
+        "Decode's single recurrence step on the recurrence kernel where measured faster (same "
+        "bits: the kernel reproduces its head repeat and compiled step).",
+    ),
+    Audited(
+        "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__",
+        "3303ee4843ce5fe54d9668368360cb8a01e90acce70773658cfc0bf0b7b642d4",
+        "Decode's one-row packed matmul on the faster exact kernel (same bits), and mirrored "
+        "for many rows in verify.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.utils:_dflash_rounds",
+        "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
+        "The round loop generate_step and the server call (dflash's _dflash_rounds is the same "
+        "function): each round's block, or plain decode steps, chosen from measured costs and "
+        "the request's acceptance; dflash2_policy mirrors it (draft, verify, walk, commit) and "
+        "runs it as is for sampling and when no cost table was measured.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__",
+        "9feda6407e1129df917a478e5687d2bc7f53ea21c7986f641468b5749a90e10a",
+        "Unchanged arithmetic; during a policy plain step the drafter's tap layers also keep "
+        "their outputs, which the next round hands to the drafter.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:ResponseGenerator.__init__",
+        "ee4704d8e6422ef901e58956f839b2d4185c0cb32242a66e31b5af02be38e662",
+        "Extended by the engine (model path, vision cache, top_logprobs_k, prefill step size): "
+        "the table of records waiting for the worker exists before the worker starts.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:ResponseGenerator._initialize_model",
+        "e47152fbf3a0708c3cdffd92997586c5c9badeec0e6501b3710feccd52cc6241",
+        "Overridden by the engine: after mlx-vlm's own target load, the drafter loads on the "
+        "same worker thread.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:ResponseGenerator.generate",
+        "76c27ca4e8020006c38e459acccbb5edc68a07ffb8e05511d4e0a6e71d8166d7",
+        "Overridden by the engine: hands the request's route to the worker and wraps its token "
+        "iterator (counts, stop sequences, cancellation).",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:ResponseGenerator._collect_pending_requests",
+        "11773ed949253777ab45d32c87ad2a98ea0a1bf0a58bfd952c41b16543a64140",
+        "Overridden by the engine: admits one sequence at a time and sets the drafter for the "
+        "admitted request's route.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:ResponseGenerator.validate_context_budget",
+        "584e9a2aedeb366fc01ca2be74fd0e42d8f2cce94b3cfaf5e4f79e9dcab64468",
+        "Extended by the engine: the check before a stream opens holds the tokenizer lock.",
+    ),
+    Audited(
+        "mlx_vlm.server.app:get_cached_model",
+        "32f3dcea3e7c0617bc3e3c787afa6cbc329de7fb768e43128e3c76148b053bde",
+        "Swapped by the engine (under this name and mlx_vlm.server's, the same function): a "
+        "request's model field can never load a path.",
+    ),
+    Audited(
+        "mlx_vlm.server:apply_chat_template",
+        "b1442f9eb31f6808b86b3fa6ee31aace767ffda3a40cfc7a903209a57b9144ce",
+        "Wrapped by the engine (it is mlx_vlm.prompt_utils' function, which warm-up calls): a "
+        "template that cannot render the client's messages answers 400.",
+    ),
+)
+
+AUDITED = (
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:LanguageModel.__call__",
+        "af7f3f6427c2e59ab5266798b7518eaf026c3f7f749dd0962e38a6acece49cc9",
+        "Mirrored: hands speculative_verify to the verifier with decode's position ids.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5Attention.__call__",
+        "b051c66057acc90f4ed78691f90254685cfdb20d5814b0d58beec4d2bb34c184",
+        "Mirrored: decode attention, reproduced per verify position.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5Attention._prepare_projected_qkv",
+        "da21fd76217c72aa7ef15d4097e1fe428ff0022259f9556eb8fd95b59217c109",
+        "Called per verify position: norms, rotary, KV cache append.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__",
+        "0ab0be71156568f50a248f898d431b657b36b399166e29e25c16c7a45f6cc81b",
+        "Mirrored: decode GatedDeltaNet step, reproduced per verify position.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._causal_conv1d_decode",
+        "77f9695692b994b6204f8df1ae58178dadb5ec91dd6194337a6e282c2e4bf17f",
+        "Called per verify position: decode's depthwise convolution.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5Model.__call__",
+        "9dfc2048db0d818595bcdeb306a59e80cf1217331784fe7361c92a2dbf13ab65",
+        "Relied on: one decode step calls each layer once, in order (the one-row batch cache "
+        "path included), so plain steps record the taps capture_layer_ids would.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update",
+        "66b3e98fcd83bed63869d1fcf6b3b130b8f4b7cbd25fee5988b288457c6615f0",
+        "Mirrored: decode's recurrence call; on Metal called per verify position.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:_compute_g_beta",
+        "55e3a2984cc2e3ac92b7fe9cb3c1214d8360b774a426ff7906556a23d5c71429",
+        "Called once for all verify positions (element-wise).",
+    ),
+    Audited(
+        "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:hadamard_transform",
+        "26f78584fe230a4dae3782c9c29ceb97bddf51bdad9afa170c857fc9fd126400",
+        "Reproduced by dflash2_kernels.rotate in one launch (verify, and decode where faster).",
+    ),
+    Audited(
+        "mlx_vlm.speculative.dflash:_dflash_verify",
+        "39e4a6cd343ae7e054ae3584ff6879fc895494e413041f099ce08da14e3fc097",
+        "Called by the exact greedy verify: the verify forward and its GDN states.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.dflash:_reserve_dflash_target_cache",
+        "a122a70af6663e7a233554b47997e2fb177f8e971c14b6b9aaf928b7bd5e789d",
+        "Called by the policy's rounds: reserves the target cache for the largest block.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.utils:run_speculative_server_rounds",
+        "a97853c0faa5c672226856995b183a096c70212f915a90d9da643c877b16d0c1",
+        "Relied on: the server reaches _dflash_rounds through utils' name at batch size 1.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.utils:run_speculative_rounds",
+        "2f6dd995e5f8d5409cc213193aa52d065b633a2b400d595f63180c7815aa7e7c",
+        "Relied on: generate_step reaches _dflash_rounds through utils' name at batch size 1.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.common:_speculative_walk",
+        "4487bf2099c8d3a60917c12ac7ce18dfe7b72f727ec22571e38c0245521e7f81",
+        "Relied on: the policy's rounds accept drafts up to the first mismatch, as stock.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.common:_record_speculative_round",
+        "9a60e127d759c923fd307f4c2dea284fea1b6624bbcf75bf508b7419b60a01cd",
+        "Called by the policy's rounds: the drafter's acceptance statistics, as stock records "
+        "them.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.common:_dflash_block_total",
+        "a9c660aef8d58aef0263af2de67b9b54ab464d81297379c01e504d3875a80e7a",
+        "Relied on: reads min(block_size, runtime_block_size), which configure_drafter sets.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.cache_state:commit_speculative_round",
+        "58c3e8cf462dea7a576f56b42d0ff38d45daea051b95bc9e9bd8d1ef3698997c",
+        "Relied on: the policy's rounds keep accepted + 1 positions of the target cache.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.cache_state:abort_speculative_round",
+        "642f9cc3e46734e260f3cb776398ed4a18ff361f88086cfb01fe2d704d76d69c",
+        "Called when a verify fails midway: the recorded GDN states are dropped.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
+        "7eaabc86f5be71f93d2c7ae79cfd3baaaa2f812885119a737c5619d9602c073d",
+        "Relied on by the sliding-window option: trims the drafter's context to its window.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashDraftModel.make_cache",
+        "db5892186958bf9da98834ab163d1c09bcb424b3b71f6c9bc9cbeda400d97dae",
+        "Relied on by the sliding-window option: rotating caches for sliding layers.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashDraftModel.reset",
+        "b619e3c217f435a21c989987840eb5bea65327b4805459bd7e1138964b9e6394",
+        "Called by the policy's rounds: a fresh drafter cache per request.",
+    ),
+    Audited(
+        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashDraftModel.draft_block_greedy",
+        "c367cf45513db12de61a0c5201d2943d1fbda5d024d03e7fe9cca1e794cccbc1",
+        "Called by the policy's rounds to draft greedily (stock bypasses the candidate "
+        "selector).",
+    ),
+    Audited(
+        "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel.draft_block",
+        "5af196cd5861a4891a8773334693db20d64c25265a64406d1e5ee171da48a24c",
+        "Called with --dflash2-candidate-selector: drafts through the trained selector.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:ResponseGenerator._run_impl",
+        "9037cf029cead985f4cf82d9e2c838d1fcc1a17161bcfed874cab260ece40431",
+        "Relied on: the worker builds a fresh BatchGenerator with self.draft_model for each "
+        "request admitted to an idle batch, which gives each request its own route.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:GenerationArguments",
+        "98083c9de47f873427d238f68ce5e512b18c04a93c83f18c3c70d7f057123fe3",
+        "Warm-up builds its greedy request arguments with it.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:get_configured_context_limit",
+        "e57421c0797ca38297d2687426afd8c0b19f9fc60ca912d058fe02b0b3951cf3",
+        "Relied on: the budget is runtime.config.max_kv_size, which the engine sets to the "
+        "model's context length after the model has loaded.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:_check_configured_context_budget",
+        "47ccaec08d07e22f233a514e088d3fb3c12500267dd4d75dd1dd7412d16af29d",
+        "Relied on: prompt plus max_tokens above the budget is refused, with the message "
+        "dflash2_gateway.MLX_VLM_CONTEXT_BUDGET reads.",
+    ),
+    Audited(
+        "mlx_vlm.server.runtime:ServerRuntime",
+        "47115b7d815f70604a4bcf356142268fe88293fe42a9378d6482762b1a788f66",
+        "The engine sets its response_generator and model cache entry to the pack's loaded "
+        "model.",
+    ),
+    Audited(
+        "mlx_vlm.server.openai:chat_completions_endpoint",
+        "2dbdad24e2a68aea315031cb2ac86f7465c77214dcb93822ec11948ba878272f",
+        "The gateway forwards each checked chat body to it and reshapes its answers (errors, "
+        "events, timings with predicted_n).",
+    ),
+    Audited(
+        "mlx_vlm.server.schemas:ChatRequest",
+        "add1641eb7503640c65547bceb977e5efe1d866ca5aed2d9807190a21d91be33",
+        "dflash2_http's request models check a subset of what it accepts; the gateway forwards "
+        "the checked body to it.",
+    ),
+)
+
+def resolve(target: str):
+    """(owner, attribute name) of a "module:qualname" target."""
+    module_name, qualname = target.split(":")
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def stock(target: str):
+    """The audited object; once replaced, the one the replacement stands in for."""
+    value = getattr(*resolve(target))
+    return getattr(value, "__dflash2_stock__", value)
+
+
+def source_sha256(obj) -> str:
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        obj = type(obj)
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
+
+
+def mismatches(rows=REPLACED + AUDITED) -> list:
+    """Every difference between the installed packages and the audited ones."""
+    import mlx.core as mx
+    import mlx_vlm
+
+    problems = []
+    if mx.__version__ != MLX_VERSION:
+        problems.append(f"mlx {mx.__version__} is installed; the pack needs {MLX_VERSION}")
+    if mlx_vlm.__version__ != MLX_VLM_VERSION:
+        problems.append(f"mlx-vlm {mlx_vlm.__version__} is installed; the pack needs {MLX_VLM_VERSION}")
+    for row in rows:
+        try:
+            actual = source_sha256(stock(row.target))
+        except (ImportError, AttributeError, OSError, TypeError) as error:
+            problems.append(f"{row.target}: not found ({error})")
+            continue
+        if actual != row.sha256:
+            problems.append(f"{row.target}: source sha256 {actual}, audited {row.sha256}")
+    return problems
+
+
+def check_sources():
+    """Raises SourceMismatch naming every difference."""
+    problems = mismatches()
+    if problems:
+        raise SourceMismatch("refusing to start; these mlx-vlm sources differ from the audited ones:\n  "
+                             + "\n  ".join(problems))
+
+
+def replace(target: str, replacement) -> None:
+    """Installs replacement under a REPLACED target, keeping the stock object on it
+    as __dflash2_stock__ (once: installing twice changes nothing)."""
+    if target not in {row.target for row in REPLACED}:
+        raise KeyError(f"{target} is not in dflash2_audit.REPLACED")
+    owner, name = resolve(target)
+    current = getattr(owner, name)
+    if getattr(current, "__dflash2_stock__", None) is None:
+        replacement.__dflash2_stock__ = current
+        setattr(owner, name, replacement)

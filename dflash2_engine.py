@@ -1,0 +1,275 @@
+"""Runs mlx-vlm's server engine on the pack: the target (and drafter) loaded on its worker
+thread, one sequence at a time, each request on the route its record carries.
+
+The engine subclasses mlx-vlm's ResponseGenerator and swaps two of mlx_vlm.server's
+functions; dflash2_audit lists each with its audited source, checked before any weight loads.
+The drafter's start-up (dflash2_runtime's install and self-checks, the round costs) ends in
+one Speculation value: a drafter to serve with, or why every request is served plain.
+"""
+
+import dataclasses
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import dflash2_audit
+from dflash2_gateway import RequestRecord, current_request
+
+logger = logging.getLogger("dflash2.server")
+
+
+@dataclass(frozen=True)
+class DrafterSetup:
+    """What the speculative server asks of the drafter's start-up."""
+
+    drafter_dir: Path
+    options: dict  # dflash2_runtime.RuntimeOptions' fields
+    round_costs: object = None  # dflash2_policy.RoundCosts given on the command line; None: measure
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What the drafter's start-up came to. drafter None: every request is served plain,
+    for `reason` (the x-dflash2 header's); error: the server must not start."""
+
+    drafter: object = None
+    kind: str = None
+    reason: str = None
+    error: str = None
+    round_costs: dict = None  # as /health shows them
+    runtime: dict = None  # dflash2_runtime.RuntimeStatus.to_json(): kernels, self-check, decode path
+
+
+def load_speculation(model, setup: DrafterSetup) -> Speculation:
+    """Installs the runtime and loads the drafter; runs on mlx-vlm's worker thread, right
+    after it loaded the target."""
+    import dflash2_policy
+    import dflash2_runtime
+    from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
+
+    try:
+        status = dflash2_runtime.install(model)
+    except dflash2_audit.SourceMismatch as mismatch:
+        return Speculation(error=str(mismatch))
+    logger.info("DFlash2 runtime: backend %s, speculation %s", status.backend,
+                "on" if status.speculative else f"off ({status.reason})")
+    for line in status.log_lines():
+        logger.info("DFlash2 %s", line)
+    runtime = status.to_json()
+    if not status.speculative:
+        # e.g. kernel-self-test-failed, verify-self-check-failed
+        return Speculation(reason=status.reason.split(":")[0], runtime=runtime)
+    drafter, kind = load_drafter(str(setup.drafter_dir), kind="dflash")
+    validate_drafter_compatibility(model, drafter, kind)
+    try:
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(**setup.options))
+    except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
+        return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
+    # What a round costs here decides, per request, each round's block or plain steps.
+    try:
+        drafter.round_costs = setup.round_costs or dflash2_policy.measure_round_costs(model, drafter)
+    except Exception:
+        logger.exception("measuring the round costs failed; every request is served plain")
+        return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
+    logger.info("DFlash2 round costs (%s): %s",
+                "from --dflash2-round-costs" if setup.round_costs else "measured", drafter.round_costs.summary())
+    return Speculation(drafter, kind, round_costs=drafter.round_costs.to_json(), runtime=runtime)
+
+
+def read_round_costs(path: Path):
+    """A --dflash2-round-costs table, or exit with what is wrong with the file."""
+    from dflash2_policy import RoundCosts
+
+    try:
+        return RoundCosts.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as error:
+        sys.exit(f"error: --dflash2-round-costs {path.name}: {error}")
+
+
+class RecordingTokens:
+    """mlx-vlm's token iterator for one request: notes counts and draft statistics on the
+    request record, ends the text at the request's stop sequences, and ends early when
+    the record is cancelled.
+
+    Stop sequences are matched on the detokenized text, which is the same on every route
+    because the tokens are; text that could be the start of a stop sequence is held back
+    until the next token decides it.
+    """
+
+    def __init__(self, tokens, record):
+        self._tokens = tokens
+        self._record = record
+        self._held = ""
+        self._ended = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        record = self._record
+        if self._ended or (record is not None and record.cancelled):
+            self.close()
+            raise StopIteration
+        token = next(self._tokens)
+        if record is None:
+            return token
+        record.note_token(token)
+        return self.apply_stop(token, record.stop) if record.stop else token
+
+    def apply_stop(self, token, stops):
+        text = self._held + token.text
+        found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+        if found:
+            self._ended = True
+            self.close()  # the rest is never generated
+            return dataclasses.replace(token, text=text[:min(found)], finish_reason="stop")
+        held = 0 if token.finish_reason else max(
+            (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+        self._held = text[len(text) - held:] if held else ""
+        return dataclasses.replace(token, text=text[:len(text) - held])
+
+    def close(self):
+        self._tokens.close()
+
+
+
+def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefill_step_size=None,
+                 top_logprobs_k=None, drafter: DrafterSetup = None):
+    """Checks the audited mlx-vlm sources, loads the target (and with a DrafterSetup, the
+    drafter: generator.speculation says how that went) in mlx-vlm's worker thread and wires
+    mlx-vlm's server to it. Returns (generator, mlx-vlm's FastAPI app).
+
+    A request whose prompt plus max_tokens exceeds context_length is refused after its
+    prompt is tokenized, before it reaches the worker (a stream: before it opens).
+
+    A drafter is used only for requests routed speculative: stock mlx-vlm sends every
+    request through a loaded drafter, sampling ones included.
+    """
+    import mlx.core as mx
+    import mlx_vlm.server as server
+    from fastapi import HTTPException
+    from mlx_vlm.server.generation import ResponseGenerator
+    from mlx_vlm.vision_cache import VisionFeatureCache
+
+    try:  # before any weight loads: the overrides below are audited there too
+        dflash2_audit.check_sources()
+    except dflash2_audit.SourceMismatch as mismatch:
+        sys.exit(f"error: {mismatch}")
+    app_module = sys.modules["mlx_vlm.server.app"]  # mlx_vlm.server.app is the FastAPI object
+
+    class PackGenerator(ResponseGenerator):
+        speculation = Speculation()  # no drafter: every request plain
+
+        def __init__(self, *args, **kwargs):
+            # Records of requests generate() queued and the worker has not admitted yet,
+            # by id of their GenerationArguments: how each route reaches the worker.
+            self.waiting_records = {}
+            super().__init__(*args, **kwargs)
+
+        def _initialize_model(self):
+            super()._initialize_model()  # the target, through mlx-vlm's own loader
+            if drafter is not None:
+                self.speculation = load_speculation(self.model, drafter)
+                self.draft_kind = self.speculation.kind  # the worker picks the round loop by it
+
+        def serve_plain(self, reason: str):
+            """Every later request is served plain, with this reason."""
+            self.speculation = Speculation(reason=reason, round_costs=self.speculation.round_costs,
+                                           runtime=self.speculation.runtime)
+
+        def generate(self, prompt, images=None, audio=None, args=None, **kwargs):
+            record = current_request.get()
+            if record is not None and args is not None:
+                self.waiting_records[id(args)] = record
+            try:
+                ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
+            finally:
+                if args is not None:  # admitted already, or never queued
+                    self.waiting_records.pop(id(args), None)
+            tokens = RecordingTokens(tokens, record)
+            if record is not None:
+                record.log_arrival()  # after mlx-vlm's own checks (the context budget among them)
+                record.token_stream = tokens
+                if record.cancelled:  # while it waited for its turn
+                    tokens.close()
+            return ctx, tokens
+
+        def validate_context_budget(self, *args, **kwargs):
+            # mlx-vlm's check before a stream opens tokenizes without the lock generate()
+            # holds around the shared tokenizer.
+            with self._tokenizer_lock:
+                return super().validate_context_budget(*args, **kwargs)
+
+        def _collect_pending_requests(self, *, active, capacity=None, **kwargs):
+            # Single sequence: admit the next request only when the running one has
+            # finished. The worker then builds a fresh BatchGenerator for it with
+            # self.draft_model, which is how each request gets its own route.
+            pending, should_stop = super()._collect_pending_requests(
+                active=active, capacity=0 if active else 1, **kwargs)
+            if pending:
+                record = self.waiting_records.pop(id(pending[0].args), None)
+                speculative = record is not None and record.speculative
+                self.draft_model = self.speculation.drafter if speculative else None
+                if self.draft_model is not None:  # the round loop hands this request its token counts
+                    self.draft_model.round_counts_listener = record.note_round_counts
+                mx.reset_peak_memory()  # so each finish line reports its own request's peak
+            return pending, should_stop
+
+    vision_cache = VisionFeatureCache(max_size=20)
+    generator = PackGenerator(
+        model_path=str(target_dir),
+        vision_cache=vision_cache,
+        top_logprobs_k=top_logprobs_k or 0,
+        prefill_step_size=prefill_step_size,
+    )
+    model, processor, config = generator.wait_until_ready()
+    # mlx-vlm's context budget: its loader, which also reads it, has run; from here on
+    # only its prompt checks do.
+    server.runtime.config.max_kv_size = context_length
+    server.runtime.response_generator = generator
+    server.runtime.model_cache.set("text_generation", {
+        "model_path": model_id, "adapter_path": None, "model": model, "processor": processor,
+        "config": config, "vision_cache": vision_cache, "model_kind": "text_generation",
+        "response_generator": generator,
+    })
+
+    def get_cached_model(model_path, adapter_path=None, *, model_kind="auto"):
+        # Replaces mlx-vlm's loader: a request's model field can never load a path.
+        if model_path != model_id or model_kind not in ("auto", "text_generation"):
+            raise HTTPException(status_code=404, detail=f"model {model_path!r} is not served here")
+        return model, processor, config
+
+    def apply_chat_template(*args, **kwargs):
+        # A template that cannot render the client's messages is the client's mistake.
+        try:
+            return apply_chat_template.__dflash2_stock__(*args, **kwargs)
+        except Exception as exc:
+            raise HTTPException(status_code=400,
+                                detail=f"the chat template could not render these messages: {exc}")
+
+    dflash2_audit.replace("mlx_vlm.server.app:get_cached_model", get_cached_model)
+    server.get_cached_model = get_cached_model  # the package re-exports app's function
+    dflash2_audit.replace("mlx_vlm.server:apply_chat_template", apply_chat_template)
+    return generator, app_module.app
+
+
+def warm_up(generator, route):
+    """One short generation on a route, so compilation is paid before the first request."""
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.server.generation import GenerationArguments
+
+    prompt = apply_chat_template(generator.processor, generator.config,
+                                 [{"role": "user", "content": "Hello"}])
+    record = RequestRecord(0, "WARM-UP", route, mode=route, speculative=route == "speculative", announced=True)
+    token = current_request.set(record)
+    started = time.perf_counter()
+    try:
+        _, tokens = generator.generate(prompt, args=GenerationArguments(max_tokens=4, temperature=0.0))
+        for _ in tokens:
+            pass
+    finally:
+        current_request.reset(token)
+    logger.info("warm-up %s: %d tokens in %.2fs", route, record.tokens, time.perf_counter() - started)

@@ -1,0 +1,592 @@
+"""The hardened HTTP layer both servers put in front of mlx-vlm's FastAPI app.
+
+- the gateway serves chat completions, /v1/models, /health and /openapi.json only,
+  validates and routes every chat body through the decide function it is given
+  (dflash2_http.py), answers mistakes with OpenAI-shaped 4xx errors, allows cross-origin
+  use from loopback pages only, and replaces local paths with public names in headers,
+  errors and logs;
+- a request stops at its stop sequences, when its client disconnects, at the request
+  timeout and at shutdown; each request gets one record (route, tokens, timings), logged
+  at arrival and at finish.
+"""
+
+import asyncio
+import contextvars
+import itertools
+import json
+import logging
+import os
+import pwd
+import re
+import site
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote
+
+from dflash2_http import Refusal, context_refusal, openapi_schema
+
+logger = logging.getLogger("dflash2.server")
+
+GRACEFUL_SHUTDOWN_S = 3
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# mlx-vlm's refusal of a prompt plus max_tokens beyond its context budget (set to the
+# model's context length in dflash2_engine.start_engine).
+MLX_VLM_CONTEXT_BUDGET = re.compile(
+    r"Request needs (\d+) context tokens \((\d+) prompt \+ (\d+) max generation\), but MAX_KV_SIZE is (\d+)\.")
+LOOPBACK_HOST_HEADER = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?")
+LOOPBACK_ORIGIN = r"https?://(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?"
+
+
+# ---------------------------------------------------------------------------------------
+# Local paths out of headers, errors and logs
+
+
+def local_paths(pack_dirs, model_id: str) -> list:
+    """(path, public name) for every local path a message could show: the pack folders,
+    the Python installation, the home folders and the working folder."""
+    python = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()]
+    homes = [Path.home(), os.environ.get("HOME"), pwd.getpwuid(os.getuid()).pw_dir]
+    return ([(path, model_id) for path in pack_dirs] + [(path, "<python>") for path in python]
+            + [(path, "~") for path in homes] + [(os.getcwd(), "<cwd>")])
+
+
+class PathScrubber:
+    """Replaces known local paths (and their resolved forms) with public names, and drops
+    object addresses ("<... object at 0x7f...>")."""
+
+    ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+    def __init__(self, paths):
+        self.names = {}
+        for path, name in paths:
+            if path:
+                for form in (str(path), os.path.abspath(path), os.path.realpath(path)):
+                    form = form.rstrip("/")
+                    if len(form) > 1:
+                        self.names.setdefault(form, name)
+        # Longest first, so a model folder inside the home folder is replaced whole;
+        # the lookahead keeps /home/a from matching inside /home/ab.
+        alternatives = "|".join(re.escape(f) for f in sorted(self.names, key=len, reverse=True))
+        self.pattern = re.compile(f"(?:{alternatives})(?![\\w.-])")
+        self.pattern_bytes = re.compile(self.pattern.pattern.encode())
+
+    def __call__(self, text: str) -> str:
+        text = self.pattern.sub(lambda match: self.names[match.group()], text)
+        return self.ADDRESS.sub("", text)
+
+    def scrub_bytes(self, data: bytes) -> bytes:
+        return self.pattern_bytes.sub(lambda match: self.names[match.group().decode()].encode(), data)
+
+
+class ScrubbedStream:
+    """stdout/stderr wrapper, for what libraries print outside logging (warnings, tqdm)."""
+
+    def __init__(self, stream, scrub):
+        self._stream = stream
+        self._scrub = scrub
+
+    def write(self, text):
+        self._stream.write(self._scrub(text))
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class ScrubbedFormatter(logging.Formatter):
+    def __init__(self, scrub):
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._scrub = scrub
+
+    def format(self, record):
+        return self._scrub(super().format(record))
+
+
+def setup_logging(level: str, scrub):
+    sys.stdout = ScrubbedStream(sys.stdout, scrub)
+    sys.stderr = ScrubbedStream(sys.stderr, scrub)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(ScrubbedFormatter(scrub))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # mlx-vlm logs several lines per request; ours are the arrival and finish lines.
+    if level != "DEBUG":
+        logging.getLogger("mlx_vlm").setLevel(logging.WARNING)
+
+
+# ---------------------------------------------------------------------------------------
+# Per-request record: what was decided, and what generation reported
+
+
+@dataclass
+class RequestRecord:
+    id: int
+    method: str
+    path: str
+    mode: str = "plain"  # speculative | fallback | refused | plain
+    reason: str = None
+    speculative: bool = False
+    stop: list = field(default_factory=list)  # the request's stop sequences
+    announced: bool = False  # arrival line logged
+    cancelled: str = None  # disconnected | timeout | shutdown
+    token_stream: object = None  # the engine's RecordingTokens, once generation starts
+    status: int = None
+    tokens: int = 0
+    draft_rounds: int = None
+    draft_n: int = None
+    draft_n_accepted: int = None
+    round_counts: object = None  # dflash2_policy.RoundCounts, filled by the round loop as it runs
+    peak_memory_gb: float = None
+
+    def header_value(self) -> str:
+        if self.mode in ("fallback", "refused"):
+            return f"{self.mode}; reason={self.reason}"
+        return self.mode
+
+    def log_arrival(self):
+        """Once per request: when it is refused, or when its generation starts (so a request
+        mlx-vlm rejects is not first logged as speculative)."""
+        if not self.announced:
+            self.announced = True
+            logger.info("request %d %s %s: %s", self.id, self.method, self.path, self.header_value())
+
+    def cancel(self, reason: str):
+        """Stops the request's generation within a token or two (safe from any thread)."""
+        self.cancelled = self.cancelled or reason
+        if self.token_stream is not None:
+            self.token_stream.close()
+
+    def note_token(self, token):
+        self.tokens += getattr(token, "token_count", 1)
+        if token.finish_reason:
+            self.peak_memory_gb = token.peak_memory
+            self.draft_rounds = token.draft_rounds
+            self.draft_n = token.draft_n
+            self.draft_n_accepted = token.draft_n_accepted
+
+    def note_round_counts(self, counts):
+        self.round_counts = counts
+
+    def token_sources(self) -> dict:
+        counts = self.round_counts
+        return {"tokens_from_rounds": counts and counts.tokens_from_rounds,
+                "tokens_from_plain_steps": counts and counts.tokens_from_plain_steps}
+
+    def finish_summary(self) -> str:
+        parts = [f"status={'disconnected' if self.cancelled == 'disconnected' else self.status}"]
+        if self.cancelled not in (None, "disconnected"):
+            parts.append(f"cancelled={self.cancelled}")
+        if self.tokens:
+            parts.append(f"tokens={self.tokens}")
+            if self.draft_rounds is not None:
+                acceptance = self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+                parts.append(f"rounds={self.draft_rounds} "
+                             f"accepted={self.draft_n_accepted}/{self.draft_n} ({acceptance:.0%})")
+            if self.round_counts is not None:
+                parts.append(" ".join(f"{name}={value}" for name, value in self.token_sources().items()))
+            if self.peak_memory_gb is not None:
+                parts.append(f"peak_memory={self.peak_memory_gb:.3f}GB")
+        return " ".join(parts)
+
+
+current_request: contextvars.ContextVar = contextvars.ContextVar("current_request", default=None)
+
+
+# ---------------------------------------------------------------------------------------
+# The gateway: an ASGI layer in front of mlx-vlm's FastAPI app
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+MODELS_PATHS = ("/v1/models", "/models")
+HEALTH_PATHS = ("/health", "/v1/health")
+OPENAPI_PATHS = ("/openapi.json", "/v1/openapi.json")
+ANTHROPIC_PATHS = ("/v1/messages", "/messages", "/v1/messages/count_tokens", "/messages/count_tokens")
+
+
+def error_payload(status: int, reason: str, message: str, param: str = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": reason}}
+
+
+def inner_error_message(body: bytes) -> str:
+    """The message of an error mlx-vlm produced ({"detail": ...}), without echoed input."""
+    try:
+        detail = json.loads(body)["detail"]
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:500] or "request failed"
+    if isinstance(detail, list):  # FastAPI validation errors
+        return "; ".join(
+            f"{'.'.join(str(p) for p in item.get('loc', ())[1:])}: {item.get('msg')}"
+            for item in detail if isinstance(item, dict)
+        )
+    return str(detail)
+
+
+def with_loopback_cors(app):
+    """Cross-origin use from pages served on loopback only, without credentials. Chat
+    requests also need Content-Type: application/json, which no page can send to another
+    origin without a preflight that this refuses."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(app, allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "HEAD", "POST"],
+                          allow_headers=["authorization", "content-type"], expose_headers=["x-dflash2"])
+
+
+class Gateway:
+    """Serves the pack's endpoints, decides each chat request's route, and forwards the
+    request to mlx-vlm's app with a normalised body.
+
+    decide(body) validates and routes a chat body (raising Refusal); header, when set,
+    names the response header that carries each response's mode.
+    """
+
+    def __init__(self, app, *, model_id, scrubber, decide, header=None, server_mode=("plain", None),
+                 health=None, request_timeout=None):
+        self.app = app
+        self.model_id = model_id
+        self.scrub = scrubber
+        self.decide = decide
+        self.header = header
+        self.server_mode = server_mode
+        self.health = health or {}
+        self.request_timeout = request_timeout or None
+        self.openapi = openapi_schema(model_id)
+        self.created = int(time.time())
+        self.ids = itertools.count(1)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":  # websockets (mlx-vlm's realtime API) are not served
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        record = RequestRecord(next(self.ids), scope["method"], scope["path"])
+        record.mode, record.reason = self.server_mode
+        started = time.perf_counter()
+        try:
+            await self.handle(scope, receive, self.responder(send, record), record)
+        except Refusal as refusal:
+            await self.refuse(send, record, refusal)
+        except ClientGone:
+            record.cancelled = "disconnected"
+        except Exception:
+            logger.exception("request %d failed", record.id)
+            if record.status is None:  # nothing sent yet: answer it, without the traceback
+                await send_json(self.responder(send, record), 500, error_payload(
+                    500, "server-error", "internal error; the server log has the details"))
+        finally:
+            logger.info("request %d finished in %.2fs: %s", record.id,
+                        time.perf_counter() - started, record.finish_summary())
+
+    async def refuse(self, send, record, refusal: Refusal):
+        record.mode, record.reason = "refused", refusal.reason
+        record.log_arrival()
+        allow = b"POST" if record.path in CHAT_PATHS else b"GET, HEAD"
+        headers = [(b"allow", allow)] if refusal.status == 405 else []
+        payload = error_payload(refusal.status, refusal.reason, self.scrub(refusal.message), refusal.param)
+        await send_json(self.responder(send, record), refusal.status, payload, headers)
+
+    async def handle(self, scope, receive, send, record):
+        method, path = scope["method"], scope["path"]
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if not LOOPBACK_HOST_HEADER.fullmatch(host):
+            # A browser page reaching loopback through DNS rebinding sends a foreign Host.
+            raise Refusal(421, "invalid-host", "requests must address 127.0.0.1 or localhost")
+        if path in ANTHROPIC_PATHS:
+            raise Refusal(404, "anthropic-messages",
+                          "the Anthropic Messages API is not served; use /v1/chat/completions")
+        if path in CHAT_PATHS:
+            if method != "POST":
+                raise Refusal(405, "method-not-allowed", f"{path} accepts POST only")
+            return await self.chat(scope, receive, send, record)
+        is_model = path.startswith(("/v1/models/", "/models/"))
+        if not (is_model or path in MODELS_PATHS + HEALTH_PATHS + OPENAPI_PATHS):
+            raise Refusal(404, "unsupported-endpoint",
+                          f"{path} is not served; this pack serves /v1/chat/completions, /v1/models, "
+                          "/health and /openapi.json")
+        if method not in ("GET", "HEAD"):
+            raise Refusal(405, "method-not-allowed", f"{path} accepts GET and HEAD only")
+        if is_model:
+            requested = unquote(path.split("/models/", 1)[1])
+            if requested != self.model_id:
+                raise Refusal(404, "unknown-model", f"model {requested!r} is not served here; "
+                                                    f"this server serves {self.model_id!r}")
+            payload = self.model_card()
+        elif path in MODELS_PATHS:
+            payload = {"object": "list", "data": [self.model_card()]}
+        elif path in HEALTH_PATHS:
+            payload = {"status": "ok", "model": self.model_id, **self.health}
+        else:
+            payload = self.openapi
+        record.log_arrival()
+        await send_json(send, 200, payload, head=method == "HEAD")
+
+    def model_card(self):
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "local"}
+
+    async def chat(self, scope, receive, send, record):
+        content_type = dict(scope["headers"]).get(b"content-type", b"")
+        if content_type.split(b";")[0].strip().lower() != b"application/json":
+            raise Refusal(415, "unsupported-media-type",
+                          "chat requests must be sent with Content-Type: application/json")
+        body = await read_body(scope, receive)
+        try:
+            request = json.loads(body, parse_constant=reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise Refusal(400, "invalid-json", f"the request body is not valid JSON ({exc})")
+        try:
+            decision = self.decide(request)
+        except RecursionError:
+            raise Refusal(400, "invalid-json", "the request body is nested too deeply")
+        record.mode, record.reason = decision.mode, decision.reason
+        record.speculative = decision.mode == "speculative"
+        record.stop = decision.body.pop("stop", [])
+        forwarded = json.dumps(decision.body).encode()
+        # Origin stays out: mlx-vlm's own CORS layer would allow any origin.
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type", b"origin")]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(forwarded)).encode())]
+        await self.generate({**scope, "headers": headers}, forwarded, receive, send, record)
+
+    async def generate(self, scope, body, receive, send, record):
+        """Runs mlx-vlm's chat endpoint on the checked body. Its generation stops when the
+        client disconnects, at the request timeout (504) and at shutdown (503)."""
+        output = ChatOutput(send, record, self.scrub)
+        gone = asyncio.Event()
+        body_sent = False
+
+        async def replay():
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()  # how a streaming response notices a disconnect
+            return {"type": "http.disconnect"}
+
+        async def watch_client():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not output.complete:
+                record.cancel("disconnected")
+            gone.set()
+
+        token = current_request.set(record)  # tasks copy the context: mlx-vlm's threads see it
+        inner = asyncio.ensure_future(self.app(scope, replay, with_token_sources(output.send, record)))
+        watcher = asyncio.ensure_future(watch_client())
+        current_request.reset(token)
+        try:
+            done, _ = await asyncio.wait([inner], timeout=self.request_timeout)
+            if not done:
+                record.cancel("timeout")
+                await output.end_with_error(504, "request-timeout", "the request did not finish within "
+                                            f"{self.request_timeout} s (the server's --request-timeout)")
+            await inner
+        except asyncio.CancelledError:
+            # uvicorn's graceful-shutdown time is over: answer, and end the task quietly.
+            record.cancel("shutdown")
+            inner.cancel()
+            await output.end_with_error(503, "shutting-down", "the server shut down before this request finished")
+        finally:
+            watcher.cancel()
+
+    def responder(self, send, record):
+        """Adds the mode header, scrubs header values and notes the status."""
+        async def respond(message):
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                headers = [(k, self.scrub.scrub_bytes(v)) for k, v in message.get("headers", [])
+                           if k.lower() != (self.header or "").encode()]
+                if self.header:
+                    headers.append((self.header.encode(), record.header_value().encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+        return respond
+
+
+class ChatOutput:
+    """A chat response on its way out: mlx-vlm's errors in OpenAI's shape with paths
+    scrubbed, its event stream tidied, and nothing more once the request was answered
+    here or its client is gone."""
+
+    def __init__(self, send, record, scrub):
+        self._send = send
+        self.record = record
+        self.scrub = scrub
+        self.started = False
+        self.complete = False
+        self.stream = None  # EventStream, for text/event-stream responses
+        self.error_start = None
+        self.error_body = b""
+
+    async def send(self, message):
+        if self.complete or self.record.cancelled:
+            return
+        if message["type"] == "http.response.start":
+            if message["status"] >= 400:
+                self.error_start = message
+                return
+            if dict(message.get("headers", [])).get(b"content-type", b"").startswith(b"text/event-stream"):
+                self.stream = EventStream(self.scrub)
+            self.started = True
+            return await self._send(message)
+        if self.error_start is not None:
+            self.error_body += message.get("body", b"")
+            if not message.get("more_body"):
+                await self.reshape_error()
+            return
+        if self.stream is not None:
+            message = {**message, "body": self.stream.rewrite(message.get("body", b""))}
+        self.complete = not message.get("more_body", False)
+        await self._send(message)
+
+    async def reshape_error(self):
+        status, code, param = self.error_start["status"], "server-error", None
+        message = self.scrub(inner_error_message(self.error_body))
+        if status < 500:  # FastAPI validation (422) and mlx-vlm's own 4xx: the client's input
+            code, status = "invalid-request", 400 if status == 422 else status
+            budget = MLX_VLM_CONTEXT_BUDGET.fullmatch(message)
+            if budget:
+                refusal = context_refusal("the prompt is {1} tokens and max_tokens is {2}: {0} in all, above "
+                                          "the model's context length of {3}".format(*budget.groups()))
+                code, message, param = refusal.reason, refusal.message, refusal.param
+            self.record.mode, self.record.reason = "refused", code
+        self.record.log_arrival()
+        self.complete = True
+        await send_json(self._send, status, error_payload(status, code, message, param))
+
+    async def end_with_error(self, status: int, code: str, text: str):
+        """Ends the response here: an error response, or an error event once the stream has begun."""
+        if self.complete:
+            return
+        self.complete = True
+        if not self.started:
+            await send_json(self._send, status, error_payload(status, code, text))
+        elif self.stream is not None:
+            event = b"data: " + json.dumps(error_payload(status, code, text)).encode() + b"\n\n"
+            await self._send({"type": "http.response.body", "body": event, "more_body": False})
+
+
+class EventStream:
+    """mlx-vlm's server-sent events as OpenAI sends them: the role in the first delta only,
+    one created time per response, errors in OpenAI's shape with paths scrubbed."""
+
+    def __init__(self, scrub):
+        self.scrub = scrub
+        self.pending = b""
+        self.created = None
+        self.role_sent = False
+
+    def rewrite(self, data: bytes) -> bytes:
+        *events, self.pending = (self.pending + data).split(b"\n\n")
+        return b"".join(self.event(event) + b"\n\n" for event in events)
+
+    def event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {"):
+            return event
+        payload = json.loads(event[len(b"data: "):])
+        if "error" in payload:
+            payload = error_payload(500, "server-error", self.scrub(str(payload["error"])))
+        else:
+            self.created = payload["created"] = self.created or payload.get("created")
+            for choice in payload.get("choices", []):
+                delta = choice.get("delta") or {}
+                if self.role_sent:
+                    delta.pop("role", None)
+                self.role_sent = self.role_sent or "role" in delta
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode()
+
+
+def with_token_sources(send, record):
+    """Adds where the tokens came from (rounds or plain steps) to mlx-vlm's timings, in a
+    JSON body (sent with its new length) or in a stream's usage chunk."""
+    held = {"start": None, "body": b""}
+
+    async def respond(message):
+        if message["type"] == "http.response.start":
+            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+            if message["status"] != 200 or not content_type.startswith(b"application/json"):
+                return await send(message)
+            held["start"] = message
+            return
+        if held["start"] is None:
+            body = message.get("body", b"")
+            if body.startswith(b"data: {") and b'"timings"' in body:
+                events = [b"data: " + with_timings(event[6:], record.token_sources())
+                          if event.startswith(b"data: {") else event for event in body.split(b"\n\n")]
+                message = {**message, "body": b"\n\n".join(events)}
+            return await send(message)
+        held["body"] += message.get("body", b"")
+        if message.get("more_body"):
+            return
+        body = with_timings(held["body"], record.token_sources())
+        headers = [(k, v) for k, v in held["start"].get("headers", []) if k.lower() != b"content-length"]
+        await send({**held["start"], "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return respond
+
+
+def with_timings(payload: bytes, fields: dict) -> bytes:
+    """A JSON payload whose final `timings` object (the one with predicted_n) gains fields."""
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return payload
+    timings = data.get("timings") if isinstance(data, dict) else None
+    if not isinstance(timings, dict) or "predicted_n" not in timings:
+        return payload
+    timings.update(fields)
+    return json.dumps(data).encode()
+
+
+def reject_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def read_body(scope, receive) -> bytes:
+    length = dict(scope["headers"]).get(b"content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise Refusal(400, "invalid-request", "malformed Content-Length header")
+        if int(length) > MAX_BODY_BYTES:
+            raise Refusal(413, "body-too-large", f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise Refusal(413, "body-too-large", f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def send_json(send, status: int, payload: dict, headers=(), head=False):
+    body = json.dumps(payload).encode()
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()), *headers],
+    })
+    await send({"type": "http.response.body", "body": b"" if head else body})
+
+
+def serve(gateway, args):
+    """Serves until SIGTERM or Ctrl-C; a request still running GRACEFUL_SHUTDOWN_S later
+    is cancelled."""
+    import uvicorn
+
+    logger.info("serving on http://%s:%d/v1", args.host, args.port)
+    uvicorn.run(with_loopback_cors(gateway), host=args.host, port=args.port, log_config=None,
+                access_log=False, log_level=args.log_level.lower(), server_header=False,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

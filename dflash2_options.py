@@ -1,0 +1,191 @@
+"""The command line and environment both servers accept, checked before mlx-vlm is imported.
+
+Options reach mlx-vlm only by exact name; the servers listen on 127.0.0.1 or localhost only;
+inherited environment variables that change generation, caching or batching stop the
+server (mlx_vlm.server reads them at import); the options are checked against the pack.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from dflash2_http import PackLimits
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+DEFAULT_PORT = 8080
+DEFAULT_REQUEST_TIMEOUT_S = 600
+MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+
+# Environment variables mlx-vlm reads for generation, caching or batching. An inherited
+# one would silently change what the pack serves, so the server refuses to start.
+REFUSED_ENV_NAMES = {
+    "MAX_KV_SIZE",
+    "PREFILL_STEP_SIZE",
+    "QUANTIZED_KV_START",
+    "TOP_LOGPROBS_K",
+    "EXPERT_CACHE_GB",
+    "MLX_TRUST_REMOTE_CODE",
+}
+REFUSED_ENV_PREFIXES = ("KV_", "MLX_VLM_", "APC_")
+
+
+def refused_environment(environ) -> list:
+    """Names of inherited variables the server must not run with (APC_ENABLED=0 is fine)."""
+    return sorted(
+        name
+        for name, value in environ.items()
+        if (name in REFUSED_ENV_NAMES or name.startswith(REFUSED_ENV_PREFIXES))
+        and not (name == "APC_ENABLED" and value == "0")
+    )
+
+
+def exit_if_environment_refused():
+    names = refused_environment(os.environ)
+    if names:
+        sys.exit(
+            "error: these inherited environment variables change generation, caching or "
+            "batching and are not accepted; unset them and start again: " + ", ".join(names)
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+
+
+def loopback_host(value: str) -> str:
+    if value not in LOOPBACK_HOSTS:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not allowed: the server listens on 127.0.0.1 or localhost only"
+        )
+    return value
+
+
+def int_in(low, high):
+    def parse(value):
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{number} is outside {low}..{high}")
+        return number
+
+    return parse
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options both servers accept; mlx-vlm's own pass through by exact name only."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    parser.add_argument("--pack", type=Path, help="pack folder (default: this script's folder)")
+    parser.add_argument("--model-id", help="public model ID (default: the pack folder's name)")
+    parser.add_argument("--host", type=loopback_host, default="127.0.0.1",
+                        help="127.0.0.1 (default) or localhost; nothing else is accepted")
+    parser.add_argument("--port", type=int_in(1, 65535), default=DEFAULT_PORT,
+                        help=f"port to listen on (default: {DEFAULT_PORT})")
+    parser.add_argument("--allow-image-dir", type=Path, metavar="DIR",
+                        help="also accept image_url paths (or file:// URLs) of files inside DIR "
+                             "(default: base64 data URLs only)")
+    parser.add_argument("--request-timeout", type=int_in(0, 7 * 24 * 3600), metavar="SECONDS",
+                        default=DEFAULT_REQUEST_TIMEOUT_S,
+                        help="cancel a chat request still running after this long and answer 504 "
+                             f"(default: {DEFAULT_REQUEST_TIMEOUT_S}; 0: no limit)")
+    mlx_vlm = parser.add_argument_group("mlx-vlm options passed through")
+    mlx_vlm.add_argument("--enable-thinking", action="store_true",
+                         help="think by default; a request can send \"enable_thinking\": false "
+                              "(default: off)")
+    mlx_vlm.add_argument("--log-level", default="INFO",
+                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                         help="default: INFO (one line per request at arrival and at finish)")
+    mlx_vlm.add_argument("--max-tokens", type=int_in(1, 1 << 20),
+                         help="default max_tokens of a request (mlx-vlm's default: 2048); at most "
+                              "the model's context length")
+    mlx_vlm.add_argument("--prefill-step-size", type=int_in(1, 1 << 20),
+                         help="prompt tokens per prefill step (mlx-vlm's default: 2048)")
+    mlx_vlm.add_argument("--thinking-start-token", metavar="TOKEN",
+                         help="the token that opens a thinking block (default: mlx-vlm's, <think>)")
+    mlx_vlm.add_argument("--thinking-end-token", metavar="TOKEN",
+                         help="the token that closes a thinking block (default: mlx-vlm's, </think>)")
+    mlx_vlm.add_argument("--top-logprobs-k", type=int_in(0, 20),
+                         help="most top_logprobs a request may ask for (default: 0, none)")
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        parser.error(
+            f"not accepted: {' '.join(rest)}. Options pass through to mlx-vlm only by their "
+            "exact names (no abbreviations); see --help for the full list"
+        )
+    return args
+
+
+def pass_options_to_mlx_vlm(args):
+    """Hand the pass-through options to mlx-vlm the way its own CLI does: as variables.
+
+    Runs after exit_if_environment_refused, so only these values are in effect.
+    """
+    os.environ["MLX_VLM_ENABLE_THINKING"] = "1" if args.enable_thinking else "0"
+    if args.max_tokens is not None:
+        os.environ["MLX_VLM_MAX_TOKENS"] = str(args.max_tokens)
+    if args.thinking_start_token is not None:
+        os.environ["MLX_VLM_THINKING_START_TOKEN"] = args.thinking_start_token
+    if args.thinking_end_token is not None:
+        os.environ["MLX_VLM_THINKING_END_TOKEN"] = args.thinking_end_token
+    # mlx-vlm's own wait for the next token ends a request with a 500; --request-timeout
+    # bounds every request instead, with a 504.
+    os.environ["MLX_VLM_TOKEN_QUEUE_TIMEOUT"] = "0"
+
+
+def exit_if_pack_invalid(target_dir: Path, drafter_dir: Path = None):
+    """dflash2_pack's checks (config, tensor headers, drafter fit), before any weight loads."""
+    from dflash2_pack import PackError, check_drafter, check_target
+
+    try:
+        check_target(target_dir)
+        if drafter_dir is not None:
+            check_drafter(drafter_dir, target_dir)
+    except PackError as error:
+        sys.exit(f"error: {error}")
+
+
+def public_model_id(requested, pack_dir: Path) -> str:
+    model_id = requested or pack_dir.resolve().name
+    if not MODEL_ID_PATTERN.fullmatch(model_id):
+        what = "--model-id" if requested else f"the folder name {model_id!r}"
+        sys.exit(f"error: {what} is not a usable model ID (letters, digits, . _ - and one /); "
+                 "pass --model-id NAME")
+    return model_id
+
+
+def max_prompt_chars(target_dir: Path, context_length: int):
+    """Characters of text that can never fit in context_length tokens, for a BPE tokenizer
+    whose only normalizer is NFC (or none): a token covers at most its longest entry's
+    characters, and NFC joins at most four characters into one. None for other tokenizers."""
+    try:
+        tokenizer = json.loads((target_dir / "tokenizer.json").read_text())
+        model, normalizer = tokenizer["model"], tokenizer.get("normalizer")
+        if model["type"] != "BPE" or normalizer not in (None, {"type": "NFC"}):
+            return None
+        longest = max(map(len, [*model["vocab"], *(token["content"] for token in tokenizer["added_tokens"])]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # mlx-vlm's loader reports a missing or broken tokenizer
+    return 4 * longest * context_length
+
+
+def pack_limits(target_dir: Path, model_id: str, args) -> PackLimits:
+    """What requests may ask of this pack (after exit_if_pack_invalid read its config)."""
+    text = json.loads((target_dir / "config.json").read_text())["text_config"]
+    context = text["max_position_embeddings"]
+    if args.max_tokens is not None and args.max_tokens > context:
+        sys.exit(f"error: --max-tokens {args.max_tokens} is above the model's context length {context}")
+    image_dir = None
+    if args.allow_image_dir is not None:
+        if not args.allow_image_dir.is_dir():
+            sys.exit(f"error: --allow-image-dir {args.allow_image_dir}: not a folder")
+        image_dir = Path(os.path.realpath(args.allow_image_dir))
+    return PackLimits(model_id, text["vocab_size"], context, args.top_logprobs_k or 0, image_dir,
+                      max_prompt_chars(target_dir, context))
