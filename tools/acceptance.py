@@ -6,8 +6,10 @@
 For code-like, prose-like and tool-call chat prompts: greedy decoding plain and
 speculative at fixed blocks 2..5 (the drafter's runtime ceiling), the tokens checked equal,
 with tokens per round (1 + accepted drafts) and the share of drafts accepted. Then the
-speed ratio of speculative to plain decoding on this machine (tokens/s, interleaved,
-median of 5). Writes evidence/acceptance-<backend>.json and .md.
+speed of speculative decoding against plain on this machine, the drafter configured as the
+server configures it (round costs measured at start-up; the demo's fixed block, and the
+adaptive round policy): one warm-up pass, then the arms interleaved, median, min and max of
+5. Writes evidence/acceptance-<backend>.json and .md.
 
 fixtures/tiny-pair is a test and demo fixture (a few million parameters trained for
 minutes), not Ternary-Bonsai-2-27B: its figures say the drafter path works, not what the
@@ -15,9 +17,9 @@ minutes), not Ternary-Bonsai-2-27B: its figures say the drafter path works, not 
 """
 
 import argparse
-import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from parity import WEATHER_TOOL, chat_ids, greedy, run_environment  # noqa: E402
+from records import write_record  # noqa: E402
 
 PAIR = REPO / "fixtures" / "tiny-pair"
 PROMPTS = {
@@ -45,7 +48,7 @@ PROMPTS = {
     ],
 }
 BLOCKS = (2, 3, 4, 5)
-SPEED_BLOCK = 4
+SPEED_BLOCK = 4  # the demo's fixed block (serve_dflash2.DEMO_BLOCK_SIZE)
 
 
 def prompt_ids(tokenizer, kind, text):
@@ -65,14 +68,27 @@ def all_prompt_ids(tokenizer, per_kind=None):
             for kind, texts in PROMPTS.items() for text in texts[:per_kind]]
 
 
-def acceptance_cases(model, tokenizer, drafter, prompts, max_tokens, blocks=BLOCKS):
+@contextmanager
+def served_rounds(drafter, costs, fixed_block=False):
+    """The drafter as the server configures it (dflash2_engine, configure_drafter): the round
+    policy decides each round from the cost table; with a fixed block the requested block
+    runs every round."""
+    drafter.round_costs, drafter.prefer_requested_block_size = costs, fixed_block
+    try:
+        yield
+    finally:
+        del drafter.round_costs, drafter.prefer_requested_block_size
+
+
+def acceptance_cases(model, tokenizer, drafter, costs, prompts, max_tokens, blocks=BLOCKS):
     """Each (kind, text, ids) prompt plain and speculative at each fixed block: rounds,
     drafts, accepted."""
     cases = []
     for kind, text, ids in prompts:
         plain = greedy(model, ids, max_tokens)
         for block in blocks:
-            spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
+            with served_rounds(drafter, costs, fixed_block=True):
+                spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
             rounds, accepted = len(drafter.accept_lens), int(sum(drafter.accept_lens))
             cases.append({
                 "kind": kind, "prompt": text, "block": block, "tokens": len(plain),
@@ -99,26 +115,41 @@ def summarize(cases):
     return rows
 
 
-def speed_ratio(model, tokenizer, drafter, max_tokens, repeats=5):
-    """Speculative (block SPEED_BLOCK) against plain decoding of a code prompt, interleaved."""
+def speed_ratio(model, tokenizer, drafter, costs, max_tokens, repeats=5):
+    """Plain, speculative at the demo's fixed block and speculative with the round policy,
+    on a code prompt, interleaved (dflash2_runtime.interleaved_ms: one warm-up pass)."""
     import dflash2_runtime
 
     ids = prompt_ids(tokenizer, "code", PROMPTS["code"][0])
 
-    def timed(**kwargs):
+    sources = {}  # the last run's tokens from rounds and from plain steps, per arm
+
+    def speculative(fixed_block):
+        with served_rounds(drafter, costs, fixed_block=fixed_block):
+            greedy(model, ids, max_tokens, drafter=drafter, block_size=SPEED_BLOCK if fixed_block else None)
+        counts = drafter.round_counts
+        sources[fixed_block] = {"tokens_from_rounds": counts.tokens_from_rounds,
+                                "tokens_from_plain_steps": counts.tokens_from_plain_steps}
+
+    def timed(action):
         def run():
             start = time.perf_counter()
-            greedy(model, ids, max_tokens, **kwargs)
+            action()
             return (time.perf_counter() - start) * 1000
 
         return run
 
-    ms = dflash2_runtime.interleaved_ms(
-        {"plain": timed(), "speculative": timed(drafter=drafter, block_size=SPEED_BLOCK)}, repeats
-    )
+    ms = dflash2_runtime.interleaved_ms({
+        "plain": timed(lambda: greedy(model, ids, max_tokens)),
+        "speculative, fixed block": timed(lambda: speculative(True)),
+        "speculative, round policy": timed(lambda: speculative(False)),
+    }, repeats)
     return {
         "block": SPEED_BLOCK, "max_tokens": max_tokens, "repeats": repeats, "ms": ms,
-        "speculative_over_plain_speed": round(ms["plain"]["median"] / ms["speculative"]["median"], 3),
+        "speed_over_plain": {name: round(ms["plain"]["median"] / arm["median"], 3)
+                             for name, arm in ms.items() if name != "plain"},
+        "token_sources": {"speculative, fixed block": sources[True], "speculative, round policy": sources[False]},
+        "round_costs": costs.to_json(), "round_costs_summary": costs.summary(),
     }
 
 
@@ -143,12 +174,20 @@ def markdown(record):
     speed = record["speed"]
     lines += [
         "",
-        f"Speed on this machine (code prompt, {speed['max_tokens']} tokens, block {speed['block']}, "
-        f"interleaved, median of {speed['repeats']}): plain {speed['ms']['plain']['median']:.0f} ms, "
-        f"speculative {speed['ms']['speculative']['median']:.0f} ms: speculative runs at "
-        f"{speed['speculative_over_plain_speed']:.2f}x plain's speed. On a CPU a verify of B tokens "
-        "costs about B decode steps, so rounds do not pay here; the server's round policy serves "
-        "plain steps on such machines.",
+        f"Speed on this machine: a code prompt, {speed['max_tokens']} tokens, one warm-up pass, then "
+        f"the arms interleaved {speed['repeats']} times (median, min, max). The drafter is configured "
+        f"as the server configures it; the round costs it measured: {speed['round_costs_summary']}.",
+        "",
+        "| arm | median ms | min ms | max ms | speed over plain | tokens from rounds / plain steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, ms in speed["ms"].items():
+        ratio = speed["speed_over_plain"].get(name, 1.0)
+        source = speed["token_sources"].get(name)
+        split = f"{source['tokens_from_rounds']} / {source['tokens_from_plain_steps']}" if source else "-"
+        label = f"{name} {speed['block']}" if name.endswith("fixed block") else name
+        lines.append(f"| {label} | {ms['median']:.0f} | {ms['min']:.0f} | {ms['max']:.0f} | {ratio:.2f}x | {split} |")
+    lines += [
         "",
         "Sample (code prompt, plain greedy):",
         "",
@@ -169,27 +208,28 @@ def main():
 
     import dflash2_runtime
     from dflash2_pack import find_pack, load_pack
+    from dflash2_policy import measure_round_costs
 
     model, processor, drafter = load_pack(*find_pack(args.pack))
     status = dflash2_runtime.install(model)
     if not status.speculative:
         sys.exit(f"speculation is off: {status.reason}")
+    # As the server starts: its default options, then the round costs measured on this machine.
+    dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions())
+    costs = measure_round_costs(model, drafter)
     tokenizer = processor.tokenizer
-    cases = acceptance_cases(model, tokenizer, drafter, all_prompt_ids(tokenizer), args.max_tokens)
+    cases = acceptance_cases(model, tokenizer, drafter, costs, all_prompt_ids(tokenizer), args.max_tokens)
     pack = "trained tiny pair (fixtures/tiny-pair), a fixture, not the 27B" if args.pack == PAIR else args.pack.name
     record = {
         **run_environment("acceptance.py", pack),
         "max_tokens": args.max_tokens,
         "all_identical": all(c["identical"] for c in cases),
         "summary": summarize(cases),
-        "speed": speed_ratio(model, processor.tokenizer, drafter, args.max_tokens),
+        "speed": speed_ratio(model, tokenizer, drafter, costs, args.max_tokens),
         "sample": next(c["text"] for c in cases if c["kind"] == "code"),
         "cases": cases,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    backend = record["backend"]
-    (args.out / f"acceptance-{backend}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / f"acceptance-{backend}.md").write_text(markdown(record))
+    write_record(args.out, f"acceptance-{record['backend']}", record, markdown(record))
     print(markdown(record))
     return 0 if record["all_identical"] else 1
 
