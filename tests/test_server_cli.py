@@ -106,6 +106,17 @@ def test_demo_without_the_fixture_says_so(tmp_path):
     assert "fixtures/tiny-pair" in result.stderr and "source repository" in result.stderr
 
 
+def test_demo_refuses_a_damaged_fixture(tmp_path):
+    for script in REPO.glob("*.py"):
+        shutil.copy(script, tmp_path / script.name)
+    shutil.copytree(REPO / "fixtures" / "tiny-pair", tmp_path / "fixtures" / "tiny-pair")
+    flip_byte(tmp_path / "fixtures" / "tiny-pair" / "drafter" / "model.safetensors", -1)
+    result = run("serve_dflash2.py", "--demo", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "fixtures/tiny-pair differs from its SHA256SUMS" in result.stderr, result.stderr
+    assert "drafter/model.safetensors differs from its sha256" in result.stderr
+
+
 def test_demo_and_pack_exclude_each_other(tmp_path):
     result = run("serve_dflash2.py", "--demo", "--pack", str(tmp_path))
     assert result.returncode == 2 and "--demo" in result.stderr
