@@ -1,7 +1,7 @@
 """Serve the pack with DFlash2 speculative decoding, routed request by request.
 
     python serve_dflash2.py [--port 8080] [--enable-thinking] [--no-dflash2] [--pack DIR]
-    python serve_dflash2.py --demo        # builds the tiny synthetic pack once and serves it
+    python serve_dflash2.py --demo        # serves the trained tiny pair in fixtures/tiny-pair
 
 Speculation reproduces plain decoding only for greedy requests, so each chat request
 is routed, and every response says how in its x-dflash2 header:
@@ -24,7 +24,6 @@ dflash2_gateway.py).
 """
 
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -47,13 +46,18 @@ logger = logging.getLogger("dflash2.server")
 
 HERE = Path(__file__).resolve().parent
 DEMO_MODEL_ID = "dflash2-demo-tiny"
+DEMO_PACK = HERE / "fixtures" / "tiny-pair"
+# The demo's fixed verify block. On a CPU no round pays for itself (a verify of B tokens costs
+# about B decode steps), so the adaptive policy would serve plain steps and the drafter's work
+# would not show; a fixed block runs a round every time.
+DEMO_BLOCK_SIZE = 4
 
 
 def make_dflash2_parser():
     parser = make_parser("serve_dflash2.py", "Serve the pack's model with DFlash2 speculative decoding.")
     parser.add_argument("--demo", action="store_true",
-                        help="build the tiny synthetic pack once (in $DFLASH2_CACHE or "
-                             "~/.cache/dflash2-demo) and serve it; needs the source repository's tools/")
+                        help="serve the trained tiny target + drafter pair (fixtures/tiny-pair of the "
+                             f"source repository; a fixture, not the 27B) with a fixed block of {DEMO_BLOCK_SIZE}")
     parser.add_argument("--verify-pack", action="store_true",
                         help="check the pack (SHA256SUMS, pins, schema, drafter fit, kernel self-test), "
                              "print a pass/fail table and exit 0 or 1 without serving")
@@ -80,21 +84,19 @@ def make_dflash2_parser():
 
 
 def demo_pack() -> Path:
-    """The tiny synthetic pack (DIR/target, DIR/drafter), built once in the cache."""
-    cache = Path(os.environ.get("DFLASH2_CACHE") or Path.home() / ".cache" / "dflash2-demo")
-    root = cache / "seed0"
-    if not root.is_dir():
-        sys.path.insert(0, str(HERE / "tools"))
-        try:
-            from make_synthetic_pack import make_pack
-        except ImportError:
-            sys.exit("error: --demo needs tools/make_synthetic_pack.py from the source repository; "
-                     "a downloaded pack folder does not ship it. Run the pack itself without --demo.")
-        building = cache / "seed0.building"
-        print("building the tiny synthetic demo pack (once)", file=sys.stderr)  # logging starts later
-        make_pack(building, size="tiny", seed=0)
-        building.rename(root)  # complete packs only: an interrupted build is redone
-    return root
+    """The trained tiny pair (DIR/target, DIR/drafter), checked against its SHA256SUMS."""
+    from dflash2_pack import SUMS_FILE, read_sha256sums, sha256_file
+
+    if not (DEMO_PACK / SUMS_FILE).is_file():
+        sys.exit("error: --demo needs fixtures/tiny-pair from the source repository; a downloaded "
+                 "pack folder does not ship it. Run the pack itself without --demo.")
+    listed, problems = read_sha256sums(DEMO_PACK)
+    problems += [f"{name} differs from its sha256" for name, digest in sorted(listed.items())
+                 if not (DEMO_PACK / name).is_file() or sha256_file(DEMO_PACK / name) != digest]
+    if problems:
+        sys.exit("error: fixtures/tiny-pair differs from its SHA256SUMS (regenerate it with "
+                 "tools/train_tiny_pair.py):\n  " + "\n  ".join(problems))
+    return DEMO_PACK
 
 
 # ---------------------------------------------------------------------------------------
@@ -105,7 +107,9 @@ def main(argv=None):
     args = parse_args(parser, argv)
     exit_if_environment_refused()
     if args.demo and args.pack:
-        parser.error("--demo serves the synthetic pack; leave out --pack")
+        parser.error("--demo serves the trained tiny pair; leave out --pack")
+    if args.demo and args.dflash2_block_size is None:
+        args.dflash2_block_size = DEMO_BLOCK_SIZE
     from dflash2_pack import PINS_FILE, check_pins, find_pack
 
     pack_dir = demo_pack() if args.demo else (args.pack or HERE).absolute()

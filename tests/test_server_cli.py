@@ -98,13 +98,23 @@ def test_apc_disabled_is_accepted(script, tmp_path):
     assert result.returncode == 1 and "config.json: file is missing" in result.stderr, result.stderr
 
 
-def test_demo_without_the_generator_says_so(tmp_path):
-    for script in REPO.glob("*.py"):  # the files a pack folder ships, without tools/
+def test_demo_without_the_fixture_says_so(tmp_path):
+    for script in REPO.glob("*.py"):  # the files a pack folder ships, without fixtures/
         shutil.copy(script, tmp_path / script.name)
-    result = run("serve_dflash2.py", "--demo", cwd=tmp_path,
-                 env=clean_env(DFLASH2_CACHE=str(tmp_path / "cache")))
+    result = run("serve_dflash2.py", "--demo", cwd=tmp_path)
     assert result.returncode == 1
-    assert "tools/make_synthetic_pack.py" in result.stderr and "source repository" in result.stderr
+    assert "fixtures/tiny-pair" in result.stderr and "source repository" in result.stderr
+
+
+def test_demo_refuses_a_damaged_fixture(tmp_path):
+    for script in REPO.glob("*.py"):
+        shutil.copy(script, tmp_path / script.name)
+    shutil.copytree(REPO / "fixtures" / "tiny-pair", tmp_path / "fixtures" / "tiny-pair")
+    flip_byte(tmp_path / "fixtures" / "tiny-pair" / "drafter" / "model.safetensors", -1)
+    result = run("serve_dflash2.py", "--demo", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "fixtures/tiny-pair differs from its SHA256SUMS" in result.stderr, result.stderr
+    assert "drafter/model.safetensors differs from its sha256" in result.stderr
 
 
 def test_demo_and_pack_exclude_each_other(tmp_path):

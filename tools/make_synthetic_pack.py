@@ -295,7 +295,7 @@ def log(message):
 # Tokenizer
 
 
-def build_tokenizer(special_base):
+def build_tokenizer(special_base, corpus=TOKENIZER_CORPUS):
     """Byte-level BPE like Qwen's, trained on a fixed text; Qwen's specials start at
     `special_base`, ids between the BPE vocabulary and it are reserved fillers."""
     trained = Tokenizer(models.BPE())
@@ -312,7 +312,7 @@ def build_tokenizer(special_base):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    trained.train_from_iterator([TOKENIZER_CORPUS], trainer)
+    trained.train_from_iterator([corpus], trainer)
 
     spec = json.loads(trained.to_str())
     vocab = spec["model"]["vocab"]
@@ -610,17 +610,20 @@ def live_token_rows(tokenizer, vocab_size):
     return mx.array(live)
 
 
-def target_weights(config, seed, live_rows, dense_dtype="float16"):
+def target_weights(config, seed, live_rows, dense_dtype="float16", trained=None):
     """All target tensors, keyed as the checkpoint stores them (mlx-vlm final names).
     `dense_dtype` is that of the language model's unpacked tensors (norms, conv, GDN gate
-    projections); the vision tower is always fp16."""
+    projections); the vision tower is always fp16. `trained` tensors (same names) replace
+    the random ones."""
     language_dtype = getattr(mx, dense_dtype)
     skeleton = build_skeleton(config, "config.json")
     blocks = {record["path"]: record["block"] for record in config["modules"]}
     weights = {}
     for name, like in tree_flatten(skeleton.parameters()):
         module_path, _, leaf = name.removeprefix("language_model.").rpartition(".")
-        if module_path in blocks:
+        if trained and name in trained:
+            weights[name] = trained[name]
+        elif module_path in blocks:
             weights[name] = packed_tensor(seed, name, module_path, leaf, like.shape, live_rows)
         else:
             dtype = language_dtype if name.startswith("language_model.") else mx.float16
@@ -664,15 +667,19 @@ def dense_tensor(seed, name, shape, dtype=mx.float16):
     return (mx.random.normal(shape, key=key) / math.sqrt(fan_in)).astype(dtype)
 
 
-def drafter_weights(config, seed, codebook_names="plain"):
+def drafter_weights(config, seed, codebook_names="plain", trained=None):
     """Drafter tensors: bf16 dense, or 4-bit group-64 affine where the config's
-    quantization block does not keep a matrix in bf16."""
+    quantization block does not keep a matrix in bf16. `trained` tensors (parameter
+    names) replace the random ones."""
     if codebook_names not in ("plain", "weight"):
         raise ValueError(f"codebook_names must be 'plain' or 'weight', got {codebook_names!r}")
     skeleton = build_skeleton(config, "config.json")
     weights = {}
     for name, like in tree_flatten(skeleton.parameters()):
-        value = dense_tensor(seed, name, like.shape, dtype=mx.bfloat16)
+        if trained and name in trained:
+            value = trained[name].astype(mx.bfloat16)
+        else:
+            value = dense_tensor(seed, name, like.shape, dtype=mx.bfloat16)
         path = name.rpartition(".")[0]
         if codebook_names == "plain" and path.endswith("_codebook"):
             name = path  # stored bare; mlx-vlm's sanitize adds the ".weight" back
@@ -776,12 +783,17 @@ def write_text_files(folder, files):
 # Entry points
 
 
-def write_target(folder, size="tiny", seed=0, dense_dtype="float16", verbose=False, layers=None):
-    """Write a prism_hadamard_qwen35 target folder: configs, tokenizer, weights."""
+def write_target(
+    folder, size="tiny", seed=0, dense_dtype="float16", verbose=False, layers=None,
+    tokenizer=None, trained=None,
+):
+    """Write a prism_hadamard_qwen35 target folder: configs, tokenizer, weights.
+    tokenizer: a build_tokenizer result (default: trained on TOKENIZER_CORPUS);
+    trained: tensors that replace the random ones (tools/train_tiny_pair.py)."""
     folder = Path(folder)
     config = target_config(size, layers)
     special_base = SIZES[size]["special_base"]
-    tokenizer = build_tokenizer(special_base)
+    tokenizer = tokenizer or build_tokenizer(special_base)
     max_length = config["text_config"]["max_position_embeddings"]
     write_text_files(
         folder,
@@ -795,21 +807,22 @@ def write_target(folder, size="tiny", seed=0, dense_dtype="float16", verbose=Fal
     if verbose:
         log(f"target: generating {size} weights (seed {seed})")
     live_rows = live_token_rows(tokenizer, config["vocab_size"])
-    weights = target_weights(config, seed, live_rows, dense_dtype)
+    weights = target_weights(config, seed, live_rows, dense_dtype, trained)
     write_safetensors(folder / "model.safetensors", weights, verbose)
 
 
 def write_drafter(
-    folder, size="tiny", seed=0, form="bf16", codebook_names="plain", verbose=False, layers=None
+    folder, size="tiny", seed=0, form="bf16", codebook_names="plain", verbose=False, layers=None,
+    trained=None,
 ):
     """Write a DFlash2DraftModel folder (bf16 or prequantized 4-bit) for a target of
-    `layers` layers (default: the size's)."""
+    `layers` layers (default: the size's); `trained` tensors replace the random ones."""
     folder = Path(folder)
     config = drafter_config(size, form, layers)
     write_text_files(folder, {"config.json": dump_json(config)})
     if verbose:
         log(f"drafter: generating {form} weights (seed {seed})")
-    weights = drafter_weights(config, seed, codebook_names)
+    weights = drafter_weights(config, seed, codebook_names, trained)
     write_safetensors(folder / "model.safetensors", weights, verbose)
 
 
