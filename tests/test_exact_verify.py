@@ -36,6 +36,9 @@ from parity import (
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATED = 12
+# The pack's random drafter accepts nothing, so each token after the first costs a full
+# round: five rounds a fixture.
+FIXTURE_TOKENS = 6
 
 pytestmark = pytest.mark.usefixtures("gpu_like_rounding")
 
@@ -63,16 +66,10 @@ def test_speculative_tokens_equal_plain_with_oracle_drafter(target):
     assert any(0 < c["accepted"] < c["rounds"] * (c["block"] - 1) for c in partial)
 
 
-def test_tiny_pack_continuation_is_varied(target):
-    model, processor, _ = target
-    plain = greedy(model, chat_ids(processor.tokenizer, PROMPTS[0], thinking=False), GENERATED)
-    assert len(set(plain)) > 3, plain
-
-
 def test_fixtures_with_the_packs_drafter_equal_plain(target):
     """Text, thinking, tool-call and image prompts with the synthetic DFlash2 drafter."""
     model, processor, drafter = target
-    cases = fixture_cases(model, processor, drafter, GENERATED)
+    cases = fixture_cases(model, processor, drafter, FIXTURE_TOKENS)
     assert [c["fixture"] for c in cases] == ["text", "thinking", "tool-call", "image"]
     assert [c for c in cases if not c["identical"]] == []
     assert all(c["rounds"] > 0 for c in cases), "the drafter ran no round"
@@ -120,9 +117,9 @@ def test_stock_verify_fails_the_same_checks(target, stock_verify):
     lm, taps = model.language_model, drafter.config.target_layer_ids
     ids = raw_ids(processor, PROMPTS[0])
     continuation = greedy(model, ids, 8)
-    verify = verify_cases(lm, ids, taps, continuation, lengths=(2, 5, 8))
+    verify = verify_cases(lm, ids, taps, continuation, lengths=(2, 8))
     assert all(c["logits"] and c["hidden"] for c in verify), verify
-    rollback = rollback_cases(lm, ids, taps, continuation, lengths=(8,))
+    rollback = rollback_cases(lm, ids, taps, continuation, lengths=(2,))
     assert all(c["logits"] for c in rollback), rollback
     tokens = token_cases(model, processor.tokenizer, GENERATED, [(PROMPTS[0], False, 8, 0.0)])
     assert not tokens[0]["identical"], tokens
