@@ -8,18 +8,15 @@ is in test_server.py.
 """
 
 import asyncio
-import base64
-import io
 import json
 import os
 
 import pytest
-from PIL import Image
 from starlette.testclient import TestClient
 
-from dflash2_http import PackLimits, check_chat_request, openapi_schema
+from conftest import data_url, png
 from dflash2_gateway import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
-from dflash2_http import route_chat
+from dflash2_http import PackLimits, check_chat_request, openapi_schema, route_chat
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
@@ -67,11 +64,12 @@ def image_dir(tmp_path_factory):
     return folder
 
 
-def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None):
+def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False):
     limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
 
     def decide(body):
-        return route_chat(check_chat_request(body, limits), server_reason=server_reason)
+        return route_chat(check_chat_request(body, limits), server_reason=server_reason,
+                          multimodal_plain=multimodal_plain)
 
     gateway = Gateway(stub_mlx_vlm, model_id=MODEL_ID, scrubber=PathScrubber(local_paths([], MODEL_ID)),
                       decide=decide, header="x-dflash2", request_timeout=TIMEOUT_S)
@@ -99,19 +97,9 @@ def assert_refused(response, status, reason, param=None):
     return error
 
 
-def png(size):
-    buffer = io.BytesIO()
-    Image.new("RGB", size, (200, 40, 40)).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 def image_body(url):
     return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
             "temperature": 0}
-
-
-def data_url(data):
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,6 +306,16 @@ def test_a_file_inside_the_image_folder_is_accepted(client, image_dir, form):
     assert response.status_code == 200, response.text
     part = response.json()["forwarded"]["messages"][0]["content"][0]
     assert part["image_url"]["url"] == str((image_dir / "red.png").resolve())
+
+
+@pytest.mark.parametrize("multimodal_plain", [False, True])
+def test_multimodal_plain_routes_only_images_plain(multimodal_plain):
+    client = make_client(multimodal_plain=multimodal_plain)
+    with_image = post(client, image_body(data_url(png())))
+    text = post(client, {"messages": MESSAGES, "temperature": 0})
+    assert with_image.headers["x-dflash2"] == (
+        "fallback; reason=multimodal-plain" if multimodal_plain else "speculative")
+    assert text.headers["x-dflash2"] == "speculative"
 
 
 # ---------------------------------------------------------------------------------------
