@@ -24,6 +24,15 @@ def tiny_pack(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def float32_pack(tmp_path_factory):
+    """The tiny synthetic pack with fp32 dense tensors (the real 27B file's layout; seed 1),
+    built once per session. Read-only, like tiny_pack."""
+    from make_synthetic_pack import make_pack
+
+    return make_pack(tmp_path_factory.mktemp("float32_pack"), size="tiny", seed=1, dense_dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def built_pack(tiny_pack, tmp_path_factory):
     """The tiny pack as tools/build_pack.py builds it, once per session: a flat pack folder
     with the shipped modules, pins and SHA256SUMS. Read-only: copy it to change it."""
