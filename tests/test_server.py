@@ -140,6 +140,11 @@ CASES = {
 }
 
 
+# The tools preamble makes the longest prompt (about 370 tokens of the tiny tokenizer,
+# seconds of CPU prefill): the baseline's wrapper is shown on the others.
+BASELINE_CASES = ["text", "thinking", "image"]
+
+
 def greedy(case, max_tokens=MAX_TOKENS):
     body = json.loads(json.dumps(CASES[case]))
     return {**body, "temperature": 0, "max_tokens": max_tokens}
@@ -166,7 +171,7 @@ def answers(servers, images):
         "spec": every_case + [("stream text", create_streamed, greedy("text")),
                               ("stream thinking", create_streamed, greedy("thinking")),
                               ("image file", create, from_file)],
-        "baseline": every_case,
+        "baseline": [job for job in every_case if job[0] in BASELINE_CASES],
         "no_kernel": [("text", create, greedy("text")),
                       ("default thinking", create, {"messages": MESSAGES, "temperature": 0, "max_tokens": 3})],
     }
@@ -183,20 +188,22 @@ def answers(servers, images):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_speculative_answer_equals_plain_and_baseline(answers, case):
-    reference = answer(answers["plain"][case][1])
+def test_speculative_answer_equals_plain(answers, case):
     mode, completion = answers["spec"][case]
     assert mode == "speculative"
-    assert answer(completion) == reference
+    assert answer(completion) == answer(answers["plain"][case][1])
     timings = completion.model_extra["timings"]
     assert timings["draft_rounds"] >= 1 and timings["draft_n"] >= timings["draft_n_accepted"] >= 0
     # Every token after the prefill's came from a round or a plain step.
     assert timings["tokens_from_rounds"] >= timings["draft_rounds"]
     assert timings["tokens_from_rounds"] + timings["tokens_from_plain_steps"] == timings["predicted_n"] - 1
 
+
+@pytest.mark.parametrize("case", BASELINE_CASES)
+def test_no_dflash2_answer_equals_plain(answers, case):
     mode, completion = answers["baseline"][case]
     assert mode == "fallback; reason=no-dflash2"
-    assert answer(completion) == reference
+    assert answer(completion) == answer(answers["plain"][case][1])
     timings = completion.model_extra["timings"]
     assert timings["draft_rounds"] is None
     assert timings["tokens_from_rounds"] is None and timings["tokens_from_plain_steps"] is None
@@ -532,10 +539,10 @@ def test_disconnect_mid_stream_then_a_normal_request(servers, answers):
     assert server.process.poll() is None
 
 
-def test_eight_concurrent_clients_get_their_own_answers(servers):
+def test_concurrent_clients_get_their_own_answers(servers):
     # Different prompts and lengths, so a crossed answer cannot go unnoticed.
     bodies = [{"messages": [{"role": "user", "content": f"Item {i}"}], "temperature": 0,
-               "max_tokens": 1 + i % 4} for i in range(8)]
+               "max_tokens": 1 + i} for i in range(4)]
 
     def run_all(server):
         with ThreadPoolExecutor(len(bodies)) as pool:
