@@ -29,8 +29,8 @@ from parity import (
     fixture_cases,
     greedy,
     image_inputs,
+    oracle_token_case,
     rollback_cases,
-    token_cases,
     verify_cases,
 )
 
@@ -50,14 +50,17 @@ def raw_ids(processor, text):
 
 def test_speculative_tokens_equal_plain_with_oracle_drafter(target):
     model, processor, _ = target
-    # Every block size at partial acceptance, full and zero acceptance at the ends;
-    # prompts and thinking rotate (the full matrix runs on the GPU: tools/parity.py).
-    combos = [
-        (PROMPTS[block % len(PROMPTS)], block % 2 == 0, block, error_rate)
+    # Every block size at partial acceptance, full and zero acceptance at the ends; the
+    # prompts rotate, raw (the chat templates run in the fixture test below; the full
+    # matrix runs on the GPU: tools/parity.py).
+    prompts = [raw_ids(processor, text) for text in PROMPTS]
+    plain = [greedy(model, ids, GENERATED) for ids in prompts]
+    cases = [
+        oracle_token_case(model, prompts[block % len(PROMPTS)], plain[block % len(PROMPTS)], block, error_rate,
+                          GENERATED)
         for block in range(2, 9)
         for error_rate in ((0.0, 0.35, 1.0) if block in (2, 8) else (0.35,))
     ]
-    cases = token_cases(model, processor.tokenizer, GENERATED, combos)
     assert [c for c in cases if not c["identical"]] == []
     # The oracle really exercised full, partial and zero acceptance.
     assert all(c["accepted"] == 0 for c in cases if c["error_rate"] == 1.0)
@@ -116,13 +119,13 @@ def test_stock_verify_fails_the_same_checks(target, stock_verify):
     model, processor, drafter = target
     lm, taps = model.language_model, drafter.config.target_layer_ids
     ids = raw_ids(processor, PROMPTS[0])
-    continuation = greedy(model, ids, 8)
-    verify = verify_cases(lm, ids, taps, continuation, lengths=(2, 8))
+    plain = greedy(model, ids, GENERATED)
+    verify = verify_cases(lm, ids, taps, plain[:8], lengths=(2, 8))
     assert all(c["logits"] and c["hidden"] for c in verify), verify
-    rollback = rollback_cases(lm, ids, taps, continuation, lengths=(2,))
+    rollback = rollback_cases(lm, ids, taps, plain[:8], lengths=(2,))
     assert all(c["logits"] for c in rollback), rollback
-    tokens = token_cases(model, processor.tokenizer, GENERATED, [(PROMPTS[0], False, 8, 0.0)])
-    assert not tokens[0]["identical"], tokens
+    tokens = oracle_token_case(model, ids, plain, 8, 0.0, GENERATED)
+    assert not tokens["identical"], tokens
 
 
 def test_changed_mlx_vlm_function_refuses_and_is_named():
