@@ -89,9 +89,9 @@ def target(tiny_pack):
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory):
     """start_server(name, command, cwd=None) -> a ServerProcess (tools/server_process.py),
-    not yet waited for. One process per command and cwd for the whole session: a test file
-    asking for a server another already started gets that one (started again if it was
-    stopped), so give equal servers equal commands. All stop when the session ends."""
+    not yet waited for. One process per command and cwd for the session (per worker under
+    xdist): a test file asking for a server another already started gets that one (started
+    again if it was stopped), so give equal servers equal commands. All stop at the end."""
     started = {}
 
     def start(name, command, cwd=None):

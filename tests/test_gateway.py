@@ -284,6 +284,23 @@ def test_extreme_aspect_ratios_are_refused(client, size):
     assert "aspect ratio" in error["message"]
 
 
+@pytest.mark.parametrize("url, reason", [
+    ("data:image/png;base64,###", "invalid-image"),
+    (data_url(b"not an image at all"), "invalid-image"),
+    (data_url(png()[:40]), "invalid-image"),
+    ("data:text/plain;base64,aGk=", "invalid-image"),
+    ("https://example.com/picture.png", "remote-image"),
+], ids=["bad-base64", "not-an-image", "truncated", "not-image-type", "remote"])
+def test_invalid_images(client, url, reason):
+    assert_refused(post(client, image_body(url)), 400, reason, "messages[0].content[0].image_url.url")
+
+
+@pytest.mark.parametrize("part", [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                                  {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}])
+def test_audio_and_video_parts_are_refused(client, part):
+    assert_refused(post(client, {"messages": [{"role": "user", "content": [part]}]}), 400, "unsupported-input")
+
+
 def test_local_paths_are_refused_alike_whether_they_exist_or_not(client, image_dir):
     messages = set()
     for url in ("/etc/passwd", "/nonexistent/x.png", "file:///etc/shadow", "file:///proc/self/environ",
