@@ -32,8 +32,11 @@ class Refusal(Exception):
         self.param = param
 
 
-def invalid(param: str, message: str):
-    return Refusal(400, "invalid-request", f"{param}: {message}", param)
+class InvalidRequest(Refusal):
+    """A field whose value the pack does not accept: 400 invalid-request naming it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(400, "invalid-request", f"{param}: {message}", param)
 
 
 def context_refusal(detail: str) -> Refusal:
@@ -215,7 +218,7 @@ def refusal_for(body, validation_error: ValidationError) -> Refusal:
     params = [error_param(body, e) for e in first]
     param = max(params, key=lambda p: p.count(".") + p.count("["))
     messages = dict.fromkeys(e["msg"] for e, p in zip(first, params) if p == param)
-    return invalid(param, " or ".join(messages))
+    return InvalidRequest(param, " or ".join(messages))
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,17 +305,17 @@ def check_message(raw: dict, message: Message, where: str, limits: PackLimits) -
                               f"{at}: {part.type} parts are not supported by this pack (text and images only)", at)
             if isinstance(part, ImagePart):
                 if message.role != "user":
-                    raise invalid(at, "images are accepted in user messages only")
+                    raise InvalidRequest(at, "images are accepted in user messages only")
                 url = load_checked_image(part.image_url.url, f"{at}.image_url.url", limits.image_dir)
                 raw_part = {**raw_part, "image_url": {**raw_part["image_url"], "url": url}}
             parts.append(raw_part)
         raw = {**raw, "content": parts}
     elif message.content is None and message.role != "assistant":
-        raise invalid(f"{where}.content", "is required")
+        raise InvalidRequest(f"{where}.content", "is required")
     if message.tool_calls is not None and message.role != "assistant":
-        raise invalid(f"{where}.tool_calls", "must be a list, on an assistant message")
+        raise InvalidRequest(f"{where}.tool_calls", "must be a list, on an assistant message")
     if message.role == "tool" and message.tool_call_id is None:
-        raise invalid(f"{where}.tool_call_id", "is required on a tool message")
+        raise InvalidRequest(f"{where}.tool_call_id", "is required on a tool message")
     return raw
 
 
@@ -320,24 +323,24 @@ def check_tools(request: ChatRequest):
     names = [tool.function.name for tool in request.tools or []]
     for index, name in enumerate(names):
         if name in names[:index]:
-            raise invalid(f"tools[{index}].function.name", f"{name!r} names two tools")
+            raise InvalidRequest(f"tools[{index}].function.name", f"{name!r} names two tools")
     if isinstance(request.tool_choice, ToolChoice) and request.tool_choice.function.name not in names:
-        raise invalid("tool_choice.function.name",
+        raise InvalidRequest("tool_choice.function.name",
                       f"{request.tool_choice.function.name!r} is not one of the request's tools")
 
 
 def check_sampling(request: ChatRequest, limits: PackLimits):
     """Values that index the vocabulary, against the pack."""
     if request.top_k is not None and request.top_k >= limits.vocab_size:
-        raise invalid("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
+        raise InvalidRequest("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
     for key in request.logit_bias or {}:
         if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= limits.vocab_size:
-            raise invalid("logit_bias", f"key {key!r} is not a token id from 0 to {limits.vocab_size - 1}")
+            raise InvalidRequest("logit_bias", f"key {key!r} is not a token id from 0 to {limits.vocab_size - 1}")
     if request.top_logprobs:
         if not request.logprobs:
-            raise invalid("top_logprobs", 'needs "logprobs": true')
+            raise InvalidRequest("top_logprobs", 'needs "logprobs": true')
         if request.top_logprobs > limits.top_logprobs_k:
-            raise invalid("top_logprobs", f"this server returns at most {limits.top_logprobs_k} "
+            raise InvalidRequest("top_logprobs", f"this server returns at most {limits.top_logprobs_k} "
                                           "alternatives per token (its --top-logprobs-k)")
 
 
@@ -360,10 +363,10 @@ def check_chat_request(body, limits: PackLimits) -> dict:
     checked.
     """
     if not isinstance(body, dict):
-        raise invalid("body", "must be a JSON object")
+        raise InvalidRequest("body", "must be a JSON object")
     where = find_lone_surrogate(body)
     if where:
-        raise invalid(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
+        raise InvalidRequest(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
     body = {key: value for key, value in body.items() if value is not None}
     try:
         request = ChatRequest.model_validate(body)
@@ -375,7 +378,7 @@ def check_chat_request(body, limits: PackLimits) -> dict:
                                             f"serves {limits.model_id!r}", "model")
     for name in ("max_tokens", "max_completion_tokens"):
         if body.get(name, 0) > limits.context_length:
-            raise invalid(name, f"must be at most {limits.context_length}, the model's context length")
+            raise InvalidRequest(name, f"must be at most {limits.context_length}, the model's context length")
     if "max_completion_tokens" in body:
         body["max_tokens"] = body.pop("max_completion_tokens")
     if body.get("n", 1) > 1:

@@ -31,6 +31,8 @@ from mlx_vlm.speculative.common import (
     generation_stream,
 )
 
+from dflash2_kernels import MAX_ROWS
+
 # Share of a request's decode steps that rounds which did not pay for themselves may cost
 # (the request's first round is always tried).
 PROBE_BUDGET = 0.03
@@ -84,8 +86,9 @@ class RoundCosts:
         if tables[0].keys() != tables[1].keys() or not tables[0]:
             raise ValueError("verify_steps_by_block and draft_steps_by_block need the same blocks")
         values = [step, *tables[0].values(), *tables[1].values()]
-        if not all(2 <= block <= 8 for block in tables[0]) or not all(math.isfinite(v) and v >= 0 for v in values):
-            raise ValueError("blocks must be 2..8 and costs finite and non-negative")
+        blocks_in_range = all(2 <= block <= MAX_ROWS for block in tables[0])
+        if not blocks_in_range or not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"blocks must be 2..{MAX_ROWS} and costs finite and non-negative")
         return cls(step, *tables)
 
     def summary(self) -> str:

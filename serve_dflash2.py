@@ -68,6 +68,8 @@ def make_dflash2_parser():
                          help="route requests with images speculative (default) or plain")
     dflash2.add_argument("--dflash2-full-hash", action="store_true",
                          help="re-hash every file pinned in dflash2-pack.json at launch (slow for real packs)")
+    # 8: dflash2_kernels.MAX_ROWS, which imports mlx-vlm (not before the environment check);
+    # configure_drafter checks both against it and the drafter's trained block.
     dflash2.add_argument("--dflash2-block-size", type=int_in(2, 8),
                          help="experimental: fixed verify block instead of the adaptive one")
     dflash2.add_argument("--dflash2-block-cap", type=int_in(2, 8),

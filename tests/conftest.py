@@ -1,16 +1,14 @@
 """Shared fixtures and helpers. Keep each one small; add yours below."""
 
-import hashlib
+import base64
 import http.client
+import io
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
+from PIL import Image
+
+from server_process import ServerProcess
 
 SEEN = []  # every response's headers and body (request() keeps them), scanned for local paths
 
@@ -25,6 +23,25 @@ def tiny_pack(tmp_path_factory):
     return make_pack(tmp_path_factory.mktemp("tiny_pack"), size="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def float32_pack(tmp_path_factory):
+    """The tiny synthetic pack with fp32 dense tensors (the real 27B file's layout; seed 1),
+    built once per session. Read-only, like tiny_pack."""
+    from make_synthetic_pack import make_pack
+
+    return make_pack(tmp_path_factory.mktemp("float32_pack"), size="tiny", seed=1, dense_dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def built_pack(tiny_pack, tmp_path_factory):
+    """The tiny pack as tools/build_pack.py builds it, once per session: a flat pack folder
+    with the shipped modules, pins and SHA256SUMS. Read-only: copy it to change it."""
+    from build_pack import build_pack
+
+    return build_pack(str(tiny_pack["target"]), str(tiny_pack["drafter"]),
+                      tmp_path_factory.mktemp("built") / "tiny-dflash2-pack")
+
+
 @pytest.fixture
 def gpu_like_rounding(monkeypatch):
     """While active, matmuls over several rows, attention over several queries and stock
@@ -33,6 +50,16 @@ def gpu_like_rounding(monkeypatch):
     from gpu_rounding import swap_row_variant_ops
 
     swap_row_variant_ops(monkeypatch)
+
+
+def png(size=(32, 32), color=(200, 40, 40)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def flip_byte(path, offset: int):
@@ -44,99 +71,38 @@ def flip_byte(path, offset: int):
 
 @pytest.fixture(scope="session")
 def target(tiny_pack):
-    """The tiny pack loaded, with the runtime installed: (model, processor, drafter)."""
+    """The tiny pack loaded, with the runtime installed: (model, processor, drafter).
+    install() without the model: the tests check exactness themselves, so the model's
+    self-tests and decode timing (install(model), which the servers run) add nothing."""
     import dflash2_runtime
     from dflash2_pack import load_pack
 
     model, processor, drafter = load_pack(tiny_pack["target"], tiny_pack["drafter"])
-    status = dflash2_runtime.install(model)
+    status = dflash2_runtime.install()
     assert status.speculative, status.reason
     return model, processor, drafter
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KV_", "MLX_VLM_", "APC_", "DFLASH2_"))}
-    env.update(extra)
-    return env
-
-
-def write_pins(pack: Path):
-    """dflash2-pack.json as the pack builder writes it: every file with size and sha256,
-    safetensors files with the sha256 of their header too."""
-    files = {}
-    for path in sorted(p for p in pack.rglob("*") if p.is_file() and p.suffix != ".py"):
-        name = path.relative_to(pack).as_posix()
-        if name == "dflash2-pack.json":
-            continue
-        data = path.read_bytes()
-        pin = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        if name.endswith(".safetensors"):
-            length = int.from_bytes(data[:8], "little")
-            pin["header_sha256"] = hashlib.sha256(data[:8 + length]).hexdigest()
-        files[name] = pin
-    (pack / "dflash2-pack.json").write_text(json.dumps({"files": files}, indent=1))
-    return files
 
 
 # Server processes and a raw HTTP client
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """start_server(name, command, cwd=None) -> a ServerProcess (tools/server_process.py),
+    not yet waited for. One process per command and cwd for the session (per worker under
+    xdist): a test file asking for a server another already started gets that one (started
+    again if it was stopped), so give equal servers equal commands. All stop at the end."""
+    started = {}
 
+    def start(name, command, cwd=None):
+        key = (tuple(map(str, command)), str(cwd))
+        if key not in started or started[key].process.poll() is not None:
+            started[key] = ServerProcess(name, command, tmp_path_factory.mktemp(name), cwd)
+        return started[key]
 
-class Server:
-    def __init__(self, name, pack, workdir, command):
-        self.name = name
-        self.workdir = workdir
-        self.port = free_port()
-        self.log_path = workdir / f"{name}.log"
-        self.cwd = workdir / "cwd"
-        self.home = workdir / "home"
-        env = clean_env(HOME=str(self.home), PYTHONUNBUFFERED="1")
-        self.process = subprocess.Popen(
-            [sys.executable, *command, "--port", str(self.port)], cwd=pack if command[0] == "-c" else self.cwd,
-            env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout=300):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if request(self, "GET", "/health", record=False).status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        pytest.fail(f"{self.name} did not start:\n{self.log()[-4000:]}")
-
-    def log(self):
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for_log(self, since: int, text: str, timeout=300) -> str:
-        """The first line containing text that the log gained after offset since."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.log()[since:].splitlines():
-                if text in line:
-                    return line
-            time.sleep(0.1)
-        pytest.fail(f"{self.name} never logged {text!r}:\n{self.log()[since:][-4000:]}")
-
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+    yield start
+    for server in started.values():
+        server.stop()
 
 
 class Response:

@@ -8,18 +8,15 @@ is in test_server.py.
 """
 
 import asyncio
-import base64
-import io
 import json
 import os
 
 import pytest
-from PIL import Image
 from starlette.testclient import TestClient
 
-from dflash2_http import PackLimits, check_chat_request, openapi_schema
+from conftest import data_url, png
 from dflash2_gateway import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
-from dflash2_http import route_chat
+from dflash2_http import PackLimits, check_chat_request, openapi_schema, route_chat
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
@@ -67,11 +64,12 @@ def image_dir(tmp_path_factory):
     return folder
 
 
-def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None):
+def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False):
     limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
 
     def decide(body):
-        return route_chat(check_chat_request(body, limits), server_reason=server_reason)
+        return route_chat(check_chat_request(body, limits), server_reason=server_reason,
+                          multimodal_plain=multimodal_plain)
 
     gateway = Gateway(stub_mlx_vlm, model_id=MODEL_ID, scrubber=PathScrubber(local_paths([], MODEL_ID)),
                       decide=decide, header="x-dflash2", request_timeout=TIMEOUT_S)
@@ -99,19 +97,9 @@ def assert_refused(response, status, reason, param=None):
     return error
 
 
-def png(size):
-    buffer = io.BytesIO()
-    Image.new("RGB", size, (200, 40, 40)).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 def image_body(url):
     return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
             "temperature": 0}
-
-
-def data_url(data):
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 # ---------------------------------------------------------------------------------------
@@ -296,6 +284,23 @@ def test_extreme_aspect_ratios_are_refused(client, size):
     assert "aspect ratio" in error["message"]
 
 
+@pytest.mark.parametrize("url, reason", [
+    ("data:image/png;base64,###", "invalid-image"),
+    (data_url(b"not an image at all"), "invalid-image"),
+    (data_url(png()[:40]), "invalid-image"),
+    ("data:text/plain;base64,aGk=", "invalid-image"),
+    ("https://example.com/picture.png", "remote-image"),
+], ids=["bad-base64", "not-an-image", "truncated", "not-image-type", "remote"])
+def test_invalid_images(client, url, reason):
+    assert_refused(post(client, image_body(url)), 400, reason, "messages[0].content[0].image_url.url")
+
+
+@pytest.mark.parametrize("part", [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                                  {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}])
+def test_audio_and_video_parts_are_refused(client, part):
+    assert_refused(post(client, {"messages": [{"role": "user", "content": [part]}]}), 400, "unsupported-input")
+
+
 def test_local_paths_are_refused_alike_whether_they_exist_or_not(client, image_dir):
     messages = set()
     for url in ("/etc/passwd", "/nonexistent/x.png", "file:///etc/shadow", "file:///proc/self/environ",
@@ -318,6 +323,16 @@ def test_a_file_inside_the_image_folder_is_accepted(client, image_dir, form):
     assert response.status_code == 200, response.text
     part = response.json()["forwarded"]["messages"][0]["content"][0]
     assert part["image_url"]["url"] == str((image_dir / "red.png").resolve())
+
+
+@pytest.mark.parametrize("multimodal_plain", [False, True])
+def test_multimodal_plain_routes_only_images_plain(multimodal_plain):
+    client = make_client(multimodal_plain=multimodal_plain)
+    with_image = post(client, image_body(data_url(png())))
+    text = post(client, {"messages": MESSAGES, "temperature": 0})
+    assert with_image.headers["x-dflash2"] == (
+        "fallback; reason=multimodal-plain" if multimodal_plain else "speculative")
+    assert text.headers["x-dflash2"] == "speculative"
 
 
 # ---------------------------------------------------------------------------------------

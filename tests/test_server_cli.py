@@ -1,10 +1,13 @@
 """The servers' start-up refusals: options, hosts, environment, demo, launch pins.
 
-All of these stop before any model is loaded, so each is a fast subprocess.
+All of these stop before any model is loaded. Options, hosts and environment variables
+are refused by each entry point's main() in process; the rest run as subprocesses.
 """
 
 import hashlib
+import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, flip_byte, write_pins
+from conftest import flip_byte
+from server_process import REFUSED_PREFIXES, clean_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["serve.py", "serve_dflash2.py"]
@@ -49,34 +53,54 @@ def run(script, *args, env=None, cwd=REPO, timeout=60):
                           env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture
+def main_exit(capsys, monkeypatch):
+    """main_exit(script, *args, **environment) -> (exit status, stderr) of the entry point's
+    main() in this process, as a shell would see them, in a clean environment plus
+    environment; it must stop before serving."""
+    for name in os.environ:
+        if name.startswith(REFUSED_PREFIXES):
+            monkeypatch.delenv(name)
+
+    def main_exit(script, *args, **environment):
+        for name, value in environment.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as stopped:
+            importlib.import_module(Path(script).stem).main(list(args))
+        stderr, code = capsys.readouterr().err, stopped.value.code
+        return (1, stderr + code) if isinstance(code, str) else (code, stderr)
+
+    return main_exit
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("argv", REFUSED_OPTIONS, ids=" ".join)
-def test_refused_option(script, argv):
-    result = run(script, *argv)
-    assert result.returncode == 2, result.stderr
-    assert "not accepted" in result.stderr and argv[0].split("=")[0] in result.stderr
+def test_refused_option(main_exit, script, argv):
+    status, stderr = main_exit(script, *argv)
+    assert status == 2, stderr
+    assert "not accepted" in stderr and argv[0].split("=")[0] in stderr
 
 
-def test_dflash2_options_are_not_plain_options():
-    result = run("serve.py", "--no-dflash2")
-    assert result.returncode == 2 and "not accepted: --no-dflash2" in result.stderr
+def test_dflash2_options_are_not_plain_options(main_exit):
+    status, stderr = main_exit("serve.py", "--no-dflash2")
+    assert status == 2 and "not accepted: --no-dflash2" in stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("argv", REFUSED_HOSTS, ids=" ".join)
-def test_refused_host(script, argv):
-    result = run(script, *argv)
-    assert result.returncode == 2, result.stderr
-    assert "127.0.0.1 or localhost only" in result.stderr
+def test_refused_host(main_exit, script, argv):
+    status, stderr = main_exit(script, *argv)
+    assert status == 2, stderr
+    assert "127.0.0.1 or localhost only" in stderr
 
 
 @pytest.mark.parametrize("script, argv", [("serve.py", []), ("serve_dflash2.py", []),
                                           ("serve_dflash2.py", ["--no-dflash2"])])
 @pytest.mark.parametrize("name", REFUSED_ENVIRONMENT)
-def test_refused_environment_variable(script, argv, name):
-    result = run(script, *argv, env=clean_env(**{name: "1"}))
-    assert result.returncode != 0
-    assert name in result.stderr and "unset them" in result.stderr
+def test_refused_environment_variable(main_exit, script, argv, name):
+    status, stderr = main_exit(script, *argv, **{name: "1"})
+    assert status != 0
+    assert name in stderr and "unset them" in stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -127,13 +151,9 @@ def test_demo_and_pack_exclude_each_other(tmp_path):
 
 
 @pytest.fixture
-def pinned_pack(tiny_pack, tmp_path):
-    pack = tmp_path / "pinned-pack"
-    shutil.copytree(tiny_pack["target"], pack)
-    shutil.copytree(tiny_pack["drafter"], pack / "drafter")
-    (pack / "drafter" / "README.md").write_text("# drafter\n")
-    write_pins(pack)
-    return pack
+def pinned_pack(built_pack, tmp_path):
+    """A copy of the built pack: every file pinned in its dflash2-pack.json."""
+    return Path(shutil.copytree(built_pack, tmp_path / "pinned-pack"))
 
 
 def start_with_pins(pack, *args):
@@ -159,14 +179,14 @@ def test_pins_same_size_config_change(pinned_pack):
 
 
 def test_pins_missing_readme_and_grown_weights(pinned_pack):
-    (pinned_pack / "drafter" / "README.md").unlink()
+    (pinned_pack / "README.md").unlink()
     weights = pinned_pack / "drafter" / "model.safetensors"
     size = weights.stat().st_size
     with open(weights, "ab") as f:
         f.write(b"\0")
     result = start_with_pins(pinned_pack)
     assert result.returncode == 1
-    assert "drafter/README.md: missing" in result.stderr
+    assert "README.md: missing" in result.stderr
     assert f"drafter/model.safetensors: size expected {size}, actual {size + 1}" in result.stderr
 
 

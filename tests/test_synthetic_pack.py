@@ -75,11 +75,10 @@ def test_image_prompt_goes_through_the_vision_tower(loaded, tmp_path):
     assert steps[-1].prompt_tokens == len(inputs["input_ids"][0])
 
 
-def test_float32_dense_variant_runs_the_stream_in_float32(tmp_path):
+def test_float32_dense_variant_runs_the_stream_in_float32(float32_pack):
     # The layout whose byte count matches the real 27B file: fp32 norms and GDN gates.
-    paths = make_pack(tmp_path, size="tiny", seed=0, dense_dtype="float32")
-    check_target(paths["target"])
-    model, _, _ = load_pack(paths["target"])
+    check_target(float32_pack["target"])
+    model, _, _ = load_pack(float32_pack["target"])
     norm = model.language_model.model.layers[0].input_layernorm.weight
     assert norm.dtype == mx.float32
     logits = model.language_model(mx.array([[100, 101]])).logits

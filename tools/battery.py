@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from dflash2_http import ChatRequest, Message  # noqa: E402
 from records import write_record  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 4}
 TINY = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 1}
@@ -81,9 +82,12 @@ def field_probes(quick):
                for name in Message.model_fields for value in values]
     probes += [chat_probe(f"messages={value!r:.40}", {**TINY, "messages": value}) for value in values]
     tool = {"name": "f", "parameters": {"type": "object"}}
+    # A request with tools carries the template's long tools preamble; --quick (CI, on CPU)
+    # leaves the fields whose hostile values may be accepted, and so prefilled, to the full run.
+    tool_fields = ("name", "description") if quick else ("name", "description", "parameters", "strict")
     probes += [chat_probe(f"tools[0].function.{name}={value!r:.40}",
                           {**TINY, "tools": [{"type": "function", "function": {**tool, name: value}}]})
-               for name in ("name", "description", "parameters", "strict") for value in values]
+               for name in tool_fields for value in values]
     probes += [chat_probe(f"image_url={url:.40}", {**TINY, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}]}]}) for url in IMAGE_URLS]
     probes += [chat_probe(f"logit_bias key {key!r}", {**TINY, "logit_bias": {key: 1}})
@@ -116,45 +120,13 @@ def header_probes(quick):
 # Servers and requests
 
 
-class Server:
-    """A pack server started from the pack folder with its own HOME and working folder."""
-
-    def __init__(self, name, pack, script, workdir, *args):
-        self.name, self.pack = name, pack
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log_path = workdir / f"{name}.log"
-        for folder in ("home", "cwd"):
-            (workdir / folder).mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KV_", "MLX_VLM_", "APC_", "DFLASH2_"))}
-        env.update(HOME=str(workdir / "home"), PYTHONUNBUFFERED="1")
-        self.process = subprocess.Popen(
-            [sys.executable, str(pack / script), "--port", str(self.port), "--request-timeout", "30", *args],
-            cwd=workdir / "cwd", env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
-        self.local_paths = {str(p) for p in (pack, pack.resolve(), workdir, workdir.resolve(), sys.prefix,
-                                             *site.getsitepackages(), Path.home())}
-
-    def wait_ready(self, timeout=600):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.process.poll() is None:
-            if send(self.port, "GET", "/health")[0] == 200:
-                return
-            time.sleep(0.5)
-        raise SystemExit(f"{self.name} did not start; see {self.log_path}")
-
-    def rss_kb(self):
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        return None
-
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+def start(name, pack, script, workdir):
+    """The pack's script on a free port, its own HOME and working folder (ServerProcess);
+    local_paths: what must never appear in a response or a log line."""
+    server = ServerProcess(name, [pack / script, "--request-timeout", "30"], workdir)
+    server.local_paths = {str(p) for p in (pack, pack.resolve(), workdir, workdir.resolve(), sys.prefix,
+                                           *site.getsitepackages(), Path.home())}
+    return server
 
 
 def send(port, method, path, headers=None, body=b"", timeout=120):
@@ -299,7 +271,7 @@ def run_batches(server, quick=False) -> Tally:
 
 
 def log_leaks(server):
-    log = server.log_path.read_text(errors="replace")
+    log = server.log()
     return [f"{server.name} log: {path}" for path in server.local_paths if path in log]
 
 
@@ -409,7 +381,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="battery-") as temp:
         workdir = Path(temp)
         for name, script in (("serve_dflash2.py", "serve_dflash2.py"), ("serve.py", "serve.py")):
-            server = Server(name, pack, script, workdir / name)
+            server = start(name, pack, script, workdir / name)
             try:
                 server.wait_ready()
                 before = server.rss_kb()

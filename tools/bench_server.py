@@ -18,14 +18,13 @@ import http.client
 import json
 import platform
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from records import write_record  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
@@ -42,57 +41,7 @@ ARMS = {  # name -> (script, options)
 REFERENCE = "serve.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, name, pack: Path, logs: Path):
-        script, options = ARMS[name]
-        self.name, self.port = name, free_port()
-        self.command = [sys.executable, script, *options, "--port", str(self.port)]
-        self.log_path = logs / f"{name.replace('.', '-')}.log"
-        self.process = subprocess.Popen(self.command, cwd=pack, stdout=open(self.log_path, "w"),
-                                        stderr=subprocess.STDOUT)
-
-    def get(self, path):
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            connection.request("GET", path)
-            reply = connection.getresponse()
-            return reply.status, json.loads(reply.read() or b"null")
-        finally:
-            connection.close()
-
-    def wait_ready(self, timeout):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                status, health = self.get("/health")
-                if status == 200:
-                    return health
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not start within {timeout} s:\n{self.log_tail()}")
-
-    def log_tail(self):
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self):
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def stream_chat(server: Server, prompt: str, max_tokens: int) -> dict:
+def stream_chat(server: ServerProcess, prompt: str, max_tokens: int) -> dict:
     """One streaming greedy request, timed at the client as each event arrives."""
     body = json.dumps({
         "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens,
@@ -146,8 +95,8 @@ def spread(values) -> dict:
 def run(pack: Path, max_tokens: int, repeats: int, logs: Path, start_timeout: int):
     servers = {}
     try:
-        for name in ARMS:
-            servers[name] = Server(name, pack, logs)
+        for name, (script, options) in ARMS.items():
+            servers[name] = ServerProcess(name, [script, *options], logs / name, cwd=pack)
         health = {name: server.wait_ready(start_timeout) for name, server in servers.items()}
         samples = {prompt: {name: [] for name in ARMS} for prompt in PROMPTS}
         for prompt, text in PROMPTS.items():  # warm-up, not recorded
@@ -161,7 +110,7 @@ def run(pack: Path, max_tokens: int, repeats: int, logs: Path, start_timeout: in
                     samples[prompt][name].append(stream_chat(servers[name], text, max_tokens))
                     print(f"repeat {repeat + 1}/{repeats} {prompt} {name}: "
                           f"{samples[prompt][name][-1]['decode_tok_s'] or 0:.2f} tok/s", file=sys.stderr)
-        return health, samples, {name: server.command[1:-2] for name, server in servers.items()}
+        return health, samples, {name: server.command for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()

@@ -149,21 +149,30 @@ def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, **kwa
     return [int(token) for token, _ in steps]
 
 
-def _prefill(lm, ids, taps):
-    cache = lm.make_cache()
-    lm(ids, cache=cache, capture_layer_ids=taps)
+def _evaluated(cache):
+    mx.eval([layer.state for layer in cache])
     return cache
 
 
-def verify_cases(lm, ids, taps, continuation, lengths=range(2, 9)):
-    """One verify forward of L tokens against L single-token decode steps."""
+def _prefilled(lm, ids, taps):
+    """The cache after prefilling ids, evaluated: each case starts from a deep copy of
+    it, the cache its own prefill would give (buffer capacity included)."""
+    cache = lm.make_cache()
+    lm(ids, cache=cache, capture_layer_ids=taps)
+    return _evaluated(cache)
+
+
+def snapshot_cases(lm, taps, snapshot, block, lengths=range(2, 9), rollback_lengths=()):
+    """From one cache: verify of L tokens of block against L single-token decode steps
+    for each L in lengths; for each L in rollback_lengths, the next token's logits after
+    committing each accepted count of an L-token verify against a cache that decoded
+    only the accepted tokens and the bonus."""
     cases = []
     for length in lengths:
-        block = continuation[:length]
-        sequential = _prefill(lm, ids, taps)
-        steps = [lm(mx.array([[t]]), cache=sequential, capture_layer_ids=taps) for t in block]
-        cache = _prefill(lm, ids, taps)
-        out = lm(mx.array([block]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
+        sequential = copy.deepcopy(snapshot)
+        steps = [lm(mx.array([[t]]), cache=sequential, capture_layer_ids=taps) for t in block[:length]]
+        cache = copy.deepcopy(snapshot)
+        out = lm(mx.array([block[:length]]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
         out.gdn_states.abort()
         logits = differing(out.logits, mx.concatenate([s.logits for s in steps], axis=1))
         hidden = sum(
@@ -171,7 +180,28 @@ def verify_cases(lm, ids, taps, continuation, lengths=range(2, 9)):
             for i, h in enumerate(out.hidden_states)
         )
         cases.append({"check": "verify", "length": length, "logits": logits, "hidden": hidden})
+    probe = mx.array([[block[0]]])
+    for length in rollback_lengths:
+        fresh = copy.deepcopy(snapshot)  # never speculated: one decode step per accepted token
+        for accepted in range(length):
+            lm(mx.array([[block[accepted]]]), cache=fresh)
+            _evaluated(fresh)
+            cache = copy.deepcopy(snapshot)
+            out = lm(mx.array([block[:length]]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
+            commit_speculative_round(lm, cache, out.gdn_states, accepted, length)
+            mismatch = differing(lm(probe, cache=cache).logits, lm(probe, cache=copy.deepcopy(fresh)).logits)
+            cases.append({"check": "rollback", "length": length, "accepted": accepted, "logits": mismatch})
     return cases
+
+
+def verify_cases(lm, ids, taps, continuation, lengths=range(2, 9)):
+    """One verify forward of L tokens against L single-token decode steps, after ids."""
+    return snapshot_cases(lm, taps, _prefilled(lm, ids, taps), continuation, lengths)
+
+
+def rollback_cases(lm, ids, taps, continuation, lengths=(2, 5, 8)):
+    """Next-token logits after committing `accepted` drafts vs a cache that never saw the rest."""
+    return snapshot_cases(lm, taps, _prefilled(lm, ids, taps), continuation, (), lengths)
 
 
 def decode_logits(lm, ids, tokens):
@@ -179,26 +209,6 @@ def decode_logits(lm, ids, tokens):
     cache = lm.make_cache()
     lm(ids, cache=cache)
     return mx.concatenate([lm(mx.array([[t]]), cache=cache).logits for t in tokens], axis=1)
-
-
-def rollback_cases(lm, ids, taps, continuation, lengths=(2, 5, 8)):
-    """Next-token logits after committing `accepted` drafts vs a cache that never saw the rest."""
-    cases = []
-    for length in lengths:
-        block = continuation[:length]
-        probe = mx.array([[block[0]]])
-        for accepted in range(length):
-            cache = _prefill(lm, ids, taps)
-            out = lm(mx.array([block]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
-            commit_speculative_round(lm, cache, out.gdn_states, accepted, length)
-            fresh = _prefill(lm, ids, taps)
-            for token in block[: accepted + 1]:
-                lm(mx.array([[token]]), cache=fresh)
-            mismatch = differing(lm(probe, cache=cache).logits, lm(probe, cache=fresh).logits)
-            cases.append(
-                {"check": "rollback", "length": length, "accepted": accepted, "logits": mismatch}
-            )
-    return cases
 
 
 def prefill_snapshots(lm, taps, contexts):
@@ -216,37 +226,14 @@ def prefill_snapshots(lm, taps, contexts):
 
 
 def context_cases(lm, taps, snapshots, block, lengths=range(2, 9), rollback_contexts=()):
-    """Verify of L = 2..8 against L decode steps from each snapshot, and rollback at
-    every accepted count from the snapshots in rollback_contexts."""
-    cases = []
-    for context, snapshot in snapshots.items():
-        for length in lengths:
-            sequential = copy.deepcopy(snapshot)
-            steps = [lm(mx.array([[t]]), cache=sequential, capture_layer_ids=taps) for t in block[:length]]
-            cache = copy.deepcopy(snapshot)
-            out = lm(mx.array([block[:length]]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
-            out.gdn_states.abort()
-            logits = differing(out.logits, mx.concatenate([s.logits for s in steps], axis=1))
-            hidden = sum(
-                differing(h, mx.concatenate([s.hidden_states[i] for s in steps], axis=1))
-                for i, h in enumerate(out.hidden_states)
-            )
-            cases.append({"check": "verify", "context": context, "length": length, "logits": logits, "hidden": hidden})
-            if context not in rollback_contexts:
-                continue
-            probe = mx.array([[block[0]]])
-            for accepted in range(length):
-                cache = copy.deepcopy(snapshot)
-                out = lm(mx.array([block[:length]]), cache=cache, capture_layer_ids=taps, speculative_verify=True)
-                commit_speculative_round(lm, cache, out.gdn_states, accepted, length)
-                fresh = copy.deepcopy(snapshot)
-                for token in block[: accepted + 1]:
-                    lm(mx.array([[token]]), cache=fresh)
-                mismatch = differing(lm(probe, cache=cache).logits, lm(probe, cache=fresh).logits)
-                cases.append(
-                    {"check": "rollback", "context": context, "length": length, "accepted": accepted, "logits": mismatch}
-                )
-    return cases
+    """snapshot_cases from each snapshot (rollback at every accepted count from the
+    snapshots in rollback_contexts), each case labelled with its context length."""
+    return [
+        {"context": context, **case}
+        for context, snapshot in snapshots.items()
+        for case in snapshot_cases(lm, taps, snapshot, block, lengths,
+                                   lengths if context in rollback_contexts else ())
+    ]
 
 
 def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):

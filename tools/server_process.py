@@ -1,0 +1,108 @@
+"""A pack server run as a child process on a free 127.0.0.1 port: start, wait, read its log, stop.
+
+The tests (tests/conftest.py), the battery (tools/battery.py) and the server bench
+(tools/bench_server.py) start their servers through this one class.
+"""
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Variables mlx-vlm reads at import: the servers refuse to start with any of them set.
+REFUSED_PREFIXES = ("KV_", "MLX_VLM_", "APC_", "DFLASH2_")
+
+
+def clean_env(**extra):
+    """This process's environment without the variables the servers refuse, plus extra."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(REFUSED_PREFIXES)}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    """`python COMMAND --port PORT`, run in cwd (default workdir/cwd) with HOME set to
+    workdir/home, so that nothing of the user's reaches it; stdout and stderr go to
+    workdir/NAME.log."""
+
+    def __init__(self, name, command, workdir: Path, cwd: Path = None):
+        self.name, self.command, self.port, self.workdir = name, list(command), free_port(), workdir
+        self.home, self.cwd = workdir / "home", Path(cwd or workdir / "cwd")
+        for folder in (self.home, self.cwd):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / f"{name.replace('.', '-')}.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, *self.command, "--port", str(self.port)], cwd=self.cwd,
+                env=clean_env(HOME=str(self.home), PYTHONUNBUFFERED="1"), stdout=log, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def health(self):
+        """(status, JSON body) of GET /health."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            connection.request("GET", "/health")
+            reply = connection.getresponse()
+            return reply.status, json.loads(reply.read() or b"null")
+        finally:
+            connection.close()
+
+    def wait_ready(self, timeout=600):
+        """/health's body once it answers 200; ServerFailed with the log's end if the
+        process exits or does not answer in time."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerFailed(f"{self.name} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                status, health = self.health()
+                if status == 200:
+                    return health
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise ServerFailed(f"{self.name} did not start within {timeout} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, since: int, text: str, timeout=300) -> str:
+        """The first line containing text that the log gained after offset since."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log()[since:].splitlines():
+                if text in line:
+                    return line
+            time.sleep(0.1)
+        raise ServerFailed(f"{self.name} never logged {text!r}:\n{self.log()[since:][-4000:]}")
+
+    def rss_kb(self):
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return None
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
