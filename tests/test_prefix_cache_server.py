@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import Server
-from test_server import ROUND_COSTS, client, pack, png  # noqa: F401  (pack: the flat pack folder)
+from conftest import png
+from test_server import ROUND_COSTS, client
 
 STEP = 8
 MAX_TOKENS = 4
@@ -38,7 +38,7 @@ SYSTEM = {"role": "system", "content": "Answer in one word."}
 
 
 def image_url(color):
-    return "data:image/png;base64," + base64.b64encode(png(color)).decode()
+    return "data:image/png;base64," + base64.b64encode(png(color=color)).decode()
 
 
 IMAGE_URL = image_url((30, 120, 200))
@@ -75,24 +75,17 @@ SERVED = {"cached_spec": ROUTES, "cached_plain": {"plain": ROUTES["plain"]}, "co
 
 
 @pytest.fixture(scope="module")
-def servers(pack, tmp_path_factory):  # noqa: F811
-    workdir = tmp_path_factory.mktemp("prefix_servers")
-    for folder in ("cwd", "home"):
-        (workdir / folder).mkdir()
-    costs = workdir / "round-costs.json"
+def servers(built_pack, start_server, tmp_path_factory):
+    costs = tmp_path_factory.mktemp("prefix_servers") / "round-costs.json"
     costs.write_text(json.dumps(ROUND_COSTS))
     common = ["--prefill-step-size", str(STEP), "--top-logprobs-k", str(TOP_LOGPROBS)]
     spec = ["serve_dflash2.py", *common, "--dflash2-round-costs", str(costs)]
     commands = {"cached_spec": spec, "cached_plain": ["serve.py", *common], "cold": [*spec, "--no-prefix-cache"]}
-    started = {name: Server(name, pack, workdir, ["-c", WITH_GPU_ROUNDING, *command])
+    started = {name: start_server(name, ["-c", WITH_GPU_ROUNDING, *command], cwd=built_pack)
                for name, command in commands.items()}
-    try:
-        for server in started.values():
-            server.wait_ready()
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
+    for server in started.values():
+        server.wait_ready()
+    return started
 
 
 def turn(server, messages, thinking, route_fields):
