@@ -27,8 +27,8 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-from parity import WEATHER_TOOL, chat_ids, greedy, run_environment  # noqa: E402
-from records import write_record  # noqa: E402
+from parity import WEATHER_TOOL, chat_ids, greedy  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
 
 PAIR = REPO / "fixtures" / "tiny-pair"
 PROMPTS = {

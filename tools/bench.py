@@ -18,8 +18,6 @@ pack; `--pack DIR` measures a built pack's own target and drafter.
 
 import argparse
 import os
-import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -35,19 +33,17 @@ import mlx.core as mx  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-import mlx_vlm  # noqa: E402
 from mlx_vlm.speculative import dflash as dflash_rounds  # noqa: E402
 from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
 from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
-import dflash2_kernels  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import build_target_model, write_drafter  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from parity import greedy  # noqa: E402
-from records import write_record  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
 
 BLOCK = 8
 # Profiles named by tokens per round at block 8 (seed 003's published figures:
@@ -173,10 +169,7 @@ def main():
     counts = primitive_counts()
     record = {
         "size": Path(args.pack).name if args.pack else args.size,
-        "backend": dflash2_kernels.backend_name(),
-        "device": mx.device_info().get("device_name", platform.machine()),
-        "versions": {"mlx": mx.__version__, "mlx_vlm": mlx_vlm.__version__},
-        "command": "python " + shlex.join(["tools/bench.py", *sys.argv[1:]]),
+        **run_environment("bench.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0"),
         "complete": False,  # the end-to-end part follows; a run cut short keeps this much
         "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
         "plain_decode_path": {"arm": chosen_arm, "why": status.decode_path.why,

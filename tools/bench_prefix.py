@@ -18,8 +18,6 @@ Writes evidence/prefix-cache-<backend>-<size>.json and .md.
 
 import argparse
 import contextlib
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -31,14 +29,12 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-import mlx_vlm  # noqa: E402
 from mlx_vlm.generate.ar import BatchGenerator  # noqa: E402
 
-import dflash2_kernels  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from dflash2_prefix_cache import PrefixPromptBatch, PrefixStore  # noqa: E402
 from parity import differing  # noqa: E402
-from records import write_record  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
 
 GENERATION_PROMPT = 6  # tokens a first turn's prompt has after the history the next turn repeats
 
@@ -180,10 +176,7 @@ def main():
                 results.setdefault(route, {}).setdefault(str(step), {})[str(context)] = result
     record = {
         "size": Path(args.pack).name if args.pack else args.size,
-        "backend": dflash2_kernels.backend_name(),
-        "device": mx.device_info().get("device_name", platform.machine()),
-        "versions": {"mlx": mx.__version__, "mlx_vlm": mlx_vlm.__version__},
-        "command": "python " + shlex.join(["tools/bench_prefix.py", *sys.argv[1:]]),
+        **run_environment("bench_prefix.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0"),
         "runtime_speculative": status.speculative,
         "follow_up_tokens": args.follow_up,
         "repeats": args.repeats,

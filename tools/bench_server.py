@@ -16,14 +16,12 @@ the median, min and max of both figures, and the ratios to serve.py.
 import argparse
 import http.client
 import json
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from records import write_record  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,11 +164,6 @@ def main(argv=None):
     if args.repeats < 5 or args.max_tokens < 2:
         parser.error("--repeats must be at least 5 and --max-tokens at least 2")
 
-    import mlx.core as mx
-    import mlx_vlm
-
-    import dflash2_kernels
-
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-server-") as scratch:
         scratch = Path(scratch)
@@ -180,11 +173,7 @@ def main(argv=None):
         health, samples, commands = run(pack, args.max_tokens, args.repeats, scratch, args.start_timeout)
 
     record = {
-        "backend": dflash2_kernels.backend_name(),
-        "device": mx.device_info().get("device_name", platform.machine()),
-        "versions": {"mlx": mx.__version__, "mlx_vlm": mlx_vlm.__version__, "python": platform.python_version()},
-        "command": "python " + shlex.join(["tools/bench_server.py", *(argv or sys.argv[1:])]),
-        "pack": "tiny synthetic" if args.tiny else pack.name,
+        **run_environment("bench_server.py", "tiny synthetic" if args.tiny else pack.name, argv),
         "servers": commands,
         "round_costs": health["dflash2"].get("round_costs"),
         "max_tokens": args.max_tokens,

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import dflash2_kernels  # noqa: E402
-from records import write_record  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
 
 VIEWS = {
     "AsStrided", "Broadcast", "BroadcastAxes", "ExpandDims", "Flatten", "Reshape", "Slice",
@@ -238,7 +238,6 @@ def main():
     args = parser.parse_args()
 
     import dflash2_runtime
-    from parity import run_environment
 
     model, taps = load_target(args.pack)
     lm = model.language_model

@@ -15,8 +15,6 @@ Every figure comes from this run.
 """
 
 import argparse
-import importlib.metadata
-import platform
 import statistics
 import sys
 import time
@@ -28,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import dflash2_kernels as dk  # noqa: E402
-from records import write_record  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
 
 BENCH_ROWS = (1, 2, 4, 8)
 # CUDA launch shapes (output rows per warp, weight steps per load, prefetch)
@@ -266,17 +264,6 @@ def summary_markdown(record):
     return "\n".join(lines) + "\n"
 
 
-def environment():
-    return {
-        "device": mx.device_info().get("device_name", platform.processor()),
-        "versions": {
-            "mlx": mx.__version__,
-            "mlx_vlm": importlib.metadata.version("mlx-vlm"),
-            "python": platform.python_version(),
-        },
-    }
-
-
 def timed_self_test(name, shapes, seed):
     """dflash2_kernels' self-test of one kernel, printed: (result, seconds)."""
     started = time.perf_counter()
@@ -408,7 +395,7 @@ def run_kernel(name, args, backend):
     record = {
         "kernel": name,
         "backend": backend,
-        **environment(),
+        **run_environment("kernel_parity.py", f"{args.shapes} kernel shapes"),
         "command": f"python3 tools/kernel_parity.py --kernels {name} --shapes {args.shapes} "
                    f"--seed {args.seed}" + " --bench" * args.bench,
         "self_test": {
@@ -449,7 +436,7 @@ def run_qmv(args, backend):
 
     record = {
         "backend": backend,
-        **environment(),
+        **run_environment("kernel_parity.py", f"{args.shapes} kernel shapes"),
         "command": command,
         "exact_mismatches": result.mismatches,
         "stock_mismatches": result.stock_mismatches,

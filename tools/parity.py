@@ -18,8 +18,6 @@ speculative with the pack's own drafter) to evidence/fixture-checks-<backend>.*.
 import argparse
 import copy
 import os
-import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from oracle_drafter import OracleDrafter  # noqa: E402
-from records import write_record  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -286,25 +284,6 @@ def raw_token_cases(model, ids, max_tokens, blocks=range(2, 9), errors=(0.0, 0.3
         for block in blocks
         for error_rate in errors
     ]
-
-
-def run_environment(tool: str, pack: str) -> dict:
-    """A record's header: where and with what it ran, the command that wrote it."""
-    import mlx_vlm
-
-    import dflash2_kernels
-
-    return {
-        "backend": dflash2_kernels.backend_name(),
-        "device": mx.device_info().get("device_name", platform.machine()),
-        "versions": {
-            "mlx": mx.__version__,
-            "mlx_vlm": mlx_vlm.__version__,
-            "python": platform.python_version(),
-        },
-        "command": "python " + shlex.join([f"tools/{tool}", *sys.argv[1:]]),
-        "pack": pack,
-    }
 
 
 def case_mismatches(case) -> int:

@@ -1,6 +1,9 @@
 """Writes a tool's evidence record: the JSON and its Markdown summary, side by side."""
 
 import json
+import platform
+import shlex
+import sys
 from pathlib import Path
 
 
@@ -11,3 +14,23 @@ def write_record(out, stem: str, record: dict, markdown: str) -> Path:
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown)
     return out / f"{stem}.json"
+
+
+def run_environment(tool: str, pack: str, argv=None) -> dict:
+    """A record's header: where and with what it ran, the command that wrote it."""
+    import mlx.core as mx
+    import mlx_vlm
+
+    import dflash2_kernels
+
+    return {
+        "backend": dflash2_kernels.backend_name(),
+        "device": mx.device_info().get("device_name", platform.machine()),
+        "versions": {
+            "mlx": mx.__version__,
+            "mlx_vlm": mlx_vlm.__version__,
+            "python": platform.python_version(),
+        },
+        "command": "python " + shlex.join([f"tools/{tool}", *(sys.argv[1:] if argv is None else argv)]),
+        "pack": pack,
+    }
