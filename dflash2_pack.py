@@ -531,10 +531,9 @@ def read_sha256sums(pack_dir):
 # Verifying a built pack (python serve_dflash2.py --verify-pack)
 
 
-def sha256sums_problems(pack_dir):
-    """Every file listed in SHA256SUMS present with its hash, and no file that is not listed."""
-    if not (pack_dir / SUMS_FILE).is_file():
-        return [f"{SUMS_FILE}: file is missing"]
+def listed_file_problems(pack_dir):
+    """({path: sha256} listed in SHA256SUMS, problems): malformed lines, and listed files
+    missing or with another hash."""
     listed, problems = read_sha256sums(pack_dir)
     for name, expected in sorted(listed.items()):
         path = pack_dir / name
@@ -542,6 +541,14 @@ def sha256sums_problems(pack_dir):
             problems.append(f"{name}: missing")
         elif sha256_file(path) != expected:
             problems.append(f"{name}: sha256 differs from SHA256SUMS")
+    return listed, problems
+
+
+def sha256sums_problems(pack_dir):
+    """Every file listed in SHA256SUMS present with its hash, and no file that is not listed."""
+    if not (pack_dir / SUMS_FILE).is_file():
+        return [f"{SUMS_FILE}: file is missing"]
+    listed, problems = listed_file_problems(pack_dir)
     # Python writes __pycache__/ beside the runtime files when they run from the pack.
     present = {
         path.relative_to(pack_dir).as_posix()

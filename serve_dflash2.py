@@ -86,15 +86,14 @@ def make_dflash2_parser():
 
 
 def demo_pack() -> Path:
-    """The trained tiny pair (DIR/target, DIR/drafter), checked against its SHA256SUMS."""
-    from dflash2_pack import SUMS_FILE, read_sha256sums, sha256_file
+    """The trained tiny pair (DIR/target, DIR/drafter), checked against its SHA256SUMS (its
+    README and training record are not listed)."""
+    from dflash2_pack import SUMS_FILE, listed_file_problems
 
     if not (DEMO_PACK / SUMS_FILE).is_file():
         sys.exit("error: --demo needs fixtures/tiny-pair from the source repository; a downloaded "
                  "pack folder does not ship it. Run the pack itself without --demo.")
-    listed, problems = read_sha256sums(DEMO_PACK)
-    problems += [f"{name} differs from its sha256" for name, digest in sorted(listed.items())
-                 if not (DEMO_PACK / name).is_file() or sha256_file(DEMO_PACK / name) != digest]
+    _, problems = listed_file_problems(DEMO_PACK)
     if problems:
         sys.exit("error: fixtures/tiny-pair differs from its SHA256SUMS (regenerate it with "
                  "tools/train_tiny_pair.py):\n  " + "\n  ".join(problems))

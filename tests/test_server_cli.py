@@ -138,7 +138,7 @@ def test_demo_refuses_a_damaged_fixture(tmp_path):
     result = run("serve_dflash2.py", "--demo", cwd=tmp_path)
     assert result.returncode == 1
     assert "fixtures/tiny-pair differs from its SHA256SUMS" in result.stderr, result.stderr
-    assert "drafter/model.safetensors differs from its sha256" in result.stderr
+    assert "drafter/model.safetensors: sha256 differs from SHA256SUMS" in result.stderr
 
 
 def test_demo_and_pack_exclude_each_other(tmp_path):
