@@ -512,6 +512,18 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
     return VerifySelfCheck(len(block) - 1, differing, stock_differing, time.perf_counter() - started, first)
 
 
+def timed_ms(fn):
+    """A sample for interleaved_ms: fn's wall time in ms, the device idle before and after."""
+    def sample():
+        mx.synchronize()
+        start = time.perf_counter()
+        fn()
+        mx.synchronize()
+        return 1000 * (time.perf_counter() - start)
+
+    return sample
+
+
 def interleaved_ms(arms: dict, repeats: int = 5) -> dict:
     """Median, min and max ms of each arm, measured side by side.
 

@@ -18,7 +18,6 @@ minutes), not Ternary-Bonsai-2-27B: its figures say the drafter path works, not 
 
 import argparse
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -131,18 +130,10 @@ def speed_ratio(model, tokenizer, drafter, costs, max_tokens, repeats=5):
         sources[fixed_block] = {"tokens_from_rounds": counts.tokens_from_rounds,
                                 "tokens_from_plain_steps": counts.tokens_from_plain_steps}
 
-    def timed(action):
-        def run():
-            start = time.perf_counter()
-            action()
-            return (time.perf_counter() - start) * 1000
-
-        return run
-
     ms = dflash2_runtime.interleaved_ms({
-        "plain": timed(lambda: greedy(model, ids, max_tokens)),
-        "speculative, fixed block": timed(lambda: speculative(True)),
-        "speculative, round policy": timed(lambda: speculative(False)),
+        "plain": dflash2_runtime.timed_ms(lambda: greedy(model, ids, max_tokens)),
+        "speculative, fixed block": dflash2_runtime.timed_ms(lambda: speculative(True)),
+        "speculative, round policy": dflash2_runtime.timed_ms(lambda: speculative(False)),
     }, repeats)
     return {
         "block": SPEED_BLOCK, "max_tokens": max_tokens, "repeats": repeats, "ms": ms,

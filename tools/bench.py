@@ -52,17 +52,6 @@ PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.
 GB = 1e9
 
 
-def timed_ms(fn):
-    def sample():
-        mx.synchronize()
-        start = time.perf_counter()
-        fn()
-        mx.synchronize()
-        return 1000 * (time.perf_counter() - start)
-
-    return sample
-
-
 def prefill_one_by_one(lm, tokens, taps):
     """Token-by-token prefill (decode arithmetic), capturing the drafter's taps."""
     cache = lm.make_cache()
@@ -78,7 +67,7 @@ def round_arms(lm, cache, taps, drafters, hidden):
     """One sample each of: a decode step, an exact verify round per block (forward,
     greedy choice, commit of half the block), a draft of 8 per drafter form."""
     token = mx.array([[7]])
-    arms = {"decode": timed_ms(lambda: mx.eval(lm(token, cache=cache).logits))}
+    arms = {"decode": dflash2_runtime.timed_ms(lambda: mx.eval(lm(token, cache=cache).logits))}
 
     def verify_round(length):
         block = mx.array([[11 + i for i in range(length)]])
@@ -93,12 +82,12 @@ def round_arms(lm, cache, taps, drafters, hidden):
         return run
 
     for length in range(2, BLOCK + 1):
-        arms[f"verify {length}"] = timed_ms(verify_round(length))
+        arms[f"verify {length}"] = dflash2_runtime.timed_ms(verify_round(length))
     step_hidden = hidden[:, -4:]
     for form, drafter in drafters.items():
         draft_cache = drafter.reset(lm)
         mx.eval(drafter.draft_block_greedy(1, hidden, draft_cache, BLOCK, None))
-        arms[f"draft {form}"] = timed_ms(
+        arms[f"draft {form}"] = dflash2_runtime.timed_ms(
             lambda d=drafter, c=draft_cache: mx.eval(d.draft_block_greedy(1, step_hidden, c, BLOCK, None))
         )
     return arms
@@ -228,17 +217,17 @@ def main():
         name = f"{profile}, {'policy' if block is None else f'block {block}'}"
         return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
 
-    arms = {f"plain {arm}": timed_ms(plain_arm(arm)) for arm in dflash2_runtime.DECODE_ARMS}
+    arms = {f"plain {arm}": dflash2_runtime.timed_ms(plain_arm(arm)) for arm in dflash2_runtime.DECODE_ARMS}
     for profile in PROFILE_TOKENS_PER_ROUND:
-        arms[arm_name(profile, None)] = timed_ms(speculative_arm(profile))
+        arms[arm_name(profile, None)] = dflash2_runtime.timed_ms(speculative_arm(profile))
         for block in fixed_blocks:
-            arms[arm_name(profile, block)] = timed_ms(speculative_arm(profile, block))
+            arms[arm_name(profile, block)] = dflash2_runtime.timed_ms(speculative_arm(profile, block))
     # The other drafter forms' cost at the same acceptance, block 8 (proposals may differ
     # with real weights; the tokens may not).
     for form, drafter in drafters.items():
         if drafter is not cost_drafter:
             for profile in ("chat", "median", "code"):
-                arms[arm_name(profile, BLOCK, drafter)] = timed_ms(speculative_arm(profile, BLOCK, drafter))
+                arms[arm_name(profile, BLOCK, drafter)] = dflash2_runtime.timed_ms(speculative_arm(profile, BLOCK, drafter))
     e2e_ms = dflash2_runtime.interleaved_ms(arms, args.repeats)
     dflash2_runtime.use_decode_arm(chosen_arm)
     plain_ms = e2e_ms[f"plain {chosen_arm}"]["median"]
