@@ -48,6 +48,7 @@ Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 
 import math
 import struct
+import time
 import warnings
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -98,6 +99,7 @@ class SelfTestResult:
     variant: Optional[str] = None  # the variant that serves (variant kernels only)
     variants: dict = field(default_factory=dict)  # variant -> differing elements
     controls: dict = field(default_factory=dict)  # negative control -> differing elements
+    seconds: float = 0.0  # the test's wall time (set by verify_kernel_self_tests)
 
 
 def _no_kernel_result(backend: str) -> SelfTestResult:
@@ -2621,6 +2623,8 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
     results = {}
     for name, (key, test) in SELF_TESTS.items():
         if shapes.get(key):
+            started = time.perf_counter()
             results[name] = test(shapes=[tuple(s) for s in shapes[key]])
+            results[name].seconds = time.perf_counter() - started
     return results
 

@@ -369,20 +369,61 @@ def policy_rounds(
 # Warm-up measurement
 
 
-def _timed(action) -> float:
-    start = time.perf_counter()
-    action()
-    mx.synchronize()
-    return (time.perf_counter() - start) * 1000
+def timed_ms(fn):
+    """A sample for interleaved_ms: fn's wall time in ms, the device idle before and after."""
+    def sample():
+        mx.synchronize()
+        start = time.perf_counter()
+        fn()
+        mx.synchronize()
+        return 1000 * (time.perf_counter() - start)
+
+    return sample
+
+
+def interleaved_ms(arms: dict, repeats: int = 5) -> dict:
+    """Median, min and max ms of each arm, measured side by side.
+
+    arms: name -> function that runs one sample and returns its ms. One warm-up
+    pass first, then the arms interleaved (ABAB...) `repeats` times.
+    """
+    samples = {name: [] for name in arms}
+    for repeat in range(repeats + 1):
+        for name, sample in arms.items():
+            ms = sample()
+            if repeat:  # the first pass is the warm-up
+                samples[name].append(ms)
+    return {
+        name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
+        for name, s in samples.items()
+    }
+
+
+def cache_arrays(cache) -> list:
+    """The state a cache carries forward: KV up to its offset, recurrent states."""
+    arrays = []
+    for layer in cache:
+        if getattr(layer, "keys", None) is not None:
+            arrays += [layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]]
+        elif hasattr(layer, "cache"):
+            arrays += [state for state in layer.cache if state is not None]
+    return arrays
+
+
+def _settle(decoder: "RequestDecoder") -> None:
+    """Evaluate what an arm leaves lazy (a commit's recurrent states, a step's taps), so
+    each arm pays for its own work and not for the one before."""
+    mx.eval(cache_arrays(decoder.prompt_cache), cache_arrays(decoder.draft_cache or []), decoder.context)
 
 
 def measure_round_costs(model, draft_model, *, repeats=7, prompt_length=16, plain_run=4) -> RoundCosts:
     """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling.
 
-    Runs the request loop's own code on a scratch cache after a short synthetic prompt: one
-    warm-up pass of every arm, then `repeats` passes in rotating order; each figure is the
-    median. What the policy uses is a whole round's median (verify plus draft); its verify
-    part is that minus the drafter's median, for the log.
+    Runs the request loop's own code on a scratch cache after a short synthetic prompt,
+    each arm settled (every array it leaves evaluated) inside its time, interleaved
+    after a warm-up pass (interleaved_ms); each figure is the median of `repeats`. What
+    the policy uses is a whole round's median (draft, verify, commit); its verify part is
+    that minus the drafter's median, for the log.
     """
     lm = getattr(model, "language_model", model)
     blocks = list(range(2, _dflash_block_total(draft_model, None) + 1))
@@ -401,30 +442,24 @@ def measure_round_costs(model, draft_model, *, repeats=7, prompt_length=16, plai
 
     decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax, mx.int32)
     one_row = hidden[:, -1:]
-    arms = {"decode": lambda: sum(1 for _ in decoder.plain_steps(plain_run))}
+
+    def settled(action):
+        return timed_ms(lambda: (action(), _settle(decoder)))
+
+    arms = {"decode": settled(lambda: sum(1 for _ in decoder.plain_steps(plain_run)))}
     for block in blocks:
-        arms[("draft", block)] = lambda block=block: mx.eval(decoder.draft(block, one_row))
-        arms[("round", block)] = lambda block=block: decoder.round(block, block)
-    names = list(arms)
-    samples = {name: [] for name in names}
-    for name in names:  # warm-up: compilation and first-use costs
-        arms[name]()
-    mx.synchronize()
-    for repeat in range(repeats):
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(_timed(arms[name]))
+        arms[("draft", block)] = settled(lambda block=block: decoder.draft(block, one_row))
+        arms[("round", block)] = settled(lambda block=block: decoder.round(block, block))
+    _settle(decoder)
+    ms = {name: stats["median"] for name, stats in interleaved_ms(arms, repeats).items()}
     # Leave the target as a fresh request expects it.
     lm._position_ids = lm._rope_deltas = None
     draft_model.reset(model)
 
-    step_ms = statistics.median(samples["decode"]) / plain_run
-    draft = {block: min(statistics.median(samples[("draft", block)]), statistics.median(samples[("round", block)]))
-             for block in blocks}
+    step_ms = ms["decode"] / plain_run
+    draft = {block: min(ms[("draft", block)], ms[("round", block)]) for block in blocks}
     return RoundCosts(
         decode_step_ms=step_ms,
-        verify_steps_by_block={
-            block: (statistics.median(samples[("round", block)]) - draft[block]) / step_ms for block in blocks
-        },
+        verify_steps_by_block={block: (ms[("round", block)] - draft[block]) / step_ms for block in blocks},
         draft_steps_by_block={block: draft[block] / step_ms for block in blocks},
     )

@@ -13,7 +13,6 @@ table: if its source differs from the audited one, `install` refuses and names i
 """
 
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -76,13 +75,14 @@ class RuntimeStatus:
     self_test: dict = field(default_factory=dict)  # kernel name -> SelfTestResult
     decode_path: Optional[DecodePathChoice] = None
     verify_check: Optional["VerifySelfCheck"] = None
+    seconds: dict = field(default_factory=dict)  # start-up check -> wall seconds it took
 
     def log_lines(self) -> list[str]:
         """What start-up logs: kernels, the verify self-check, plain decode's path."""
         lines = [
             "kernel self-tests: "
             + ", ".join(f"{name} {'ok' if r.ok else 'FAILED'}" + (f" ({r.reason})" if r.reason else "")
-                        for name, r in self.self_test.items())
+                        + (f" {r.seconds:.1f} s" if r.seconds else "") for name, r in self.self_test.items())
         ]
         if self.verify_check is not None:
             lines.append(self.verify_check.summary())
@@ -90,6 +90,8 @@ class RuntimeStatus:
             timings = ", ".join(f"{arm} {t['median']:.2f} ms" for arm, t in self.decode_path.step_ms.items())
             lines.append(f"plain decode path: {self.decode_path.arm} ({self.decode_path.why}"
                          + (f"; median step: {timings}" if timings else "") + ")")
+        if self.seconds:
+            lines.append("start-up checks took: " + ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items()))
         return lines
 
     def to_json(self) -> dict:
@@ -107,6 +109,7 @@ class RuntimeStatus:
                 "arm": self.decode_path.arm, "why": self.decode_path.why,
                 "step_ms": self.decode_path.step_ms,
             },
+            "seconds": {name: round(s, 2) for name, s in self.seconds.items()},
         }
 
 
@@ -398,23 +401,27 @@ def install(model=None) -> RuntimeStatus:
     """
     apply_patches()
     backend = dflash2_kernels.backend_name()
+    seconds = {}
+    started = time.perf_counter()
     if model is None:
         result = {"qmv": dflash2_kernels.self_test()}
     else:
         result = dflash2_kernels.verify_kernel_self_tests(dflash2_pack.kernel_shapes(model))
+    seconds["kernel self-tests"] = time.perf_counter() - started
     # The other kernels fall back to single-position stock calls where their test
     # failed (exact, slower); a failed matmul kernel turns speculation off.
     if not result["qmv"].ok:
         reason = f"kernel-self-test-failed: {result['qmv'].reason}"
-        return RuntimeStatus(False, reason, backend, result)
+        return RuntimeStatus(False, reason, backend, result, seconds=seconds)
     if model is None:
-        return RuntimeStatus(True, None, backend, result)
+        return RuntimeStatus(True, None, backend, result, seconds=seconds)
     check = self_check_verify(model.language_model)
+    seconds["verify self-check"] = check.seconds
+    started = time.perf_counter()
     choice = choose_decode_path(model)
-    if check.differing:
-        reason = f"verify-self-check-failed: {check.summary()}"
-        return RuntimeStatus(False, reason, backend, result, choice, check)
-    return RuntimeStatus(True, None, backend, result, choice, check)
+    seconds["plain decode path"] = time.perf_counter() - started
+    reason = f"verify-self-check-failed: {check.summary()}" if check.differing else None
+    return RuntimeStatus(reason is None, reason, backend, result, choice, check, seconds)
 
 
 @dataclass
@@ -440,17 +447,6 @@ def _differing_bits(a: mx.array, b: mx.array) -> int:
         return max(a.size, b.size)
     bits = {2: mx.uint16, 4: mx.uint32}.get(a.dtype.size, mx.uint8)
     return int((a.view(bits) != b.view(bits)).sum().item())
-
-
-def _cache_arrays(cache) -> list:
-    """The state a cache carries forward: KV up to its offset, recurrent states."""
-    arrays = []
-    for layer in cache:
-        if getattr(layer, "keys", None) is not None:
-            arrays += [layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]]
-        elif hasattr(layer, "cache"):
-            arrays += [state for state in layer.cache if state is not None]
-    return arrays
 
 
 def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101, 55, 3, 88, 140)):
@@ -494,7 +490,7 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
             (hidden, mx.concatenate([s.hidden_states[i] for s in steps[:length]], axis=1))
             for i, hidden in enumerate(out.hidden_states)
         ]
-        pairs += list(zip(_cache_arrays(trial), _cache_arrays(after[accepted + 1])))
+        pairs += list(zip(dflash2_policy.cache_arrays(trial), dflash2_policy.cache_arrays(after[accepted + 1])))
         counts = [_differing_bits(a, b) for a, b in pairs]
         return sum(counts), counts
 
@@ -510,36 +506,6 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
         differing += count
         stock_differing += check(length, stock_verifier)[0]
     return VerifySelfCheck(len(block) - 1, differing, stock_differing, time.perf_counter() - started, first)
-
-
-def timed_ms(fn):
-    """A sample for interleaved_ms: fn's wall time in ms, the device idle before and after."""
-    def sample():
-        mx.synchronize()
-        start = time.perf_counter()
-        fn()
-        mx.synchronize()
-        return 1000 * (time.perf_counter() - start)
-
-    return sample
-
-
-def interleaved_ms(arms: dict, repeats: int = 5) -> dict:
-    """Median, min and max ms of each arm, measured side by side.
-
-    arms: name -> function that runs one sample and returns its ms. One warm-up
-    pass first, then the arms interleaved (ABAB...) `repeats` times.
-    """
-    samples = {name: [] for name in arms}
-    for repeat in range(repeats + 1):
-        for name, sample in arms.items():
-            ms = sample()
-            if repeat:  # the first pass is the warm-up
-                samples[name].append(ms)
-    return {
-        name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
-        for name, s in samples.items()
-    }
 
 
 def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:
@@ -571,7 +537,7 @@ def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int =
 
         return run
 
-    return interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats)
+    return dflash2_policy.interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats)
 
 
 def use_decode_arm(arm: str) -> None:

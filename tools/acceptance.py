@@ -116,8 +116,8 @@ def summarize(cases):
 
 def speed_ratio(model, tokenizer, drafter, costs, max_tokens, repeats=5):
     """Plain, speculative at the demo's fixed block and speculative with the round policy,
-    on a code prompt, interleaved (dflash2_runtime.interleaved_ms: one warm-up pass)."""
-    import dflash2_runtime
+    on a code prompt, interleaved (dflash2_policy.interleaved_ms: one warm-up pass)."""
+    import dflash2_policy
 
     ids = prompt_ids(tokenizer, "code", PROMPTS["code"][0])
 
@@ -130,10 +130,10 @@ def speed_ratio(model, tokenizer, drafter, costs, max_tokens, repeats=5):
         sources[fixed_block] = {"tokens_from_rounds": counts.tokens_from_rounds,
                                 "tokens_from_plain_steps": counts.tokens_from_plain_steps}
 
-    ms = dflash2_runtime.interleaved_ms({
-        "plain": dflash2_runtime.timed_ms(lambda: greedy(model, ids, max_tokens)),
-        "speculative, fixed block": dflash2_runtime.timed_ms(lambda: speculative(True)),
-        "speculative, round policy": dflash2_runtime.timed_ms(lambda: speculative(False)),
+    ms = dflash2_policy.interleaved_ms({
+        "plain": dflash2_policy.timed_ms(lambda: greedy(model, ids, max_tokens)),
+        "speculative, fixed block": dflash2_policy.timed_ms(lambda: speculative(True)),
+        "speculative, round policy": dflash2_policy.timed_ms(lambda: speculative(False)),
     }, repeats)
     return {
         "block": SPEED_BLOCK, "max_tokens": max_tokens, "repeats": repeats, "ms": ms,

@@ -67,7 +67,7 @@ def round_arms(lm, cache, taps, drafters, hidden):
     """One sample each of: a decode step, an exact verify round per block (forward,
     greedy choice, commit of half the block), a draft of 8 per drafter form."""
     token = mx.array([[7]])
-    arms = {"decode": dflash2_runtime.timed_ms(lambda: mx.eval(lm(token, cache=cache).logits))}
+    arms = {"decode": dflash2_policy.timed_ms(lambda: mx.eval(lm(token, cache=cache).logits))}
 
     def verify_round(length):
         block = mx.array([[11 + i for i in range(length)]])
@@ -82,12 +82,12 @@ def round_arms(lm, cache, taps, drafters, hidden):
         return run
 
     for length in range(2, BLOCK + 1):
-        arms[f"verify {length}"] = dflash2_runtime.timed_ms(verify_round(length))
+        arms[f"verify {length}"] = dflash2_policy.timed_ms(verify_round(length))
     step_hidden = hidden[:, -4:]
     for form, drafter in drafters.items():
         draft_cache = drafter.reset(lm)
         mx.eval(drafter.draft_block_greedy(1, hidden, draft_cache, BLOCK, None))
-        arms[f"draft {form}"] = dflash2_runtime.timed_ms(
+        arms[f"draft {form}"] = dflash2_policy.timed_ms(
             lambda d=drafter, c=draft_cache: mx.eval(d.draft_block_greedy(1, step_hidden, c, BLOCK, None))
         )
     return arms
@@ -145,10 +145,9 @@ def main():
 
     status = dflash2_runtime.install(model)
     chosen_arm = status.decode_path.arm
-    log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; "
-        f"plain decode path {chosen_arm} ({status.decode_path.why})")
+    log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
     cache, hidden = prefill_one_by_one(lm, prompt, taps)
-    rounds = dflash2_runtime.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
+    rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
     decode_ms = rounds["decode"]["median"]
     verify = {L: rounds[f"verify {L}"]["median"] / decode_ms for L in range(2, BLOCK + 1)}
     drafter_cost = {form: rounds[f"draft {form}"]["median"] / decode_ms for form in drafters}
@@ -217,18 +216,18 @@ def main():
         name = f"{profile}, {'policy' if block is None else f'block {block}'}"
         return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
 
-    arms = {f"plain {arm}": dflash2_runtime.timed_ms(plain_arm(arm)) for arm in dflash2_runtime.DECODE_ARMS}
+    arms = {f"plain {arm}": dflash2_policy.timed_ms(plain_arm(arm)) for arm in dflash2_runtime.DECODE_ARMS}
     for profile in PROFILE_TOKENS_PER_ROUND:
-        arms[arm_name(profile, None)] = dflash2_runtime.timed_ms(speculative_arm(profile))
+        arms[arm_name(profile, None)] = dflash2_policy.timed_ms(speculative_arm(profile))
         for block in fixed_blocks:
-            arms[arm_name(profile, block)] = dflash2_runtime.timed_ms(speculative_arm(profile, block))
+            arms[arm_name(profile, block)] = dflash2_policy.timed_ms(speculative_arm(profile, block))
     # The other drafter forms' cost at the same acceptance, block 8 (proposals may differ
     # with real weights; the tokens may not).
     for form, drafter in drafters.items():
         if drafter is not cost_drafter:
             for profile in ("chat", "median", "code"):
-                arms[arm_name(profile, BLOCK, drafter)] = dflash2_runtime.timed_ms(speculative_arm(profile, BLOCK, drafter))
-    e2e_ms = dflash2_runtime.interleaved_ms(arms, args.repeats)
+                arms[arm_name(profile, BLOCK, drafter)] = dflash2_policy.timed_ms(speculative_arm(profile, BLOCK, drafter))
+    e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats)
     dflash2_runtime.use_decode_arm(chosen_arm)
     plain_ms = e2e_ms[f"plain {chosen_arm}"]["median"]
     speedup = {name: plain_ms / stats["median"] for name, stats in e2e_ms.items()}
