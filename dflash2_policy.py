@@ -416,14 +416,28 @@ def _settle(decoder: "RequestDecoder") -> None:
     mx.eval(cache_arrays(decoder.prompt_cache), cache_arrays(decoder.draft_cache or []), decoder.context)
 
 
-def measure_round_costs(model, draft_model, *, repeats=7, prompt_length=16, plain_run=4) -> RoundCosts:
+def steady_ms(steps, run: int, settle):
+    """A sample for interleaved_ms, in ms per step: steps(1) as an untimed lead-in (the
+    switch from the previous arm), then steps(run) back to back, and settle() (evaluate
+    what they left lazy) inside the time."""
+    def sample():
+        steps(1)
+        settle()
+        return timed_ms(lambda: (steps(run), settle()))() / run
+
+    return sample
+
+
+def measure_round_costs(model, draft_model, *, repeats=7, prompt_length=16, run=4) -> RoundCosts:
     """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling.
 
-    Runs the request loop's own code on a scratch cache after a short synthetic prompt,
-    each arm settled (every array it leaves evaluated) inside its time, interleaved
-    after a warm-up pass (interleaved_ms); each figure is the median of `repeats`. What
-    the policy uses is a whole round's median (draft, verify, commit); its verify part is
-    that minus the drafter's median, for the log.
+    Runs the request loop's own code on a scratch cache after a short synthetic prompt. Each
+    sample is a steady run as a request has it: one untimed lead-in (switching from the
+    previous arm), then `run` rounds (or plain steps, or drafter passes) back to back,
+    their host work overlapping the GPU as it does in generation, and the state they leave
+    evaluated (_settle). Samples are interleaved after a warm-up pass (interleaved_ms);
+    each figure is a median of `repeats`. What the policy uses is a whole round (draft,
+    verify, commit); its verify part is that minus the drafter's pass, for the log.
     """
     lm = getattr(model, "language_model", model)
     blocks = list(range(2, _dflash_block_total(draft_model, None) + 1))
@@ -443,20 +457,25 @@ def measure_round_costs(model, draft_model, *, repeats=7, prompt_length=16, plai
     decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax, mx.int32)
     one_row = hidden[:, -1:]
 
-    def settled(action):
-        return timed_ms(lambda: (action(), _settle(decoder)))
+    def steady(steps):
+        return steady_ms(steps, run, lambda: _settle(decoder))
 
-    arms = {"decode": settled(lambda: sum(1 for _ in decoder.plain_steps(plain_run)))}
+    def rounds(block):
+        return lambda count: [decoder.round(block, block) for _ in range(count)]
+
+    def drafts(block):
+        return lambda count: [decoder.draft(block, one_row) for _ in range(count)]
+
+    arms = {"decode": steady(lambda count: list(decoder.plain_steps(count)))}
     for block in blocks:
-        arms[("draft", block)] = settled(lambda block=block: decoder.draft(block, one_row))
-        arms[("round", block)] = settled(lambda block=block: decoder.round(block, block))
-    _settle(decoder)
+        arms[("draft", block)] = steady(drafts(block))
+        arms[("round", block)] = steady(rounds(block))
     ms = {name: stats["median"] for name, stats in interleaved_ms(arms, repeats).items()}
     # Leave the target as a fresh request expects it.
     lm._position_ids = lm._rope_deltas = None
     draft_model.reset(model)
 
-    step_ms = ms["decode"] / plain_run
+    step_ms = ms["decode"]
     draft = {block: min(ms[("draft", block)], ms[("round", block)]) for block in blocks}
     return RoundCosts(
         decode_step_ms=step_ms,

@@ -63,33 +63,45 @@ def prefill_one_by_one(lm, tokens, taps):
     return cache, mx.concatenate(hidden, axis=1)
 
 
-def round_arms(lm, cache, taps, drafters, hidden):
-    """One sample each of: a decode step, an exact verify round per block (forward,
-    greedy choice, commit of half the block), a draft of 8 per drafter form."""
+def round_arms(lm, cache, taps, drafters, hidden, run=3):
+    """Samples (dflash2_policy.steady_ms: `run` back to back after a lead-in, per step) of:
+    a decode step, an exact verify round per block (forward, greedy choice, commit of half
+    the block), a draft of 8 per drafter form."""
     token = mx.array([[7]])
-    arms = {"decode": dflash2_policy.timed_ms(lambda: mx.eval(lm(token, cache=cache).logits))}
 
-    def verify_round(length):
+    def settle():
+        mx.eval(dflash2_policy.cache_arrays(cache))
+
+    def decode(count):
+        for _ in range(count):
+            mx.eval(lm(token, cache=cache).logits)
+
+    def verify_rounds(length):
         block = mx.array([[11 + i for i in range(length)]])
 
-        def run():
-            hidden_out, states, tokens = dflash_rounds._dflash_verify_greedy(
-                lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1)
-            )
-            mx.eval(tokens, hidden_out)
-            commit_speculative_round(lm, cache, states, length // 2, length)
+        def steps(count):
+            for _ in range(count):
+                hidden_out, states, tokens = dflash_rounds._dflash_verify_greedy(
+                    lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1)
+                )
+                mx.eval(tokens, hidden_out)
+                commit_speculative_round(lm, cache, states, length // 2, length)
 
-        return run
+        return steps
 
+    arms = {"decode": dflash2_policy.steady_ms(decode, run, settle)}
     for length in range(2, BLOCK + 1):
-        arms[f"verify {length}"] = dflash2_policy.timed_ms(verify_round(length))
+        arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_rounds(length), run, settle)
     step_hidden = hidden[:, -4:]
     for form, drafter in drafters.items():
         draft_cache = drafter.reset(lm)
         mx.eval(drafter.draft_block_greedy(1, hidden, draft_cache, BLOCK, None))
-        arms[f"draft {form}"] = dflash2_policy.timed_ms(
-            lambda d=drafter, c=draft_cache: mx.eval(d.draft_block_greedy(1, step_hidden, c, BLOCK, None))
-        )
+
+        def drafts(count, d=drafter, c=draft_cache):
+            for _ in range(count):
+                mx.eval(d.draft_block_greedy(1, step_hidden, c, BLOCK, None))
+
+        arms[f"draft {form}"] = dflash2_policy.steady_ms(drafts, run, settle)
     return arms
 
 

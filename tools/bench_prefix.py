@@ -168,23 +168,31 @@ def main():
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
     results = {}
+
+    def write(complete):
+        """The record so far: a run cut short keeps what it measured (complete: false)."""
+        record = {
+            "size": Path(args.pack).name if args.pack else args.size,
+            **run_environment("bench_prefix.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0"),
+            "complete": complete,
+            "runtime_speculative": status.speculative,
+            "follow_up_tokens": args.follow_up,
+            "repeats": args.repeats,
+            "by_route_step_context": results,
+            "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values()),
+            "seconds": round(time.time() - started, 1),
+        }
+        write_record(args.out, f"prefix-cache-{record['backend']}-{record['size']}", record, summary_markdown(record))
+        return record
+
     for route, route_drafter in routes.items():
         for step in args.step_sizes:
             for context in args.contexts:
                 result = measure(model, processor, context, step, args, route_drafter)
                 print(f"{route} step {step} context {context}: {result}", flush=True)
                 results.setdefault(route, {}).setdefault(str(step), {})[str(context)] = result
-    record = {
-        "size": Path(args.pack).name if args.pack else args.size,
-        **run_environment("bench_prefix.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0"),
-        "runtime_speculative": status.speculative,
-        "follow_up_tokens": args.follow_up,
-        "repeats": args.repeats,
-        "by_route_step_context": results,
-        "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values()),
-        "seconds": round(time.time() - started, 1),
-    }
-    write_record(args.out, f"prefix-cache-{record['backend']}-{record['size']}", record, summary_markdown(record))
+                write(complete=False)
+    record = write(complete=True)
     print(summary_markdown(record))
 
 
