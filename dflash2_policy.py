@@ -428,7 +428,7 @@ def steady_ms(steps, run: int, settle):
     return sample
 
 
-def measure_round_costs(model, draft_model, *, repeats=7, prompt_length=16, run=4) -> RoundCosts:
+def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=3) -> RoundCosts:
     """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling.
 
     Runs the request loop's own code on a scratch cache after a short synthetic prompt. Each
