@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+from mlx_vlm.generate.common import generation_stream as batch_stream
 from mlx_vlm.models.qwen3_5.language import Qwen3_5DecoderLayer
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
@@ -454,23 +455,25 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
     def argmax(logits):
         return mx.argmax(logits, axis=-1)
 
-    decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax, mx.int32)
-    one_row = hidden[:, -1:]
+    # On the stream the server's batch generator runs requests on, as in serving.
+    with mx.stream(batch_stream):
+        decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax, mx.int32)
+        one_row = hidden[:, -1:]
 
-    def steady(steps):
-        return steady_ms(steps, run, lambda: _settle(decoder))
+        def steady(steps):
+            return steady_ms(steps, run, lambda: _settle(decoder))
 
-    def rounds(block):
-        return lambda count: [decoder.round(block, block) for _ in range(count)]
+        def rounds(block):
+            return lambda count: [decoder.round(block, block) for _ in range(count)]
 
-    def drafts(block):
-        return lambda count: [decoder.draft(block, one_row) for _ in range(count)]
+        def drafts(block):
+            return lambda count: [decoder.draft(block, one_row) for _ in range(count)]
 
-    arms = {"decode": steady(lambda count: list(decoder.plain_steps(count)))}
-    for block in blocks:
-        arms[("draft", block)] = steady(drafts(block))
-        arms[("round", block)] = steady(rounds(block))
-    ms = {name: stats["median"] for name, stats in interleaved_ms(arms, repeats).items()}
+        arms = {"decode": steady(lambda count: list(decoder.plain_steps(count)))}
+        for block in blocks:
+            arms[("draft", block)] = steady(drafts(block))
+            arms[("round", block)] = steady(rounds(block))
+        ms = {name: stats["median"] for name, stats in interleaved_ms(arms, repeats).items()}
     # Leave the target as a fresh request expects it.
     lm._position_ids = lm._rope_deltas = None
     draft_model.reset(model)

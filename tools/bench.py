@@ -159,7 +159,8 @@ def main():
     chosen_arm = status.decode_path.arm
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
     cache, hidden = prefill_one_by_one(lm, prompt, taps)
-    rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
+    with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
+        rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
     decode_ms = rounds["decode"]["median"]
     verify = {L: rounds[f"verify {L}"]["median"] / decode_ms for L in range(2, BLOCK + 1)}
     drafter_cost = {form: rounds[f"draft {form}"]["median"] / decode_ms for form in drafters}
