@@ -260,7 +260,7 @@ class Gateway:
         self.decide = decide
         self.header = header
         self.server_mode = server_mode
-        self.health = health or {}
+        self.health = health or dict  # () -> what /health adds, read at each request
         self.request_timeout = request_timeout or None
         self.openapi = openapi_schema(model_id)
         self.created = int(time.time())
@@ -327,7 +327,7 @@ class Gateway:
         elif path in MODELS_PATHS:
             payload = {"object": "list", "data": [self.model_card()]}
         elif path in HEALTH_PATHS:
-            payload = {"status": "ok", "model": self.model_id, **self.health}
+            payload = {"status": "ok", "model": self.model_id, **self.health()}
         else:
             payload = self.openapi
         record.log_arrival()

@@ -17,7 +17,7 @@ states of the tokens they produce, which `_decoder_layer_call` records during a 
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
@@ -43,6 +43,8 @@ ACCEPTANCE_DECAY = 0.97
 # the weight of half a round; an unobserved deeper position is assumed as good as the one before.
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 0.5
+# How far one observed round or plain run moves a learning cost table toward what it took.
+LEARNING_WEIGHT = 0.1
 
 
 # ---------------------------------------------------------------------------
@@ -56,9 +58,30 @@ class RoundCosts:
     decode_step_ms: float
     verify_steps_by_block: dict  # block -> verify, walk and commit, in decode steps
     draft_steps_by_block: dict  # block -> the drafter's pass, in decode steps
+    # A measured table keeps learning from the rounds and plain runs requests time; one given
+    # on the command line stays as given.
+    learning: bool = field(default=False, compare=False)
 
     def round_steps(self, block: int) -> float:
         return self.verify_steps_by_block[block] + self.draft_steps_by_block[block]
+
+    def observe_plain(self, steps: int, ms: float) -> None:
+        """A run of `steps` plain decode steps took `ms` (tokens handed on included)."""
+        if not self.learning or steps < 1:
+            return
+        old = self.decode_step_ms
+        self.decode_step_ms = (1 - LEARNING_WEIGHT) * old + LEARNING_WEIGHT * ms / steps
+        for table in (self.verify_steps_by_block, self.draft_steps_by_block):
+            for block in table:  # a round's ms stays what it was
+                table[block] *= old / self.decode_step_ms
+
+    def observe_round(self, block: int, ms: float) -> None:
+        """A round of `block` took `ms`, draft to the last token handed on; the drafter's
+        share is kept and the verify share takes the difference."""
+        if not self.learning or block not in self.verify_steps_by_block:
+            return
+        steps = (1 - LEARNING_WEIGHT) * self.round_steps(block) + LEARNING_WEIGHT * ms / self.decode_step_ms
+        self.verify_steps_by_block[block] = max(0.0, steps - self.draft_steps_by_block[block])
 
     @property
     def blocks(self) -> list:
@@ -348,15 +371,21 @@ def policy_rounds(
         listener(counts)
 
     emitted = 1  # the caller yielded the prefill's token
+    first_round = True
     while emitted < max_tokens:
         remaining = max_tokens - emitted
         block = policy.choose_block(remaining)
+        # Each round and plain run is timed up to its last token handed on, and the cost
+        # table learns from it (the first round is left out: its drafter reads the prompt).
+        started = time.perf_counter()
         if block is None:
-            for token in decoder.plain_steps(policy.plain_run(remaining)):
+            steps = policy.plain_run(remaining)
+            for token in decoder.plain_steps(steps):
                 policy.record_plain(1)
                 counts.tokens_from_plain_steps += 1
                 emitted += 1
                 yield token, None
+            costs.observe_plain(steps, 1000 * (time.perf_counter() - started))
             continue
         accepted, tokens = decoder.round(block, remaining)
         policy.record_round(block, accepted, len(tokens))
@@ -364,6 +393,9 @@ def policy_rounds(
             counts.tokens_from_rounds += 1
             emitted += 1
             yield token, None
+        if not first_round:
+            costs.observe_round(block, 1000 * (time.perf_counter() - started))
+        first_round = False
 
 
 # ---------------------------------------------------------------------------
@@ -484,4 +516,5 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
         decode_step_ms=step_ms,
         verify_steps_by_block={block: (ms[("round", block)] - draft[block]) / step_ms for block in blocks},
         draft_steps_by_block={block: draft[block] / step_ms for block in blocks},
+        learning=True,
     )

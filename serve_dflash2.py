@@ -171,8 +171,13 @@ def main(argv=None):
         return route_chat(check_chat_request(body, limits), server_reason=server_reason,
                           multimodal_plain=args.dflash2_multimodal == "plain")
 
-    health = {"dflash2": server_mode[0], "reason": server_reason, "runtime": generator.speculation.runtime,
-              "round_costs": generator.speculation.round_costs}
+    def health():
+        speculation = generator.speculation
+        # A measured cost table keeps learning from requests: /health shows it as it is now.
+        costs = speculation.drafter.round_costs.to_json() if speculation.drafter else speculation.round_costs
+        return {"dflash2": server_mode[0], "reason": server_reason, "runtime": speculation.runtime,
+                "round_costs": costs}
+
     serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
                   server_mode=server_mode, health=health, request_timeout=args.request_timeout), args)
 

@@ -176,3 +176,41 @@ def test_plain_steps_record_the_taps_capture_layer_ids_gives(target):  # noqa: F
     assert tokens == [int(mx.argmax(out.logits[0, -1]).item()) for out in expected]
     captured = mx.concatenate([mx.concatenate(out.hidden_states, -1) for out in expected], axis=1)
     assert mx.array_equal(recorded, captured).item()
+
+
+def test_a_measured_table_learns_what_rounds_and_plain_runs_take_a_given_one_does_not():
+    def table(learning):
+        return RoundCosts(10.0, {b: 1.0 for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=learning)
+
+    pinned, learning = table(False), table(True)
+    for costs in (pinned, learning):
+        costs.observe_round(4, 45.0)  # 4.5 steps against the table's 1.5
+        costs.observe_plain(4, 20.0)  # 5 ms a step against the table's 10
+    assert pinned == table(False)
+    expected_round_ms = 10.0 * (0.9 * 1.5 + 0.1 * 4.5)
+    assert learning.decode_step_ms == pytest.approx(0.9 * 10.0 + 0.1 * 5.0)
+    # The plain run changed the step, not what a round takes in ms.
+    assert learning.round_steps(4) * learning.decode_step_ms == pytest.approx(expected_round_ms)
+    assert learning.round_steps(3) * learning.decode_step_ms == pytest.approx(15.0)
+    assert learning.draft_steps_by_block[4] * learning.decode_step_ms == pytest.approx(5.0)
+
+
+def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, prompt_and_plain):  # noqa: F811
+    model, _, drafter = target
+    ids, plain = prompt_and_plain
+    # Rounds priced at a microsecond: whatever they really take here is more.
+    cheap = RoundCosts(1.0, {b: 1e-3 for b in BLOCKS}, {b: 0.0 for b in BLOCKS}, learning=True)
+    def round_ms(block):
+        return cheap.round_steps(block) * cheap.decode_step_ms
+
+    before = {b: round_ms(b) for b in BLOCKS}
+    oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=0.0,
+                           target_layer_ids=drafter.config.target_layer_ids)
+    oracle.prefer_requested_block_size = False
+    oracle.round_costs = cheap
+    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    blocks = [drafted + 1 for drafted in oracle.draft_lens]
+    timed = set(blocks[1:])  # the first round is not learned from (its drafter reads the prompt)
+    assert timed
+    assert all(round_ms(b) > 10 * before[b] for b in timed)
+    assert all(round_ms(b) == pytest.approx(before[b]) for b in set(BLOCKS) - set(blocks))
