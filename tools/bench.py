@@ -277,6 +277,8 @@ def main():
         "e2e_speedup_fixed_block": e2e_fixed,
         "policy_vs_best_fixed_block": policy_vs_best_fixed,
         "policy_round_counts": round_counts,
+        # The measured table after the end-to-end arms taught it (as a server's learns).
+        "round_costs_learned": costs.to_json(),
         "cost_drafter_form": drafter_names[id(cost_drafter)],
         "e2e_speedup_by_other_drafter_form": e2e_by_form,
         "profile_target_tokens_per_round": PROFILE_TOKENS_PER_ROUND,
@@ -306,13 +308,14 @@ def summary_markdown(r) -> str:
     ]
     for arm, stats in r["round_ms"].items():
         lines.append(f"| {arm} | {spread(stats)} | {stats['median'] / r['decode_step_ms']:.2f} |")
-    costs = r["round_costs"]
+    def cost_table(costs):
+        return (f"(decode step {costs['decode_step_ms']:.2f} ms), in decode steps, block: verify+draft: "
+                + ", ".join(f"{b}: {v:.2f}+{costs['draft_steps_by_block'][b]:.2f}"
+                            for b, v in costs["verify_steps_by_block"].items()) + ".")
+
     lines += [
         "",
-        f"Round policy's cost table, measured as the server does at warm-up (decode step "
-        f"{costs['decode_step_ms']:.2f} ms), in decode steps, block: verify+draft: "
-        + ", ".join(f"{b}: {v:.2f}+{costs['draft_steps_by_block'][b]:.2f}"
-                    for b, v in costs["verify_steps_by_block"].items()) + ".",
+        "Round policy's cost table, measured as the server does at warm-up " + cost_table(r["round_costs"]),
         "",
         f"Primitives (tools/graph_count.py, counted on CPU for the same 64-layer pattern): decode step "
         f"{r['decode_primitives']}; exact verify by block "
@@ -350,6 +353,9 @@ def summary_markdown(r) -> str:
         lines.append(f"Same profiles at block 8 paying the {form} drafter's cost: "
                      + ", ".join(f"{profile} {s:.2f}x" for profile, s in speedups.items()) + ".")
     lines += [
+        "",
+        "The same table after the end-to-end arms taught it (as a server's learns from its requests) "
+        + cost_table(r["round_costs_learned"]),
         "",
         f"Tokens identical across every arm: {r['tokens_identical']}.",
         "",
