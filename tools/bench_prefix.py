@@ -12,7 +12,8 @@ turn is timed cold (mlx-vlm's own prompt batch), cached (after the first turn st
 boundaries) and repeated (the same prompt again: all but its last token restored); the
 record says whether the cached first-token logits are bitwise the cold ones, how many tokens
 were reused and how large the store grew. `--speculative` runs the speculative route (the
-drafter's taps are stored too) beside the plain one. Median of --repeats.
+drafter's taps are stored too) beside the plain one, then measures speculation's extra memory
+at --memory-contexts with and without the drafter's sliding window. Median of --repeats.
 Writes evidence/prefix-cache-<backend>-<size>.json and .md.
 """
 
@@ -130,6 +131,34 @@ def measure(model, processor, context, step, args, drafter=None):
             "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2)}
 
 
+def spec_extra_memory(model, processor, drafter, contexts, step):
+    """Speculation's extra memory by context, in GB: the drafter's weights plus how far a
+    speculative request's peak goes past a plain one's (drafter cache, taps, verify work),
+    with the drafter's whole context and then with its sliding window."""
+    from mlx.utils import tree_flatten
+
+    weights = sum(value.nbytes for _, value in tree_flatten(drafter.parameters()))
+    vocab = min(model.language_model.args.vocab_size, 150000)
+
+    def peak(context, route_drafter):
+        inputs = {"input_ids": mx.array([turns(context, 1, vocab, seed=0)[0]])}
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        request(model, processor, inputs, step=step, drafter=route_drafter, max_tokens=16)
+        return mx.get_peak_memory()
+
+    extra = {}
+    for window in (False, True):
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=window))
+        for context in contexts:
+            grown = peak(context, drafter) - peak(context, None)
+            extra.setdefault(str(context), {})["sliding_window" if window else "full"] = \
+                round((weights + max(0, grown)) / 1e9, 3)
+            print(f"speculation's extra memory at {context} tokens (sliding window {window}): "
+                  f"{extra[str(context)]}", flush=True)
+    return extra
+
+
 def load(args):
     """(model, processor, drafter or None). A random-weight model gets the tiny pack's
     processor: BatchGenerator reads only its stop criteria."""
@@ -159,6 +188,8 @@ def main():
     parser.add_argument("--step-sizes", type=int, nargs="+", default=[2048, 512])
     parser.add_argument("--follow-up", type=int, default=150, help="tokens the second turn adds")
     parser.add_argument("--speculative", action="store_true", help="also the speculative route")
+    parser.add_argument("--memory-contexts", type=int, nargs="*", default=[1024, 4096],
+                        help="contexts at which to measure speculation's extra memory (needs --speculative)")
     parser.add_argument("--budget-gb", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -167,7 +198,7 @@ def main():
     status = dflash2_runtime.install(model)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
-    results = {}
+    results, memory = {}, {}
 
     def write(complete):
         """The record so far: a run cut short keeps what it measured (complete: false)."""
@@ -179,6 +210,7 @@ def main():
             "follow_up_tokens": args.follow_up,
             "repeats": args.repeats,
             "by_route_step_context": results,
+            "spec_extra_memory_gb": memory,
             "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values()),
             "seconds": round(time.time() - started, 1),
         }
@@ -192,6 +224,8 @@ def main():
                 print(f"{route} step {step} context {context}: {result}", flush=True)
                 results.setdefault(route, {}).setdefault(str(step), {})[str(context)] = result
                 write(complete=False)
+    if drafter is not None and args.memory_contexts:
+        memory.update(spec_extra_memory(model, processor, drafter, args.memory_contexts, args.step_sizes[0]))
     record = write(complete=True)
     print(summary_markdown(record))
 
@@ -215,7 +249,13 @@ def summary_markdown(r) -> str:
                 lines.append(f"| {route} | {step} | {context} | {t['cold']} | {t['cached']} | "
                              f"{m['cached_over_cold']:.2f} | {t['repeat']} | {m['cached_tokens']} / "
                              f"{m['second_turn_tokens']} | {m['store_gb_after_first_turn']} | {m['exact']} |")
-    return "\n".join(lines + ["", f"Every cached first token bitwise the cold one: {r['exact']}.", ""])
+    lines += ["", f"Every cached first token bitwise the cold one: {r['exact']}.", ""]
+    if r["spec_extra_memory_gb"]:
+        lines += ["Speculation's extra memory (drafter weights + peak over a plain request), GB:", "",
+                  "| context | drafter's whole context | sliding window |", "|---|---|---|"]
+        lines += [f"| {context} | {m['full']} | {m['sliding_window']} |" for context, m in r["spec_extra_memory_gb"].items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
