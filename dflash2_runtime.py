@@ -349,18 +349,28 @@ def exact_verify_greedy(lm, verify_input, prompt_cache, target_layer_ids, sample
 # Drafter precision: the target hands over fp16 activations; meeting bf16
 # drafter weights they would promote the whole drafter to fp32 (and upcast its
 # weights on every call). Run the drafter in bf16, hand fp16 back to the head.
+# Not on CPU: there bf16 arithmetic is emulated and the promoted fp32 is the faster
+# path (a tiny-pair drafter pass took 4-5x longer in bf16). Either way only the
+# proposals can differ, never the tokens.
 
 _stock_draft_hidden = DFlashDraftModel._hidden
 _stock_embed_input_tokens = DFlash2DraftModel._embed_input_tokens
 
 
+def _drafter_in_bf16() -> bool:
+    return dflash2_kernels.backend_name() != "cpu"
+
+
 def _draft_hidden_bf16(self, inputs, target_hidden, cache):
+    if not _drafter_in_bf16():
+        return _stock_draft_hidden(self, inputs, target_hidden, cache)
     hidden = _stock_draft_hidden(self, inputs, target_hidden.astype(mx.bfloat16), cache)
     return hidden.astype(target_hidden.dtype)
 
 
 def _embed_input_tokens_bf16(self, inputs):
-    return _stock_embed_input_tokens(self, inputs).astype(mx.bfloat16)
+    embedded = _stock_embed_input_tokens(self, inputs)
+    return embedded.astype(mx.bfloat16) if _drafter_in_bf16() else embedded
 
 
 # ---------------------------------------------------------------------------
