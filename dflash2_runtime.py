@@ -357,8 +357,16 @@ _stock_draft_hidden = DFlashDraftModel._hidden
 _stock_embed_input_tokens = DFlash2DraftModel._embed_input_tokens
 
 
+_drafter_bf16: Optional[bool] = None  # None: bf16 off CPU (use_drafter_bf16 sets it, e.g. to compare)
+
+
+def use_drafter_bf16(flag: Optional[bool]) -> None:
+    global _drafter_bf16
+    _drafter_bf16 = flag
+
+
 def _drafter_in_bf16() -> bool:
-    return dflash2_kernels.backend_name() != "cpu"
+    return dflash2_kernels.backend_name() != "cpu" if _drafter_bf16 is None else _drafter_bf16
 
 
 def _draft_hidden_bf16(self, inputs, target_hidden, cache):

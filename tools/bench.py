@@ -66,7 +66,7 @@ def prefill_one_by_one(lm, tokens, taps):
 def round_arms(lm, cache, taps, drafters, hidden, run=3):
     """Samples (dflash2_policy.steady_ms: `run` back to back after a lead-in, per step) of:
     a decode step, an exact verify round per block (forward, greedy choice, commit of half
-    the block), a draft of 8 per drafter form."""
+    the block), a draft of 8 per drafter form, in bf16 as served and in the promoted dtype."""
     token = mx.array([[7]])
 
     def settle():
@@ -102,6 +102,15 @@ def round_arms(lm, cache, taps, drafters, hidden, run=3):
                 mx.eval(d.draft_block_greedy(1, step_hidden, c, BLOCK, None))
 
         arms[f"draft {form}"] = dflash2_policy.steady_ms(drafts, run, settle)
+
+        def promoted(count, drafts=drafts):  # the drafter in the dtype mixed inputs promote to
+            dflash2_runtime.use_drafter_bf16(False)
+            try:
+                drafts(count)
+            finally:
+                dflash2_runtime.use_drafter_bf16(None)
+
+        arms[f"draft {form}, not bf16"] = dflash2_policy.steady_ms(promoted, run, settle)
     return arms
 
 
