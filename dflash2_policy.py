@@ -402,13 +402,20 @@ def policy_rounds(
 # Warm-up measurement
 
 
+def _synchronize() -> None:
+    """Wait for every stream the pack's work runs on (the default one, the server's batch
+    stream and mlx-vlm's speculative stream)."""
+    for stream in (mx.default_stream(mx.default_device()), batch_stream, generation_stream):
+        mx.synchronize(stream)
+
+
 def timed_ms(fn):
     """A sample for interleaved_ms: fn's wall time in ms, the device idle before and after."""
     def sample():
-        mx.synchronize()
+        _synchronize()
         start = time.perf_counter()
         fn()
-        mx.synchronize()
+        _synchronize()
         return 1000 * (time.perf_counter() - start)
 
     return sample
