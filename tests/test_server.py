@@ -142,7 +142,7 @@ CASES = {
 
 # The tools preamble makes the longest prompt (about 370 tokens of the tiny tokenizer, 20 s
 # of CPU prefill a server): spec alone answers it. Its tokens equal plain decoding's in
-# test_exact_verify.py's tool-call fixture, bit for bit under GPU-like rounding.
+# test_exact_tokens.py's tool-call fixture, bit for bit under GPU-like rounding.
 COMPARED_CASES = ["text", "thinking", "image"]
 
 
