@@ -5,6 +5,7 @@ import http.client
 import io
 import json
 
+import mlx.core as mx
 import pytest
 from PIL import Image
 
@@ -81,6 +82,27 @@ def target(tiny_pack):
     status = dflash2_runtime.install()
     assert status.speculative, status.reason
     return model, processor, drafter
+
+
+GENERATED = 12  # greedy tokens of the exactness checks' runs
+
+
+def raw_ids(processor, text):
+    """A short prompt without the chat template: the bitwise checks prefill it often."""
+    return mx.array([processor.tokenizer.encode(text, add_special_tokens=False)])
+
+
+@pytest.fixture(scope="session")
+def raw_plain(target):
+    """Plain greedy tokens (GENERATED) of each tools/parity.py prompt, raw, on the GPU-like
+    backend as gpu_like_rounding makes it: the exactness checks' reference, decoded once."""
+    from gpu_rounding import swap_row_variant_ops
+    from parity import PROMPTS, greedy
+
+    model, processor, _ = target
+    with pytest.MonkeyPatch.context() as patch:
+        swap_row_variant_ops(patch)
+        return [greedy(model, raw_ids(processor, text), GENERATED) for text in PROMPTS]
 
 
 # Server processes and a raw HTTP client

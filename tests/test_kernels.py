@@ -47,11 +47,16 @@ def returns_float32(x, weight, scales, biases):
     return dk.stock_rows(x, weight, scales, biases).astype(mx.float32)
 
 
-def test_self_test_passes_here():
-    result = dk.self_test()
-    assert result.backend == dk.backend_name()
+def test_serving_path_passes_the_self_test_here(gpu_like_rounding):
+    """What exact_quantized_matmul serves here (this backend's kernel, or per-row stock
+    calls where it has none) equals the single-row calls where batched calls round
+    otherwise (the negative control counts it)."""
+    own = dk.self_test()  # NO_KERNEL at once where there is no kernel
+    assert own.ok and own.backend == dk.backend_name(), own.reason
+    result = dk.self_test(kernel=dk.exact_quantized_matmul)
     assert result.ok, result.reason
     assert result.reason is None
+    assert result.stock_mismatches > 0
     assert result.mismatches == 0
     assert len(result.cases) == len(dk.DEFAULT_SHAPES) * len(dk.INPUT_KINDS) * dk.MAX_ROWS
     assert {case["rows"] for case in result.cases} == set(range(1, 9))
@@ -111,7 +116,8 @@ def test_exact_matmul_equals_single_row_calls(shape, leading):
 
 
 def test_failed_self_test_serves_row_by_row(monkeypatch):
-    monkeypatch.setitem(dk._verified, dk.backend_name(), False)
+    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")  # a backend with a kernel
+    monkeypatch.setitem(dk._verified, "cuda", False)
     monkeypatch.setattr(dk, "_warned", set())
     weight, scales, biases = dk.make_weights(*SHAPE, mx.random.key(1))
     x = dk.make_inputs("large", 5, SHAPE[1], mx.random.key(2))
@@ -228,24 +234,34 @@ def test_decode_attention_rows_equals_single_query_calls():
         dk.decode_attention_rows(queries, keys[:, :, :6], values, 0.125, 6)
 
 
-def test_own_self_tests_have_no_kernel_on_cpu():
+def test_own_self_tests_have_nothing_to_test_without_kernels(monkeypatch):
+    monkeypatch.setattr(dk, "backend_name", lambda: "cpu")
+    serving = dict(dk._verified)
     for name, (_, test) in dk.SELF_TESTS.items():
-        if name == "qmv":
-            continue  # on CPU the batched call is what serves, and it is tested
         result = test(shapes=None)
         assert result.ok and result.reason == dk.NO_KERNEL and not result.cases, name
+    assert dk._verified == serving
 
 
-def test_verify_kernel_self_tests_runs_each_kernel_at_the_pack_shapes():
+def test_verify_kernel_self_tests_runs_each_kernel_at_the_pack_shapes(monkeypatch):
+    given = {}
+
+    def recorded(name, test):
+        def run(shapes):
+            given[name] = shapes
+            return test(shapes=shapes)
+        return run
+
+    monkeypatch.setattr(dk, "SELF_TESTS", {name: (key, recorded(name, test))
+                                           for name, (key, test) in dk.SELF_TESTS.items()})
     results = dk.verify_kernel_self_tests(
-        {"packed": [(16, 512)], "rotations": [(512, 512)], "gdn": [(1, 1, 2, 64, 64)],
+        {"packed": [[16, 512]], "rotations": [(512, 512)], "gdn": [(1, 1, 2, 64, 64)],
          "dense": [], "attention": [(1, 24, 4, 256)]}
     )
     assert set(results) == {"qmv", "rotate", "gdn", "attention"}  # empty: left to first use
     assert all(result.ok for result in results.values())
-    assert {tuple(case["shape"]) for case in results["qmv"].cases} == {(16, 512)}
-    assert {case["rows"] for case in results["qmv"].cases} == set(range(1, 9))
-    assert results["rotate"].reason == dk.NO_KERNEL  # cpu: the stock chain serves
+    assert given == {"qmv": [(16, 512)], "rotate": [(512, 512)], "gdn": [(1, 1, 2, 64, 64)],
+                     "attention": [(1, 24, 4, 256)]}
 
 
 def test_wrong_rotation_fails_naming_the_case():
@@ -323,14 +339,6 @@ def test_scale_bits(block, bits):
     # 1/sqrt(block) rounded to fp32: 2^-5 and 2^-6 exactly, else 2^-k times fp32(1/sqrt 2) = 0x3F3504F3.
     assert dk.scale_bits(block) == bits
 
-def test_cpu_path_stays_exact_where_batched_calls_round_differently(gpu_like_rounding):
-    """The CPU path is per-row stock calls, so a backend whose batched call rounds
-    otherwise (the negative control counts it) leaves it exact."""
-    result = dk.self_test(shapes=[SHAPE])
-    assert result.ok, result.reason
-    assert result.stock_mismatches > 0
-
-
 # ---------------------------------------------------------------------------------------
 # Launch selection, in process: which kernel serves, and the CUDA launch geometry.
 
@@ -345,12 +353,19 @@ def test_cpu_path_stays_exact_where_batched_calls_round_differently(gpu_like_rou
         ("metal", 42, 512, 5, None),  # N % 8: MLX itself leaves qmv_fast
         ("metal", 16, 640, 5, None),  # K % 512
         ("cpu", 16, 512, 1, None),
-        ("cpu", 42, 640, 8, dk.stock_rows),
+        ("cpu", 42, 640, 8, None),  # no kernel: the per-row stock calls
     ],
 )
 def test_serving_kernel_by_backend_shape_and_rows(monkeypatch, backend, n, k, rows, want):
     monkeypatch.setitem(dk._verified, backend, True)
     assert dk._serving_kernel(backend, n, k, rows) is want
+
+
+def test_a_backend_without_kernel_serves_without_a_self_test(monkeypatch):
+    monkeypatch.setattr(dk, "_verified", {})
+    monkeypatch.setattr(dk, "self_test", lambda **_: pytest.fail("self-tested"))
+    assert dk._serving_kernel("cpu", 16, 512, 8) is None
+    assert dk._verified == {}
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal"])

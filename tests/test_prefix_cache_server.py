@@ -5,9 +5,10 @@ tests/gpu_rounding.py's swaps installed before it starts:
   cached_spec   serve_dflash2.py, prefix cache on
   cached_plain  serve.py, prefix cache on
   cold          serve_dflash2.py --no-prefix-cache: the reference answers
-Conversations (text, thinking, a tool call answered by the tool's result, an image) run
-turn by turn through the openai client, greedy on the speculative route and, with
-top_logprobs, on the plain route; cached answers and log-probabilities must equal the cold
+Conversations run turn by turn through the openai client: text and a tool call answered
+by the tool's result greedy on the speculative route, thinking and an image with
+top_logprobs on the plain route (test_prefix_cache.py runs every conversation on both
+routes in process, bit for bit); cached answers and log-probabilities must equal the cold
 server's exactly, and later turns must report the reused prefix in usage and in the log.
 """
 
@@ -71,6 +72,7 @@ CONVERSATIONS = {  # name -> (enable_thinking, the messages of each turn)
     ]),
 }
 ROUTES = {"speculative": {}, "plain": {"logprobs": True, "top_logprobs": TOP_LOGPROBS}}
+ON_ROUTE = {"speculative": ("text", "tool-call"), "plain": ("thinking", "image")}
 SERVED = {"cached_spec": ROUTES, "cached_plain": {"plain": ROUTES["plain"]}, "cold": ROUTES}
 
 
@@ -109,10 +111,13 @@ def results(servers):
     """{server: {(conversation, route, turn): turn()}}: each server runs its conversations
     in order, the servers side by side."""
     def run(name):
-        return {(conversation, route, index): turn(servers[name], messages, thinking, fields)
-                for route, fields in SERVED[name].items()
-                for conversation, (thinking, turns) in CONVERSATIONS.items()
-                for index, messages in enumerate(turns)}
+        answers = {}
+        for route, fields in SERVED[name].items():
+            for conversation in ON_ROUTE[route]:
+                thinking, turns = CONVERSATIONS[conversation]
+                for index, messages in enumerate(turns):
+                    answers[(conversation, route, index)] = turn(servers[name], messages, thinking, fields)
+        return answers
 
     with ThreadPoolExecutor(len(SERVED)) as pool:
         return dict(zip(SERVED, pool.map(run, SERVED)))

@@ -1,0 +1,79 @@
+"""Greedy speculative tokens equal plain decoding on the tiny synthetic pack: an oracle
+drafter at every block and acceptance, the pack's own drafter on the text, thinking,
+tool-call and image fixtures, an image prompt at partial acceptance, and the
+sliding-window drafter. The full matrix runs on a GPU through tools/parity.py.
+
+Every test here runs on the GPU-like CPU backend (conftest's gpu_like_rounding), where
+stock verify gives other tokens (test_exact_verify.py's negative control), so these
+checks can fail.
+"""
+
+import pytest
+
+import dflash2_runtime
+from conftest import GENERATED, raw_ids
+from oracle_drafter import OracleDrafter
+from parity import PROMPTS, chat_ids, fixture_cases, greedy, image_inputs, oracle_token_case
+
+# The pack's random drafter accepts nothing, so each token after the first costs a full
+# round: five rounds a fixture.
+FIXTURE_TOKENS = 6
+
+pytestmark = pytest.mark.usefixtures("gpu_like_rounding")
+
+
+def test_speculative_tokens_equal_plain_with_oracle_drafter(target, raw_plain):
+    model, processor, _ = target
+    # Every block size at partial acceptance, full and zero acceptance at the ends; the
+    # prompts rotate, raw (the chat templates run in the fixture test below; the full
+    # matrix runs on the GPU: tools/parity.py).
+    prompts = [raw_ids(processor, text) for text in PROMPTS]
+    cases = [
+        oracle_token_case(model, prompts[block % len(PROMPTS)], raw_plain[block % len(PROMPTS)], block,
+                          error_rate, GENERATED)
+        for block in range(2, 9)
+        for error_rate in ((0.0, 0.35, 1.0) if block in (2, 8) else (0.35,))
+    ]
+    assert [c for c in cases if not c["identical"]] == []
+    # The oracle really exercised full, partial and zero acceptance.
+    assert all(c["accepted"] == 0 for c in cases if c["error_rate"] == 1.0)
+    assert all(c["accepted"] > 0 for c in cases if c["error_rate"] == 0.0)
+    partial = [c for c in cases if c["error_rate"] == 0.35]
+    assert any(0 < c["accepted"] < c["rounds"] * (c["block"] - 1) for c in partial)
+
+
+def test_fixtures_with_the_packs_drafter_equal_plain(target):
+    """Text, thinking, tool-call and image prompts with the synthetic DFlash2 drafter."""
+    model, processor, drafter = target
+    cases = fixture_cases(model, processor, drafter, FIXTURE_TOKENS)
+    assert [c["fixture"] for c in cases] == ["text", "thinking", "tool-call", "image"]
+    assert [c for c in cases if not c["identical"]] == []
+    assert all(c["rounds"] > 0 for c in cases), "the drafter ran no round"
+
+
+def test_image_prompt_with_partial_acceptance_equals_plain(target):
+    model, processor, _ = target
+    ids, image = image_inputs(processor)
+    plain = greedy(model, ids, GENERATED, **image)
+    vocab = model.language_model.lm_head.weight.shape[0]
+    drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=0.35, block_size=5)
+    assert greedy(model, ids, GENERATED, drafter=drafter, block_size=5, **image) == plain
+    assert sum(drafter.accept_lens) > 0
+
+
+def test_sliding_window_drafter_has_bounded_caches_and_plain_tokens(target, tiny_pack):
+    from mlx_vlm.models.cache import RotatingKVCache
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    model, processor, _ = target
+    drafter, _ = load_drafter(tiny_pack["drafter"])  # its own copy: the option changes it
+    drafter.config.sliding_window = 8  # shorter than the prompt, so the window trims
+    dflash2_runtime.configure_drafter(
+        drafter, dflash2_runtime.RuntimeOptions(sliding_window=True)
+    )
+    caches = drafter.make_cache()
+    assert all(isinstance(c, RotatingKVCache) and c.max_size == 7 for c in caches)
+    ids = chat_ids(processor.tokenizer, PROMPTS[0], thinking=False)
+    assert ids.shape[1] > 8
+    assert greedy(model, ids, GENERATED, drafter=drafter) == greedy(model, ids, GENERATED)
+    assert drafter.accept_lens
