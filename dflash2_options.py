@@ -18,6 +18,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 DEFAULT_PORT = 8080
 DEFAULT_REQUEST_TIMEOUT_S = 600
 DEFAULT_PREFIX_CACHE_GB = 8.0
+MAX_PREFILL_STEP = 4096
 MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 # Environment variables mlx-vlm reads for generation, caching or batching. An inherited
@@ -119,8 +120,11 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     mlx_vlm.add_argument("--max-tokens", type=int_in(1, 1 << 20),
                          help="default max_tokens of a request (mlx-vlm's default: 2048); at most "
                               "the model's context length")
-    mlx_vlm.add_argument("--prefill-step-size", type=int_in(1, 1 << 20),
-                         help="prompt tokens per prefill step (mlx-vlm's default: 2048)")
+    # MLX CUDA could not capture a 16384-token prefill step at the 27B shape
+    # (cudaGraphAddKernelNode: invalid argument); 4096 worked there.
+    mlx_vlm.add_argument("--prefill-step-size", type=int_in(1, MAX_PREFILL_STEP),
+                         help="prompt tokens per prefill step (mlx-vlm's default: 2048; at most "
+                              f"{MAX_PREFILL_STEP}); the prefix cache stores states at its multiples")
     mlx_vlm.add_argument("--thinking-start-token", metavar="TOKEN",
                          help="the token that opens a thinking block (default: mlx-vlm's, <think>)")
     mlx_vlm.add_argument("--thinking-end-token", metavar="TOKEN",

@@ -271,3 +271,9 @@ def test_edited_mlx_vlm_sources_refuse_the_start_and_are_named(script, pinned_pa
     named = {line.strip().split(": source sha256")[0] for line in result.stderr.splitlines()
              if ": source sha256" in line}
     assert named == {row.target for row in dflash2_audit.REPLACED}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_prefill_step_beyond_what_cuda_captures_is_refused(main_exit, script):
+    status, stderr = main_exit(script, "--prefill-step-size", "16384")
+    assert status == 2 and "--prefill-step-size: 16384 is outside 1..4096" in stderr, stderr
