@@ -79,6 +79,13 @@ REPLACED = (
         "their outputs, which the next round hands to the drafter.",
     ),
     Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower",
+        "bf5313477baa147b47ae80d53cca3f1828ef6ff7280d295cf5b606ea5dff5e64",
+        "Swapped by the engine on every route: the prefill's forward substitution with the same "
+        "matmuls on the same operands, appending each row instead of concatenating all earlier "
+        "rows again (one GPU copy kernel per row: about half a second a 27B prefill chunk).",
+    ),
+    Audited(
         "mlx_vlm.server.generation:ResponseGenerator.__init__",
         "ee4704d8e6422ef901e58956f839b2d4185c0cb32242a66e31b5af02be38e662",
         "Extended by the engine (model path, vision cache, top_logprobs_k, prefill step size): "

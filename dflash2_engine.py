@@ -1,8 +1,9 @@
 """Runs mlx-vlm's server engine on the pack: the target (and drafter) loaded on its worker
 thread, one sequence at a time, each request on the route its record carries.
 
-The engine subclasses mlx-vlm's ResponseGenerator and swaps two of mlx_vlm.server's
-functions; dflash2_audit lists each with its audited source, checked before any weight loads.
+The engine subclasses mlx-vlm's ResponseGenerator, swaps two of mlx_vlm.server's functions
+and, on every route, one function of the GatedDeltaNet prefill (same bits, fewer copies);
+dflash2_audit lists each with its audited source, checked before any weight loads.
 The drafter's start-up (dflash2_runtime's install and self-checks, the round costs) ends in
 one Speculation value: a drafter to serve with, or why every request is served plain.
 """
@@ -41,6 +42,45 @@ class Speculation:
     error: str = None
     round_costs: dict = None  # as /health shows them
     runtime: dict = None  # dflash2_runtime.RuntimeStatus.to_json(): kernels, self-check, decode path
+
+
+INVERSE_TARGET = "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower"
+
+
+def invert_unit_lower(Tmat, C: int):
+    """mlx-vlm's _invert_unit_lower (the GatedDeltaNet chunked prefill's forward
+    substitution) with the same matmuls on the same operands. Stock concatenates all earlier
+    rows again for every row: on GPUs one copy kernel per row, about 2,000 a layer and
+    0.4-0.5 s a 27B prefill chunk on the H200. Appending each row to the previous
+    concatenation gives the same contiguous rows with two copies."""
+    import mlx.core as mx
+
+    X = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape) + mx.zeros_like(Tmat)
+    done = X[..., 0:1, :]  # stock's concatenate of one row is that row itself
+    for i in range(1, C):
+        row = X[..., i : i + 1, :] - Tmat[..., i : i + 1, :i] @ done
+        done = mx.concatenate([done, row], axis=-2)
+    return done
+
+
+def use_row_appending_inverse(heads: int = 48, chunks: int = 2) -> str:
+    """Installs invert_unit_lower on every route once a start-up check finds it bitwise
+    stock's on this backend (a chunked-prefill-like input; exact by construction, checked all
+    the same); otherwise keeps stock. Returns the log line."""
+    import mlx.core as mx
+
+    stock = dflash2_audit.stock(INVERSE_TARGET)
+    C = 64  # gated_delta_chunked's chunk
+    started = time.perf_counter()
+    lower = mx.tril(mx.random.normal((1, heads, chunks, C, C), key=mx.random.key(0)) * 0.3, -1)
+    Tmat = mx.eye(C, dtype=mx.float32) + lower
+    want, got = stock(Tmat, C), invert_unit_lower(Tmat, C)
+    same = mx.array_equal(want.view(mx.uint32), got.view(mx.uint32)).item()
+    seconds = time.perf_counter() - started
+    if not same:
+        return f"prefill inverse: mlx-vlm's (the row-appending one differed from it here), {seconds:.1f} s"
+    dflash2_audit.replace(INVERSE_TARGET, invert_unit_lower)
+    return f"prefill inverse: row-appending, bitwise mlx-vlm's at start-up ({seconds:.1f} s)"
 
 
 def load_speculation(model, setup: DrafterSetup) -> Speculation:
@@ -162,6 +202,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     except dflash2_audit.SourceMismatch as mismatch:
         sys.exit(f"error: {mismatch}")
     app_module = sys.modules["mlx_vlm.server.app"]  # mlx_vlm.server.app is the FastAPI object
+    logger.info(use_row_appending_inverse())
     if prefix_cache_gb:
         import dflash2_prefix_cache
 

@@ -280,6 +280,11 @@ def test_arrival_and_finish_log_lines(servers):
     assert "weight data not hashed" in servers["spec"].log() and " passed" not in servers["spec"].log()
 
 
+def test_both_servers_prefill_with_the_row_appending_inverse(servers):
+    for name in ("spec", "plain"):
+        assert "prefill inverse: row-appending, bitwise mlx-vlm's at start-up" in servers[name].log()
+
+
 # ---------------------------------------------------------------------------------------
 # Routing: fallbacks and refusals
 

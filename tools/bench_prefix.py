@@ -32,6 +32,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from mlx_vlm.generate.ar import BatchGenerator  # noqa: E402
 
+import dflash2_engine  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from dflash2_prefix_cache import PrefixPromptBatch, PrefixStore  # noqa: E402
 from parity import differing  # noqa: E402
@@ -196,6 +197,8 @@ def main():
     started = time.time()
     model, processor, drafter = load(args)
     status = dflash2_runtime.install(model)
+    prefill_inverse = dflash2_engine.use_row_appending_inverse()  # as both servers prefill
+    print(prefill_inverse, flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
     results, memory = {}, {}
@@ -207,6 +210,7 @@ def main():
             **run_environment("bench_prefix.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0"),
             "complete": complete,
             "runtime_speculative": status.speculative,
+            "prefill_inverse": prefill_inverse,
             "follow_up_tokens": args.follow_up,
             "repeats": args.repeats,
             "by_route_step_context": results,
@@ -236,7 +240,7 @@ def summary_markdown(r) -> str:
         "",
         f"Command: `{r['command']}`; mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}. "
         f"Second turn = first turn less its last {GENERATION_PROMPT} tokens + {r['follow_up_tokens']} tokens; "
-        f"median of {r['repeats']}.",
+        f"median of {r['repeats']}. {r.get('prefill_inverse', '')}.",
         "",
         "| route | step | context | cold ms | cached ms | cached / cold | repeat ms | reused tokens | store GB | "
         "logits bitwise |",

@@ -1,0 +1,53 @@
+"""The engine's prefill inverse (dflash2_engine.invert_unit_lower), in process: bitwise
+mlx-vlm's forward substitution, installed only when the start-up check finds it so, and in
+place in a running server (its start-up log says which one serves)."""
+
+import mlx.core as mx
+import mlx_vlm.models.qwen3_5.gated_delta as gated_delta
+import pytest
+
+import dflash2_engine
+from parity import differing
+
+STOCK = gated_delta._invert_unit_lower
+
+
+def unit_lower(shape, scale, seed):
+    """I + a strictly lower matrix, as gated_delta_chunked builds it (off-diagonals of
+    correlated keys are about 1: scale 1)."""
+    *batch, C, _ = shape
+    lower = mx.tril(mx.random.normal(shape, key=mx.random.key(seed)) * scale, -1)
+    return mx.eye(C, dtype=mx.float32) + lower
+
+
+@pytest.mark.parametrize("shape, scale", [((1, 3, 1, 64, 64), 0.3), ((2, 2, 3, 64, 64), 1.0),
+                                          ((1, 4, 2, 16, 16), 2.0)])
+def test_row_appending_inverse_is_stock_bit_for_bit(shape, scale):
+    Tmat = unit_lower(shape, scale, seed=sum(shape))
+    C = shape[-1]
+    want = STOCK(Tmat, C)
+    assert differing(dflash2_engine.invert_unit_lower(Tmat, C), want) == 0
+    # The test sees arithmetic: the same substitution summing each row's products in
+    # reverse order is the same matrix in other bits.
+    assert differing(reversed_substitution(Tmat, C), want) > 0
+
+
+def reversed_substitution(Tmat, C):
+    rows = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape)[..., :1, :]
+    for i in range(1, C):
+        product = Tmat[..., i : i + 1, :i][..., ::-1] @ rows[..., ::-1, :]
+        rows = mx.concatenate([rows, mx.eye(C, dtype=mx.float32)[i : i + 1] - product], axis=-2)
+    return rows
+
+
+def test_installed_only_when_the_start_up_check_passes(monkeypatch):
+    monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)  # undone after the test
+    monkeypatch.setattr(dflash2_engine, "invert_unit_lower",
+                        lambda Tmat, C: STOCK(Tmat, C) * (1 + 2 ** -20))
+    line = dflash2_engine.use_row_appending_inverse(heads=2)
+    assert "differed" in line and gated_delta._invert_unit_lower is STOCK
+    monkeypatch.undo()
+    monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)
+    line = dflash2_engine.use_row_appending_inverse(heads=2)
+    assert "row-appending" in line and gated_delta._invert_unit_lower is dflash2_engine.invert_unit_lower
+    assert gated_delta._invert_unit_lower.__dflash2_stock__ is STOCK
