@@ -108,7 +108,7 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
         dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(**setup.options))
     except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
         return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
-    # What a round costs here decides, per request, each round's block or plain steps.
+    # What a round costs here decides each greedy request's route, then each round's block or plain steps.
     try:
         drafter.round_costs = setup.round_costs or dflash2_policy.measure_round_costs(model, drafter)
     except Exception:
@@ -116,6 +116,9 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
         return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
     logger.info("DFlash2 round costs (%s): %s",
                 "from --dflash2-round-costs" if setup.round_costs else "measured", drafter.round_costs.summary())
+    if not dflash2_policy.rounds_can_pay(drafter):
+        logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
+                    "(fallback; reason=rounds-cannot-pay) while the table says so")
     return Speculation(drafter, kind, round_costs=drafter.round_costs.to_json(), runtime=runtime)
 
 
@@ -223,6 +226,14 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
             if drafter is not None:
                 self.speculation = load_speculation(self.model, drafter)
                 self.draft_kind = self.speculation.kind  # the worker picks the round loop by it
+
+        def rounds_can_pay(self) -> bool:
+            """Whether greedy requests go speculative by the drafter's cost table as it is now
+            (dflash2_policy.rounds_can_pay; a measured table keeps learning)."""
+            import dflash2_policy
+
+            drafter = self.speculation.drafter
+            return drafter is None or dflash2_policy.rounds_can_pay(drafter)
 
         def serve_plain(self, reason: str):
             """Every later request is served plain, with this reason."""

@@ -180,6 +180,8 @@ class RequestRecord:
 
     def finish_summary(self) -> str:
         parts = [f"status={'disconnected' if self.cancelled == 'disconnected' else self.status}"]
+        if self.reason:  # a fallback's or refusal's, as the arrival line gave it
+            parts.append(f"reason={self.reason}")
         if self.cancelled not in (None, "disconnected"):
             parts.append(f"cancelled={self.cancelled}")
         if self.tokens:

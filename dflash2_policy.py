@@ -125,6 +125,18 @@ class RoundCosts:
                 f"(block: verify+draft) {rounds}; speculation {verdict}")
 
 
+def rounds_can_pay(draft_model) -> bool:
+    """Whether greedy requests on this drafter should go speculative: its cost table as it
+    is now has a block up to the drafter's ceiling that beats plain decoding at full
+    acceptance (or the block is fixed, and rounds run whatever they cost). When not, the
+    policy would serve every token with plain steps, so the server routes such requests
+    plain: same tokens, and their prefill skips capturing the drafter's taps."""
+    costs = getattr(draft_model, "round_costs", None)
+    if costs is None or getattr(draft_model, "prefer_requested_block_size", False):
+        return True
+    return costs.can_pay(_dflash_block_total(draft_model, None))
+
+
 # ---------------------------------------------------------------------------
 # Per request: acceptance and the choice
 

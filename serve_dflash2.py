@@ -8,9 +8,11 @@ is routed, and every response says how in its x-dflash2 header:
 - speculative: explicit temperature 0, no logprobs, no penalties, no logit_bias, n=1
   (images too, unless --dflash2-multimodal plain);
 - fallback; reason=R: served plain. Per request R is temperature-omitted (the pack's
-  sampling defaults apply), sampling, logprobs, penalties, logit-bias or multimodal-plain;
-  for every request it is no-dflash2 (--no-dflash2), kernel-self-test-failed,
-  verify-self-check-failed or speculative-warm-up-failed;
+  sampling defaults apply), sampling, logprobs, penalties, logit-bias, multimodal-plain, or
+  rounds-cannot-pay (a greedy request while the round cost table has no block that beats
+  plain decoding even at full acceptance); for every request it is no-dflash2
+  (--no-dflash2), kernel-self-test-failed, verify-self-check-failed or
+  speculative-warm-up-failed;
 - refused; reason=R: thinking-budget, structured-output, n-above-1, and the gateway's
   refusals (dflash2_gateway.py, dflash2_http.py; README lists them all).
 Responses that generate nothing (/v1/models, /health) carry the server's mode.
@@ -169,7 +171,8 @@ def main(argv=None):
 
     def decide(body):
         return route_chat(check_chat_request(body, limits), server_reason=server_reason,
-                          multimodal_plain=args.dflash2_multimodal == "plain")
+                          multimodal_plain=args.dflash2_multimodal == "plain",
+                          rounds_pay=generator.rounds_can_pay())
 
     def health():
         speculation = generator.speculation

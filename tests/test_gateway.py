@@ -64,12 +64,13 @@ def image_dir(tmp_path_factory):
     return folder
 
 
-def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False):
+def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
+                rounds_pay=True):
     limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
 
     def decide(body):
         return route_chat(check_chat_request(body, limits), server_reason=server_reason,
-                          multimodal_plain=multimodal_plain)
+                          multimodal_plain=multimodal_plain, rounds_pay=rounds_pay)
 
     gateway = Gateway(stub_mlx_vlm, model_id=MODEL_ID, scrubber=PathScrubber(local_paths([], MODEL_ID)),
                       decide=decide, header="x-dflash2", request_timeout=TIMEOUT_S)
@@ -333,6 +334,18 @@ def test_multimodal_plain_routes_only_images_plain(multimodal_plain):
     assert with_image.headers["x-dflash2"] == (
         "fallback; reason=multimodal-plain" if multimodal_plain else "speculative")
     assert text.headers["x-dflash2"] == "speculative"
+
+
+def test_while_no_round_can_pay_greedy_requests_go_plain_and_other_reasons_stay_first():
+    client = make_client(multimodal_plain=True, rounds_pay=False)
+    modes = [post(client, body).headers["x-dflash2"] for body in (
+        {"messages": MESSAGES, "temperature": 0}, {"messages": MESSAGES, "temperature": 0.5},
+        image_body(data_url(png())))]
+    assert modes == ["fallback; reason=rounds-cannot-pay", "fallback; reason=sampling",
+                     "fallback; reason=multimodal-plain"]
+    server_wide = make_client(server_reason="no-dflash2", rounds_pay=False)
+    assert post(server_wide, {"messages": MESSAGES, "temperature": 0}).headers["x-dflash2"] == \
+        "fallback; reason=no-dflash2"
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Three real servers (uvicorn on 127.0.0.1), each with a prefill step of STEP toke
 tests/gpu_rounding.py's swaps installed before it starts:
   cached_spec   serve_dflash2.py, prefix cache on
   cached_plain  serve.py, prefix cache on
-  cold          serve_dflash2.py --no-prefix-cache: the reference answers
+  cold          serve_dflash2.py --no-prefix-cache with a round cost table under which no
+                block pays: the reference answers, greedy ones routed plain
 Conversations run turn by turn through the openai client: text and a tool call answered
 by the tool's result greedy on the speculative route, thinking and an image with
 top_logprobs on the plain route (test_prefix_cache.py runs every conversation on both
@@ -14,6 +15,7 @@ server's exactly, and later turns must report the reused prefix in usage and in 
 
 import base64
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -71,6 +73,8 @@ CONVERSATIONS = {  # name -> (enable_thinking, the messages of each turn)
          {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Sure?"}],
     ]),
 }
+# Every round costs at least its block in decode steps: not even full acceptance beats plain.
+NEVER_PAYS = {**ROUND_COSTS, "verify_steps_by_block": {str(b): float(b) for b in range(2, 9)}}
 ROUTES = {"speculative": {}, "plain": {"logprobs": True, "top_logprobs": TOP_LOGPROBS}}
 ON_ROUTE = {"speculative": ("text", "tool-call"), "plain": ("thinking", "image")}
 SERVED = {"cached_spec": ROUTES, "cached_plain": {"plain": ROUTES["plain"]}, "cold": ROUTES}
@@ -78,11 +82,13 @@ SERVED = {"cached_spec": ROUTES, "cached_plain": {"plain": ROUTES["plain"]}, "co
 
 @pytest.fixture(scope="module")
 def servers(built_pack, start_server, tmp_path_factory):
-    costs = tmp_path_factory.mktemp("prefix_servers") / "round-costs.json"
-    costs.write_text(json.dumps(ROUND_COSTS))
-    common = ["--prefill-step-size", str(STEP), "--top-logprobs-k", str(TOP_LOGPROBS)]
-    spec = ["serve_dflash2.py", *common, "--dflash2-round-costs", str(costs)]
-    commands = {"cached_spec": spec, "cached_plain": ["serve.py", *common], "cold": [*spec, "--no-prefix-cache"]}
+    folder = tmp_path_factory.mktemp("prefix_servers")
+    (folder / "pays.json").write_text(json.dumps(ROUND_COSTS))
+    (folder / "never-pays.json").write_text(json.dumps(NEVER_PAYS))
+    common = ["serve_dflash2.py", "--prefill-step-size", str(STEP), "--top-logprobs-k", str(TOP_LOGPROBS)]
+    commands = {"cached_spec": [*common, "--dflash2-round-costs", str(folder / "pays.json")],
+                "cached_plain": ["serve.py", *common[1:]],
+                "cold": [*common, "--dflash2-round-costs", str(folder / "never-pays.json"), "--no-prefix-cache"]}
     started = {name: start_server(name, ["-c", WITH_GPU_ROUNDING, *command], cwd=built_pack)
                for name, command in commands.items()}
     for server in started.values():
@@ -130,7 +136,23 @@ def test_cached_answers_equal_cold_answers(results, name):
         assert cold_cached == 0, key
         assert (answer, logprobs) == (cold_answer, cold_logprobs), key
         if name == "cached_spec":
-            assert mode == cold_mode == ("speculative" if key[1] == "speculative" else "fallback; reason=logprobs")
+            assert mode == ("speculative" if key[1] == "speculative" else "fallback; reason=logprobs")
+
+
+def test_greedy_requests_go_plain_where_no_block_pays_and_say_why(results, servers):
+    modes = {route: {mode for (_, r, _), (mode, *_) in results["cold"].items() if r == route} for route in ROUTES}
+    assert modes == {"speculative": {"fallback; reason=rounds-cannot-pay"}, "plain": {"fallback; reason=logprobs"}}
+    greedy = sum(key[1] == "speculative" for key in results["cold"])
+    for _ in range(50):  # a finish line is written just after the response's last byte
+        lines = servers["cold"].log().splitlines()
+        arrived = [line for line in lines if "/v1/chat/completions: fallback; reason=rounds-cannot-pay" in line]
+        finished = [line for line in lines if " finished in " in line and "reason=rounds-cannot-pay" in line]
+        if len(finished) == greedy:
+            break
+        time.sleep(0.1)
+    assert len(arrived) == len(finished) == greedy
+    assert all("status=200" in line and "rounds=" not in line for line in finished), finished
+    assert "greedy requests are routed plain" in servers["cold"].log()
 
 
 @pytest.mark.parametrize("name", ["cached_spec", "cached_plain"])

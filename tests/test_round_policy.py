@@ -93,6 +93,29 @@ def test_costs_that_never_pay_mean_plain_steps_only_and_fixed_blocks_stay_fixed(
     assert [fixed.choose_block(remaining) for remaining in (50, 3)] == [6, 4]
 
 
+def test_routing_asks_whether_a_block_up_to_the_ceiling_beats_plain_at_full_acceptance():
+    from types import SimpleNamespace
+
+    # A round of block b yields b tokens at full acceptance: at b decode steps it only ties.
+    tie = RoundCosts(1.0, {b: b - 0.5 for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=True)
+    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=tie)
+    assert not dflash2_policy.rounds_can_pay(drafter)
+    tie.verify_steps_by_block[6] -= 0.01  # block 6 now pays, by a hundredth of a step
+    assert dflash2_policy.rounds_can_pay(drafter)
+    drafter.config.runtime_block_size = 5  # beyond the drafter's ceiling it does not count
+    assert not dflash2_policy.rounds_can_pay(drafter)
+    # The live table: plain steps observed slower make the same rounds pay.
+    tie.observe_plain(10, 20.0)
+    assert dflash2_policy.rounds_can_pay(drafter)
+    # A fixed block runs rounds whatever they cost; without a table mlx-vlm's loop runs.
+    never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS})
+    drafter.round_costs = never
+    assert not dflash2_policy.rounds_can_pay(drafter)
+    drafter.prefer_requested_block_size = True
+    assert dflash2_policy.rounds_can_pay(drafter)
+    assert dflash2_policy.rounds_can_pay(SimpleNamespace(config=drafter.config))
+
+
 def test_cost_table_round_trips_and_bad_tables_are_named():
     assert RoundCosts.from_json(COSTS.to_json()).to_json() == COSTS.to_json()
     for bad in ({}, {**COSTS.to_json(), "draft_steps_by_block": {"2": 0.1}},
