@@ -199,3 +199,18 @@ def test_budget_evicts_least_recently_used(target):
     run(model, processor, None, ids=[4, 2, 3, 4, 5, 6, 7, 8, 9, 10], store=store)
     assert store.nbytes() <= store.budget and len(store.entries) == 2
     assert [run(model, processor, None, ids=ids, store=store)[1] for ids in prompts[:2]] == [9, 0]
+
+
+def test_drafter_memory_counts_its_own_weights_not_the_targets(target, tiny_pack):
+    """bench_prefix's spec_extra_memory: a bound drafter's parameters() include the target's
+    embedding and head; its own weights are what its files hold."""
+    from mlx.utils import tree_flatten
+
+    from bench_prefix import drafter_own_bytes
+
+    model, _, drafter = target
+    drafter.reset(model)
+    files = sum(value.nbytes for path in sorted(tiny_pack["drafter"].glob("*.safetensors"))
+                for value in mx.load(str(path)).values())
+    bound = sum(value.nbytes for _, value in tree_flatten(drafter.parameters()))
+    assert drafter_own_bytes(drafter, model) == files < bound

@@ -132,13 +132,21 @@ def measure(model, processor, context, step, args, drafter=None):
             "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2)}
 
 
+def drafter_own_bytes(drafter, model) -> int:
+    """The drafter's weights in bytes, less the target's embedding and head it binds (its
+    parameters() include them)."""
+    from mlx.utils import tree_flatten
+
+    shared = {id(value) for _, value in tree_flatten(model.parameters())}
+    return sum(value.nbytes for _, value in tree_flatten(drafter.parameters()) if id(value) not in shared)
+
+
 def spec_extra_memory(model, processor, drafter, contexts, step):
     """Speculation's extra memory by context, in GB: the drafter's weights plus how far a
     speculative request's peak goes past a plain one's (drafter cache, taps, verify work),
     with the drafter's whole context and then with its sliding window."""
-    from mlx.utils import tree_flatten
-
-    weights = sum(value.nbytes for _, value in tree_flatten(drafter.parameters()))
+    drafter.reset(model)  # bound to the target, as a request binds it
+    weights = drafter_own_bytes(drafter, model)
     vocab = min(model.language_model.args.vocab_size, 150000)
 
     def peak(context, route_drafter):
@@ -175,7 +183,7 @@ def load(args):
     processor = load_processor(make_pack(folder / "tiny", size="tiny", seed=0)["target"])
     drafter = None
     if args.speculative:
-        write_drafter(folder / "drafter", args.size, seed=0)
+        write_drafter(folder / "drafter", args.size, seed=0, form=args.drafter_form)
         drafter, _ = load_drafter(folder / "drafter")
     return build_target_model(args.size, seed=0), processor, drafter
 
@@ -191,6 +199,8 @@ def main():
     parser.add_argument("--speculative", action="store_true", help="also the speculative route")
     parser.add_argument("--memory-contexts", type=int, nargs="*", default=[1024, 4096],
                         help="contexts at which to measure speculation's extra memory (needs --speculative)")
+    parser.add_argument("--drafter-form", choices=["bf16", "4bit"], default="4bit",
+                        help="the random drafter's form (the one a pack should ship: 4bit)")
     parser.add_argument("--budget-gb", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -210,6 +220,7 @@ def main():
             **run_environment("bench_prefix.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0"),
             "complete": complete,
             "runtime_speculative": status.speculative,
+            "drafter_form": None if args.pack else args.drafter_form,
             "prefill_inverse": prefill_inverse,
             "follow_up_tokens": args.follow_up,
             "repeats": args.repeats,
@@ -255,7 +266,9 @@ def summary_markdown(r) -> str:
                              f"{m['second_turn_tokens']} | {m['store_gb_after_first_turn']} | {m['exact']} |")
     lines += ["", f"Every cached first token bitwise the cold one: {r['exact']}.", ""]
     if r["spec_extra_memory_gb"]:
-        lines += ["Speculation's extra memory (drafter weights + peak over a plain request), GB:", "",
+        form = f"the {r['drafter_form']} drafter's" if r.get("drafter_form") else "the drafter's"
+        lines += [f"Speculation's extra memory ({form} own weights, not the target's embedding and head it "
+                  "shares, + peak over a plain request), GB:", "",
                   "| context | drafter's whole context | sliding window |", "|---|---|---|"]
         lines += [f"| {context} | {m['full']} | {m['sliding_window']} |" for context, m in r["spec_extra_memory_gb"].items()]
         lines.append("")
