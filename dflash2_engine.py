@@ -110,9 +110,12 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
         return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
     # What a round costs here decides each greedy request's route, then each round's block or plain steps.
     try:
+        dtype = dflash2_runtime.choose_drafter_dtype(model, drafter)
+        logger.info("DFlash2 %s", dtype.summary())
+        runtime["drafter_activations"] = dtype.summary()
         drafter.round_costs = setup.round_costs or dflash2_policy.measure_round_costs(model, drafter)
     except Exception:
-        logger.exception("measuring the round costs failed; every request is served plain")
+        logger.exception("timing the drafter or the round costs failed; every request is served plain")
         return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
     logger.info("DFlash2 round costs (%s): %s",
                 "from --dflash2-round-costs" if setup.round_costs else "measured", drafter.round_costs.summary())

@@ -34,6 +34,7 @@ from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 from mlx_vlm.models.qwen3_5.speculative_verifier import Qwen3_5BatchInvariantForward
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
+from mlx_vlm.speculative.common import _dflash_block_total
 from mlx_vlm.speculative.drafters.dflash2.dflash2 import DFlash2DraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
 
@@ -346,18 +347,18 @@ def exact_verify_greedy(lm, verify_input, prompt_cache, target_layer_ids, sample
 
 
 # ---------------------------------------------------------------------------
-# Drafter precision: the target hands over fp16 activations; meeting bf16
-# drafter weights they would promote the whole drafter to fp32 (and upcast its
-# weights on every call). Run the drafter in bf16, hand fp16 back to the head.
-# Not on CPU: there bf16 arithmetic is emulated and the promoted fp32 is the faster
-# path (a tiny-pair drafter pass took 4-5x longer in bf16). Either way only the
-# proposals can differ, never the tokens.
+# Drafter precision: the target hands over fp16 activations; meeting bf16 drafter
+# weights they promote the drafter to fp32. Running it in bf16 instead (fp16 handed
+# back to the head) is faster for some drafters and slower for others: on the H200 a
+# 4-bit drafter's pass took 14.6 ms in bf16 against 23.0 promoted, a bf16 drafter's
+# 86.4 against 22.8; on CPU bf16 is emulated. So the server times both at start-up
+# (choose_drafter_dtype). Either way only the proposals can differ, never the tokens.
 
 _stock_draft_hidden = DFlashDraftModel._hidden
 _stock_embed_input_tokens = DFlash2DraftModel._embed_input_tokens
 
 
-_drafter_bf16: Optional[bool] = None  # None: bf16 off CPU (use_drafter_bf16 sets it, e.g. to compare)
+_drafter_bf16: Optional[bool] = None  # None: bf16 off CPU; choose_drafter_dtype sets it by measurement
 
 
 def use_drafter_bf16(flag: Optional[bool]) -> None:
@@ -367,6 +368,47 @@ def use_drafter_bf16(flag: Optional[bool]) -> None:
 
 def _drafter_in_bf16() -> bool:
     return dflash2_kernels.backend_name() != "cpu" if _drafter_bf16 is None else _drafter_bf16
+
+
+@dataclass(frozen=True)
+class DrafterDtypeChoice:
+    bf16: bool
+    why: str
+    pass_ms: dict = field(default_factory=dict)  # "bf16" / "promoted" -> interleaved_ms stats
+
+    def summary(self) -> str:
+        timed = ", ".join(f"{name} {stats['median']:.2f} ms" for name, stats in self.pass_ms.items())
+        return (f"drafter activations: {'bf16' if self.bf16 else 'promoted'} ({self.why}"
+                + (f"; median pass of {timed}" if timed else "") + ")")
+
+
+def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> DrafterDtypeChoice:
+    """Run the drafter in bf16 or in the dtype its inputs promote to, whichever drafts a
+    block faster here: passes of the drafter's largest block over a 16-row context,
+    interleaved after warm-up. On CPU bf16 is emulated: promoted, untimed."""
+    if dflash2_kernels.backend_name() == "cpu":
+        use_drafter_bf16(False)
+        return DrafterDtypeChoice(False, "bf16 is emulated on CPU")
+    lm = getattr(model, "language_model", model)
+    width = len(drafter.config.target_layer_ids) * int(lm.args.hidden_size)
+    context = mx.random.normal((1, 16, width), key=mx.random.key(0)).astype(mx.float16)
+    block = _dflash_block_total(drafter, None)
+
+    def sample(bf16):
+        def run():
+            use_drafter_bf16(bf16)
+            cache = drafter.reset(model)
+            mx.eval(drafter.draft_block_greedy(1, context, cache, block, None))  # reads the context
+            for _ in range(passes):
+                mx.eval(drafter.draft_block_greedy(1, context[:, -1:], cache, block, None))
+
+        return dflash2_policy.timed_ms(run)
+
+    pass_ms = dflash2_policy.interleaved_ms({"bf16": sample(True), "promoted": sample(False)}, repeats)
+    bf16 = pass_ms["bf16"]["median"] < pass_ms["promoted"]["median"]
+    use_drafter_bf16(bf16)
+    drafter.reset(model)
+    return DrafterDtypeChoice(bf16, f"faster of both, {passes + 1} passes of block {block}", pass_ms)
 
 
 def _draft_hidden_bf16(self, inputs, target_hidden, cache):

@@ -237,3 +237,23 @@ def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, pr
     assert timed
     assert all(round_ms(b) > 10 * before[b] for b in timed)
     assert all(round_ms(b) == pytest.approx(before[b]) for b in set(BLOCKS) - set(blocks))
+
+
+def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkeypatch):
+    """choose_drafter_dtype off CPU (the backend name says cuda; MLX still runs on CPU):
+    both dtypes timed side by side, the faster one served; on CPU promoted, untimed."""
+    import dflash2_kernels
+    import dflash2_runtime
+
+    model, _, drafter = target
+    choice = dflash2_runtime.choose_drafter_dtype(model, drafter)
+    assert not choice.bf16 and not choice.pass_ms and not dflash2_runtime._drafter_in_bf16()
+    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+    try:
+        choice = dflash2_runtime.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
+        assert set(choice.pass_ms) == {"bf16", "promoted"}
+        assert choice.bf16 == (choice.pass_ms["bf16"]["median"] < choice.pass_ms["promoted"]["median"])
+        assert dflash2_runtime._drafter_in_bf16() == choice.bf16
+        assert ("drafter activations: bf16" if choice.bf16 else "drafter activations: promoted") in choice.summary()
+    finally:
+        dflash2_runtime.use_drafter_bf16(None)

@@ -66,7 +66,7 @@ def prefill_one_by_one(lm, tokens, taps):
 def round_arms(lm, cache, taps, drafters, hidden, run=3):
     """Samples (dflash2_policy.steady_ms: `run` back to back after a lead-in, per step) of:
     a decode step, an exact verify round per block (forward, greedy choice, commit of half
-    the block), a draft of 8 per drafter form, in bf16 as served and in the promoted dtype."""
+    the block), a draft of 8 per drafter form, in bf16 and in the dtype its inputs promote to."""
     token = mx.array([[7]])
 
     def settle():
@@ -101,16 +101,12 @@ def round_arms(lm, cache, taps, drafters, hidden, run=3):
             for _ in range(count):
                 mx.eval(d.draft_block_greedy(1, step_hidden, c, BLOCK, None))
 
-        arms[f"draft {form}"] = dflash2_policy.steady_ms(drafts, run, settle)
-
-        def promoted(count, drafts=drafts):  # the drafter in the dtype mixed inputs promote to
-            dflash2_runtime.use_drafter_bf16(False)
-            try:
+        for name, bf16 in (("bf16", True), ("promoted", False)):  # dflash2_runtime.choose_drafter_dtype's arms
+            def in_dtype(count, drafts=drafts, bf16=bf16):
+                dflash2_runtime.use_drafter_bf16(bf16)
                 drafts(count)
-            finally:
-                dflash2_runtime.use_drafter_bf16(None)
 
-        arms[f"draft {form}, not bf16"] = dflash2_policy.steady_ms(promoted, run, settle)
+            arms[f"draft {form}, {name}"] = dflash2_policy.steady_ms(in_dtype, run, settle)
     return arms
 
 
@@ -172,8 +168,13 @@ def main():
         rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
     decode_ms = rounds["decode"]["median"]
     verify = {L: rounds[f"verify {L}"]["median"] / decode_ms for L in range(2, BLOCK + 1)}
-    drafter_cost = {form: rounds[f"draft {form}"]["median"] / decode_ms for form in drafters}
-    log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}")
+    # Each form in the dtype the server would choose for it (dflash2_runtime.choose_drafter_dtype).
+    dtypes = {form: dflash2_runtime.choose_drafter_dtype(model, drafter) for form, drafter in drafters.items()}
+    served = {form: "bf16" if choice.bf16 else "promoted" for form, choice in dtypes.items()}
+    drafter_cost = {form: rounds[f"draft {form}, {served[form]}"]["median"] / decode_ms for form in drafters}
+    log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}; "
+        + "; ".join(f"{form}: {choice.summary()}" for form, choice in dtypes.items()))
+    dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(cost_drafter)]].bf16)
     costs = dflash2_policy.measure_round_costs(model, cost_drafter)
     log(f"round policy costs: {costs.summary()}")
     counts = primitive_counts()
@@ -192,6 +193,7 @@ def main():
         "round_ms": rounds,
         "verify_ratio_by_block": verify,
         "drafter_ratio_by_form": drafter_cost,
+        "drafter_dtype_by_form": {form: choice.summary() for form, choice in dtypes.items()},
         # Counted on CPU for the same layer pattern (tools/graph_count.py): launches per step.
         "decode_primitives": counts["decode"],
         "verify_primitives_by_block": counts["verify"],
@@ -222,6 +224,7 @@ def main():
 
         def run():
             dflash2_runtime.use_decode_arm(chosen_arm)
+            dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
             oracle = OracleDrafter(
                 reference, vocab_size=vocab, accepted_per_round=accepted, block_size=block or BLOCK,
                 target_layer_ids=taps, cost_drafter=drafter,
@@ -322,6 +325,8 @@ def summary_markdown(r) -> str:
                 + ", ".join(f"{b}: {v:.2f}+{costs['draft_steps_by_block'][b]:.2f}"
                             for b, v in costs["verify_steps_by_block"].items()) + ".")
 
+    lines += ["", "Drafter dtype as the server chooses it at start-up: "
+              + "; ".join(f"{form}: {summary}" for form, summary in r.get("drafter_dtype_by_form", {}).items())]
     lines += [
         "",
         "Round policy's cost table, measured as the server does at warm-up " + cost_table(r["round_costs"]),
