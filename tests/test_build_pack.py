@@ -194,6 +194,7 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
         runtime = request(server, "GET", "/health", record=False).json()["runtime"]
         check = runtime["verify_self_check"]
         assert check["blocks"] == 7 and check["differing"] == 0
+        assert runtime["drafter_activations"] == "drafter activations: promoted (bf16 is emulated on CPU)"
         assert runtime["plain_decode_path"]["arm"] in ("mlx", "rotation", "rotation+recurrence",
                                                        "rotation+recurrence+matmul")
     finally:

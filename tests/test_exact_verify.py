@@ -11,6 +11,7 @@ checks too. Under it stock verify fails them and gives other greedy tokens (the
 negative control below), so they can fail.
 """
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -107,3 +108,19 @@ def test_fp32_dense_layout_verify_and_rollback_are_exact(float32_pack):
     cases = verify_cases(lm, ids, taps, continuation, lengths=(2, 8))
     cases += rollback_cases(lm, ids, taps, continuation, lengths=(8,))
     assert [c for c in cases if c["logits"] or c.get("hidden")] == []
+
+
+def test_start_up_self_check_passes_the_exact_verifier_and_catches_stock(target, monkeypatch):
+    """install(model)'s verify self-check: 0 differing with the exact verify, the stock
+    control above 0; with stock verify serving, the check reports it and where."""
+    from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
+
+    lm = target[0].language_model
+    check = dflash2_runtime.self_check_verify(lm)
+    assert check.blocks == 7 and check.differing == 0 and check.stock_differing > 0
+    stock = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER.__dflash2_stock__
+    serving_stock = copy.copy(stock)  # installed as if it were the exact one
+    serving_stock.__dflash2_stock__ = stock
+    monkeypatch.setattr(qwen3_5_language, "_EXACT_SPECULATIVE_VERIFIER", serving_stock)
+    broken = dflash2_runtime.self_check_verify(lm)
+    assert broken.differing > 0 and broken.first_difference.startswith("block ")
