@@ -43,8 +43,15 @@ ACCEPTANCE_DECAY = 0.97
 # the weight of half a round; an unobserved deeper position is assumed as good as the one before.
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 0.5
-# How far one observed round or plain run moves a learning cost table toward what it took.
+# How far an observed round or plain run moves a learning cost table toward what it took:
+# the start-up measurement counts as one observation and the first ones as many (a running
+# mean, so a wrong start-up figure is corrected within a few rounds), then this much.
 LEARNING_WEIGHT = 0.1
+
+
+def learning_weight(observations: int) -> float:
+    """The weight of the `observations`-th observation (1 for the first)."""
+    return max(LEARNING_WEIGHT, 1.0 / (observations + 1))
 
 
 # ---------------------------------------------------------------------------
@@ -61,6 +68,7 @@ class RoundCosts:
     # A measured table keeps learning from the rounds and plain runs requests time; one given
     # on the command line stays as given.
     learning: bool = field(default=False, compare=False)
+    observed: dict = field(default_factory=dict, compare=False)  # block or "plain" -> observations
 
     def round_steps(self, block: int) -> float:
         return self.verify_steps_by_block[block] + self.draft_steps_by_block[block]
@@ -69,19 +77,31 @@ class RoundCosts:
         """A run of `steps` plain decode steps took `ms` (tokens handed on included)."""
         if not self.learning or steps < 1:
             return
+        weight = self._weight("plain")
         old = self.decode_step_ms
-        self.decode_step_ms = (1 - LEARNING_WEIGHT) * old + LEARNING_WEIGHT * ms / steps
+        self.decode_step_ms = (1 - weight) * old + weight * ms / steps
         for table in (self.verify_steps_by_block, self.draft_steps_by_block):
             for block in table:  # a round's ms stays what it was
                 table[block] *= old / self.decode_step_ms
 
     def observe_round(self, block: int, ms: float) -> None:
-        """A round of `block` took `ms`, draft to the last token handed on; the drafter's
-        share is kept and the verify share takes the difference."""
+        """A round of `block` took `ms`, draft to the last token handed on. Its verify and
+        draft shares keep their proportion (a round can turn out cheaper than the
+        start-up table's drafter share alone)."""
         if not self.learning or block not in self.verify_steps_by_block:
             return
-        steps = (1 - LEARNING_WEIGHT) * self.round_steps(block) + LEARNING_WEIGHT * ms / self.decode_step_ms
-        self.verify_steps_by_block[block] = max(0.0, steps - self.draft_steps_by_block[block])
+        weight = self._weight(block)
+        old = self.round_steps(block)
+        steps = (1 - weight) * old + weight * ms / self.decode_step_ms
+        if old > 0:
+            self.verify_steps_by_block[block] *= steps / old
+            self.draft_steps_by_block[block] *= steps / old
+        else:
+            self.verify_steps_by_block[block] = steps
+
+    def _weight(self, key) -> float:
+        self.observed[key] = self.observed.get(key, 0) + 1
+        return learning_weight(self.observed[key])
 
     @property
     def blocks(self) -> list:

@@ -210,12 +210,27 @@ def test_a_measured_table_learns_what_rounds_and_plain_runs_take_a_given_one_doe
         costs.observe_round(4, 45.0)  # 4.5 steps against the table's 1.5
         costs.observe_plain(4, 20.0)  # 5 ms a step against the table's 10
     assert pinned == table(False)
-    expected_round_ms = 10.0 * (0.9 * 1.5 + 0.1 * 4.5)
-    assert learning.decode_step_ms == pytest.approx(0.9 * 10.0 + 0.1 * 5.0)
-    # The plain run changed the step, not what a round takes in ms.
+    # A first observation weighs as much as the start-up measurement.
+    expected_round_ms = 10.0 * (0.5 * 1.5 + 0.5 * 4.5)
+    assert learning.decode_step_ms == pytest.approx(0.5 * 10.0 + 0.5 * 5.0)
+    # The plain run changed the step, not what a round takes in ms; the round kept its split.
     assert learning.round_steps(4) * learning.decode_step_ms == pytest.approx(expected_round_ms)
     assert learning.round_steps(3) * learning.decode_step_ms == pytest.approx(15.0)
-    assert learning.draft_steps_by_block[4] * learning.decode_step_ms == pytest.approx(5.0)
+    assert learning.draft_steps_by_block[4] * learning.decode_step_ms == pytest.approx(expected_round_ms / 3)
+
+
+def test_learning_is_a_running_mean_then_a_tenth_and_can_go_below_the_drafter_share():
+    assert [dflash2_policy.learning_weight(n) for n in (1, 2, 9, 50)] == [0.5, 1 / 3, 0.1, 0.1]
+    # A start-up table that priced the drafter alone above what whole rounds take here.
+    costs = RoundCosts(10.0, {b: 0.2 for b in BLOCKS}, {b: 1.6 for b in BLOCKS}, learning=True)
+    costs.observe_round(2, 6.0)
+    assert costs.round_steps(2) == pytest.approx(0.5 * 1.8 + 0.5 * 0.6)
+    assert costs.round_steps(2) < 1.6
+    for _ in range(40):
+        costs.observe_round(2, 6.0)
+    assert costs.round_steps(2) == pytest.approx(0.6, rel=0.01)
+    assert costs.verify_steps_by_block[2] / costs.draft_steps_by_block[2] == pytest.approx(0.2 / 1.6)
+    assert costs.round_steps(3) == pytest.approx(1.8)
 
 
 def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, prompt_and_plain):  # noqa: F811
