@@ -63,7 +63,7 @@ def invert_unit_lower(Tmat, C: int):
     return done
 
 
-def use_row_appending_inverse(heads: int = 48, chunks: int = 2) -> str:
+def use_row_appending_inverse(heads: int = 48, chunks: int = 2) -> str:  # 48: the 27B's GDN value heads
     """Installs invert_unit_lower on every route once a start-up check finds it bitwise
     stock's on this backend (a chunked-prefill-like input; exact by construction, checked all
     the same); otherwise keeps stock. Returns the log line."""
