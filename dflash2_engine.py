@@ -47,39 +47,19 @@ class Speculation:
 INVERSE_TARGET = "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower"
 
 
-def invert_unit_lower(Tmat, C: int):
-    """mlx-vlm's _invert_unit_lower (the GatedDeltaNet chunked prefill's forward
-    substitution) with the same matmuls on the same operands. Stock concatenates all earlier
-    rows again for every row: on GPUs one copy kernel per row, about 2,000 a layer and
-    0.4-0.5 s a 27B prefill chunk on the H200. Appending each row to the previous
-    concatenation gives the same contiguous rows with two copies."""
-    import mlx.core as mx
+def use_row_appending_inverse() -> str:
+    """Swaps in dflash2_kernels.invert_unit_lower (the prefill's inverse with fewer GPU
+    copies, exact by construction) on every route once its start-up check finds it bitwise
+    mlx-vlm's here; otherwise keeps mlx-vlm's. Returns the log line."""
+    import dflash2_kernels
 
-    X = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape) + mx.zeros_like(Tmat)
-    done = X[..., 0:1, :]  # stock's concatenate of one row is that row itself
-    for i in range(1, C):
-        row = X[..., i : i + 1, :] - Tmat[..., i : i + 1, :i] @ done
-        done = mx.concatenate([done, row], axis=-2)
-    return done
-
-
-def use_row_appending_inverse(heads: int = 48, chunks: int = 2) -> str:  # 48: the 27B's GDN value heads
-    """Installs invert_unit_lower on every route once a start-up check finds it bitwise
-    stock's on this backend (a chunked-prefill-like input; exact by construction, checked all
-    the same); otherwise keeps stock. Returns the log line."""
-    import mlx.core as mx
-
-    stock = dflash2_audit.stock(INVERSE_TARGET)
-    C = 64  # gated_delta_chunked's chunk
     started = time.perf_counter()
-    lower = mx.tril(mx.random.normal((1, heads, chunks, C, C), key=mx.random.key(0)) * 0.3, -1)
-    Tmat = mx.eye(C, dtype=mx.float32) + lower
-    want, got = stock(Tmat, C), invert_unit_lower(Tmat, C)
-    same = mx.array_equal(want.view(mx.uint32), got.view(mx.uint32)).item()
+    differing = dflash2_kernels.self_test_inverse()
     seconds = time.perf_counter() - started
-    if not same:
-        return f"prefill inverse: mlx-vlm's (the row-appending one differed from it here), {seconds:.1f} s"
-    dflash2_audit.replace(INVERSE_TARGET, invert_unit_lower)
+    if differing:
+        return (f"prefill inverse: mlx-vlm's (the row-appending one differed from it here in "
+                f"{differing} elements), {seconds:.1f} s")
+    dflash2_audit.replace(INVERSE_TARGET, dflash2_kernels.invert_unit_lower)
     return f"prefill inverse: row-appending, bitwise mlx-vlm's at start-up ({seconds:.1f} s)"
 
 
@@ -219,9 +199,12 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
         speculation = Speculation()  # no drafter: every request plain
 
         def __init__(self, *args, **kwargs):
+            import dflash2_policy
+
             # Records of requests generate() queued and the worker has not admitted yet,
             # by id of their GenerationArguments: how each route reaches the worker.
             self.waiting_records = {}
+            self.speculative_route = dflash2_policy.SpeculativeRoute()
             super().__init__(*args, **kwargs)
 
         def _initialize_model(self):
@@ -231,12 +214,8 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
                 self.draft_kind = self.speculation.kind  # the worker picks the round loop by it
 
         def rounds_can_pay(self) -> bool:
-            """Whether greedy requests go speculative by the drafter's cost table as it is now
-            (dflash2_policy.rounds_can_pay; a measured table keeps learning)."""
-            import dflash2_policy
-
-            drafter = self.speculation.drafter
-            return drafter is None or dflash2_policy.rounds_can_pay(drafter)
+            """Whether a greedy request goes speculative (dflash2_policy.SpeculativeRoute)."""
+            return self.speculative_route(self.speculation.drafter)
 
         def serve_plain(self, reason: str):
             """Every later request is served plain, with this reason."""

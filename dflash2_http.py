@@ -426,11 +426,12 @@ def plain_decision(body: dict) -> Decision:
 NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
 
-def route_chat(body: dict, *, server_reason=None, multimodal_plain=False, rounds_pay=True) -> Decision:
+def route_chat(body: dict, *, server_reason=None, multimodal_plain=False, rounds_pay=lambda: True) -> Decision:
     """Refuses what the pack does not serve, then routes speculative or plain with a reason.
 
-    rounds_pay: whether the server's round cost table, as it is now, has a block that beats
-    plain decoding (dflash2_policy.rounds_can_pay); when not, greedy requests go plain.
+    rounds_pay: asked only for a request that would go speculative: whether it should (the
+    server's round cost table as it is now has a block that beats plain decoding, or the
+    request probes a learning table); when not, it goes plain.
     The refusals hold with --no-dflash2 too, so the baseline answers the same requests.
     """
     if "thinking_budget" in body:
@@ -446,7 +447,7 @@ def route_chat(body: dict, *, server_reason=None, multimodal_plain=False, rounds
     if body.get("logit_bias") == {}:
         del body["logit_bias"]
     reason = server_reason or fallback_reason(body, multimodal_plain)
-    if reason is None and not rounds_pay:
+    if reason is None and not rounds_pay():
         reason = "rounds-cannot-pay"  # the round policy would serve it with plain steps only
     return Decision("fallback" if reason else "speculative", reason, body)
 

@@ -62,6 +62,7 @@ from mlx_vlm.models.qwen3_5.gated_delta import (
     _compute_g_beta,
     _gated_delta_step_ops,
     _gated_delta_with_states_ops,
+    _invert_unit_lower,
     gated_delta_chunked,
     gated_delta_ops,
 )
@@ -2598,6 +2599,35 @@ def self_test_attention(
     stock_mismatches = sum(c["stock_mismatches"] for c in cases)
     return SelfTestResult(reason is None, backend, reason, mismatches, stock_mismatches, cases)
 
+
+
+# ===========================================================================
+# Prefill: the GatedDeltaNet chunked scan's unit lower-triangular inverse
+
+
+def invert_unit_lower(Tmat, C: int):
+    """mlx-vlm's _invert_unit_lower (forward substitution over a chunk's C rows) with the
+    same matmuls on the same operands. Stock concatenates all earlier rows again for every
+    row: on GPUs one copy kernel per row, about 2,000 a 27B layer and most of a prefill
+    chunk's fixed cost on the H200 (evidence/prefix-cache-cuda-27b*.md). Appending each row to
+    the previous concatenation gives every matmul the same contiguous operand with two
+    copies, so the same bits by construction (on CUDA, the same cuBLASLt call)."""
+    X = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape) + mx.zeros_like(Tmat)
+    done = X[..., 0:1, :]  # stock's concatenate of one row is that row itself
+    for i in range(1, C):
+        row = X[..., i : i + 1, :] - Tmat[..., i : i + 1, :i] @ done
+        done = mx.concatenate([done, row], axis=-2)
+    return done
+
+
+def self_test_inverse(heads: int = 48, chunks: int = 2, kernel=None) -> int:
+    """Elements of invert_unit_lower (or `kernel`) whose bits differ from mlx-vlm's on a
+    chunked-prefill-like input (48: the 27B's GatedDeltaNet value heads; 64:
+    gated_delta_chunked's chunk)."""
+    C = 64
+    lower = mx.tril(mx.random.normal((1, heads, chunks, C, C), key=mx.random.key(0)) * 0.3, -1)
+    Tmat = mx.eye(C, dtype=mx.float32) + lower
+    return _differing((kernel or invert_unit_lower)(Tmat, C), _invert_unit_lower(Tmat, C))
 
 
 # ===========================================================================

@@ -43,6 +43,9 @@ ACCEPTANCE_DECAY = 0.97
 # the weight of half a round; an unobserved deeper position is assumed as good as the one before.
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 0.5
+# While a learning table has no block that pays, one greedy request in this many still goes
+# speculative (the policy decodes it plain but probes rounds), so the table keeps learning.
+ROUTE_PROBE_EVERY = 16
 # How far an observed round or plain run moves a learning cost table toward what it took:
 # the start-up measurement counts as one observation and the first ones as many (a running
 # mean, so a wrong start-up figure is corrected within a few rounds), then this much.
@@ -50,7 +53,7 @@ LEARNING_WEIGHT = 0.1
 
 
 def learning_weight(observations: int) -> float:
-    """The weight of the `observations`-th observation (1 for the first)."""
+    """The weight of an observation, `observations` counting it (1: the first)."""
     return max(LEARNING_WEIGHT, 1.0 / (observations + 1))
 
 
@@ -155,6 +158,23 @@ def rounds_can_pay(draft_model) -> bool:
     if costs is None or getattr(draft_model, "prefer_requested_block_size", False):
         return True
     return costs.can_pay(_dflash_block_total(draft_model, None))
+
+
+class SpeculativeRoute:
+    """Whether a greedy request goes speculative: while the drafter's table pays
+    (rounds_can_pay), or, while a measured table does not, every ROUTE_PROBE_EVERY-th such
+    request, whose rounds the table learns from (plain-routed requests teach it nothing)."""
+
+    def __init__(self):
+        self.unpaid = 0
+
+    def __call__(self, draft_model) -> bool:
+        if draft_model is None or rounds_can_pay(draft_model):
+            return True
+        if not draft_model.round_costs.learning:
+            return False
+        self.unpaid += 1
+        return self.unpaid % ROUTE_PROBE_EVERY == 0
 
 
 # ---------------------------------------------------------------------------

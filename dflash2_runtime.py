@@ -349,10 +349,10 @@ def exact_verify_greedy(lm, verify_input, prompt_cache, target_layer_ids, sample
 # ---------------------------------------------------------------------------
 # Drafter precision: the target hands over fp16 activations; meeting bf16 drafter
 # weights they promote the drafter to fp32. Running it in bf16 instead (fp16 handed
-# back to the head) is faster for some drafters and slower for others: on the H200 a
-# 4-bit drafter's pass took 14.6 ms in bf16 against 23.0 promoted, a bf16 drafter's
-# 86.4 against 22.8; on CPU bf16 is emulated. So the server times both at start-up
-# (choose_drafter_dtype). Either way only the proposals can differ, never the tokens.
+# back to the head) is faster for some drafters and slower for others: on the H200 the
+# 4-bit drafter drafted faster in bf16 and the bf16 one several times faster promoted
+# (evidence/bench-cuda-27b-round-arms.md); on CPU bf16 is emulated. So the server times
+# both at start-up (choose_drafter_dtype). Only the proposals can differ, never the tokens.
 
 _stock_draft_hidden = DFlashDraftModel._hidden
 _stock_embed_input_tokens = DFlash2DraftModel._embed_input_tokens

@@ -172,7 +172,7 @@ def main(argv=None):
     def decide(body):
         return route_chat(check_chat_request(body, limits), server_reason=server_reason,
                           multimodal_plain=args.dflash2_multimodal == "plain",
-                          rounds_pay=generator.rounds_can_pay())
+                          rounds_pay=generator.rounds_can_pay)
 
     def health():
         speculation = generator.speculation

@@ -65,7 +65,7 @@ def image_dir(tmp_path_factory):
 
 
 def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
-                rounds_pay=True):
+                rounds_pay=lambda: True):
     limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
 
     def decide(body):
@@ -337,13 +337,20 @@ def test_multimodal_plain_routes_only_images_plain(multimodal_plain):
 
 
 def test_while_no_round_can_pay_greedy_requests_go_plain_and_other_reasons_stay_first():
-    client = make_client(multimodal_plain=True, rounds_pay=False)
+    asked = []  # the server's answer is asked only for a request that would go speculative
+
+    def rounds_pay():
+        asked.append(1)
+        return False
+
+    client = make_client(multimodal_plain=True, rounds_pay=rounds_pay)
     modes = [post(client, body).headers["x-dflash2"] for body in (
         {"messages": MESSAGES, "temperature": 0}, {"messages": MESSAGES, "temperature": 0.5},
         image_body(data_url(png())))]
     assert modes == ["fallback; reason=rounds-cannot-pay", "fallback; reason=sampling",
                      "fallback; reason=multimodal-plain"]
-    server_wide = make_client(server_reason="no-dflash2", rounds_pay=False)
+    assert len(asked) == 1
+    server_wide = make_client(server_reason="no-dflash2", rounds_pay=rounds_pay)
     assert post(server_wide, {"messages": MESSAGES, "temperature": 0}).headers["x-dflash2"] == \
         "fallback; reason=no-dflash2"
 

@@ -1,15 +1,17 @@
-"""The engine's prefill inverse (dflash2_engine.invert_unit_lower), in process: bitwise
-mlx-vlm's forward substitution, installed only when the start-up check finds it so, and in
-place in a running server (its start-up log says which one serves)."""
+"""The prefill inverse (dflash2_kernels.invert_unit_lower), in process: bitwise mlx-vlm's
+forward substitution, swapped in by the engine only when the start-up check finds it so;
+test_server.py checks both servers' logs say it serves."""
 
 import mlx.core as mx
 import mlx_vlm.models.qwen3_5.gated_delta as gated_delta
 import pytest
 
+import dflash2_audit
 import dflash2_engine
+import dflash2_kernels
 from parity import differing
 
-STOCK = gated_delta._invert_unit_lower
+STOCK = dflash2_audit.stock(dflash2_engine.INVERSE_TARGET)  # mlx-vlm's, even once swapped
 
 
 def unit_lower(shape, scale, seed):
@@ -26,7 +28,7 @@ def test_row_appending_inverse_is_stock_bit_for_bit(shape, scale):
     Tmat = unit_lower(shape, scale, seed=sum(shape))
     C = shape[-1]
     want = STOCK(Tmat, C)
-    assert differing(dflash2_engine.invert_unit_lower(Tmat, C), want) == 0
+    assert differing(dflash2_kernels.invert_unit_lower(Tmat, C), want) == 0
     # The test sees arithmetic: the same substitution summing each row's products in
     # reverse order is the same matrix in other bits.
     assert differing(reversed_substitution(Tmat, C), want) > 0
@@ -40,14 +42,14 @@ def reversed_substitution(Tmat, C):
     return rows
 
 
-def test_installed_only_when_the_start_up_check_passes(monkeypatch):
+def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
     monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)  # undone after the test
-    monkeypatch.setattr(dflash2_engine, "invert_unit_lower",
-                        lambda Tmat, C: STOCK(Tmat, C) * (1 + 2 ** -20))
-    line = dflash2_engine.use_row_appending_inverse(heads=2)
-    assert "differed" in line and gated_delta._invert_unit_lower is STOCK
+    assert dflash2_kernels.self_test_inverse(heads=2, kernel=reversed_substitution) > 0
+    monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda: 7)
+    line = dflash2_engine.use_row_appending_inverse()
+    assert "differed from it here in 7 elements" in line and gated_delta._invert_unit_lower is STOCK
     monkeypatch.undo()
     monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)
-    line = dflash2_engine.use_row_appending_inverse(heads=2)
-    assert "row-appending" in line and gated_delta._invert_unit_lower is dflash2_engine.invert_unit_lower
+    line = dflash2_engine.use_row_appending_inverse()
+    assert "row-appending" in line and gated_delta._invert_unit_lower is dflash2_kernels.invert_unit_lower
     assert gated_delta._invert_unit_lower.__dflash2_stock__ is STOCK

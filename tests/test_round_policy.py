@@ -116,6 +116,23 @@ def test_routing_asks_whether_a_block_up_to_the_ceiling_beats_plain_at_full_acce
     assert dflash2_policy.rounds_can_pay(SimpleNamespace(config=drafter.config))
 
 
+def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes():
+    from types import SimpleNamespace
+
+    def drafter(learning):
+        never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=learning)
+        return SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=never)
+
+    every = dflash2_policy.ROUTE_PROBE_EVERY
+    measured, given = dflash2_policy.SpeculativeRoute(), dflash2_policy.SpeculativeRoute()
+    learning, fixed = drafter(True), drafter(False)
+    routes = [measured(learning) for _ in range(2 * every)]
+    assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
+    assert not any(given(fixed) for _ in range(2 * every))  # a given table never learns
+    learning.round_costs.verify_steps_by_block[2] = 1.0  # the probes taught it: block 2 pays
+    assert measured(learning) and measured(None)
+
+
 def test_cost_table_round_trips_and_bad_tables_are_named():
     assert RoundCosts.from_json(COSTS.to_json()).to_json() == COSTS.to_json()
     for bad in ({}, {**COSTS.to_json(), "draft_steps_by_block": {"2": 0.1}},
@@ -261,10 +278,10 @@ def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkey
     import dflash2_runtime
 
     model, _, drafter = target
-    choice = dflash2_runtime.choose_drafter_dtype(model, drafter)
-    assert not choice.bf16 and not choice.pass_ms and not dflash2_runtime._drafter_in_bf16()
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
     try:
+        choice = dflash2_runtime.choose_drafter_dtype(model, drafter)
+        assert not choice.bf16 and not choice.pass_ms and not dflash2_runtime._drafter_in_bf16()
+        monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
         choice = dflash2_runtime.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
         assert set(choice.pass_ms) == {"bf16", "promoted"}
         assert choice.bf16 == (choice.pass_ms["bf16"]["median"] < choice.pass_ms["promoted"]["median"])
@@ -272,3 +289,18 @@ def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkey
         assert ("drafter activations: bf16" if choice.bf16 else "drafter activations: promoted") in choice.summary()
     finally:
         dflash2_runtime.use_drafter_bf16(None)
+
+
+def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
+    import dflash2_runtime
+    from mlx_vlm.speculative.common import _dflash_block_total
+
+    model, _, drafter = target
+    before = drafter.config.runtime_block_size
+    try:
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(block_cap=3))
+        assert _dflash_block_total(drafter, None) == 3
+        costs = dflash2_policy.measure_round_costs(model, drafter, repeats=1, run=1)
+        assert costs.blocks == [2, 3]
+    finally:
+        drafter.config.runtime_block_size = before
