@@ -15,7 +15,6 @@ server's exactly, and later turns must report the reused prefix in usage and in 
 
 import base64
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -143,13 +142,9 @@ def test_greedy_requests_go_plain_where_no_block_pays_and_say_why(results, serve
     modes = {route: {mode for (_, r, _), (mode, *_) in results["cold"].items() if r == route} for route in ROUTES}
     assert modes == {"speculative": {"fallback; reason=rounds-cannot-pay"}, "plain": {"fallback; reason=logprobs"}}
     greedy = sum(key[1] == "speculative" for key in results["cold"])
-    for _ in range(50):  # a finish line is written just after the response's last byte
-        lines = servers["cold"].log().splitlines()
-        arrived = [line for line in lines if "/v1/chat/completions: fallback; reason=rounds-cannot-pay" in line]
-        finished = [line for line in lines if " finished in " in line and "reason=rounds-cannot-pay" in line]
-        if len(finished) == greedy:
-            break
-        time.sleep(0.1)
+    finished = servers["cold"].wait_for_lines(0, "status=200 reason=rounds-cannot-pay", greedy, timeout=60)
+    arrived = [line for line in servers["cold"].log().splitlines()
+               if "/v1/chat/completions: fallback; reason=rounds-cannot-pay" in line]
     assert len(arrived) == len(finished) == greedy
     assert all("status=200" in line and "rounds=" not in line for line in finished), finished
     assert "greedy requests are routed plain" in servers["cold"].log()

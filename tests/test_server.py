@@ -24,7 +24,6 @@ import signal
 import site
 import socket
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -267,11 +266,7 @@ def test_arrival_and_finish_log_lines(servers):
     log = servers["spec"].log().splitlines()
     arrivals = [line for line in log if "POST /v1/chat/completions: speculative" in line]
     request_id = arrivals[-1].split("request ")[1].split()[0]
-    for _ in range(50):  # the finish line is written just after the last byte is sent
-        finish = [line for line in servers["spec"].log().splitlines() if f"request {request_id} finished" in line]
-        if finish:
-            break
-        time.sleep(0.1)
+    finish = servers["spec"].wait_for_lines(0, f"request {request_id} finished", 1, timeout=60)
     assert len(finish) == 1
     for field in ("status=200", "tokens=3", "rounds=", "accepted=", "tokens_from_rounds=",
                   "tokens_from_plain_steps=", "peak_memory="):

@@ -85,13 +85,18 @@ class ServerProcess:
 
     def wait_for_log(self, since: int, text: str, timeout=300) -> str:
         """The first line containing text that the log gained after offset since."""
+        return self.wait_for_lines(since, text, 1, timeout)[0]
+
+    def wait_for_lines(self, since: int, text: str, count: int, timeout=300) -> list:
+        """The lines containing text that the log gained after offset since, once there
+        are at least count (a finish line is written just after a response's last byte)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for line in self.log()[since:].splitlines():
-                if text in line:
-                    return line
+            lines = [line for line in self.log()[since:].splitlines() if text in line]
+            if len(lines) >= count:
+                return lines
             time.sleep(0.1)
-        raise ServerFailed(f"{self.name} never logged {text!r}:\n{self.log()[since:][-4000:]}")
+        raise ServerFailed(f"{self.name} logged {text!r} fewer than {count} times:\n{self.log()[since:][-4000:]}")
 
     def rss_kb(self):
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
