@@ -45,12 +45,13 @@ REPLACED = (
     Audited(
         "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._hidden",
         "e01ca795d8183f747210f41ee0e30810c99eb447c7b268186898ac14f289caa0",
-        "On GPUs run the bf16 drafter in bf16 and return the target's dtype to its head.",
+        "Where start-up timing finds it faster (choose_drafter_dtype), run the drafter in bf16 "
+        "and return the target's dtype to its head.",
     ),
     Audited(
         "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens",
         "46d8b30d7519be85a0e2c3323ce7667008b85e4a2f85187216afd97bcd2e6542",
-        "On GPUs the target's fp16 embeddings enter the drafter as bf16.",
+        "Where the drafter runs in bf16, the target's fp16 embeddings enter it as bf16.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops",

@@ -101,7 +101,8 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
                 "from --dflash2-round-costs" if setup.round_costs else "measured", drafter.round_costs.summary())
     if not dflash2_policy.rounds_can_pay(drafter):
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
-                    "(fallback; reason=rounds-cannot-pay) while the table says so")
+                    "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "
+                    "gets one in %d to learn from", dflash2_policy.ROUTE_PROBE_EVERY)
     return Speculation(drafter, kind, round_costs=drafter.round_costs.to_json(), runtime=runtime)
 
 
