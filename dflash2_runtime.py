@@ -349,10 +349,11 @@ def exact_verify_greedy(lm, verify_input, prompt_cache, target_layer_ids, sample
 # ---------------------------------------------------------------------------
 # Drafter precision: the target hands over fp16 activations; meeting bf16 drafter
 # weights they promote the drafter to fp32. Running it in bf16 instead (fp16 handed
-# back to the head) is faster for some drafters and slower for others: on the H200 the
-# 4-bit drafter drafted faster in bf16 and the bf16 one several times faster promoted
-# (evidence/bench-cuda-27b-round-arms.md); on CPU bf16 is emulated. So the server times
-# both at start-up (choose_drafter_dtype). Only the proposals can differ, never the tokens.
+# back to the head) is faster for some drafters and slower for others, and on CUDA its
+# attention then goes to cuDNN, which builds a graph for every new key length (MLX's
+# sdpa_cudnn caches them by shape): serving drafts each round at a new context length.
+# On CPU bf16 is emulated. So the server times both at start-up, as serving drafts
+# (choose_drafter_dtype). Only the proposals can differ, never the tokens.
 
 _stock_draft_hidden = DFlashDraftModel._hidden
 _stock_embed_input_tokens = DFlash2DraftModel._embed_input_tokens
@@ -384,8 +385,10 @@ class DrafterDtypeChoice:
 
 def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> DrafterDtypeChoice:
     """Run the drafter in bf16 or in the dtype its inputs promote to, whichever drafts a
-    block faster here: passes of the drafter's largest block over a 16-row context,
-    interleaved after warm-up. On CPU bf16 is emulated: promoted, untimed."""
+    block faster here as serving drafts: after a 16-row context, each pass of the
+    drafter's largest block reads one new context row, so no two passes of an arm see the
+    same key length (a request's rounds never do either). Arms interleaved after warm-up.
+    On CPU bf16 is emulated: promoted, untimed."""
     if dflash2_kernels.backend_name() == "cpu":
         use_drafter_bf16(False)
         return DrafterDtypeChoice(False, "bf16 is emulated on CPU")
@@ -395,10 +398,12 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
     block = _dflash_block_total(drafter, None)
 
     def sample(bf16):
+        use_drafter_bf16(bf16)
+        cache = drafter.reset(model)  # this arm's own, growing across its samples
+        mx.eval(drafter.draft_block_greedy(1, context, cache, block, None))  # reads the context
+
         def run():
             use_drafter_bf16(bf16)
-            cache = drafter.reset(model)
-            mx.eval(drafter.draft_block_greedy(1, context, cache, block, None))  # reads the context
             for _ in range(passes):
                 mx.eval(drafter.draft_block_greedy(1, context[:, -1:], cache, block, None))
 
@@ -408,7 +413,9 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
     bf16 = pass_ms["bf16"]["median"] < pass_ms["promoted"]["median"]
     use_drafter_bf16(bf16)
     drafter.reset(model)
-    return DrafterDtypeChoice(bf16, f"faster of both, {passes + 1} passes of block {block}", pass_ms)
+    return DrafterDtypeChoice(
+        bf16, f"faster of both, {passes} passes of block {block}, each at a new context length", pass_ms
+    )
 
 
 def _draft_hidden_bf16(self, inputs, target_hidden, cache):

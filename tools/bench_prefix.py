@@ -232,6 +232,10 @@ def main():
         write_record(args.out, f"prefix-cache-{record['backend']}-{record['size']}", record, summary_markdown(record))
         return record
 
+    # Memory first (it is quick), so that a run cut short in the timings still has it.
+    if drafter is not None and args.memory_contexts:
+        memory.update(spec_extra_memory(model, processor, drafter, args.memory_contexts, args.step_sizes[0]))
+        write(complete=False)
     for route, route_drafter in routes.items():
         for step in args.step_sizes:
             for context in args.contexts:
@@ -239,8 +243,6 @@ def main():
                 print(f"{route} step {step} context {context}: {result}", flush=True)
                 results.setdefault(route, {}).setdefault(str(step), {})[str(context)] = result
                 write(complete=False)
-    if drafter is not None and args.memory_contexts:
-        memory.update(spec_extra_memory(model, processor, drafter, args.memory_contexts, args.step_sizes[0]))
     record = write(complete=True)
     print(summary_markdown(record))
 
