@@ -49,6 +49,14 @@ REPLACED = (
         "and return the target's dtype to its head.",
     ),
     Audited(
+        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
+        "7eaabc86f5be71f93d2c7ae79cfd3baaaa2f812885119a737c5619d9602c073d",
+        "Its own code runs with its fused attention call routed through "
+        "dflash2_runtime.drafter_attention: on CUDA a bf16 drafter's attention would go to "
+        "cuDNN, which builds a graph for every new key length. The sliding-window option "
+        "relies on it trimming the drafter's context to its window.",
+    ),
+    Audited(
         "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens",
         "46d8b30d7519be85a0e2c3323ce7667008b85e4a2f85187216afd97bcd2e6542",
         "Where the drafter runs in bf16, the target's fp16 embeddings enter it as bf16.",
@@ -292,11 +300,6 @@ AUDITED = (
         "mlx_vlm.speculative.cache_state:abort_speculative_round",
         "642f9cc3e46734e260f3cb776398ed4a18ff361f88086cfb01fe2d704d76d69c",
         "Called when a verify fails midway: the recorded GDN states are dropped.",
-    ),
-    Audited(
-        "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
-        "7eaabc86f5be71f93d2c7ae79cfd3baaaa2f812885119a737c5619d9602c073d",
-        "Relied on by the sliding-window option: trims the drafter's context to its window.",
     ),
     Audited(
         "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashDraftModel.make_cache",

@@ -14,6 +14,7 @@ table: if its source differs from the audited one, `install` refuses and names i
 
 import os
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,7 +37,7 @@ from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
 from mlx_vlm.speculative.common import _dflash_block_total
 from mlx_vlm.speculative.drafters.dflash2.dflash2 import DFlash2DraftModel
-from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashDraftModel
+from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashAttention, DFlashDraftModel
 
 import dflash2_audit
 import dflash2_kernels
@@ -430,6 +431,48 @@ def _embed_input_tokens_bf16(self, inputs):
     return embedded.astype(mx.bfloat16) if _drafter_in_bf16() else embedded
 
 
+# The drafter's attention off cuDNN. On CUDA, MLX sends fp16/bf16 attention with a head
+# dim up to 128 to cuDNN, which builds a graph for each new key length (on the H200 about
+# 65 ms at the 27B drafter's shape, against under 0.5 ms in fp32), and every round drafts
+# at a new context length. In fp32 MLX runs its own kernels at any length. Stock
+# DFlashAttention.__call__ runs unchanged, its `mx` being _DrafterMlx.
+
+
+def drafter_attention(queries, keys, values, *, scale, mask=None, sinks=None):
+    """mx.fast.scaled_dot_product_attention for the drafter: fp16/bf16 on CUDA in fp32."""
+    if dflash2_kernels.backend_name() != "cuda" or queries.dtype == mx.float32:
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+    wide = [array.astype(mx.float32) for array in (queries, keys, values)]
+    out = mx.fast.scaled_dot_product_attention(
+        *wide, scale=scale, mask=mask, sinks=None if sinks is None else sinks.astype(mx.float32)
+    )
+    return out.astype(queries.dtype)
+
+
+class _DrafterMlx:
+    """mlx.core as the drafter's attention sees it: its fused attention is drafter_attention."""
+
+    fast = types.SimpleNamespace(scaled_dot_product_attention=drafter_attention)
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+
+def _with_globals(function, **names):
+    """`function`'s own code with some of its module's names bound to others."""
+    rebound = types.FunctionType(
+        function.__code__, {**function.__globals__, **names}, function.__name__,
+        function.__defaults__, function.__closure__,
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    return rebound
+
+
+_drafter_attention_call = _with_globals(DFlashAttention.__call__, mx=_DrafterMlx())
+
+
 # ---------------------------------------------------------------------------
 # The replacements, by dflash2_audit.REPLACED target (that table holds their audited
 # sources and why each is replaced; the engine's overrides are in dflash2_engine).
@@ -440,6 +483,7 @@ REPLACEMENTS = {
     "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._hidden": _draft_hidden_bf16,
     "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens":
         _embed_input_tokens_bf16,
+    "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__": _drafter_attention_call,
     "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops": _gated_delta_ops_call,
     "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
         _hadamard_linear_call,

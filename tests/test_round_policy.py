@@ -291,6 +291,55 @@ def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkey
         dflash2_runtime.use_drafter_bf16(None)
 
 
+def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
+    """On CUDA a bf16 drafter's attention runs in fp32 (cuDNN would build a graph for every
+    new key length); elsewhere, and for fp32 inputs, it is MLX's own call, bit for bit."""
+    import dflash2_kernels
+    import dflash2_runtime
+    from mlx_vlm.models.base import create_causal_mask
+
+    keys = mx.random.split(mx.random.key(3), 3)
+    q = mx.random.normal((1, 4, 8, 64), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, 2, 20, 64), key=keys[1]).astype(mx.bfloat16)
+    v = mx.random.normal((1, 2, 20, 64), key=keys[2]).astype(mx.bfloat16)
+    cases = [dict(mask=None), dict(mask=create_causal_mask(8, offset=12)),
+             dict(mask=None, sinks=mx.array([0.5, -1.0, 0.0, 2.0], dtype=mx.bfloat16))]
+    for case in cases:
+        stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
+        assert mx.array_equal(dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case), stock)
+    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+    for case in cases:
+        stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
+        out = dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case)
+        wide = mx.fast.scaled_dot_product_attention(
+            q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=0.125,
+            **{name: value.astype(mx.float32) if name == "sinks" else value for name, value in case.items()})
+        assert out.dtype == mx.bfloat16 and mx.array_equal(out, wide.astype(mx.bfloat16))
+        assert mx.allclose(out, stock, atol=2e-2)
+    q32, k32, v32 = (x.astype(mx.float32) for x in (q, k, v))
+    assert mx.array_equal(dflash2_runtime.drafter_attention(q32, k32, v32, scale=0.125),
+                          mx.fast.scaled_dot_product_attention(q32, k32, v32, scale=0.125))
+
+
+def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeypatch):
+    """The installed DFlashAttention.__call__ is mlx-vlm's code with its fused attention call
+    routed through drafter_attention: once per drafter layer and pass."""
+    import dflash2_runtime
+
+    model, _, drafter = target
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return dflash2_runtime.drafter_attention(*args, **kwargs)
+
+    monkeypatch.setattr(dflash2_runtime._DrafterMlx.fast, "scaled_dot_product_attention", counted)
+    lm = model.language_model
+    hidden = mx.zeros((1, 3, len(drafter.config.target_layer_ids) * lm.args.hidden_size), mx.float16)
+    mx.eval(drafter.draft_block_greedy(1, hidden, drafter.reset(model), 4, None))
+    assert len(calls) == len(drafter.layers) and all(shape[2] == 4 for shape in calls)
+
+
 def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
     import dflash2_runtime
     from mlx_vlm.speculative.common import _dflash_block_total
