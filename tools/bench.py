@@ -52,15 +52,14 @@ PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.
 GB = 1e9
 
 
-def prefill_one_by_one(lm, tokens, taps):
-    """Token-by-token prefill (decode arithmetic), capturing the drafter's taps."""
+def prefill(lm, tokens, taps):
+    """The prompt in one forward, capturing the drafter's taps: the state the round arms
+    start from (a token-by-token prefill compiled for each new length: minutes cold)."""
     cache = lm.make_cache()
-    hidden = []
-    for token in tokens:
-        out = lm(mx.array([[token]]), cache=cache, capture_layer_ids=taps)
-        hidden.append(mx.concatenate(out.hidden_states, axis=-1))
-        mx.eval(hidden[-1])
-    return cache, mx.concatenate(hidden, axis=1)
+    out = lm(mx.array([tokens]), cache=cache, capture_layer_ids=taps)
+    hidden = mx.concatenate(out.hidden_states, axis=-1)
+    mx.eval(hidden, dflash2_policy.cache_arrays(cache))
+    return cache, hidden
 
 
 def round_arms(lm, cache, taps, drafters, hidden, run=3):
@@ -162,7 +161,7 @@ def main():
     status = dflash2_runtime.install(model)
     chosen_arm = status.decode_path.arm
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
-    cache, hidden = prefill_one_by_one(lm, prompt, taps)
+    cache, hidden = prefill(lm, prompt, taps)
     with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
         rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
     decode_ms = rounds["decode"]["median"]
