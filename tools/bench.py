@@ -54,7 +54,7 @@ GB = 1e9
 
 def prefill(lm, tokens, taps):
     """The prompt in one forward, capturing the drafter's taps: the state the round arms
-    start from (a token-by-token prefill compiled for each new length: minutes cold)."""
+    start from (a token-by-token prefill compiled for each new length: over a minute cold)."""
     cache = lm.make_cache()
     out = lm(mx.array([tokens]), cache=cache, capture_layer_ids=taps)
     hidden = mx.concatenate(out.hidden_states, axis=-1)
