@@ -703,10 +703,10 @@ def exact_quantized_matmul(x, weight, scales, biases):
     """
     _check_arguments(x, weight, scales, biases)
     n, k = weight.shape[0], x.shape[-1]
-    rows = x.reshape(-1, k)
+    rows = x if x.ndim == 2 else x.reshape(-1, k)
     kernel = _serving_kernel(backend_name(), n, k, rows.shape[0])
     y = kernel(rows, weight, scales, biases) if kernel else stock_rows(rows, weight, scales, biases)
-    return y.reshape(*x.shape[:-1], n)
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], n)
 
 
 # ---------------------------------------------------------------------------

@@ -123,10 +123,14 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     """The packed linear of decode, for many rows, bit for bit per row."""
     if linear.block:
         x = dflash2_kernels.rotate(x, linear.block, linear.signs)
-    rows = x.reshape(-1, x.shape[-1])
     # The kernels reproduce MLX's fp16 single-row arithmetic. Packs whose dense
     # tensors are fp32 carry fp32 activations: those rows take MLX's own
     # single-row call one by one, exact by construction, only slower.
+    if x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * x.shape[-1]:
+        # A verify block or a decode row: one call (about 400 a forward, so no more
+        # array ops around it than it needs).
+        return dflash2_kernels.exact_quantized_matmul(x, linear.weight, linear.scales, linear.biases)
+    rows = x.reshape(-1, x.shape[-1])
     matmul = (
         dflash2_kernels.exact_quantized_matmul
         if rows.dtype == mx.float16
