@@ -92,7 +92,8 @@ REPLACED = (
         "bf5313477baa147b47ae80d53cca3f1828ef6ff7280d295cf5b606ea5dff5e64",
         "Swapped by the engine on every route: the prefill's forward substitution with the same "
         "matmuls on the same operands, appending each row instead of concatenating all earlier "
-        "rows again (one GPU copy kernel per row: about half a second a 27B prefill chunk).",
+        "rows again (one GPU copy kernel per row: about half a second a 27B prefill chunk); on "
+        "CUDA each row's subtraction and append in one launch where that checks out bitwise.",
     ),
     Audited(
         "mlx_vlm.server.generation:ResponseGenerator.__init__",

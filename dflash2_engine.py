@@ -47,20 +47,28 @@ class Speculation:
 INVERSE_TARGET = "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower"
 
 
-def use_row_appending_inverse() -> str:
-    """Swaps in dflash2_kernels.invert_unit_lower (the prefill's inverse with fewer GPU
-    copies, exact by construction) on every route once its start-up check finds it bitwise
-    mlx-vlm's here; otherwise keeps mlx-vlm's. Returns the log line."""
+def use_exact_prefill_inverse() -> str:
+    """Swaps in the fastest of dflash2_kernels.inverse_candidates() (the prefill's inverse
+    with fewer GPU launches, exact by construction) that its start-up check finds bitwise
+    mlx-vlm's here, on every route; if none is, keeps mlx-vlm's. Returns the log line."""
     import dflash2_kernels
 
     started = time.perf_counter()
-    differing = dflash2_kernels.self_test_inverse()
-    seconds = time.perf_counter() - started
-    if differing:
-        return (f"prefill inverse: mlx-vlm's (the row-appending one differed from it here in "
-                f"{differing} elements), {seconds:.1f} s")
-    dflash2_audit.replace(INVERSE_TARGET, dflash2_kernels.invert_unit_lower)
-    return f"prefill inverse: row-appending, bitwise mlx-vlm's at start-up ({seconds:.1f} s)"
+    failed = []
+    for name, inverse in dflash2_kernels.inverse_candidates():
+        try:
+            differing = dflash2_kernels.self_test_inverse(kernel=inverse)
+        except Exception as error:  # e.g. a kernel that does not build here
+            failed.append(f"the {name} one failed: {error}")
+            continue
+        if differing:
+            failed.append(f"the {name} one differed from it here in {differing} elements")
+            continue
+        dflash2_audit.replace(INVERSE_TARGET, inverse)
+        return (f"prefill inverse: {name}, bitwise mlx-vlm's at start-up"
+                + "".join(f" ({reason})" for reason in failed)
+                + f" ({time.perf_counter() - started:.1f} s)")
+    return f"prefill inverse: mlx-vlm's ({'; '.join(failed)}), {time.perf_counter() - started:.1f} s"
 
 
 def load_speculation(model, setup: DrafterSetup) -> Speculation:
@@ -189,7 +197,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     except dflash2_audit.SourceMismatch as mismatch:
         sys.exit(f"error: {mismatch}")
     app_module = sys.modules["mlx_vlm.server.app"]  # mlx_vlm.server.app is the FastAPI object
-    logger.info(use_row_appending_inverse())
+    logger.info(use_exact_prefill_inverse())
     if prefix_cache_gb:
         import dflash2_prefix_cache
 

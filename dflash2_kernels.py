@@ -2605,19 +2605,81 @@ def self_test_attention(
 # Prefill: the GatedDeltaNet chunked scan's unit lower-triangular inverse
 
 
-def invert_unit_lower(Tmat, C: int):
+def invert_unit_lower(Tmat, C: int, append=None):
     """mlx-vlm's _invert_unit_lower (forward substitution over a chunk's C rows) with the
     same matmuls on the same operands. Stock concatenates all earlier rows again for every
     row: on GPUs one copy kernel per row, about 2,000 a 27B layer and most of a prefill
     chunk's fixed cost on the H200 (evidence/prefix-cache-cuda-27b*.md). Appending each row to
     the previous concatenation gives every matmul the same contiguous operand with two
-    copies, so the same bits by construction (on CUDA, the same cuBLASLt call)."""
+    copies, so the same bits by construction (on CUDA, the same cuBLASLt call).
+    append(done, x_row, product): the next `done`; default stock's subtraction, then a
+    concatenate (invert_unit_lower_one_launch does both in one launch)."""
     X = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape) + mx.zeros_like(Tmat)
     done = X[..., 0:1, :]  # stock's concatenate of one row is that row itself
     for i in range(1, C):
-        row = X[..., i : i + 1, :] - Tmat[..., i : i + 1, :i] @ done
-        done = mx.concatenate([done, row], axis=-2)
+        product = Tmat[..., i : i + 1, :i] @ done
+        if append is None:
+            done = mx.concatenate([done, X[..., i : i + 1, :] - product], axis=-2)
+        else:
+            done = append(done, X[..., i : i + 1, :], product)
     return done
+
+
+# out = [done; e_i - product] over the last two axes (i: done's rows): stock's row
+# `X[..., i:i+1, :] - T[..., i:i+1, :i] @ X_j`, X being the identity, with its append.
+# One IEEE fp32 subtraction per element, as MLX's Subtract (no fast math).
+_APPEND_ROW_SOURCE = """
+  const int rows = done_shape[done_ndim - 2];
+  const int width = done_shape[done_ndim - 1];
+  size_t batch = 1;
+  for (int d = 0; d < done_ndim - 2; ++d) batch *= done_shape[d];
+  const size_t per_batch = size_t(rows + 1) * width;
+  const size_t index = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= batch * per_batch) return;
+  const size_t b = index / per_batch;
+  const int r = int(index % per_batch) / width;
+  const int j = int(index % width);
+  out[index] = r < rows ? done[(b * rows + r) * width + j]
+                        : __fsub_rn(j == rows ? 1.0f : 0.0f, product[b * width + j]);
+"""
+
+
+@cache
+def _append_row_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_append_identity_row",
+        input_names=["done", "product"],
+        output_names=["out"],
+        source=_APPEND_ROW_SOURCE,
+    )
+
+
+def cuda_append_row(done, x_row, product):
+    """invert_unit_lower's append in one CUDA launch (x_row: the identity's row, which the
+    kernel writes from its index)."""
+    *batch, rows, width = done.shape
+    total = math.prod(batch) * (rows + 1) * width
+    return _append_row_kernel()(
+        inputs=[done, product],
+        grid=(total, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(*batch, rows + 1, width)],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+def invert_unit_lower_one_launch(Tmat, C: int):
+    """invert_unit_lower with each row's subtraction and append in one CUDA launch: two
+    launches a row (the matmul and this) where the row-appending one makes four."""
+    return invert_unit_lower(Tmat, C, append=cuda_append_row)
+
+
+def inverse_candidates() -> list:
+    """(name, inverse) for the engine to check against mlx-vlm's, fastest first."""
+    candidates = [("row-appending", invert_unit_lower)]
+    if backend_name() == "cuda":
+        candidates.insert(0, ("one-launch append", invert_unit_lower_one_launch))
+    return candidates
 
 
 def self_test_inverse(heads: int = 48, chunks: int = 2, kernel=None) -> int:

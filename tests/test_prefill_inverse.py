@@ -45,11 +45,47 @@ def reversed_substitution(Tmat, C):
 def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
     monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)  # undone after the test
     assert dflash2_kernels.self_test_inverse(heads=2, kernel=reversed_substitution) > 0
-    monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda: 7)
-    line = dflash2_engine.use_row_appending_inverse()
-    assert "differed from it here in 7 elements" in line and gated_delta._invert_unit_lower is STOCK
+    monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda kernel=None: 7)
+    line = dflash2_engine.use_exact_prefill_inverse()
+    assert "the row-appending one differed from it here in 7 elements" in line
+    assert gated_delta._invert_unit_lower is STOCK
     monkeypatch.undo()
     monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)
-    line = dflash2_engine.use_row_appending_inverse()
+    line = dflash2_engine.use_exact_prefill_inverse()
     assert "row-appending" in line and gated_delta._invert_unit_lower is dflash2_kernels.invert_unit_lower
     assert gated_delta._invert_unit_lower.__dflash2_stock__ is STOCK
+
+
+def test_on_cuda_the_one_launch_append_is_tried_first_and_skipped_when_it_fails(monkeypatch):
+    """Off CUDA only the row-appending inverse is a candidate. On CUDA the one-launch append
+    comes first; here (MLX on CPU) its kernel cannot build, so the engine says so and
+    installs the row-appending one."""
+    assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["row-appending"]
+    monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)
+    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+    assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["one-launch append", "row-appending"]
+    line = dflash2_engine.use_exact_prefill_inverse()
+    assert line.startswith("prefill inverse: row-appending, bitwise") and "the one-launch append one failed" in line
+    assert gated_delta._invert_unit_lower is dflash2_kernels.invert_unit_lower
+
+
+def identity_row_minus(negate_zero: bool):
+    """The one-launch kernel's row in MLX ops: the identity's row i written from the column
+    index, minus the product (negate_zero: -product where the identity is 0, which turns
+    +0 into -0)."""
+    def append(done, x_row, product):
+        i = done.shape[-2]
+        at_i = mx.arange(product.shape[-1]) == i
+        row = mx.where(at_i, 1.0 - product, -product if negate_zero else 0.0 - product)
+        return mx.concatenate([done, row], axis=-2)
+
+    return append
+
+
+def test_the_one_launch_kernels_row_formula_is_stocks_bits():
+    """What the CUDA kernel computes for the new row, (j == i ? 1 : 0) - product, gives
+    stock's bits; the shortcut -product where the identity is 0 does not (signed zeros)."""
+    Tmat = unit_lower((1, 3, 2, 64, 64), 0.5, seed=5)
+    want = STOCK(Tmat, 64)
+    assert differing(dflash2_kernels.invert_unit_lower(Tmat, 64, append=identity_row_minus(False)), want) == 0
+    assert differing(dflash2_kernels.invert_unit_lower(Tmat, 64, append=identity_row_minus(True)), want) > 0

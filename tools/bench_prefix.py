@@ -207,7 +207,7 @@ def main():
     started = time.time()
     model, processor, drafter = load(args)
     status = dflash2_runtime.install(model)
-    prefill_inverse = dflash2_engine.use_row_appending_inverse()  # as both servers prefill
+    prefill_inverse = dflash2_engine.use_exact_prefill_inverse()  # as both servers prefill
     print(prefill_inverse, flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
