@@ -2659,6 +2659,8 @@ def cuda_append_row(done, x_row, product):
     kernel writes from its index)."""
     *batch, rows, width = done.shape
     total = math.prod(batch) * (rows + 1) * width
+    if total == 0:  # nothing to launch (a launch of no threads fails)
+        return mx.zeros((*batch, rows + 1, width), mx.float32)
     return _append_row_kernel()(
         inputs=[done, product],
         grid=(total, 1, 1),

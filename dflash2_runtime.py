@@ -390,10 +390,11 @@ class DrafterDtypeChoice:
 
 def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> DrafterDtypeChoice:
     """Run the drafter in bf16 or in the dtype its inputs promote to, whichever drafts a
-    block faster here as serving drafts: after a 16-row context, each pass of the
-    drafter's largest block reads one new context row, so no two passes of an arm see the
-    same key length (a request's rounds never do either). Arms interleaved after warm-up.
-    On CPU bf16 is emulated: promoted, untimed."""
+    block faster here as serving drafts: after a 15- or 16-row context, each pass of the
+    drafter's largest block reads one new context row, so no pass sees a key length any
+    pass saw before (a request's rounds never do either), and a cache of work per shape
+    (as cuDNN's attention graphs, which drafter_attention now avoids) cannot flatter an
+    arm. Arms interleaved after warm-up. On CPU bf16 is emulated: promoted, untimed."""
     if dflash2_kernels.backend_name() == "cpu":
         use_drafter_bf16(False)
         return DrafterDtypeChoice(False, "bf16 is emulated on CPU")
@@ -405,7 +406,8 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
     def sample(bf16):
         use_drafter_bf16(bf16)
         cache = drafter.reset(model)  # this arm's own, growing across its samples
-        mx.eval(drafter.draft_block_greedy(1, context, cache, block, None))  # reads the context
+        # The arms start one row apart: no key length of one is ever the other's.
+        mx.eval(drafter.draft_block_greedy(1, context[:, int(bf16):], cache, block, None))  # reads the context
 
         def run():
             use_drafter_bf16(bf16)
@@ -465,7 +467,8 @@ class _DrafterMlx:
 
 
 def _with_globals(function, **names):
-    """`function`'s own code with some of its module's names bound to others."""
+    """`function`'s own code with some of its module's names bound to others (a snapshot of
+    its module's names: later changes to that module are not seen)."""
     rebound = types.FunctionType(
         function.__code__, {**function.__globals__, **names}, function.__name__,
         function.__defaults__, function.__closure__,

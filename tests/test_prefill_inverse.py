@@ -43,6 +43,7 @@ def reversed_substitution(Tmat, C):
 
 
 def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
+    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")  # row-appending the only candidate
     monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)  # undone after the test
     assert dflash2_kernels.self_test_inverse(heads=2, kernel=reversed_substitution) > 0
     monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda kernel=None: 7)
@@ -50,6 +51,7 @@ def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
     assert "the row-appending one differed from it here in 7 elements" in line
     assert gated_delta._invert_unit_lower is STOCK
     monkeypatch.undo()
+    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")
     monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)
     line = dflash2_engine.use_exact_prefill_inverse()
     assert "row-appending" in line and gated_delta._invert_unit_lower is dflash2_kernels.invert_unit_lower
@@ -60,6 +62,8 @@ def test_on_cuda_the_one_launch_append_is_tried_first_and_skipped_when_it_fails(
     """Off CUDA only the row-appending inverse is a candidate. On CUDA the one-launch append
     comes first; here (MLX on CPU) its kernel cannot build, so the engine says so and
     installs the row-appending one."""
+    if dflash2_kernels.backend_name() == "cuda":
+        pytest.skip("here the one-launch kernel builds: test_one_launch_inverse_on_cuda")
     assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["row-appending"]
     monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)
     monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
@@ -89,3 +93,12 @@ def test_the_one_launch_kernels_row_formula_is_stocks_bits():
     want = STOCK(Tmat, 64)
     assert differing(dflash2_kernels.invert_unit_lower(Tmat, 64, append=identity_row_minus(False)), want) == 0
     assert differing(dflash2_kernels.invert_unit_lower(Tmat, 64, append=identity_row_minus(True)), want) > 0
+
+
+@pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
+@pytest.mark.parametrize("shape, scale", [((1, 3, 1, 64, 64), 0.3), ((2, 2, 3, 64, 64), 1.0),
+                                          ((1, 4, 2, 16, 16), 2.0), ((5, 16, 16), 1.0)])
+def test_one_launch_inverse_on_cuda(shape, scale):
+    """The CUDA kernel itself (CPU tests hold only its formula): stock's bits."""
+    Tmat = unit_lower(shape, scale, seed=sum(shape))
+    assert differing(dflash2_kernels.invert_unit_lower_one_launch(Tmat, shape[-1]), STOCK(Tmat, shape[-1])) == 0

@@ -214,3 +214,18 @@ def test_drafter_memory_counts_its_own_weights_not_the_targets(target, tiny_pack
                 for value in mx.load(str(path)).values())
     bound = sum(value.nbytes for _, value in tree_flatten(drafter.parameters()))
     assert drafter_own_bytes(drafter, model) == files < bound
+
+
+def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
+    """bench_prefix measures memory with the drafter's sliding window, then times requests:
+    the window option must not outlive the memory runs."""
+    import dflash2_runtime
+    from bench_prefix import attention_layout_kept
+
+    _, _, drafter = target
+    before = (list(drafter.config.layer_types), [layer.self_attn.is_sliding for layer in drafter.layers])
+    assert drafter.config.sliding_window  # the synthetic drafters have one
+    with attention_layout_kept(drafter):
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
+        assert all(layer.self_attn.is_sliding for layer in drafter.layers)
+    assert (list(drafter.config.layer_types), [layer.self_attn.is_sliding for layer in drafter.layers]) == before

@@ -75,6 +75,10 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 1000, 4000])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
+    span = (args.repeats + 1) * len(ARMS)  # key lengths one context's calls take
+    contexts = sorted(args.contexts)
+    if any(b - a < span for a, b in zip(contexts, contexts[1:])):
+        parser.error(f"--contexts must be at least {span} apart, or a length would be seen twice")
     key = mx.random.key(0)
     results = {str(context): measure(context, args.repeats, key) for context in args.contexts}
     record = {

@@ -143,8 +143,9 @@ def drafter_own_bytes(drafter, model) -> int:
 
 def spec_extra_memory(model, processor, drafter, contexts, step):
     """Speculation's extra memory by context, in GB: the drafter's weights plus how far a
-    speculative request's peak goes past a plain one's (drafter cache, taps, verify work),
-    with the drafter's whole context and then with its sliding window."""
+    speculative request's peak goes past a plain one's (drafter cache, taps, verify work;
+    nothing where it stays below), with the drafter's whole context and then with its
+    sliding window. Returns that and the peak's difference itself (negative: below plain)."""
     drafter.reset(model)  # bound to the target, as a request binds it
     weights = drafter_own_bytes(drafter, model)
     vocab = min(model.language_model.args.vocab_size, 150000)
@@ -156,16 +157,32 @@ def spec_extra_memory(model, processor, drafter, contexts, step):
         request(model, processor, inputs, step=step, drafter=route_drafter, max_tokens=16)
         return mx.get_peak_memory()
 
-    extra = {}
-    for window in (False, True):
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=window))
-        for context in contexts:
-            grown = peak(context, drafter) - peak(context, None)
-            extra.setdefault(str(context), {})["sliding_window" if window else "full"] = \
-                round((weights + max(0, grown)) / 1e9, 3)
-            print(f"speculation's extra memory at {context} tokens (sliding window {window}): "
-                  f"{extra[str(context)]}", flush=True)
-    return extra
+    extra, over_plain = {}, {}
+    with attention_layout_kept(drafter):  # the timings after this serve the drafter as loaded
+        for window in (False, True):
+            dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=window))
+            name = "sliding_window" if window else "full"
+            for context in contexts:
+                grown = peak(context, drafter) - peak(context, None)
+                extra.setdefault(str(context), {})[name] = round((weights + max(0, grown)) / 1e9, 3)
+                over_plain.setdefault(str(context), {})[name] = round(grown / 1e9, 3)
+                print(f"speculation's extra memory at {context} tokens (sliding window {window}): "
+                      f"{extra[str(context)]}; peak over plain {over_plain[str(context)]}", flush=True)
+    return extra, over_plain
+
+
+@contextlib.contextmanager
+def attention_layout_kept(drafter):
+    """Puts back the drafter's attention layout, which configure_drafter's window option
+    switches to sliding (and nothing switches back)."""
+    layout = (list(drafter.config.layer_types),
+              [(layer.self_attn.is_sliding, layer.self_attn.sliding_window) for layer in drafter.layers])
+    try:
+        yield
+    finally:
+        drafter.config.layer_types = layout[0]
+        for layer, (sliding, size) in zip(drafter.layers, layout[1]):
+            layer.self_attn.is_sliding, layer.self_attn.sliding_window = sliding, size
 
 
 def load(args):
@@ -211,7 +228,7 @@ def main():
     print(prefill_inverse, flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
-    results, memory = {}, {}
+    results, memory, peak_over_plain = {}, {}, {}
 
     def write(complete):
         """The record so far: a run cut short keeps what it measured (complete: false)."""
@@ -226,6 +243,7 @@ def main():
             "repeats": args.repeats,
             "by_route_step_context": results,
             "spec_extra_memory_gb": memory,
+            "spec_peak_over_plain_gb": peak_over_plain,
             "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values()),
             "seconds": round(time.time() - started, 1),
         }
@@ -234,7 +252,9 @@ def main():
 
     # Memory first (it is quick), so that a run cut short in the timings still has it.
     if drafter is not None and args.memory_contexts:
-        memory.update(spec_extra_memory(model, processor, drafter, args.memory_contexts, args.step_sizes[0]))
+        extra, over_plain = spec_extra_memory(model, processor, drafter, args.memory_contexts, args.step_sizes[0])
+        memory.update(extra)
+        peak_over_plain.update(over_plain)
         write(complete=False)
     for route, route_drafter in routes.items():
         for step in args.step_sizes:
@@ -245,6 +265,11 @@ def main():
                 write(complete=False)
     record = write(complete=True)
     print(summary_markdown(record))
+
+
+def bracket(over, context, name) -> str:
+    value = over.get(context, {}).get(name)
+    return "" if value is None else f" ({value:+})"
 
 
 def summary_markdown(r) -> str:
@@ -270,9 +295,13 @@ def summary_markdown(r) -> str:
     if r["spec_extra_memory_gb"]:
         form = f"the {r['drafter_form']} drafter's" if r.get("drafter_form") else "the drafter's"
         lines += [f"Speculation's extra memory ({form} own weights, not the target's embedding and head it "
-                  "shares, + peak over a plain request), GB:", "",
+                  "shares, + how far a speculative request's peak goes past a plain one's, nothing where "
+                  "it stays below; that difference itself in brackets), GB:", "",
                   "| context | drafter's whole context | sliding window |", "|---|---|---|"]
-        lines += [f"| {context} | {m['full']} | {m['sliding_window']} |" for context, m in r["spec_extra_memory_gb"].items()]
+        over = r.get("spec_peak_over_plain_gb", {})
+        lines += [f"| {context} | {m['full']}{bracket(over, context, 'full')} | "
+                  f"{m['sliding_window']}{bracket(over, context, 'sliding_window')} |"
+                  for context, m in r["spec_extra_memory_gb"].items()]
         lines.append("")
     return "\n".join(lines)
 
