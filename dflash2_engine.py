@@ -107,7 +107,10 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
         return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
     logger.info("DFlash2 round costs (%s): %s",
                 "from --dflash2-round-costs" if setup.round_costs else "measured", drafter.round_costs.summary())
-    if not dflash2_policy.rounds_can_pay(drafter):
+    if getattr(drafter, "prefer_requested_block_size", False):
+        logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
+                    "whatever the table says", drafter.config.runtime_block_size)
+    elif not dflash2_policy.rounds_can_pay(drafter):
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
                     "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "
                     "gets one in %d to learn from", dflash2_policy.ROUTE_PROBE_EVERY)

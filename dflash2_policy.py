@@ -143,7 +143,7 @@ class RoundCosts:
             f"{block}: {self.verify_steps_by_block[block]:.2f}+{self.draft_steps_by_block[block]:.2f}"
             for block in self.blocks
         )
-        verdict = "can pay" if self.can_pay() else "cannot pay at any acceptance: plain steps only"
+        verdict = "can pay" if self.can_pay() else "cannot pay at any acceptance"
         return (f"decode step {self.decode_step_ms:.2f} ms; round cost in decode steps "
                 f"(block: verify+draft) {rounds}; speculation {verdict}")
 

@@ -196,6 +196,9 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
         assert runtime["drafter_activations"] == "drafter activations: promoted (bf16 is emulated on CPU)"
         assert runtime["plain_decode_path"]["arm"] in ("mlx", "rotation", "rotation+recurrence",
                                                        "rotation+recurrence+matmul")
+        # The log says the fixed block runs rounds, not that requests go plain.
+        assert "block fixed at 2 (--dflash2-block-size): greedy requests run rounds of it" in server.log()
+        assert "routed plain" not in server.log()
     finally:
         server.stop()
 
