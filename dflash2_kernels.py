@@ -2605,23 +2605,24 @@ def self_test_attention(
 # Prefill: the GatedDeltaNet chunked scan's unit lower-triangular inverse
 
 
-def invert_unit_lower(Tmat, C: int, append=None):
+def append_by_concatenate(done, x_row, product):
+    """Stock's row (the identity's row less the product), then concatenated to the rows done."""
+    return mx.concatenate([done, x_row - product], axis=-2)
+
+
+def invert_unit_lower(Tmat, C: int, append=append_by_concatenate):
     """mlx-vlm's _invert_unit_lower (forward substitution over a chunk's C rows) with the
     same matmuls on the same operands. Stock concatenates all earlier rows again for every
     row: on GPUs one copy kernel per row, about 2,000 a 27B layer and most of a prefill
     chunk's fixed cost on the H200 (evidence/prefix-cache-cuda-27b*.md). Appending each row to
     the previous concatenation gives every matmul the same contiguous operand with two
     copies, so the same bits by construction (on CUDA, the same cuBLASLt call).
-    append(done, x_row, product): the next `done`; default stock's subtraction, then a
-    concatenate (invert_unit_lower_one_launch does both in one launch)."""
+    append(done, x_row, product): the next `done` (invert_unit_lower_one_launch does the
+    subtraction and concatenate in one launch)."""
     X = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape) + mx.zeros_like(Tmat)
     done = X[..., 0:1, :]  # stock's concatenate of one row is that row itself
     for i in range(1, C):
-        product = Tmat[..., i : i + 1, :i] @ done
-        if append is None:
-            done = mx.concatenate([done, X[..., i : i + 1, :] - product], axis=-2)
-        else:
-            done = append(done, X[..., i : i + 1, :], product)
+        done = append(done, X[..., i : i + 1, :], Tmat[..., i : i + 1, :i] @ done)
     return done
 
 

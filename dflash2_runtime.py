@@ -404,17 +404,9 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
     block = _dflash_block_total(drafter, None)
 
     def sample(bf16):
-        use_drafter_bf16(bf16)
-        cache = drafter.reset(model)  # this arm's own, growing across its samples
         # The arms start one row apart: no key length of one is ever the other's.
-        mx.eval(drafter.draft_block_greedy(1, context[:, int(bf16):], cache, block, None))  # reads the context
-
-        def run():
-            use_drafter_bf16(bf16)
-            for _ in range(passes):
-                mx.eval(drafter.draft_block_greedy(1, context[:, -1:], cache, block, None))
-
-        return dflash2_policy.timed_ms(run)
+        run = drafter_passes(model, drafter, context[:, int(bf16):], bf16, block)
+        return dflash2_policy.timed_ms(lambda: run(passes))
 
     pass_ms = dflash2_policy.interleaved_ms({"bf16": sample(True), "promoted": sample(False)}, repeats)
     bf16 = pass_ms["bf16"]["median"] < pass_ms["promoted"]["median"]
@@ -423,6 +415,22 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
     return DrafterDtypeChoice(
         bf16, f"faster of both, {passes} passes of block {block}, each at a new context length", pass_ms
     )
+
+
+def drafter_passes(model, drafter, context, bf16: bool, block: int):
+    """A function that runs `count` drafter passes of `block` as serving drafts them, in bf16
+    or promoted: after this reads `context`, each pass reads its last row once more, so no
+    pass sees a key length any pass before it saw (a request's rounds never do either)."""
+    use_drafter_bf16(bf16)
+    cache = drafter.reset(model)  # its own, growing across every pass
+    mx.eval(drafter.draft_block_greedy(1, context, cache, block, None))
+
+    def passes(count):
+        use_drafter_bf16(bf16)
+        for _ in range(count):
+            mx.eval(drafter.draft_block_greedy(1, context[:, -1:], cache, block, None))
+
+    return passes
 
 
 def _draft_hidden_bf16(self, inputs, target_hidden, cache):

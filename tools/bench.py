@@ -91,19 +91,11 @@ def round_arms(lm, cache, taps, drafters, hidden, run=3):
     arms = {"decode": dflash2_policy.steady_ms(decode, run, settle)}
     for length in range(2, BLOCK + 1):
         arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_rounds(length), run, settle)
-    # Drafter passes as serving drafts: each reads one new context row, so no two passes of
-    # an arm see the same key length (dflash2_runtime.choose_drafter_dtype's arms).
+    # Drafter passes as serving drafts them, each at a new key length (as
+    # dflash2_runtime.choose_drafter_dtype's arms).
     for form, drafter in drafters.items():
         for name, bf16 in (("bf16", True), ("promoted", False)):
-            dflash2_runtime.use_drafter_bf16(bf16)
-            draft_cache = drafter.reset(lm)
-            mx.eval(drafter.draft_block_greedy(1, hidden, draft_cache, BLOCK, None))
-
-            def drafts(count, d=drafter, c=draft_cache, bf16=bf16):
-                dflash2_runtime.use_drafter_bf16(bf16)
-                for _ in range(count):
-                    mx.eval(d.draft_block_greedy(1, hidden[:, -1:], c, BLOCK, None))
-
+            drafts = dflash2_runtime.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
             arms[f"draft {form}, {name}"] = dflash2_policy.steady_ms(drafts, run, settle)
     return arms
 

@@ -157,13 +157,14 @@ def spec_extra_memory(model, processor, drafter, contexts, step):
         request(model, processor, inputs, step=step, drafter=route_drafter, max_tokens=16)
         return mx.get_peak_memory()
 
+    plain = {context: peak(context, None) for context in contexts}  # the window changes only the drafter
     extra, over_plain = {}, {}
     with attention_layout_kept(drafter):  # the timings after this serve the drafter as loaded
         for window in (False, True):
             dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=window))
             name = "sliding_window" if window else "full"
             for context in contexts:
-                grown = peak(context, drafter) - peak(context, None)
+                grown = peak(context, drafter) - plain[context]
                 extra.setdefault(str(context), {})[name] = round((weights + max(0, grown)) / 1e9, 3)
                 over_plain.setdefault(str(context), {})[name] = round(grown / 1e9, 3)
                 print(f"speculation's extra memory at {context} tokens (sliding window {window}): "
