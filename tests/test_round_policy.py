@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_policy
-from dflash2_policy import PROBE_BUDGET, RoundCosts, RoundPolicy
+from dflash2_policy import PAY_MARGIN, PROBE_BUDGET, RoundCosts, RoundPolicy
 from oracle_drafter import OracleDrafter
 from parity import PROMPTS, chat_ids, greedy
 
@@ -27,8 +27,9 @@ GENERATED = 40
 
 
 def exhaustive_choice(costs, rates, remaining):
-    """The best block by enumerating every accepted count, or None when plain is better."""
-    best, best_value = None, 1.0
+    """The best block by enumerating every accepted count, or None when none beats plain
+    by PAY_MARGIN."""
+    best, best_value = None, 0.0
     for block in costs.blocks:
         if block > remaining:
             continue
@@ -42,7 +43,7 @@ def exhaustive_choice(costs, rates, remaining):
         value = expected / costs.round_steps(block)
         if value > best_value:
             best, best_value = block, value
-    return best
+    return best if best_value > PAY_MARGIN else None
 
 
 def policy_with_rates(costs, rates):
@@ -96,11 +97,14 @@ def test_costs_that_never_pay_mean_plain_steps_only_and_fixed_blocks_stay_fixed(
 def test_routing_asks_whether_a_block_up_to_the_ceiling_beats_plain_at_full_acceptance():
     from types import SimpleNamespace
 
-    # A round of block b yields b tokens at full acceptance: at b decode steps it only ties.
+    # A round of block b yields b tokens at full acceptance: at b decode steps it only ties,
+    # and it must beat plain by PAY_MARGIN.
     tie = RoundCosts(1.0, {b: b - 0.5 for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=True)
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=tie)
     assert not dflash2_policy.rounds_can_pay(drafter)
-    tie.verify_steps_by_block[6] -= 0.01  # block 6 now pays, by a hundredth of a step
+    tie.verify_steps_by_block[6] = 6 / PAY_MARGIN - 0.5  # block 6 at exactly the margin: not yet
+    assert not dflash2_policy.rounds_can_pay(drafter)
+    tie.verify_steps_by_block[6] -= 0.01  # now it pays, by a hundredth of a step
     assert dflash2_policy.rounds_can_pay(drafter)
     drafter.config.runtime_block_size = 5  # beyond the drafter's ceiling it does not count
     assert not dflash2_policy.rounds_can_pay(drafter)
