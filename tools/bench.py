@@ -277,6 +277,8 @@ def main():
     round_counts = {
         profile: vars(oracles[arm_name(profile, None)].round_counts) for profile in PROFILE_TOKENS_PER_ROUND
     }
+    # Each round's drafts (block - 1) in the policy's last run per profile: what it chose.
+    policy_drafts = {profile: oracles[arm_name(profile, None)].draft_lens for profile in PROFILE_TOKENS_PER_ROUND}
     # Profiles are named by tokens per round at block 8.
     tokens_per_round = {
         profile: (args.tokens - 1) / max(1, len(oracles[arm_name(profile, BLOCK)].accept_lens))
@@ -301,6 +303,7 @@ def main():
         "e2e_speedup_fixed_block": e2e_fixed,
         "policy_vs_best_fixed_block": policy_vs_best_fixed,
         "policy_round_counts": round_counts,
+        "policy_drafts_per_round": policy_drafts,
         # The measured table after the end-to-end arms taught it (as a server's learns).
         "round_costs_learned": costs.to_json(),
         "cost_drafter_form": drafter_names[id(cost_drafter)],
@@ -379,6 +382,9 @@ def summary_markdown(r) -> str:
             + f" | {r['policy_vs_best_fixed_block'][profile]:.3f} "
             f"| {counts['tokens_from_rounds']} / {counts['tokens_from_plain_steps']} |"
         )
+    if "policy_drafts_per_round" in r:
+        lines += ["", "The policy's drafts per round (block - 1) in its last run: "
+                  + "; ".join(f"{profile} {drafts}" for profile, drafts in r["policy_drafts_per_round"].items()) + "."]
     lines += ["", "| arm | ms per run |", "|---|---|"]
     lines += [f"| {arm} | {spread(stats)} |" for arm, stats in r["e2e_ms"].items()]
     for form, speedups in r["e2e_speedup_by_other_drafter_form"].items():
