@@ -134,6 +134,15 @@ def main():
         parser.error(f"--fixed-blocks: blocks 2..{BLOCK}, including {BLOCK} (the profiles are named at it)")
     started = time.time()
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
+    environment = run_environment("bench.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0")
+    name = f"bench-{environment['backend']}-{'pack' if args.pack else args.size}"
+    if args.part == "e2e":
+        rounds_record = Path(args.out) / f"{name}.json"
+        if not rounds_record.is_file():
+            parser.error(f"--part e2e adds to the record a --part rounds run wrote; {rounds_record} is missing")
+        record = json.loads(rounds_record.read_text())
+        if record["size"] != (Path(args.pack).name if args.pack else args.size):
+            parser.error(f"--part e2e: {rounds_record} is a record of {record['size']}")
 
     if args.pack:
         # A built pack: its own target and drafter (whatever form it ships).
@@ -157,8 +166,6 @@ def main():
     taps = list(cost_drafter.config.target_layer_ids)
     prompt = [(17 * i + 3) % 200 + 1 for i in range(args.context)]
 
-    environment = run_environment("bench.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0")
-    name = f"bench-{environment['backend']}-{'pack' if args.pack else args.size}"
     status = dflash2_runtime.install(model)
     chosen_arm = status.decode_path.arm
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
@@ -176,12 +183,10 @@ def main():
         "drafter_dtype_by_form": {form: choice.summary() for form, choice in dtypes.items()},
     }
     if args.part == "e2e":
-        record = json.loads((Path(args.out) / f"{name}.json").read_text())
-        if record["size"] != (Path(args.pack).name if args.pack else args.size):
-            parser.error(f"--part e2e: {args.out}/{name}.json is a record of {record['size']}")
-        # The round phase's figures stay as its process measured them; this process's
-        # start-up measurements serve the end-to-end phase.
-        record["round_process"] = {key: record.pop(key) for key in (*process, "command")}
+        # The round phase's figures stay as its process measured them (a second e2e run
+        # keeps them too); this process's start-up measurements serve the end-to-end phase.
+        earlier = {key: record.pop(key) for key in (*process, "command")}
+        record.setdefault("round_process", earlier)
         record.update({**process, "command": environment["command"], "tokens": args.tokens, "repeats": args.repeats})
     else:
         cache, hidden = prefill(lm, prompt, taps)
