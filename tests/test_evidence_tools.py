@@ -1,0 +1,61 @@
+"""tools/add_prefix_figures.py on real records: the H200 bench record gets every measured
+time-to-first-token row and memory figure of the prefix-cache records, and refuses what is not
+a prefix-cache record of the same backend and size."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EVIDENCE = REPO / "evidence"
+
+
+def add(bench, *prefix):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "add_prefix_figures.py"), str(bench), *map(str, prefix)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_every_prefix_row_lands_in_the_bench_record_with_its_source(tmp_path):
+    bench = Path(shutil.copy(EVIDENCE / "bench-cuda-27b.json", tmp_path))
+    sources = [EVIDENCE / "prefix-cache-cuda-27b.json", EVIDENCE / "prefix-cache-cuda-27b-steps.json"]
+    done = add(bench, *sources)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(bench.read_text())
+    copied = {(c, row["route"], row["step"], row["record"]): (row["cold"], row["cached"])
+              for c, rows in record["ttft_ms"].items() for row in rows}
+    expected = {}
+    for source in sources:
+        for route, steps in json.loads(source.read_text())["by_route_step_context"].items():
+            for step, contexts in steps.items():
+                for context, row in contexts.items():
+                    expected[(context, route, int(step), source.stem)] = (row["ttft_ms"]["cold"], row["ttft_ms"]["cached"])
+    assert copied == expected and len(expected) >= 5
+    assert {"1024", "4096", "16384"} <= set(record["ttft_ms"])
+    steps = json.loads(sources[1].read_text())["spec_extra_memory_gb"]
+    assert record["spec_extra_memory_gb"]["4096"] == [{**steps["4096"], "record": sources[1].stem}]
+    assert set(record["prefix_figure_commands"]) == {source.stem for source in sources}
+    # The round and end-to-end figures are untouched, and the summary shows the rows.
+    original = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    assert record["e2e_speedup"] == original["e2e_speedup"]
+    markdown = bench.with_suffix(".md").read_text()
+    assert "| 16384 | plain | 1024 | 8509.8 | 960.3 | 0.11 | True | prefix-cache-cuda-27b-steps |" in markdown
+    # Run again with one record: the figures are that record's alone, not added twice.
+    assert add(bench, sources[1]).returncode == 0
+    rows = json.loads(bench.read_text())["ttft_ms"]["4096"]
+    assert [row["record"] for row in rows] == [sources[1].stem] * 2
+
+
+def test_refuses_records_that_are_not_prefix_records_of_the_same_size(tmp_path):
+    bench = Path(shutil.copy(EVIDENCE / "bench-cuda-27b.json", tmp_path))
+    before = bench.read_text()
+    refused = add(bench, EVIDENCE / "parity-cuda.json")
+    assert refused.returncode == 2 and "not a prefix-cache record" in refused.stderr
+    other = json.loads((EVIDENCE / "prefix-cache-cuda-27b.json").read_text())
+    other["size"] = "tiny"
+    (tmp_path / "prefix-cache-cuda-tiny.json").write_text(json.dumps(other))
+    refused = add(bench, tmp_path / "prefix-cache-cuda-tiny.json")
+    assert refused.returncode == 2 and "is of cuda tiny" in refused.stderr
+    assert add(bench, tmp_path / "missing.json").returncode == 2
+    assert bench.read_text() == before
