@@ -155,8 +155,8 @@ class RoundCosts:
 
 def rounds_can_pay(draft_model) -> bool:
     """Whether greedy requests on this drafter should go speculative: its cost table as it
-    is now has a block up to the drafter's ceiling that beats plain decoding at full
-    acceptance (or the block is fixed, and rounds run whatever they cost). When not, the
+    is now has a block up to the drafter's ceiling that beats plain decoding (by PAY_MARGIN)
+    at full acceptance (or the block is fixed, and rounds run whatever they cost). When not, the
     policy would serve every token with plain steps, so the server routes such requests
     plain: same tokens, and their prefill skips capturing the drafter's taps."""
     costs = getattr(draft_model, "round_costs", None)
@@ -239,14 +239,16 @@ class RoundPolicy:
         self.can_pay = costs.can_pay(ceiling)
         self.rounds = 0
         self.tokens = 1  # the prefill's token
-        self.lost_steps = 0.0  # decode steps spent beyond what rounds returned
+        self.lost_steps = 0.0  # decode steps by which rounds fell short of paying (by PAY_MARGIN)
 
     def value(self, block: int) -> float:
         """Expected tokens per decode-step-equivalent of a round of this block."""
         return self.estimate.expected_tokens(block) / self.costs.round_steps(block)
 
     def probe_loss(self, block: int) -> float:
-        return self.costs.round_steps(block) - self.estimate.expected_tokens(block)
+        """Decode steps a round of this block is expected to fall short of paying (by
+        PAY_MARGIN): what a probe draws from the budget."""
+        return PAY_MARGIN * self.costs.round_steps(block) - self.estimate.expected_tokens(block)
 
     def best_block(self, remaining: int) -> Optional[int]:
         """The most valuable block that wants no more than `remaining` tokens."""
@@ -278,7 +280,8 @@ class RoundPolicy:
     def record_round(self, block: int, accepted: int, tokens: int) -> None:
         self.estimate.age(tokens)
         self.estimate.record(block - 1, accepted)
-        self.lost_steps = max(0.0, self.lost_steps + self.costs.round_steps(block) - tokens)
+        # Counted against the margin, as probe_loss: a round short of it draws on the budget.
+        self.lost_steps = max(0.0, self.lost_steps + PAY_MARGIN * self.costs.round_steps(block) - tokens)
         self.tokens += tokens
         self.rounds += 1
 

@@ -74,7 +74,7 @@ def test_probe_waits_for_the_budget_plain_run_says_how_long():
     policy = RoundPolicy(COSTS, ceiling=8)
     assert policy.choose_block(100) is not None  # the first round is always tried
     policy.record_round(3, 0, 1)
-    assert policy.lost_steps == pytest.approx(COSTS.round_steps(3) - 1)
+    assert policy.lost_steps == pytest.approx(PAY_MARGIN * COSTS.round_steps(3) - 1)
     assert policy.choose_block(100) is None
     run = policy.plain_run(100)
     assert 1 < run < 100
@@ -83,6 +83,19 @@ def test_probe_waits_for_the_budget_plain_run_says_how_long():
     block = policy.choose_block(100)
     assert block is not None
     assert policy.lost_steps + policy.probe_loss(block) <= PROBE_BUDGET * policy.tokens
+
+
+def test_rounds_short_of_the_margin_run_only_as_probes_within_the_budget():
+    # Rounds would pay at full acceptance, but at this acceptance the best block yields only
+    # a little more than plain (its value between 1 and PAY_MARGIN).
+    costs = RoundCosts(1.0, {b: 0.8 * b - 0.1 for b in BLOCKS}, {b: 0.1 for b in BLOCKS})
+    policy = policy_with_rates(costs, [0.66] * 7)
+    assert costs.can_pay() and 1 < max(policy.value(block) for block in BLOCKS) < PAY_MARGIN
+    policy.tokens, policy.lost_steps = 100, PROBE_BUDGET * 100 + 0.5  # the budget is spent
+    assert policy.choose_block(100) is None
+    assert policy.plain_run(100) > 1
+    policy.lost_steps = 0.0  # a fresh budget pays for a probe
+    assert policy.choose_block(100) is not None
 
 
 def test_costs_that_never_pay_mean_plain_steps_only_and_fixed_blocks_stay_fixed():

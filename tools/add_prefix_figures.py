@@ -1,6 +1,7 @@
 """Copies the prefix-cache records' time to first token and speculation's extra memory into a bench record.
 
-    python tools/add_prefix_figures.py evidence/bench-cuda-27b.json evidence/prefix-cache-cuda-27b*.json
+    python tools/add_prefix_figures.py evidence/bench-cuda-27b.json \
+        evidence/prefix-cache-cuda-27b.json evidence/prefix-cache-cuda-27b-steps.json
 
 Issue 11 keeps `ttft_ms` and `spec_extra_memory_gb` in the bench record; tools/bench_prefix.py
 measures them in its own runs. Every measured row is copied, by context, with the route, the
@@ -45,6 +46,8 @@ def main():
         if not path.is_file():
             parser.error(f"{path} is not a file")
     record = json.loads(args.bench.read_text())
+    if len({path.stem for path in args.prefix}) < len(args.prefix):
+        parser.error("two prefix-cache records share a name: rows name their record by it")
     sources = {path.stem: json.loads(path.read_text()) for path in args.prefix}
     for name, source in sources.items():
         if "by_route_step_context" not in source:

@@ -54,6 +54,9 @@ BLOCK = 8
 # chat and prose 2.0, median 2.71, code 4.5) and zero acceptance (a random drafter).
 PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.5}
 GB = 1e9
+# What a split run's round phase keeps of its own process when --part e2e adds to its record.
+ROUND_PROCESS_KEYS = ("runtime_status", "plain_decode_path", "round_costs", "drafter_dtype_by_form",
+                      "command", "repeats")
 
 
 def prefill(lm, tokens, taps):
@@ -134,6 +137,7 @@ def main():
         parser.error(f"--fixed-blocks: blocks 2..{BLOCK}, including {BLOCK} (the profiles are named at it)")
     started = time.time()
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
+    size = Path(args.pack).name if args.pack else args.size
     environment = run_environment("bench.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0")
     name = f"bench-{environment['backend']}-{'pack' if args.pack else args.size}"
     if args.part == "e2e":
@@ -141,8 +145,10 @@ def main():
         if not rounds_record.is_file():
             parser.error(f"--part e2e adds to the record a --part rounds run wrote; {rounds_record} is missing")
         record = json.loads(rounds_record.read_text())
-        if record["size"] != (Path(args.pack).name if args.pack else args.size):
-            parser.error(f"--part e2e: {rounds_record} is a record of {record['size']}")
+        missing = {*ROUND_PROCESS_KEYS, "round_ms", "decode_step_ms"} - record.keys()
+        if missing or record["size"] != size:
+            parser.error(f"--part e2e: {rounds_record} is not a round-phase record of {size} "
+                         f"({'lacks ' + ', '.join(sorted(missing)) if missing else 'size ' + record['size']})")
 
     if args.pack:
         # A built pack: its own target and drafter (whatever form it ships).
@@ -185,7 +191,7 @@ def main():
     if args.part == "e2e":
         # The round phase's figures stay as its process measured them (a second e2e run
         # keeps them too); this process's start-up measurements serve the end-to-end phase.
-        earlier = {key: record.pop(key) for key in (*process, "command")}
+        earlier = {key: record[key] for key in ROUND_PROCESS_KEYS}
         record.setdefault("round_process", earlier)
         record.update({**process, "command": environment["command"], "tokens": args.tokens, "repeats": args.repeats})
     else:
@@ -199,7 +205,7 @@ def main():
         log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}")
         counts = primitive_counts()
         record = {
-            "size": Path(args.pack).name if args.pack else args.size,
+            "size": size,
             **environment,
             "complete": False,  # the end-to-end part follows; a run cut short keeps this much
             **process,
@@ -336,7 +342,7 @@ def prefix_figure_lines(r) -> list:
     for context, rows in r["ttft_ms"].items():
         lines += [f"| {context} | {row['route']} | {row['step']} | {row['cold']:.1f} | {row['cached']:.1f} "
                   f"| {row['cached_over_cold']:.2f} | {row['exact']} | {row['record']} |" for row in rows]
-    if r["spec_extra_memory_gb"]:
+    if r.get("spec_extra_memory_gb"):
         lines += ["", "Speculation's extra memory, GB (the drafter's whole context / its sliding window):", ""]
         lines += [f"- {context} tokens: " + "; ".join(
             f"{row['full']:.3f} / {row['sliding_window']:.3f} ({row['record']})" for row in rows)
@@ -348,22 +354,23 @@ def summary_markdown(r) -> str:
     def spread(stats):
         return f"{stats['median']:.2f} ({stats['min']:.2f}-{stats['max']:.2f})"
 
+    # A split run: the round phase's own process (tools/bench.py --part rounds, then --part e2e).
+    rounds = r.get("round_process", r)
     lines = [
         f"# Speed at the {r['size']} shape on {r['backend']} ({r['device']})",
         "",
-        f"Command: `{r['command']}`; mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}. "
-        f"One process, warm-up first, arms interleaved, median (min-max) of {r['repeats']} repeats.",
+        f"mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}. In each process, warm-up first, "
+        "arms interleaved, median (min-max) of the repeats.",
         "",
-        f"Plain decode path chosen at install: `{r['plain_decode_path']['arm']}` "
-        f"({r['plain_decode_path']['why']}); decode step {r['decode_step_ms']:.2f} ms.",
+        f"Round phase: `{rounds['command']}`, {rounds['repeats']} repeats. Plain decode path chosen at install: "
+        f"`{rounds['plain_decode_path']['arm']}` ({rounds['plain_decode_path']['why']}); "
+        f"decode step {r['decode_step_ms']:.2f} ms.",
         "",
     ]
-    if "round_process" in r:
-        first = r["round_process"]
+    if rounds is not r:
         lines += [
-            f"The round phase ran in its own process (`{first['command']}`; plain decode path "
-            f"`{first['plain_decode_path']['arm']}`); the end-to-end phase in the one above, each phase's "
-            "ratios side by side in its process.",
+            f"End-to-end phase, in a second process: `{r['command']}`, {r['repeats']} repeats. Plain decode "
+            f"path chosen at install: `{r['plain_decode_path']['arm']}` ({r['plain_decode_path']['why']}).",
             "",
         ]
     lines += ["| arm | ms per round | ratio to a decode step |", "|---|---|---|"]
@@ -378,7 +385,8 @@ def summary_markdown(r) -> str:
               + "; ".join(f"{form}: {summary}" for form, summary in r.get("drafter_dtype_by_form", {}).items())]
     lines += [
         "",
-        "Round policy's cost table, measured as the server does at warm-up " + cost_table(r["round_costs"]),
+        "Round policy's cost table, measured as the server does at warm-up " + cost_table(r["round_costs"])
+        + (" (the end-to-end phase's process)" if rounds is not r else ""),
         "",
         f"Primitives (tools/graph_count.py, counted on CPU for the same 64-layer pattern): decode step "
         f"{r['decode_primitives']}; exact verify by block "
