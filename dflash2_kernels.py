@@ -436,22 +436,27 @@ def _cuda_kernel():
     )
 
 
-def cuda_matmul(x, weight, scales, biases, launch=None):
-    """(M, K) fp16 rows -> (M, N) through the CUDA kernel; no self-test gate.
-
-    launch: (R, C, prefetch) to override CUDA_LAUNCH (for the tuning sweep)."""
-    rows, n = x.shape[0], weight.shape[0]
+@cache
+def _cuda_launch(rows: int, n: int, launch=None) -> dict:
+    """The kernel call's arguments for M rows of N outputs (built once: ~400 calls a verify)."""
     rows_per_warp, chunk, prefetch = launch or CUDA_LAUNCH[rows]
     warps = -(-n // rows_per_warp)
     blocks = -(-warps // CUDA_WARPS_PER_BLOCK)
-    return _cuda_kernel()(
-        inputs=[x, weight, scales, biases],
+    return dict(
         template=[("M", rows), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", bool(prefetch))],
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[mx.float16],
-    )[0]
+    )
+
+
+def cuda_matmul(x, weight, scales, biases, launch=None):
+    """(M, K) fp16 rows -> (M, N) through the CUDA kernel; no self-test gate.
+
+    launch: (R, C, prefetch) to override CUDA_LAUNCH (for the tuning sweep)."""
+    call = _cuda_launch(x.shape[0], weight.shape[0], launch and tuple(launch))
+    return _cuda_kernel()(inputs=[x, weight, scales, biases], **call)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -673,9 +678,8 @@ def _serving_kernel(backend: str, n: int, k: int, rows: int) -> Optional[Kernel]
     return backend_kernel(backend)
 
 
-def _check_arguments(x, weight, scales, biases):
-    if x.dtype != mx.float16:
-        raise TypeError(f"x must be float16, got {x.dtype}")
+def check_packed_weights(weight, scales, biases):
+    """TypeError unless weight, scales and biases are a 2-bit, group-128 packed matrix."""
     if weight.dtype != mx.uint32 or weight.ndim != 2:
         raise TypeError(f"weight must be a 2-D uint32 array, got {weight.dtype} {weight.shape}")
     n, k = weight.shape[0], packed_width(weight)
@@ -684,6 +688,13 @@ def _check_arguments(x, weight, scales, biases):
             raise TypeError(
                 f"{name} must be float16 {(n, k // GROUP_SIZE)}, got {array.dtype} {array.shape}"
             )
+
+
+def _check_arguments(x, weight, scales, biases):
+    if x.dtype != mx.float16:
+        raise TypeError(f"x must be float16, got {x.dtype}")
+    check_packed_weights(weight, scales, biases)
+    k = packed_width(weight)
     if x.ndim == 0 or x.shape[-1] != k:
         raise ValueError(f"x must end in K={k}, got shape {x.shape}")
     if k % GROUP_SIZE:
@@ -702,11 +713,17 @@ def exact_quantized_matmul(x, weight, scales, biases):
     kernel (faster than MLX's own and bitwise equal): use it for plain decode too.
     """
     _check_arguments(x, weight, scales, biases)
-    n, k = weight.shape[0], x.shape[-1]
-    rows = x if x.ndim == 2 else x.reshape(-1, k)
-    kernel = _serving_kernel(backend_name(), n, k, rows.shape[0])
-    y = kernel(rows, weight, scales, biases) if kernel else stock_rows(rows, weight, scales, biases)
-    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], n)
+    k = x.shape[-1]
+    y = exact_rows(x if x.ndim == 2 else x.reshape(-1, k), weight, scales, biases)
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def exact_rows(rows, weight, scales, biases):
+    """exact_quantized_matmul's work on (M, K) fp16 rows, M <= 8, without its argument
+    checks: for callers whose weights check_packed_weights passed (the verify forward's,
+    about 400 calls a round) and whose rows they shape themselves."""
+    kernel = _serving_kernel(backend_name(), weight.shape[0], rows.shape[1], rows.shape[0])
+    return kernel(rows, weight, scales, biases) if kernel else stock_rows(rows, weight, scales, biases)
 
 
 # ---------------------------------------------------------------------------

@@ -127,10 +127,12 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     # The kernels reproduce MLX's fp16 single-row arithmetic. Packs whose dense
     # tensors are fp32 carry fp32 activations: those rows take MLX's own
     # single-row call one by one, exact by construction, only slower.
-    if x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * x.shape[-1]:
+    k = x.shape[-1]
+    if x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * k:
         # A verify block or a decode row: one call (about 400 a forward, so no more
-        # array ops around it than it needs).
-        return dflash2_kernels.exact_quantized_matmul(x, linear.weight, linear.scales, linear.biases)
+        # host work around it than it needs: install checked the weights).
+        y = dflash2_kernels.exact_rows(x.reshape(-1, k), linear.weight, linear.scales, linear.biases)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
     matmul = (
         dflash2_kernels.exact_quantized_matmul
@@ -529,6 +531,14 @@ def install(model=None) -> RuntimeStatus:
     apply_patches()
     backend = dflash2_kernels.backend_name()
     seconds = {}
+    if model is not None:
+        # The verify forward's packed matmuls skip argument checks (dflash2_kernels.exact_rows).
+        try:
+            for module in model.language_model.modules():
+                if isinstance(module, HadamardQuantizedLinear):
+                    dflash2_kernels.check_packed_weights(module.weight, module.scales, module.biases)
+        except TypeError as error:
+            return RuntimeStatus(False, f"packed-weights-unsupported: {error}", backend, {}, seconds=seconds)
     started = time.perf_counter()
     if model is None:
         result = {"qmv": dflash2_kernels.self_test()}

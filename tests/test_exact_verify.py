@@ -17,6 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import dflash2_audit
@@ -124,3 +125,17 @@ def test_start_up_self_check_passes_the_exact_verifier_and_catches_stock(target,
     monkeypatch.setattr(qwen3_5_language, "_EXACT_SPECULATIVE_VERIFIER", serving_stock)
     broken = dflash2_runtime.self_check_verify(lm)
     assert broken.differing > 0 and broken.first_difference.startswith("block ")
+
+
+def test_install_turns_speculation_off_for_packed_weights_the_verify_matmul_does_not_take(tiny_pack):
+    """The verify forward's packed matmuls skip argument checks: install checks every packed
+    module once, and a pack with, say, bf16 scales serves plain with the reason."""
+    from dflash2_pack import load_pack
+    from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
+
+    model = load_pack(tiny_pack["target"], tiny_pack["drafter"])[0]
+    packed = [m for m in model.language_model.modules() if isinstance(m, HadamardQuantizedLinear)]
+    packed[-1].scales = packed[-1].scales.astype(mx.bfloat16)
+    status = dflash2_runtime.install(model)
+    assert not status.speculative
+    assert status.reason.startswith("packed-weights-unsupported: scales must be float16")

@@ -48,7 +48,7 @@ VIEWS = {
 # dflash2_kernels' multi-position functions, from one stock call per position).
 ONE_LAUNCH = (
     (mx.fast, "rms_norm", lambda *args, **kwargs: 1),
-    (dflash2_kernels, "exact_quantized_matmul", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "exact_rows", lambda *args, **kwargs: 1),
     (dflash2_kernels, "rotate", lambda *args, **kwargs: 1),
     (dflash2_kernels, "gdn_recurrence", lambda *args, **kwargs: 1),
     (dflash2_kernels, "dense_rows", lambda *args, **kwargs: 1),
