@@ -4,11 +4,12 @@ Greedy speculative output must equal plain decoding token for token. Stock 0.7.2
 verifies a draft block with batched kernels whose rounding differs from the
 single-token decode step (on CUDA and Metal; CPU happens to agree). The patches
 below make every verify position use the decode step's own arithmetic: packed
-2-bit linears go through `dflash2_kernels.exact_quantized_matmul` (all rows in one
-pass, each row bitwise equal to MLX's single-row kernel); dense linears,
-convolution, GatedDeltaNet recurrence and attention run one position at a time
-through the same functions decode calls; and the greedy token is picked the way
-plain decode picks it. Every replaced or mirrored mlx-vlm function is in dflash2_audit's
+2-bit linears go through dflash2_kernels' exact matmul (all rows in one pass, each
+row bitwise equal to MLX's single-row kernel); the rotation, the dense gate
+projections, the GatedDeltaNet recurrence and attention through its multi-position
+kernels, each self-tested against decode's single-position call (per-position stock
+calls where one failed); row-wise work runs once over all positions; and the greedy
+token is picked the way plain decode picks it. Every replaced or mirrored mlx-vlm function is in dflash2_audit's
 table: if its source differs from the audited one, `install` refuses and names it.
 """
 
