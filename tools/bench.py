@@ -232,7 +232,7 @@ def main():
     prompt_ids = mx.array([prompt[:8]])
     dflash2_runtime.use_decode_arm("mlx")
     reference = greedy(model, prompt_ids, args.tokens)
-    outputs, oracles = {}, {}
+    outputs, oracles, tables_before = {}, {}, {}
 
     def plain_arm(arm):
         def run():
@@ -255,6 +255,7 @@ def main():
             oracle.round_costs = costs
             oracle.prefer_requested_block_size = block is not None
             key = arm_name(profile, block, drafter)
+            tables_before[key] = costs.to_json()  # the learning table this run's policy starts from
             outputs[key] = greedy(model, prompt_ids, args.tokens, drafter=oracle, block_size=block or BLOCK)
             oracles[key] = oracle
 
@@ -315,6 +316,7 @@ def main():
         "policy_vs_best_fixed_block": policy_vs_best_fixed,
         "policy_round_counts": round_counts,
         "policy_drafts_per_round": policy_drafts,
+        "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in PROFILE_TOKENS_PER_ROUND},
         # The measured table after the end-to-end arms taught it (as a server's learns).
         "round_costs_learned": costs.to_json(),
         "cost_drafter_form": drafter_names[id(cost_drafter)],
