@@ -59,3 +59,27 @@ def test_refuses_records_that_are_not_prefix_records_of_the_same_size(tmp_path):
     assert refused.returncode == 2 and "is of cuda tiny" in refused.stderr
     assert add(bench, tmp_path / "missing.json").returncode == 2
     assert bench.read_text() == before
+
+
+def test_a_split_bench_record_keeps_each_phase_s_own_process():
+    """tools/bench.py --part e2e on a round-phase record, twice: the round phase's command,
+    repeats and decode path stay under round_process; the summary names both phases."""
+    from bench import ROUND_PROCESS_KEYS, start_e2e_phase, summary_markdown
+
+    rounds = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    for key in ("round_process", "e2e_ms"):
+        rounds.pop(key)
+    rounds.update(complete=False, command="python tools/bench.py --part rounds", repeats=7)
+    rounds["plain_decode_path"] = {**rounds["plain_decode_path"], "arm": "rotation"}
+    first_phase = {key: rounds[key] for key in ROUND_PROCESS_KEYS}
+    for run in range(2):
+        process = {"command": f"python tools/bench.py --part e2e # {run}", "repeats": 5, "tokens": 32,
+                   "plain_decode_path": {"arm": f"arm {run}", "why": "measured", "step_ms_by_arm": {}},
+                   "runtime_status": {}, "round_costs": rounds["round_costs"], "drafter_dtype_by_form": {}}
+        start_e2e_phase(rounds, process)
+        assert rounds["round_process"] == first_phase
+        assert rounds["command"].endswith(f"# {run}") and rounds["plain_decode_path"]["arm"] == f"arm {run}"
+    markdown = summary_markdown(rounds)
+    assert "Round phase: `python tools/bench.py --part rounds`, 7 repeats" in markdown
+    assert "`rotation`" in markdown and "`arm 1`" in markdown
+    assert "End-to-end phase, in a second process: `python tools/bench.py --part e2e # 1`, 5 repeats" in markdown

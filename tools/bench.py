@@ -107,6 +107,14 @@ def round_arms(lm, cache, taps, drafters, hidden, run=3):
     return arms
 
 
+def start_e2e_phase(record: dict, process: dict) -> None:
+    """A round-phase record, ready for this process's end-to-end phase: the round phase's
+    own process figures kept under round_process (a second e2e run keeps the first's), this
+    process's start-up measurements, command, tokens and repeats on top."""
+    record.setdefault("round_process", {key: record[key] for key in ROUND_PROCESS_KEYS})
+    record.update(process)
+
+
 def primitive_counts() -> dict:
     """Primitives of plain decode (the arm chosen at install) and of exact verify for
     L = 2..8, counted on CPU on a tiny-width target with the real 64-layer pattern
@@ -189,11 +197,8 @@ def main():
         "drafter_dtype_by_form": {form: choice.summary() for form, choice in dtypes.items()},
     }
     if args.part == "e2e":
-        # The round phase's figures stay as its process measured them (a second e2e run
-        # keeps them too); this process's start-up measurements serve the end-to-end phase.
-        earlier = {key: record[key] for key in ROUND_PROCESS_KEYS}
-        record.setdefault("round_process", earlier)
-        record.update({**process, "command": environment["command"], "tokens": args.tokens, "repeats": args.repeats})
+        start_e2e_phase(record, {**process, "command": environment["command"], "tokens": args.tokens,
+                                 "repeats": args.repeats})
     else:
         cache, hidden = prefill(lm, prompt, taps)
         with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
