@@ -122,9 +122,13 @@ class RuntimeStatus:
 
 
 def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
-    """The packed linear of decode, for many rows, bit for bit per row."""
+    """The packed linear of decode, for many rows, bit for bit per row.
+
+    Its arrays are read as the module's items (linear["weight"]): attribute access on an
+    nn.Module goes through a Python __getattr__, about half a microsecond each, four
+    times for each of ~400 calls a forward."""
     if linear.block:
-        x = dflash2_kernels.rotate(x, linear.block, linear.signs)
+        x = dflash2_kernels.rotate(x, linear.block, linear["signs"])
     # The kernels reproduce MLX's fp16 single-row arithmetic. Packs whose dense
     # tensors are fp32 carry fp32 activations: those rows take MLX's own
     # single-row call one by one, exact by construction, only slower.
@@ -132,7 +136,7 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     if x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * k:
         # A verify block or a decode row: one call (about 400 a forward, so no more
         # host work around it than it needs: install checked the weights).
-        y = dflash2_kernels.exact_rows(x.reshape(-1, k), linear.weight, linear.scales, linear.biases)
+        y = dflash2_kernels.exact_rows(x.reshape(-1, k), linear["weight"], linear["scales"], linear["biases"])
         return y.reshape(*x.shape[:-1], y.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
     matmul = (
@@ -176,9 +180,9 @@ def _hadamard_linear_call(self, x):
     if "matmul" in _decode_path and x.size == x.shape[-1]:
         return _packed_linear(self, x)
     if self.block:
-        x = dflash2_kernels.rotate(x, self.block, self.signs)
-    return mx.quantized_matmul(
-        x, self.weight, self.scales, self.biases, transpose=True,
+        x = dflash2_kernels.rotate(x, self.block, self["signs"])
+    return mx.quantized_matmul(  # items, not attributes: see _packed_linear
+        x, self["weight"], self["scales"], self["biases"], transpose=True,
         group_size=self.group_size, bits=self.bits,
     )
 
