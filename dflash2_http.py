@@ -431,8 +431,8 @@ def route_chat(body: dict, *, server_reason=None, multimodal_plain=False, rounds
 
     rounds_pay: asked only for a request that would go speculative: whether it should (the
     server's round cost table as it is now has a block that beats plain decoding by
-    dflash2_policy.PAY_MARGIN, or the
-    request probes a learning table); when not, it goes plain.
+    dflash2_policy.PAY_MARGIN, or the request probes a learning table); when not, it goes
+    plain.
     The refusals hold with --no-dflash2 too, so the baseline answers the same requests.
     """
     if "thinking_budget" in body:

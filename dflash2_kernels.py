@@ -132,20 +132,21 @@ def make_inputs(kind: str, rows: int, k: int, key) -> mx.array:
     return x.astype(mx.float16)
 
 
-def _bits(a: mx.array) -> mx.array:
-    return a.view(mx.uint16 if a.dtype.size == 2 else mx.uint32)
+def raw_bits(a: mx.array) -> mx.array:
+    """a's raw bits, as unsigned integers of its element size (bytes for other sizes)."""
+    return a.view({2: mx.uint16, 4: mx.uint32}.get(a.dtype.size, mx.uint8))
 
 
 def _differing(got: mx.array, want: mx.array) -> int:
     """Elements whose bits differ; a wrong shape or dtype raises (and fails the test)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         raise ValueError(f"got {got.dtype} {got.shape}, want {want.dtype} {want.shape}")
-    return (_bits(got) != _bits(want)).sum().item()
+    return (raw_bits(got) != raw_bits(want)).sum().item()
 
 
 def _first_difference(got: mx.array, want: mx.array) -> tuple:
     """(how many elements differ and the first one's bits, that element's index)."""
-    got_bits, want_bits = np.array(_bits(got)), np.array(_bits(want))
+    got_bits, want_bits = np.array(raw_bits(got)), np.array(raw_bits(want))
     differ = got_bits != want_bits
     index = tuple(int(i) for i in np.argwhere(differ)[0])
     digits = 2 * got.dtype.size

@@ -592,8 +592,7 @@ def _differing_bits(pairs) -> list:
         if a.shape != b.shape or a.dtype != b.dtype:
             counts.append(mx.array(max(a.size, b.size)))
             continue
-        bits = {2: mx.uint16, 4: mx.uint32}.get(a.dtype.size, mx.uint8)
-        counts.append((a.view(bits) != b.view(bits)).sum())
+        counts.append((dflash2_kernels.raw_bits(a) != dflash2_kernels.raw_bits(b)).sum())
     mx.eval(counts)
     return [int(count.item()) for count in counts]
 

@@ -174,7 +174,7 @@ def test_cuda_launch_table_is_the_one_the_evidence_ran():
 
 
 def same_bits(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(dk._bits(a), dk._bits(b)).item()
+    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(dk.raw_bits(a), dk.raw_bits(b)).item()
 
 
 def one_bit_off(function, at_rows):
@@ -186,7 +186,7 @@ def one_bit_off(function, at_rows):
         first = out[0] if isinstance(out, tuple) else out
         if args[0].shape[axis] != at_rows:
             return out
-        bits = dk._bits(first).reshape(-1)
+        bits = dk.raw_bits(first).reshape(-1)
         flipped = mx.concatenate([bits[:1] ^ 1, bits[1:]]).reshape(first.shape).view(first.dtype)
         return (flipped, *out[1:]) if isinstance(out, tuple) else flipped
 

@@ -16,7 +16,6 @@ Writes evidence/drafter-attention-<backend>.json and .md.
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,6 +23,7 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
+import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -38,11 +38,7 @@ ARMS = {
 def timed_call(arm, q, k, v) -> float:
     """ms of one call, inputs evaluated and the device idle before it."""
     mx.eval(q, k, v)
-    mx.synchronize()
-    start = time.perf_counter()
-    mx.eval(ARMS[arm](q, k, v))
-    mx.synchronize()
-    return 1000 * (time.perf_counter() - start)
+    return dflash2_policy.timed_ms(lambda: mx.eval(ARMS[arm](q, k, v)))()
 
 
 def measure(context: int, repeats: int, key) -> dict:
