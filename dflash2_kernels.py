@@ -2029,8 +2029,9 @@ ATTENTION_PACK_SHAPE = (1, 24, 4, 256)  # (B, Hq, Hkv, D) of the 27B's full-atte
 # (sdpa_vector) and this module per query.
 ATTENTION_TINY_SHAPES = ((2, 4, 2, 192), (1, 6, 3, 136), (1, 2, 2, 256), (1, 2, 1, 64))
 # Key lengths of query 0: past the cache's 256 growth steps (mlx_vlm cache.py:501-531)
-# and the softmax block dims' edges (T = 256, 257 and 1024, 1025).
-PACK_FIRST_LENGTHS = (1, 7) + tuple(range(250, 263)) + (1020, 1030)
+# and across every softmax block dim's edge (T = 256, 512, 1024, 2048, 4096): each block
+# dim is its own compiled kernel, served only at block dims its self-test covered.
+PACK_FIRST_LENGTHS = (1, 7) + tuple(range(250, 263)) + (508, 1020, 1030, 2044, 4092)
 TINY_FIRST_LENGTHS = (1, 7, 250, 255, 256, 257, 262)
 MAX_QUERIES = 8  # queries one kernel call takes (its softmax has this many output slots)
 QUERY_SLOTS = MAX_QUERIES
@@ -2409,7 +2410,9 @@ def cuda_attention_rows(queries, keys, values, scale, first_length):
 # ---------------------------------------------------------------------------
 # attention: dispatch
 
-# (backend, (B, Hq, Hkv, D)) -> whether the self-test passed at that shape.
+# (backend, (B, Hq, Hkv, D)) -> the softmax block dims the shape's self-test passed at
+# (empty where it failed). A longer context needs a block dim never tested (and never
+# compiled: ~1.5 s of JIT in the middle of a request): its queries run the stock calls.
 _attention_verified: dict = {}
 
 
@@ -2452,7 +2455,8 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
             result = self_test_attention([shape])
             if not result.ok:
                 warnings.warn(f"dflash2 {backend} attention kernels failed their self-test: {result.reason}")
-        if _attention_verified.get((backend, shape)):
+        block_dims = {softmax_block_dim(first_length), softmax_block_dim(needed)}
+        if block_dims <= _attention_verified.get((backend, shape), set()):
             return cuda_attention_rows(queries, keys, values, scale, first_length)
     return stock_attention_rows(queries, keys, values, scale, first_length)
 
@@ -2612,7 +2616,10 @@ def self_test_attention(
         cases += shape_cases
         reason = reason or shape_reason
         if kernel is None:
-            _attention_verified[(backend, shape)] = shape_reason is None
+            _attention_verified[(backend, shape)] = set() if shape_reason else {
+                softmax_block_dim(case["first_length"] + rows)
+                for case in shape_cases for rows in range(case["queries"])
+            }
     mismatches = sum(c["mismatches"] for c in cases)
     stock_mismatches = sum(c["stock_mismatches"] for c in cases)
     return SelfTestResult(reason is None, backend, reason, mismatches, stock_mismatches, cases)

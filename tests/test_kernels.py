@@ -234,6 +234,26 @@ def test_decode_attention_rows_equals_single_query_calls():
         dk.decode_attention_rows(queries, keys[:, :, :6], values, 0.125, 6)
 
 
+def test_attention_kernels_serve_only_the_softmax_block_dims_their_self_test_covered(monkeypatch):
+    """Each softmax block dim is its own compiled kernel: a context whose queries need a
+    block dim the self-test never ran takes the stock per-query calls."""
+    shape = (1, 2, 2, 256)
+    served = []
+    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dk, "cuda_attention_rows", lambda *args: served.append(args[-1]) or "kernel")
+    monkeypatch.setitem(dk._attention_verified, ("cuda", shape), {32, 64})
+    for first_length, rows, kernel in ((250, 8, True), (509, 4, True), (510, 4, False), (600, 1, False)):
+        queries, keys, values, _, _ = dk._make_case(shape, first_length, rows, "normal", mx.random.key(1))
+        got = dk.decode_attention_rows(queries, keys, values, 0.0625, first_length)
+        assert (isinstance(got, str)) == kernel, (first_length, rows)
+    assert served == [250, 509]
+
+
+def test_attention_self_test_lengths_cover_every_softmax_block_dim_at_the_pack_shape():
+    lengths = {first + j for first in dk.PACK_FIRST_LENGTHS for j in range(dk.MAX_QUERIES)}
+    assert {dk.softmax_block_dim(t) for t in lengths} == {32, 64, 128, 256, 512, 1024}
+
+
 def test_own_self_tests_have_nothing_to_test_without_kernels(monkeypatch):
     monkeypatch.setattr(dk, "backend_name", lambda: "cpu")
     serving = dict(dk._verified)
