@@ -46,8 +46,11 @@ never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200.
 Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 """
 
+import hashlib
 import math
+import os
 import struct
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -155,6 +158,33 @@ def _first_difference(got: mx.array, want: mx.array) -> tuple:
         f"(got 0x{got_bits[index]:0{digits}x}, want 0x{want_bits[index]:0{digits}x})"
     )
     return text, index
+
+# ===========================================================================
+# CUDA kernel sources
+
+
+def cuda_header(text: str) -> str:
+    """An #include of `text`, written once to a file named by its sha256.
+
+    MLX copies a CUDA kernel's header into every call's primitive and hashes it at every
+    eval: for our 4-8 KB headers ~3-4 us a call on the H200 (.gpu launch probe), and a
+    verify makes ~1,000 calls. NVRTC reads the file only when it compiles; the content
+    hash in the name keeps MLX's PTX cache from serving an old header's build."""
+    folder = os.path.join(tempfile.gettempdir(), f"dflash2-cuda-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, hashlib.sha256(text.encode()).hexdigest()[:32] + ".cuh")
+    try:
+        with open(path) as existing:
+            current = existing.read()
+    except FileNotFoundError:
+        current = None
+    if current != text:
+        partial_path = f"{path}.{os.getpid()}"
+        with open(partial_path, "w") as out:
+            out.write(text)
+        os.replace(partial_path, path)
+    return f'#include "{path}"\n'
+
 
 # ===========================================================================
 # Exact 2-bit matmul (qmv)
@@ -433,7 +463,7 @@ def _cuda_kernel():
         input_names=["x", "w", "scales", "biases"],
         output_names=["y"],
         source=_CUDA_SOURCE,
-        header=_CUDA_HEADER,
+        header=cuda_header(_CUDA_HEADER),
     )
 
 
@@ -1005,7 +1035,7 @@ def _cuda_rotate_kernel():
         input_names=["x", "signs"],
         output_names=["y"],
         source=_CUDA_ROTATE_SOURCE,
-        header=_CUDA_ROTATE_HEADER,
+        header=cuda_header(_CUDA_ROTATE_HEADER),
     )
 
 
@@ -1648,7 +1678,7 @@ def _gdn_kernel():
         input_names=["q", "k", "v", "g", "beta", "state"],
         output_names=["y", "states"],
         source=_GDN_SOURCE,
-        header=_GDN_CUDA_HEADER,
+        header=cuda_header(_GDN_CUDA_HEADER),
     )
 
 
@@ -1659,7 +1689,7 @@ def _dense_kernel():
         input_names=["x", "w"],
         output_names=["out"],
         source=_DENSE_SOURCE,
-        header=_GDN_CUDA_HEADER,
+        header=cuda_header(_GDN_CUDA_HEADER),
     )
 
 
@@ -2305,7 +2335,7 @@ def _scores_kernel():
         input_names=["q", "k", "scale"],
         output_names=["scores"],
         source=_SCORES_SOURCE,
-        header=_ATTENTION_CUDA_HEADER,
+        header=cuda_header(_ATTENTION_CUDA_HEADER),
         ensure_row_contiguous=False,  # keys are views into the cache's buffer
     )
 
@@ -2317,7 +2347,7 @@ def _softmax_kernel():
         input_names=["scores"],
         output_names=[f"p{i}" for i in range(QUERY_SLOTS)],
         source=_SOFTMAX_SOURCE,
-        header=_ATTENTION_CUDA_HEADER,
+        header=cuda_header(_ATTENTION_CUDA_HEADER),
         ensure_row_contiguous=False,
     )
 

@@ -2,6 +2,7 @@
 case, every public function equals its stock reference bit for bit, and the
 launch helpers follow MLX's source rules."""
 
+import os
 import mlx.core as mx
 import pytest
 
@@ -440,3 +441,17 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
         # and no block is launched with nothing to do
         assert (launch["grid"][0] // 32 - 1) * dk.CUDA_WARPS_PER_BLOCK * rows_per_warp < n
     assert len(kernel.launches) == dk.MAX_ROWS
+
+
+def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch):
+    monkeypatch.setattr(dk.tempfile, "gettempdir", lambda: str(tmp_path))
+    line = dk.cuda_header("namespace a { int x; }\n")
+    path = line.split('"')[1]
+    assert line == f'#include "{path}"\n' and open(path).read() == "namespace a { int x; }\n"
+    assert dk.cuda_header("namespace a { int x; }\n") == line  # same text, same file
+    assert dk.cuda_header("namespace b {}\n") != line  # other text, other name: no stale PTX
+    with open(path, "w") as tampered:
+        tampered.write("changed")
+    dk.cuda_header("namespace a { int x; }\n")
+    assert open(path).read() == "namespace a { int x; }\n"
+    assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
