@@ -69,17 +69,17 @@ def test_a_split_bench_record_keeps_each_phase_s_own_process():
     rounds = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
     for key in ("round_process", "e2e_ms"):
         rounds.pop(key)
-    rounds.update(complete=False, command="python tools/bench.py --part rounds", repeats=7)
+    rounds.update(complete=False, command="python tools/bench.py --part rounds", repeats=7, code="c0de0f0a0000")
     rounds["plain_decode_path"] = {**rounds["plain_decode_path"], "arm": "rotation"}
     first_phase = {key: rounds[key] for key in ROUND_PROCESS_KEYS}
     for run in range(2):
-        process = {"command": f"python tools/bench.py --part e2e # {run}", "repeats": 5, "tokens": 32,
+        process = {"command": f"python tools/bench.py --part e2e # {run}", "repeats": 5, "tokens": 32, "code": f"e2e{run}",
                    "plain_decode_path": {"arm": f"arm {run}", "why": "measured", "step_ms_by_arm": {}},
                    "runtime_status": {}, "round_costs": rounds["round_costs"], "drafter_dtype_by_form": {}}
         start_e2e_phase(rounds, process)
         assert rounds["round_process"] == first_phase
         assert rounds["command"].endswith(f"# {run}") and rounds["plain_decode_path"]["arm"] == f"arm {run}"
     markdown = summary_markdown(rounds)
-    assert "Round phase: `python tools/bench.py --part rounds`, 7 repeats" in markdown
+    assert "Round phase: `python tools/bench.py --part rounds`, 7 repeats, code c0de0f0a0000" in markdown
     assert "`rotation`" in markdown and "`arm 1`" in markdown
-    assert "End-to-end phase, in a second process: `python tools/bench.py --part e2e # 1`, 5 repeats" in markdown
+    assert "End-to-end phase, in a second process: `python tools/bench.py --part e2e # 1`, 5 repeats, code e2e1" in markdown

@@ -56,7 +56,7 @@ PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.
 GB = 1e9
 # What a split run's round phase keeps of its own process when --part e2e adds to its record.
 ROUND_PROCESS_KEYS = ("runtime_status", "plain_decode_path", "round_costs", "drafter_dtype_by_form",
-                      "command", "repeats")
+                      "command", "repeats", "code")
 
 
 def prefill(lm, tokens, taps):
@@ -369,14 +369,16 @@ def summary_markdown(r) -> str:
         f"mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}. In each process, warm-up first, "
         "arms interleaved, median (min-max) of the repeats.",
         "",
-        f"Round phase: `{rounds['command']}`, {rounds['repeats']} repeats. Plain decode path chosen at install: "
+        f"Round phase: `{rounds['command']}`, {rounds['repeats']} repeats, code {rounds.get('code', 'not recorded')}. "
+        "Plain decode path chosen at install: "
         f"`{rounds['plain_decode_path']['arm']}` ({rounds['plain_decode_path']['why']}); "
         f"decode step {r['decode_step_ms']:.2f} ms.",
         "",
     ]
     if rounds is not r:
         lines += [
-            f"End-to-end phase, in a second process: `{r['command']}`, {r['repeats']} repeats. Plain decode "
+            f"End-to-end phase, in a second process: `{r['command']}`, {r['repeats']} repeats, "
+            f"code {r.get('code', 'not recorded')}. Plain decode "
             f"path chosen at install: `{r['plain_decode_path']['arm']}` ({r['plain_decode_path']['why']}).",
             "",
         ]

@@ -1,5 +1,6 @@
 """Writes a tool's evidence record: the JSON and its Markdown summary, side by side."""
 
+import hashlib
 import json
 import platform
 import shlex
@@ -33,4 +34,15 @@ def run_environment(tool: str, pack: str, argv=None) -> dict:
         },
         "command": "python " + shlex.join([f"tools/{tool}", *(sys.argv[1:] if argv is None else argv)]),
         "pack": pack,
+        "code": code_digest(),
     }
+
+
+def code_digest() -> str:
+    """sha256 (first 12 hex digits) of the pack's top-level Python files and the tools: which
+    code a record measured, also where the device's copy of the tree has no git history."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("tools/*.py")]):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
