@@ -18,14 +18,17 @@ def stock_float32_dequantized(x, weight, scales, biases):
 
 
 def split_k_halves(x, weight, scales, biases):
-    """MLX's own kernel on each half of K, halves added: another accumulation order."""
+    """MLX's own kernel on each half of K, halves added: another accumulation order. The
+    halves are copied contiguous: MLX CUDA's qmv takes only row-contiguous weights (and
+    has no other kernel for a column slice of them)."""
     half = x.shape[-1] // 2
     words, groups = half // 16, half // dk.GROUP_SIZE
-    first = dk.stock_quantized_matmul(
-        x[:, :half], weight[:, :words], scales[:, :groups], biases[:, :groups]
-    )
-    second = dk.stock_quantized_matmul(
-        x[:, half:], weight[:, words:], scales[:, groups:], biases[:, groups:]
+    first, second = (
+        dk.stock_quantized_matmul(*(mx.contiguous(a) for a in arrays))
+        for arrays in (
+            (x[:, :half], weight[:, :words], scales[:, :groups], biases[:, :groups]),
+            (x[:, half:], weight[:, words:], scales[:, groups:], biases[:, groups:]),
+        )
     )
     return first + second
 
