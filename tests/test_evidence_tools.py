@@ -83,3 +83,14 @@ def test_a_split_bench_record_keeps_each_phase_s_own_process():
     assert "Round phase: `python tools/bench.py --part rounds`, 7 repeats, code c0de0f0a0000" in markdown
     assert "`rotation`" in markdown and "`arm 1`" in markdown
     assert "End-to-end phase, in a second process: `python tools/bench.py --part e2e # 1`, 5 repeats, code e2e1" in markdown
+
+
+def test_profiles_are_named_by_their_full_rounds():
+    """The oracle's exact-rate pattern for code (3.5 accepted a round: 3, 4, 3, 4, ...) gives
+    4.5 tokens a round; a last round cut by the token budget is left out."""
+    from bench import full_round_tokens
+
+    assert full_round_tokens([3, 4, 3, 4, 3, 4, 1]) == 4.5
+    assert full_round_tokens([0, 0, 0]) == 1.0
+    assert full_round_tokens([2]) == 3.0  # a single round is all there is
+    assert full_round_tokens([]) == 0.0
