@@ -163,6 +163,11 @@ def _first_difference(got: mx.array, want: mx.array) -> tuple:
 # CUDA kernel sources
 
 
+@cache
+def _private_header_folder() -> str:
+    return tempfile.mkdtemp(prefix="dflash2-cuda-")
+
+
 def cuda_header(text: str) -> str:
     """An #include of `text`, written once to a file named by its sha256.
 
@@ -172,6 +177,9 @@ def cuda_header(text: str) -> str:
     hash in the name keeps MLX's PTX cache from serving an old header's build."""
     folder = os.path.join(tempfile.gettempdir(), f"dflash2-cuda-{os.getuid()}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    owner = os.stat(folder)
+    if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # another user could swap the text
+        folder = _private_header_folder()
     path = os.path.join(folder, hashlib.sha256(text.encode()).hexdigest()[:32] + ".cuh")
     try:
         with open(path) as existing:

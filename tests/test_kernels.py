@@ -458,3 +458,13 @@ def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch)
     dk.cuda_header("namespace a { int x; }\n")
     assert open(path).read() == "namespace a { int x; }\n"
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+
+
+def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
+    monkeypatch.setattr(dk.tempfile, "gettempdir", lambda: str(tmp_path))
+    shared = tmp_path / f"dflash2-cuda-{os.getuid()}"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    path = dk.cuda_header("namespace c {}\n").split('"')[1]
+    assert os.path.dirname(path) != str(shared) and open(path).read() == "namespace c {}\n"
+    assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
