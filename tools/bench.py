@@ -423,7 +423,10 @@ def summary_markdown(r) -> str:
         f"End to end, {r['tokens']} tokens, oracle drafter paying the {r['cost_drafter_form']} drafter's cost, "
         f"speculative / plain (`{r['plain_decode_path']['arm']}`):",
         "",
-        "| profile | tokens per round at block 8, full rounds (whole run; target) | policy | "
+        "| profile | "
+        + ("tokens per round at block 8, full rounds (whole run; target)" if "tokens_per_round_whole_run" in r
+           else "tokens per round at block 8, whole run (target)")  # records before full rounds
+        + " | policy | "
         + " | ".join(f"block {b}" for b in next(iter(r["e2e_speedup_fixed_block"].values())))
         + " | policy / best fixed | policy tokens from rounds / plain steps |",
         "|---|---|---|" + "---|" * len(next(iter(r["e2e_speedup_fixed_block"].values()))) + "---|---|",
