@@ -2655,8 +2655,8 @@ def self_test_attention(
         reason = reason or shape_reason
         if kernel is None:
             _attention_verified[(backend, shape)] = set() if shape_reason else {
-                softmax_block_dim(case["first_length"] + rows)
-                for case in shape_cases for rows in range(case["queries"])
+                softmax_block_dim(case["first_length"] + query)
+                for case in shape_cases for query in range(case["queries"])
             }
     mismatches = sum(c["mismatches"] for c in cases)
     stock_mismatches = sum(c["stock_mismatches"] for c in cases)

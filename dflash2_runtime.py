@@ -138,7 +138,7 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
         # host work around it than it needs: install checked the weights).
         y = dflash2_kernels.exact_rows(x.reshape(-1, k), linear["weight"], linear["scales"], linear["biases"])
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, k)
     matmul = (
         dflash2_kernels.exact_quantized_matmul
         if rows.dtype == mx.float16

@@ -415,6 +415,7 @@ def summary_markdown(r) -> str:
     lines += prefix_figure_lines(r)
     if not r["complete"]:
         return "\n".join(lines + ["The end-to-end part did not finish in this run.", ""])
+    whole_run = r.get("tokens_per_round_whole_run")  # absent from records before full-round naming
     lines += [
         f"Installed plain / stock plain end to end: {r['installed_plain_ratio']:.2f}x; under each "
         f"decode arm, stock / arm: "
@@ -424,8 +425,8 @@ def summary_markdown(r) -> str:
         f"speculative / plain (`{r['plain_decode_path']['arm']}`):",
         "",
         "| profile | "
-        + ("tokens per round at block 8, full rounds (whole run; target)" if "tokens_per_round_whole_run" in r
-           else "tokens per round at block 8, whole run (target)")  # records before full rounds
+        + ("tokens per round at block 8, full rounds (whole run; target)" if whole_run
+           else "tokens per round at block 8, whole run (target)")
         + " | policy | "
         + " | ".join(f"block {b}" for b in next(iter(r["e2e_speedup_fixed_block"].values())))
         + " | policy / best fixed | policy tokens from rounds / plain steps |",
@@ -435,7 +436,7 @@ def summary_markdown(r) -> str:
         counts = r["policy_round_counts"][profile]
         lines.append(
             f"| {profile} | {r['tokens_per_round'][profile]:.2f} ("
-            + (f"{r['tokens_per_round_whole_run'][profile]:.2f}; " if "tokens_per_round_whole_run" in r else "")
+            + (f"{whole_run[profile]:.2f}; " if whole_run else "")
             + f"{r['profile_target_tokens_per_round'][profile]:.2f}) "
             f"| {speedup:.2f}x | "
             + " | ".join(f"{v:.2f}x" for v in r["e2e_speedup_fixed_block"][profile].values())
