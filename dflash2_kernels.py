@@ -718,10 +718,13 @@ def _serving_kernel(backend: str, n: int, k: int, rows: int) -> Optional[Kernel]
 
 
 def check_packed_weights(weight, scales, biases):
-    """TypeError unless weight, scales and biases are a 2-bit, group-128 packed matrix."""
+    """TypeError unless weight, scales and biases are a 2-bit, group-128 packed matrix
+    (ValueError where its K is not a whole number of groups)."""
     if weight.dtype != mx.uint32 or weight.ndim != 2:
         raise TypeError(f"weight must be a 2-D uint32 array, got {weight.dtype} {weight.shape}")
     n, k = weight.shape[0], packed_width(weight)
+    if k % GROUP_SIZE:
+        raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
     for name, array in (("scales", scales), ("biases", biases)):
         if array.dtype != mx.float16 or tuple(array.shape) != (n, k // GROUP_SIZE):
             raise TypeError(
@@ -736,8 +739,6 @@ def _check_arguments(x, weight, scales, biases):
     k = packed_width(weight)
     if x.ndim == 0 or x.shape[-1] != k:
         raise ValueError(f"x must end in K={k}, got shape {x.shape}")
-    if k % GROUP_SIZE:
-        raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
     rows = x.size // k
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"exact_quantized_matmul takes 1..{MAX_ROWS} rows, got {rows}")

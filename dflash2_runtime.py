@@ -542,7 +542,7 @@ def install(model=None) -> RuntimeStatus:
             for module in model.language_model.modules():
                 if isinstance(module, HadamardQuantizedLinear):
                     dflash2_kernels.check_packed_weights(module.weight, module.scales, module.biases)
-        except TypeError as error:
+        except (TypeError, ValueError) as error:
             return RuntimeStatus(False, f"packed-weights-unsupported: {error}", backend, {}, seconds=seconds)
     started = time.perf_counter()
     if model is None:

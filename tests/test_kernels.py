@@ -468,3 +468,12 @@ def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
     path = dk.cuda_header("namespace c {}\n").split('"')[1]
     assert os.path.dirname(path) != str(shared) and open(path).read() == "namespace c {}\n"
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+
+
+def test_packed_weights_must_hold_whole_groups():
+    """K = 64: scales of K // 128 = 0 columns match their shape check, so K itself is checked
+    (the verify forward's matmuls rely on install's check_packed_weights alone)."""
+    weight = mx.zeros((4, 4), dtype=mx.uint32)
+    empty = mx.zeros((4, 0), dtype=mx.float16)
+    with pytest.raises(ValueError, match="K=64 is not a multiple of the group size 128"):
+        dk.check_packed_weights(weight, empty, empty)
