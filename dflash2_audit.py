@@ -88,12 +88,15 @@ REPLACED = (
         "their outputs, which the next round hands to the drafter.",
     ),
     Audited(
-        "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower",
-        "bf5313477baa147b47ae80d53cca3f1828ef6ff7280d295cf5b606ea5dff5e64",
-        "Swapped by the engine on every route: the prefill's forward substitution with the same "
+        "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_chunked",
+        "757e303fa95c66f35d957712e9436742d2ebe9d2f507cf51863ab2a53615c6f3",
+        "Swapped by the engine on every route for its own code with another _invert_unit_lower "
+        "(dflash2_runtime.prefill_chunked): the prefill's forward substitution with the same "
         "matmuls on the same operands, appending each row instead of concatenating all earlier "
-        "rows again (one GPU copy kernel per row: about half a second a 27B prefill chunk); on "
-        "CUDA each row's subtraction and append in one launch where that checks out bitwise.",
+        "rows again (one GPU copy kernel per row: about half a second a 27B prefill chunk), on "
+        "CUDA each row's subtraction and append in one launch where that checks out bitwise; "
+        "a prompt shorter than one chunk substitutes only its own rows (the padding rows are "
+        "the identity's).",
     ),
     Audited(
         "mlx_vlm.server.generation:ResponseGenerator.__init__",
@@ -240,6 +243,11 @@ AUDITED = (
         "9dfc2048db0d818595bcdeb306a59e80cf1217331784fe7361c92a2dbf13ab65",
         "Relied on: one decode step calls each layer once, in order (the one-row batch cache "
         "path included), so plain steps record the taps capture_layer_ids would.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower",
+        "bf5313477baa147b47ae80d53cca3f1828ef6ff7280d295cf5b606ea5dff5e64",
+        "Mirrored by dflash2_kernels.invert_unit_lower, whose start-up check compares with it.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update",

@@ -44,14 +44,12 @@ class Speculation:
     runtime: dict = None  # dflash2_runtime.RuntimeStatus.to_json(): kernels, self-check, decode path
 
 
-INVERSE_TARGET = "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower"
-
-
 def use_exact_prefill_inverse() -> str:
     """Swaps in the fastest of dflash2_kernels.inverse_candidates() (the prefill's inverse
     with fewer GPU launches, exact by construction) that its start-up check finds bitwise
     mlx-vlm's here, on every route; if none is, keeps mlx-vlm's. Returns the log line."""
     import dflash2_kernels
+    import dflash2_runtime
 
     started = time.perf_counter()
     failed = []
@@ -64,7 +62,7 @@ def use_exact_prefill_inverse() -> str:
         if differing:
             failed.append(f"the {name} one differed from it here in {differing} elements")
             continue
-        dflash2_audit.replace(INVERSE_TARGET, inverse)
+        dflash2_audit.replace(dflash2_runtime.PREFILL_CHUNKED_TARGET, dflash2_runtime.prefill_chunked(inverse))
         return (f"prefill inverse: {name}, bitwise mlx-vlm's at start-up"
                 + "".join(f" ({reason})" for reason in failed)
                 + f" ({time.perf_counter() - started:.1f} s)")

@@ -2674,7 +2674,7 @@ def append_by_concatenate(done, x_row, product):
     return mx.concatenate([done, x_row - product], axis=-2)
 
 
-def invert_unit_lower(Tmat, C: int, append=append_by_concatenate):
+def invert_unit_lower(Tmat, C: int, append=append_by_concatenate, rows: int = None):
     """mlx-vlm's _invert_unit_lower (forward substitution over a chunk's C rows) with the
     same matmuls on the same operands. Stock concatenates all earlier rows again for every
     row: on GPUs one copy kernel per row, about 2,000 a 27B layer and most of a prefill
@@ -2682,12 +2682,23 @@ def invert_unit_lower(Tmat, C: int, append=append_by_concatenate):
     the previous concatenation gives every matmul the same contiguous operand with two
     copies, so the same bits by construction (on CUDA, the same cuBLASLt call).
     append(done, x_row, product): the next `done` (invert_unit_lower_one_launch does the
-    subtraction and concatenate in one launch)."""
+    subtraction and concatenate in one launch).
+
+    rows: where a prompt is shorter than one chunk, how many of its rows hold tokens
+    (gated_delta_chunked pads the rest with beta 0, which makes them the identity's rows of
+    Tmat). Stock's row i there is e_i - (+0 row) @ X: the identity's row bit for bit while
+    the rows before it are finite (and NaN where they are not, as here). So the padding rows
+    are one matmul and subtraction, not C - rows appends (on GPUs the appends are most of a
+    short prompt's prefill)."""
     X = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape) + mx.zeros_like(Tmat)
     done = X[..., 0:1, :]  # stock's concatenate of one row is that row itself
-    for i in range(1, C):
+    substituted = C if rows is None else min(rows, C)
+    for i in range(1, substituted):
         done = append(done, X[..., i : i + 1, :], Tmat[..., i : i + 1, :i] @ done)
-    return done
+    if substituted == C:
+        return done
+    padding = X[..., substituted:, :] - Tmat[..., substituted:, :substituted] @ done
+    return mx.concatenate([done, padding], axis=-2)
 
 
 # out = [done; e_i - product] over the last two axes (i: done's rows): stock's row
@@ -2735,10 +2746,10 @@ def cuda_append_row(done, x_row, product):
     )[0]
 
 
-def invert_unit_lower_one_launch(Tmat, C: int):
+def invert_unit_lower_one_launch(Tmat, C: int, rows: int = None):
     """invert_unit_lower with each row's subtraction and append in one CUDA launch: two
     launches a row (the matmul and this) where the row-appending one makes four."""
-    return invert_unit_lower(Tmat, C, append=cuda_append_row)
+    return invert_unit_lower(Tmat, C, append=cuda_append_row, rows=rows)
 
 
 def inverse_candidates() -> list:
@@ -2749,14 +2760,23 @@ def inverse_candidates() -> list:
     return candidates
 
 
+# Prompts shorter than one chunk: the rows that hold tokens (the rest are padding).
+INVERSE_TEST_ROWS = (None, 1, 8, 33, 63)
+
+
 def self_test_inverse(heads: int = 48, chunks: int = 2, kernel=None) -> int:
     """Elements of invert_unit_lower (or `kernel`) whose bits differ from mlx-vlm's on a
     chunked-prefill-like input (48: the 27B's GatedDeltaNet value heads; 64:
-    gated_delta_chunked's chunk)."""
+    gated_delta_chunked's chunk), whole chunks and prompts shorter than one (rows past the
+    prompt's are the identity's, as gated_delta_chunked's padding makes them)."""
     C = 64
     lower = mx.tril(mx.random.normal((1, heads, chunks, C, C), key=mx.random.key(0)) * 0.3, -1)
-    Tmat = mx.eye(C, dtype=mx.float32) + lower
-    return _differing((kernel or invert_unit_lower)(Tmat, C), _invert_unit_lower(Tmat, C))
+    differing = 0
+    for rows in INVERSE_TEST_ROWS:
+        held = lower if rows is None else lower * (mx.arange(C) < rows)[:, None]
+        Tmat = mx.eye(C, dtype=mx.float32) + held
+        differing += _differing((kernel or invert_unit_lower)(Tmat, C, rows=rows), _invert_unit_lower(Tmat, C))
+    return differing
 
 
 # ===========================================================================

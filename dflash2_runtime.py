@@ -13,6 +13,7 @@ token is picked the way plain decode picks it. Every replaced or mirrored mlx-vl
 table: if its source differs from the audited one, `install` refuses and names it.
 """
 
+import functools
 import os
 import time
 import types
@@ -494,6 +495,22 @@ def _with_globals(function, **names):
 
 
 _drafter_attention_call = _with_globals(DFlashAttention.__call__, mx=_DrafterMlx())
+
+PREFILL_CHUNKED_TARGET = "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_chunked"
+
+
+def prefill_chunked(inverse):
+    """mlx-vlm's gated_delta_chunked, its own code, with `inverse` (a dflash2_kernels inverse)
+    as its _invert_unit_lower, told how many of the chunk's rows hold tokens when the
+    prompt is shorter than one chunk (the engine swaps it in)."""
+    stock = dflash2_audit.stock(PREFILL_CHUNKED_TARGET)
+
+    def gated_delta_chunked(q, k, v, g, beta, state, mask=None, C: int = 64):
+        rows = q.shape[1] if q.shape[1] < C else None
+        chunked = _with_globals(stock, _invert_unit_lower=functools.partial(inverse, rows=rows))
+        return chunked(q, k, v, g, beta, state, mask, C)
+
+    return gated_delta_chunked
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """The prefill inverse (dflash2_kernels.invert_unit_lower), in process: bitwise mlx-vlm's
-forward substitution, swapped in by the engine only when the start-up check finds it so;
-test_server.py checks both servers' logs say it serves."""
+forward substitution, whole chunks and prompts shorter than one, swapped into
+gated_delta_chunked by the engine only when the start-up check finds it so; test_server.py
+checks both servers' logs say it serves."""
+
+import functools
 
 import mlx.core as mx
 import mlx_vlm.models.qwen3_5.gated_delta as gated_delta
@@ -9,9 +12,11 @@ import pytest
 import dflash2_audit
 import dflash2_engine
 import dflash2_kernels
+import dflash2_runtime
 from parity import differing
 
-STOCK = dflash2_audit.stock(dflash2_engine.INVERSE_TARGET)  # mlx-vlm's, even once swapped
+STOCK = gated_delta._invert_unit_lower  # never swapped: gated_delta_chunked is
+STOCK_CHUNKED = dflash2_audit.stock(dflash2_runtime.PREFILL_CHUNKED_TARGET)  # mlx-vlm's, even once swapped
 
 
 def unit_lower(shape, scale, seed):
@@ -34,6 +39,11 @@ def test_row_appending_inverse_is_stock_bit_for_bit(shape, scale):
     assert differing(reversed_substitution(Tmat, C), want) > 0
 
 
+def rows_ignored(inverse):
+    """An inverse without the rows shortcut (every row substituted), as the self-test calls it."""
+    return lambda Tmat, C, rows=None: inverse(Tmat, C)
+
+
 def reversed_substitution(Tmat, C):
     rows = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape)[..., :1, :]
     for i in range(1, C):
@@ -44,18 +54,18 @@ def reversed_substitution(Tmat, C):
 
 def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
     monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")  # row-appending the only candidate
-    monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)  # undone after the test
-    assert dflash2_kernels.self_test_inverse(heads=2, kernel=reversed_substitution) > 0
+    monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)  # undone after the test
+    assert dflash2_kernels.self_test_inverse(heads=2, kernel=rows_ignored(reversed_substitution)) > 0
     monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda kernel=None: 7)
     line = dflash2_engine.use_exact_prefill_inverse()
     assert "the row-appending one differed from it here in 7 elements" in line
-    assert gated_delta._invert_unit_lower is STOCK
+    assert gated_delta.gated_delta_chunked is STOCK_CHUNKED
     monkeypatch.undo()
     monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")
-    monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)
+    monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)
     line = dflash2_engine.use_exact_prefill_inverse()
-    assert "row-appending" in line and gated_delta._invert_unit_lower is dflash2_kernels.invert_unit_lower
-    assert gated_delta._invert_unit_lower.__dflash2_stock__ is STOCK
+    assert "row-appending" in line and gated_delta.gated_delta_chunked is not STOCK_CHUNKED
+    assert gated_delta.gated_delta_chunked.__dflash2_stock__ is STOCK_CHUNKED
 
 
 def test_on_cuda_the_one_launch_append_is_tried_first_and_skipped_when_it_fails(monkeypatch):
@@ -65,12 +75,12 @@ def test_on_cuda_the_one_launch_append_is_tried_first_and_skipped_when_it_fails(
     if dflash2_kernels.backend_name() == "cuda":
         pytest.skip("here the one-launch kernel builds: test_one_launch_inverse_on_cuda")
     assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["row-appending"]
-    monkeypatch.setattr(gated_delta, "_invert_unit_lower", STOCK)
+    monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)
     monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
     assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["one-launch append", "row-appending"]
     line = dflash2_engine.use_exact_prefill_inverse()
     assert line.startswith("prefill inverse: row-appending, bitwise") and "the one-launch append one failed" in line
-    assert gated_delta._invert_unit_lower is dflash2_kernels.invert_unit_lower
+    assert gated_delta.gated_delta_chunked is not STOCK_CHUNKED
 
 
 def identity_row_minus(negate_zero: bool):
@@ -102,3 +112,65 @@ def test_one_launch_inverse_on_cuda(shape, scale):
     """The CUDA kernel itself (CPU tests hold only its formula): stock's bits."""
     Tmat = unit_lower(shape, scale, seed=sum(shape))
     assert differing(dflash2_kernels.invert_unit_lower_one_launch(Tmat, shape[-1]), STOCK(Tmat, shape[-1])) == 0
+
+
+@pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
+def test_one_launch_inverse_passes_the_start_up_check_on_cuda():
+    """The engine's check at the 27B's heads, whole chunks and short prompts' rows."""
+    assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernels.invert_unit_lower_one_launch) == 0
+
+
+def chunk_inputs(T, seed, heads=(2, 4), Dk=16, Dv=16):
+    """gated_delta_chunked's inputs for a T-token prompt: normalized keys, gates in (0, 1)."""
+    Hk, Hv = heads
+    keys = mx.random.split(mx.random.key(seed), 6)
+    q = mx.random.normal((1, T, Hk, Dk), key=keys[0])
+    k = mx.random.normal((1, T, Hk, Dk), key=keys[1])
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((1, T, Hv, Dv), key=keys[2])
+    g = mx.sigmoid(mx.random.normal((1, T, Hv), key=keys[3]) + 3)
+    beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=keys[4]))
+    state = mx.random.normal((1, Hv, Dv, Dk), key=keys[5]) * 0.1
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("T", [1, 2, 8, 33, 63, 64, 70])
+def test_swapped_chunked_prefill_is_stock_bit_for_bit(T, gpu_like_rounding):
+    """The swapped gated_delta_chunked (stock's code, the inverse told a short prompt's
+    rows) gives stock's output and state bits, prompts shorter than a chunk included."""
+    inputs = chunk_inputs(T, seed=T)
+    want_y, want_state = STOCK_CHUNKED(*inputs)
+    appended = []
+    inverse = functools.partial(dflash2_kernels.invert_unit_lower, append=counting_append(appended))
+    got_y, got_state = dflash2_runtime.prefill_chunked(inverse)(*inputs)
+    assert differing(got_y, want_y) == 0 and differing(got_state, want_state) == 0
+    assert len(appended) == min(T, 64) - 1  # rows past a short prompt's are not substituted
+    for _, candidate in dflash2_kernels.inverse_candidates():  # on CUDA the one-launch one too
+        got_y, got_state = dflash2_runtime.prefill_chunked(candidate)(*inputs)
+        assert differing(got_y, want_y) == 0 and differing(got_state, want_state) == 0
+
+
+def counting_append(counter):
+    def append(done, x_row, product):
+        counter.append(done.shape[-2])
+        return dflash2_kernels.append_by_concatenate(done, x_row, product)
+
+    return append
+
+
+@pytest.mark.parametrize("rows", dflash2_kernels.INVERSE_TEST_ROWS)
+def test_short_prompts_substitute_only_their_rows(rows, gpu_like_rounding):
+    """A prompt of `rows` tokens substitutes rows - 1 rows one by one (the padding rows in
+    one matmul, whose products are sums of zeros in any order) and is stock's bits; told one
+    row too few, its last row comes from that multi-row matmul, which rounds differently
+    (as on GPUs), and the inverse is not stock's."""
+    C = 64
+    lower = mx.tril(mx.random.normal((1, 3, 1, C, C), key=mx.random.key(3)) * 0.5, -1)
+    held = lower if rows is None else lower * (mx.arange(C) < rows)[:, None]
+    Tmat = mx.eye(C, dtype=mx.float32) + held
+    appended = []
+    got = dflash2_kernels.invert_unit_lower(Tmat, C, append=counting_append(appended), rows=rows)
+    assert len(appended) == (C if rows is None else rows) - 1
+    assert differing(got, STOCK(Tmat, C)) == 0
+    if rows is not None and rows > 1:
+        assert differing(dflash2_kernels.invert_unit_lower(Tmat, C, rows=rows - 1), STOCK(Tmat, C)) > 0

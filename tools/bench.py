@@ -41,6 +41,7 @@ from mlx_vlm.speculative import dflash as dflash_rounds  # noqa: E402
 from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
 from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
+import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
@@ -191,6 +192,8 @@ def main():
     status = dflash2_runtime.install(model)
     chosen_arm = status.decode_path.arm
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
+    prefill_inverse = dflash2_engine.use_exact_prefill_inverse()  # every end-to-end arm prefills as the servers do
+    log(prefill_inverse)
     # Each form in the dtype the server would choose for it (dflash2_runtime.choose_drafter_dtype).
     dtypes = {form: dflash2_runtime.choose_drafter_dtype(model, drafter) for form, drafter in drafters.items()}
     log("drafter dtypes: " + "; ".join(f"{form}: {choice.summary()}" for form, choice in dtypes.items()))
@@ -203,6 +206,7 @@ def main():
                               "step_ms_by_arm": status.decode_path.step_ms},
         "round_costs": costs.to_json(),
         "drafter_dtype_by_form": {form: choice.summary() for form, choice in dtypes.items()},
+        "prefill_inverse": prefill_inverse,
     }
     if args.part == "e2e":
         start_e2e_phase(record, {**process, "command": environment["command"], "tokens": args.tokens,
@@ -392,6 +396,8 @@ def summary_markdown(r) -> str:
             f"path chosen at install: `{r['plain_decode_path']['arm']}` ({r['plain_decode_path']['why']}).",
             "",
         ]
+    if "prefill_inverse" in r:  # records before it: mlx-vlm's inverse in every arm's prefill
+        lines += [f"Every end-to-end arm's prefill, as the servers': {r['prefill_inverse']}.", ""]
     lines += ["| arm | ms per round | ratio to a decode step |", "|---|---|---|"]
     for arm, stats in r["round_ms"].items():
         lines.append(f"| {arm} | {spread(stats)} | {stats['median'] / r['decode_step_ms']:.2f} |")
