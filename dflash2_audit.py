@@ -252,7 +252,8 @@ AUDITED = (
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update",
         "66b3e98fcd83bed63869d1fcf6b3b130b8f4b7cbd25fee5988b288457c6615f0",
-        "Mirrored: decode's recurrence call; on Metal called per verify position.",
+        "Mirrored: decode's recurrence call; on Metal called per verify position. Relied on: "
+        "it calls gated_delta_chunked through its module's globals, where the engine swaps it.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:_compute_g_beta",

@@ -2684,9 +2684,9 @@ def invert_unit_lower(Tmat, C: int, append=append_by_concatenate, rows: int = No
     append(done, x_row, product): the next `done` (invert_unit_lower_one_launch does the
     subtraction and concatenate in one launch).
 
-    rows: where a prompt is shorter than one chunk, how many of its rows hold tokens
-    (gated_delta_chunked pads the rest with beta 0, which makes them the identity's rows of
-    Tmat). Stock's row i there is e_i - (+0 row) @ X: the identity's row bit for bit while
+    rows: where a prompt is shorter than one chunk, how many of its rows hold tokens. The
+    rows past them must be exactly the identity's rows of Tmat, as gated_delta_chunked's
+    padding (beta 0) makes them. Stock's row i there is e_i - (+0 row) @ X: the identity's row bit for bit while
     the rows before it are finite (and NaN where they are not, as here). So the padding rows
     are one matmul and subtraction, not C - rows appends (on GPUs the appends are most of a
     short prompt's prefill)."""

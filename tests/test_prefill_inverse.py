@@ -120,17 +120,17 @@ def test_one_launch_inverse_passes_the_start_up_check_on_cuda():
     assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernels.invert_unit_lower_one_launch) == 0
 
 
-def chunk_inputs(T, seed, heads=(2, 4), Dk=16, Dv=16):
+def chunk_inputs(T, seed, heads=(2, 4), Dk=16, Dv=16, batch=1):
     """gated_delta_chunked's inputs for a T-token prompt: normalized keys, gates in (0, 1)."""
     Hk, Hv = heads
     keys = mx.random.split(mx.random.key(seed), 6)
-    q = mx.random.normal((1, T, Hk, Dk), key=keys[0])
-    k = mx.random.normal((1, T, Hk, Dk), key=keys[1])
+    q = mx.random.normal((batch, T, Hk, Dk), key=keys[0])
+    k = mx.random.normal((batch, T, Hk, Dk), key=keys[1])
     k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
-    v = mx.random.normal((1, T, Hv, Dv), key=keys[2])
-    g = mx.sigmoid(mx.random.normal((1, T, Hv), key=keys[3]) + 3)
-    beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=keys[4]))
-    state = mx.random.normal((1, Hv, Dv, Dk), key=keys[5]) * 0.1
+    v = mx.random.normal((batch, T, Hv, Dv), key=keys[2])
+    g = mx.sigmoid(mx.random.normal((batch, T, Hv), key=keys[3]) + 3)
+    beta = mx.sigmoid(mx.random.normal((batch, T, Hv), key=keys[4]))
+    state = mx.random.normal((batch, Hv, Dv, Dk), key=keys[5]) * 0.1
     return q, k, v, g, beta, state
 
 
@@ -148,6 +148,17 @@ def test_swapped_chunked_prefill_is_stock_bit_for_bit(T, gpu_like_rounding):
     for _, candidate in dflash2_kernels.inverse_candidates():  # on CUDA the one-launch one too
         got_y, got_state = dflash2_runtime.prefill_chunked(candidate)(*inputs)
         assert differing(got_y, want_y) == 0 and differing(got_state, want_state) == 0
+
+
+@pytest.mark.parametrize("T", [2, 8, 33])
+def test_swapped_chunked_prefill_with_a_padding_mask_is_stock_bit_for_bit(T, gpu_like_rounding):
+    """Two prompts in one batch, the second left-padded (its mask marks the padding inside
+    the first T rows, which are substituted as any other row)."""
+    inputs = chunk_inputs(T, seed=100 + T, batch=2)
+    mask = mx.array([[True] * T, [False] * (T // 2) + [True] * (T - T // 2)])
+    want_y, want_state = STOCK_CHUNKED(*inputs, mask)
+    got_y, got_state = dflash2_runtime.prefill_chunked(dflash2_kernels.invert_unit_lower)(*inputs, mask)
+    assert differing(got_y, want_y) == 0 and differing(got_state, want_state) == 0
 
 
 def counting_append(counter):

@@ -243,8 +243,8 @@ def main():
             return
 
     # End to end: plain under each decode arm ("mlx" is stock), and per profile the round
-    # policy and each fixed block, interleaved in one loop so every arm sees the same
-    # machine state.
+    # policy and each fixed block, interleaved in one loop (each sample after a lead-in run
+    # of its own arm) so every arm sees the same machine.
     vocab = lm.lm_head.weight.shape[0]
     prompt_ids = mx.array([prompt[:8]])
     dflash2_runtime.use_decode_arm("mlx")
@@ -409,8 +409,6 @@ def summary_markdown(r) -> str:
             f"path chosen at install: `{r['plain_decode_path']['arm']}` ({r['plain_decode_path']['why']}).",
             "",
         ]
-    if "prefill_inverse" in r:  # records before it: mlx-vlm's inverse in every arm's prefill
-        lines += [f"Every end-to-end arm's prefill, as the servers': {r['prefill_inverse']}.", ""]
     lines += ["| arm | ms per round | ratio to a decode step |", "|---|---|---|"]
     for arm, stats in r["round_ms"].items():
         lines.append(f"| {arm} | {spread(stats)} | {stats['median'] / r['decode_step_ms']:.2f} |")
@@ -435,6 +433,8 @@ def summary_markdown(r) -> str:
     if not r["complete"]:
         return "\n".join(lines + ["The end-to-end part did not finish in this run.", ""])
     whole_run = r.get("tokens_per_round_whole_run")  # absent from records before full-round naming
+    if "prefill_inverse" in r:  # records before it: mlx-vlm's inverse in every arm's prefill
+        lines += [f"Every end-to-end arm's prefill, as the servers': {r['prefill_inverse']}.", ""]
     lines += [
         f"Installed plain / stock plain end to end: {r['installed_plain_ratio']:.2f}x; under each "
         f"decode arm, stock / arm: "
