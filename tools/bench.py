@@ -142,6 +142,8 @@ def main():
     parser.add_argument("--context", type=int, default=32, help="prompt tokens before timing")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per end-to-end run")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--lead-in-tokens", type=int, default=8,
+                        help="an untimed run this long of the same arm before each timed end-to-end run (0: none)")
     parser.add_argument("--fixed-blocks", default="2,3,4,5,6,7,8",
                         help="fixed blocks measured end to end beside the round policy (must include 8)")
     parser.add_argument("--drafter-forms", default="bf16,4bit", help="random drafters to build: bf16, 4bit or both")
@@ -252,9 +254,11 @@ def main():
     outputs, oracles, tables_before = {}, {}, {}
 
     def plain_arm(arm):
-        def run():
+        def run(tokens):
             dflash2_runtime.use_decode_arm(arm)
-            outputs[arm] = greedy(model, prompt_ids, args.tokens)
+            output = greedy(model, prompt_ids, tokens)
+            if tokens == args.tokens:
+                outputs[arm] = output
 
         return run
 
@@ -262,7 +266,7 @@ def main():
         """block None: the round policy (ceiling BLOCK), as the server runs it."""
         accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
 
-        def run():
+        def run(tokens):
             dflash2_runtime.use_decode_arm(chosen_arm)
             dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
             oracle = OracleDrafter(
@@ -272,9 +276,10 @@ def main():
             oracle.round_costs = costs
             oracle.prefer_requested_block_size = block is not None
             key = arm_name(profile, block, drafter)
-            tables_before[key] = costs.to_json()  # the learning table this run's policy starts from
-            outputs[key] = greedy(model, prompt_ids, args.tokens, drafter=oracle, block_size=block or BLOCK)
-            oracles[key] = oracle
+            table = costs.to_json()  # the learning table this run's policy starts from
+            output = greedy(model, prompt_ids, tokens, drafter=oracle, block_size=block or BLOCK)
+            if tokens == args.tokens:
+                tables_before[key], outputs[key], oracles[key] = table, output, oracle
 
         return run
 
@@ -283,14 +288,15 @@ def main():
         return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
 
     def after_lead_in(run):
-        """A sample: `run` once untimed, then timed. A server runs one configuration request
-        after request; without the lead-in each sample would follow another arm's (decode
-        path, block or drafter), which leaves MLX's CUDA graph cache and buffer cache in
-        states no server sees (on the H200, zero acceptance measured that way lost a fifth
-        to plain that a probe of two arms did not show)."""
+        """A sample: a short untimed run of the same arm, then the timed one. A server runs
+        one configuration request after request; without the lead-in each sample would
+        follow another arm's (decode path, block or drafter), which leaves MLX's CUDA graph
+        cache and buffer cache in states no server sees (on the H200, zero acceptance
+        measured that way lost a fifth to plain that a probe of two arms did not show)."""
         def sample():
-            run()
-            return dflash2_policy.timed_ms(run)()
+            if args.lead_in_tokens:
+                run(args.lead_in_tokens)
+            return dflash2_policy.timed_ms(lambda: run(args.tokens))()
 
         return sample
 
@@ -337,7 +343,7 @@ def main():
     record.update({
         "complete": True,
         "e2e_ms": e2e_ms,
-        "e2e_lead_in": True,  # each timed sample follows an untimed run of the same arm
+        "e2e_lead_in_tokens": args.lead_in_tokens,  # each timed sample after an untimed run this long
         "installed_plain_ratio": e2e_ms["plain mlx"]["median"] / plain_ms,
         "plain_ratio_by_arm": {arm: e2e_ms["plain mlx"]["median"] / e2e_ms[f"plain {arm}"]["median"]
                                for arm in dflash2_runtime.DECODE_ARMS},
@@ -441,7 +447,8 @@ def summary_markdown(r) -> str:
         + ", ".join(f"{arm} {ratio:.2f}x" for arm, ratio in r["plain_ratio_by_arm"].items()) + ".",
         "",
         f"End to end, {r['tokens']} tokens, oracle drafter paying the {r['cost_drafter_form']} drafter's cost, "
-        + ("each timed run after an untimed one of the same arm, " if r.get("e2e_lead_in") else "")
+        + (f"each timed run after an untimed {r['e2e_lead_in_tokens']}-token run of the same arm, "
+           if r.get("e2e_lead_in_tokens") else "")
         + f"speculative / plain (`{r['plain_decode_path']['arm']}`):",
         "",
         "| profile | "
