@@ -2686,10 +2686,10 @@ def invert_unit_lower(Tmat, C: int, append=append_by_concatenate, rows: int = No
 
     rows: where a prompt is shorter than one chunk, how many of its rows hold tokens. The
     rows past them must be exactly the identity's rows of Tmat, as gated_delta_chunked's
-    padding (beta 0) makes them. Stock's row i there is e_i - (+0 row) @ X: the identity's row bit for bit while
-    the rows before it are finite (and NaN where they are not, as here). So the padding rows
-    are one matmul and subtraction, not C - rows appends (on GPUs the appends are most of a
-    short prompt's prefill)."""
+    padding (beta 0) makes them. Stock's row i there is e_i - (+0 row) @ X: the identity's
+    row bit for bit while the rows before it are finite (and NaN where they are not, as
+    here). So the padding rows are one matmul and subtraction, not C - rows appends (on
+    GPUs the appends are most of a short prompt's prefill)."""
     X = mx.broadcast_to(mx.eye(C, dtype=mx.float32), Tmat.shape) + mx.zeros_like(Tmat)
     done = X[..., 0:1, :]  # stock's concatenate of one row is that row itself
     substituted = C if rows is None else min(rows, C)
