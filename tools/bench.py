@@ -211,7 +211,8 @@ def main():
         "prefill_inverse": prefill_inverse,
     }
     if args.part == "e2e":
-        start_e2e_phase(record, {**process, "command": environment["command"], "tokens": args.tokens,
+        start_e2e_phase(record, {**process, "command": environment["command"], "code": environment["code"],
+                                 "tokens": args.tokens,
                                  "repeats": args.repeats})
     else:
         cache, hidden = prefill(lm, prompt, taps)
