@@ -44,18 +44,25 @@ class Speculation:
     runtime: dict = None  # dflash2_runtime.RuntimeStatus.to_json(): kernels, self-check, decode path
 
 
-def use_exact_prefill_inverse() -> str:
+def use_exact_prefill_inverse(gdn_heads: int = 48, prefill_step: int = 2048) -> str:
     """Swaps in the fastest of dflash2_kernels.inverse_candidates() (the prefill's inverse
-    with fewer GPU launches, exact by construction) that its start-up check finds bitwise
-    mlx-vlm's here, on every route; if none is, keeps mlx-vlm's. Returns the log line."""
+    with fewer GPU launches) that its start-up check finds bitwise mlx-vlm's here, on every
+    route; if none is, keeps mlx-vlm's. On CUDA the one-launch inverse is first calibrated
+    for the pack's GatedDeltaNet value heads and each chunk count of a prefill step (a
+    prompt's last step may be any of them). Returns the log line."""
     import dflash2_kernels
     import dflash2_runtime
 
     started = time.perf_counter()
-    failed = []
+    failed, calibration = [], ""
+    if dflash2_kernels.backend_name() == "cuda":
+        try:
+            calibration = dflash2_kernels.calibrate_fused_inverse(gdn_heads, -(-prefill_step // 64))
+        except Exception as error:  # e.g. a kernel that does not build here
+            failed.append(f"the fused one failed: {error}")
     for name, inverse in dflash2_kernels.inverse_candidates():
         try:
-            differing = dflash2_kernels.self_test_inverse(kernel=inverse)
+            differing = dflash2_kernels.self_test_inverse(heads=gdn_heads, kernel=inverse)
         except Exception as error:  # e.g. a kernel that does not build here
             failed.append(f"the {name} one failed: {error}")
             continue
@@ -64,6 +71,7 @@ def use_exact_prefill_inverse() -> str:
             continue
         dflash2_audit.replace(dflash2_runtime.PREFILL_CHUNKED_TARGET, dflash2_runtime.prefill_chunked(inverse))
         return (f"prefill inverse: {name}, bitwise mlx-vlm's at start-up"
+                + (f" ({calibration})" if name == "fused" else "")
                 + "".join(f" ({reason})" for reason in failed)
                 + f" ({time.perf_counter() - started:.1f} s)")
     return f"prefill inverse: mlx-vlm's ({'; '.join(failed)}), {time.perf_counter() - started:.1f} s"
@@ -190,7 +198,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     import mlx.core as mx
     import mlx_vlm.server as server
     from fastapi import HTTPException
-    from mlx_vlm.server.generation import ResponseGenerator
+    from mlx_vlm.server.generation import ResponseGenerator, get_prefill_step_size
     from mlx_vlm.vision_cache import VisionFeatureCache
 
     try:  # before any weight loads: the overrides below are audited there too
@@ -198,7 +206,9 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     except dflash2_audit.SourceMismatch as mismatch:
         sys.exit(f"error: {mismatch}")
     app_module = sys.modules["mlx_vlm.server.app"]  # mlx_vlm.server.app is the FastAPI object
-    logger.info(use_exact_prefill_inverse())
+    text_config = json.loads((target_dir / "config.json").read_text())["text_config"]
+    logger.info(use_exact_prefill_inverse(text_config["linear_num_value_heads"],
+                                          prefill_step_size or get_prefill_step_size()))
     if prefix_cache_gb:
         import dflash2_prefix_cache
 

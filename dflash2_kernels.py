@@ -2752,11 +2752,189 @@ def invert_unit_lower_one_launch(Tmat, C: int, rows: int = None):
     return invert_unit_lower(Tmat, C, append=cuda_append_row, rows=rows)
 
 
+# The whole substitution in one launch (CUDA). Stock's row i is e_i - T[i, :i] @ X[:i], a
+# batched (1 x K) @ (K x 64) fp32 matmul (K = i) that MLX sends to cuBLASLt, whose kernel
+# follows the batch count (heads x chunks) and K. Measured on the H200 (CUDA 12, 48 heads):
+# it sums a row's products as fp32 FMA chains, each ascending from +0, over `parts` spans
+# of K, then adds the partial sums: one chain at 30-32 chunks, two contiguous halves at 2-8,
+# two interleaved (even, odd k) at 14-29, four at 9-13 from K 14, spans of 4 added as a
+# butterfly at 1. ROW_SUMS lists such orders; calibrate_fused_inverse finds, at start-up and
+# per batch count, which one gives each row stock's bits, and serves only counts whose whole
+# inverse then matches stock's on fresh inputs.
+_ROW_SUM_COMBINES = {"s": 0, "t": 1, "b": 2}  # sequential, adjacent pairs, butterfly (xor halves)
+
+
+def _fixed_width_parts(width: int, combine: str):
+    """Spans of `width` k's (the last shorter), as many parts as a power of two holds."""
+    return lambda K: (1 << max(0, (-(-K // width) - 1).bit_length()), 0, _ROW_SUM_COMBINES[combine], width)
+
+
+# label -> K -> (parts, interleaved, combine, fixed span width or 0 for ceil(K / parts)).
+ROW_SUMS = {"one chain": lambda K: (1, 0, 0, 0)}
+for _parts in (2, 3, 4, 5, 6, 7, 8, 16, 32):
+    for _interleaved in (0, 1):
+        for _combine in ("s",) if _parts == 2 else ("s", "t", "b") if _parts & (_parts - 1) == 0 else ("s", "t"):
+            ROW_SUMS[f"{_parts} {'interleaved' if _interleaved else 'spans'} {_combine}"] = (
+                lambda K, plan=(_parts, _interleaved, _ROW_SUM_COMBINES[_combine], 0): plan)
+for _width in (2, 4, 8, 16):
+    for _combine in "stb":
+        ROW_SUMS[f"width {_width} {_combine}"] = _fixed_width_parts(_width, _combine)
+
+# One thread per column of one matrix; row i from rows 0..i-1 (stock's, read from Xstock,
+# when `isolated`: the calibration judges each row alone). IEEE fp32 throughout (no fast
+# math): the FMAs, adds and the subtraction from the identity's row are spelled out.
+_FUSED_INVERSE_SOURCE = """
+  constexpr int C = 64;
+  __shared__ float X[C][C];
+  __shared__ float trow[C];
+  const size_t b = blockIdx.x;
+  const int j = threadIdx.x;
+  const float* T = Tmat + b * C * C;
+  for (int r = 0; r < C; ++r) X[r][j] = isolated[0] ? Xstock[b * C * C + r * C + j] : (r == j ? 1.0f : 0.0f);
+  out[b * C * C + j] = X[0][j];
+  __syncthreads();
+  float part[32];
+  for (int i = 1; i < C; ++i) {
+    trow[j] = T[i * C + j];
+    __syncthreads();
+    const int parts = plan[4 * i], interleaved = plan[4 * i + 1], combine = plan[4 * i + 2];
+    const int span = plan[4 * i + 3] ? plan[4 * i + 3] : (i + parts - 1) / parts;
+    for (int s = 0; s < parts; ++s) part[s] = 0.0f;
+    for (int k = 0; k < i; ++k) {
+      const int s = interleaved ? k % parts : k / span;
+      part[s] = __fmaf_rn(trow[k], X[k][j], part[s]);
+    }
+    if (combine == 0) {
+      for (int s = 1; s < parts; ++s) part[0] = __fadd_rn(part[0], part[s]);
+    } else if (combine == 1) {
+      for (int w = 1; w < parts; w *= 2)
+        for (int s = 0; s + w < parts; s += 2 * w) part[s] = __fadd_rn(part[s], part[s + w]);
+    } else {
+      for (int half = parts / 2; half >= 1; half /= 2)
+        for (int s = 0; s < half; ++s) part[s] = __fadd_rn(part[s], part[s + half]);
+    }
+    const float row = __fsub_rn(j == i ? 1.0f : 0.0f, part[0]);
+    out[b * C * C + i * C + j] = row;
+    __syncthreads();
+    if (!isolated[0]) X[i][j] = row;
+    __syncthreads();
+  }
+"""
+
+
+@cache
+def _fused_inverse_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_unit_lower_inverse",
+        input_names=["Tmat", "Xstock", "plan", "isolated"],
+        output_names=["out"],
+        source=_FUSED_INVERSE_SOURCE,
+    )
+
+
+def row_sum_plan(labels: list) -> mx.array:
+    """The kernel's plan: row K's (parts, interleaved, combine, width) from labels[K - 1]."""
+    return mx.array([(1, 0, 0, 0)] + [ROW_SUMS[label](K) for K, label in enumerate(labels, 1)], mx.int32)
+
+
+def fused_inverse_rows(Tmat, plan: mx.array, stock=None):
+    """Every row of 64 x 64 unit lower inverses in one launch, each row's products summed as
+    `plan` says; with `stock`, each row i from stock's rows 0..i-1 instead of its own."""
+    return _fused_inverse_kernel()(
+        inputs=[Tmat, Tmat if stock is None else stock, plan.reshape(-1), mx.array([stock is not None], mx.int32)],
+        grid=(64 * (Tmat.size // 4096), 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[Tmat.shape],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+# Batch count (heads x chunks x prompts) -> the row-sum plan that gives stock's bits there.
+_fused_inverse_plans: dict = {}
+
+
+def stock_rows_on(Tmat, X):
+    """Each row i of mlx-vlm's substitution computed from X's rows 0..i-1 (row 0: X's): the
+    same matmul shapes and layouts as _invert_unit_lower's (a strided row of Tmat, a
+    contiguous i x 64 operand), so the same cuBLASLt kernels, on operands without the
+    inverse's zeros: every order of summation shows in every column."""
+    rows = [X[..., :1, :]]
+    for i in range(1, 64):
+        rows.append(mx.eye(64, dtype=mx.float32)[i : i + 1] - Tmat[..., i : i + 1, :i] @ mx.contiguous(X[..., :i, :]))
+    return mx.concatenate(rows, axis=-2)
+
+
+def calibrate_fused_inverse(heads: int, max_chunks: int, run=fused_inverse_rows) -> str:
+    """For 1..max_chunks chunks of `heads` heads, the row sums giving each row of mlx-vlm's
+    inverse its bits (on dense operands, the previous count's orders tried first), then the
+    whole inverse checked against mlx-vlm's on two fresh inputs; counts that pass are served
+    in one launch (invert_unit_lower_fused), the others by the one-launch append. Returns a
+    summary for the log."""
+    _fused_inverse_plans.clear()
+    labels, served, missed = None, {}, []
+    for chunks in range(1, max_chunks + 1):
+        Tmat = _random_unit_lower(heads, chunks, 0.3, seed=chunks)
+        X = mx.random.normal(Tmat.shape, key=mx.random.key(chunks))
+        want = stock_rows_on(Tmat, X)
+
+        def matching(orders):  # K = 1..63: row K's bits are stock's
+            got = run(Tmat, row_sum_plan(orders), stock=X)
+            return (raw_bits(got) == raw_bits(want)).reshape(-1, 64, 64).all(axis=(0, 2)).tolist()[1:]
+
+        if labels is None or not all(matching(labels)):
+            matches = {label: matching([label] * 63) for label in ROW_SUMS}
+            whole = [label for label, rows in matches.items() if all(rows)]
+            found = [next((label for label, rows in matches.items() if rows[K]), None) for K in range(63)]
+            labels = [whole[0]] * 63 if whole else None if None in found else found
+        plan = labels and row_sum_plan(labels)
+        fresh = [_random_unit_lower(heads, chunks, scale, seed=1000 * scale + chunks) for scale in (0.3, 1.0)]
+        if plan is None or any(_differing(run(T, plan), _invert_unit_lower(T, 64)) for T in fresh):
+            missed.append(chunks)
+            continue
+        _fused_inverse_plans[heads * chunks] = plan
+        served[chunks] = " + ".join(dict.fromkeys(labels))
+    ranges = {}
+    for chunks, orders in served.items():
+        ranges.setdefault(orders, []).append(chunks)
+    return (f"one launch at {len(served)} of {max_chunks} chunk counts ({heads} heads): "
+            + "; ".join(f"{_spans(counts)}: {orders}" for orders, counts in ranges.items())
+            + (f"; the one-launch append at {_spans(missed)}" if missed else ""))
+
+
+def _spans(numbers: list) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    groups = []
+    for n in numbers:
+        if groups and n == groups[-1][-1] + 1:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+    return ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in groups)
+
+
+def _random_unit_lower(heads: int, chunks: int, scale: float, seed: int):
+    lower = mx.tril(mx.random.normal((1, heads, chunks, 64, 64), key=mx.random.key(int(seed))) * scale, -1)
+    return mx.eye(64, dtype=mx.float32) + lower
+
+
+def invert_unit_lower_fused(Tmat, C: int, rows: int = None):
+    """The inverse in one launch where calibrate_fused_inverse found stock's row sums for this
+    batch count: every row is stock's, so a short prompt's padding rows need no shortcut.
+    Elsewhere the one-launch append (rows used as invert_unit_lower does)."""
+    plan = _fused_inverse_plans.get(Tmat.size // (C * C)) if C == 64 and Tmat.dtype == mx.float32 else None
+    if plan is None:
+        return invert_unit_lower_one_launch(Tmat, C, rows=rows)
+    return fused_inverse_rows(Tmat, plan)
+
+
 def inverse_candidates() -> list:
-    """(name, inverse) for the engine to check against mlx-vlm's, fastest first."""
+    """(name, inverse) for the engine to check against mlx-vlm's, fastest first (the fused one
+    once calibrate_fused_inverse found a plan)."""
     candidates = [("row-appending", invert_unit_lower)]
     if backend_name() == "cuda":
         candidates.insert(0, ("one-launch append", invert_unit_lower_one_launch))
+        if _fused_inverse_plans:
+            candidates.insert(0, ("fused", invert_unit_lower_fused))
     return candidates
 
 

@@ -6,6 +6,7 @@ checks both servers' logs say it serves."""
 import functools
 
 import mlx.core as mx
+import numpy as np
 import mlx_vlm.models.qwen3_5.gated_delta as gated_delta
 import pytest
 
@@ -56,7 +57,7 @@ def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
     monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")  # row-appending the only candidate
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)  # undone after the test
     assert dflash2_kernels.self_test_inverse(heads=2, kernel=rows_ignored(reversed_substitution)) > 0
-    monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda kernel=None: 7)
+    monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda heads=48, kernel=None: 7)
     line = dflash2_engine.use_exact_prefill_inverse()
     assert "the row-appending one differed from it here in 7 elements" in line
     assert gated_delta.gated_delta_chunked is STOCK_CHUNKED
@@ -80,6 +81,7 @@ def test_on_cuda_the_one_launch_append_is_tried_first_and_skipped_when_it_fails(
     assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["one-launch append", "row-appending"]
     line = dflash2_engine.use_exact_prefill_inverse()
     assert line.startswith("prefill inverse: row-appending, bitwise") and "the one-launch append one failed" in line
+    assert "the fused one failed" in line  # its calibration launches the CUDA kernel first
     assert gated_delta.gated_delta_chunked is not STOCK_CHUNKED
 
 
@@ -118,6 +120,102 @@ def test_one_launch_inverse_on_cuda(shape, scale):
 def test_one_launch_inverse_passes_the_start_up_check_on_cuda():
     """The engine's check at the 27B's heads, whole chunks and short prompts' rows."""
     assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernels.invert_unit_lower_one_launch) == 0
+
+
+@pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
+def test_fused_inverse_on_cuda():
+    """The calibrated one-launch inverse at the 27B's 48 heads and a 2048-token step's chunk
+    counts: every count it serves gives stock's bits on inputs the calibration never saw
+    (signed zeros of the inverse's structure included), and another count's plan does not
+    (on the H200, cuBLASLt sums these rows in one chain at 32 chunks, in halves at 2)."""
+    summary = dflash2_kernels.calibrate_fused_inverse(48, 32)
+    served = sorted(batch // 48 for batch in dflash2_kernels._fused_inverse_plans)
+    assert served, summary
+    for chunks in served:
+        for scale in (0.3, 1.0):
+            Tmat = unit_lower((1, 48, chunks, 64, 64), scale, seed=7 * chunks + int(10 * scale))
+            assert differing(dflash2_kernels.invert_unit_lower_fused(Tmat, 64), STOCK(Tmat, 64)) == 0, (chunks, summary)
+    if {2, 32} <= set(served):
+        Tmat = unit_lower((1, 48, 2, 64, 64), 0.3, seed=3)
+        wrong = dflash2_kernels.fused_inverse_rows(Tmat, dflash2_kernels._fused_inverse_plans[48 * 32])
+        assert differing(wrong, STOCK(Tmat, 64)) > 0
+    assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernels.invert_unit_lower_fused) == 0
+
+
+def emulated_fused_rows(Tmat, plan, stock=None):
+    """The fused kernel's arithmetic in numpy (an FMA as one float64 multiply-add rounded to
+    float32: the same emulation on both sides of the calibration test below)."""
+    T = np.array(Tmat, np.float32).reshape(-1, 64, 64)
+    X = np.broadcast_to(np.eye(64, dtype=np.float32), T.shape).copy() if stock is None else \
+        np.array(stock, np.float32).reshape(T.shape).copy()
+    out = X.copy()
+    for i, (parts, interleaved, combine, width) in enumerate(np.array(plan).reshape(64, 4)[1:].tolist(), 1):
+        span = width or -(-i // parts)
+        part = np.zeros((parts, *T.shape[:1], 64), np.float32)
+        for k in range(i):
+            s = k % parts if interleaved else k // span
+            part[s] = (T[:, i, k, None].astype(np.float64) * X[:, k] + part[s]).astype(np.float32)
+        if combine == 0:
+            total = part[0]
+            for s in range(1, parts):
+                total = total + part[s]
+        else:  # adjacent pairs or butterfly
+            pairs = [(s, s + w) for w in (1 << e for e in range(6)) if w < parts for s in range(0, parts - w, 2 * w)] \
+                if combine == 1 else [(s, s + h) for h in (parts >> e for e in range(1, 6)) if h for s in range(h)]
+            for a, b in pairs:
+                part[a] = part[a] + part[b]
+            total = part[0]
+        out[:, i] = np.eye(64, dtype=np.float32)[i] - total
+        if stock is None:
+            X[:, i] = out[:, i]
+    return mx.array(out.reshape(Tmat.shape))
+
+
+def reversed_rows_on(Tmat, X):
+    """stock_rows_on's rows, each row's products summed in reverse order."""
+    rows = [X[..., :1, :]]
+    for i in range(1, 64):
+        rows.append(mx.eye(64)[i : i + 1] - Tmat[..., i : i + 1, :i][..., ::-1] @ X[..., :i, :][..., ::-1, :])
+    return mx.concatenate(rows, axis=-2)
+
+
+def test_the_calibration_finds_each_batch_counts_row_sums(monkeypatch):
+    """calibrate_fused_inverse against a stock whose row sums follow the batch count: each
+    count gets the order that gives its rows (the previous count's reused, in one launch,
+    where it still does), and a count no order matches is left to the one-launch append."""
+    orders = {2: "2 spans s", 4: "2 spans s", 6: "width 4 b"}  # 8: summed in reverse
+
+    def stock(Tmat, C):
+        batch = Tmat.size // (C * C)
+        if batch in orders:
+            return emulated_fused_rows(Tmat, dflash2_kernels.row_sum_plan([orders[batch]] * 63))
+        return reversed_substitution(Tmat, C)
+
+    def stock_rows_on(Tmat, X):
+        batch = Tmat.size // 4096
+        if batch in orders:
+            return emulated_fused_rows(Tmat, dflash2_kernels.row_sum_plan([orders[batch]] * 63), stock=X)
+        return reversed_rows_on(Tmat, X)
+
+    isolated_runs = []
+
+    def run(Tmat, plan, stock=None):
+        if stock is not None:
+            isolated_runs.append(Tmat.size // 4096)
+        return emulated_fused_rows(Tmat, plan, stock)
+
+    monkeypatch.setattr(dflash2_kernels, "_invert_unit_lower", stock)
+    monkeypatch.setattr(dflash2_kernels, "stock_rows_on", stock_rows_on)
+    summary = dflash2_kernels.calibrate_fused_inverse(2, 4, run=run)
+    assert summary == ("one launch at 3 of 4 chunk counts (2 heads): 1-2: 2 spans s; 3: width 4 b; "
+                       "the one-launch append at 4")
+    assert isolated_runs.count(4) == 1  # count 1's order, checked once
+    assert sorted(dflash2_kernels._fused_inverse_plans) == [2, 4, 6]
+    for batch, label in orders.items():
+        want = dflash2_kernels.row_sum_plan([label] * 63)
+        assert dflash2_kernels._fused_inverse_plans[batch].tolist() == want.tolist()
+    monkeypatch.undo()
+    dflash2_kernels._fused_inverse_plans.clear()
 
 
 def chunk_inputs(T, seed, heads=(2, 4), Dk=16, Dv=16, batch=1):

@@ -194,7 +194,8 @@ def main():
     status = dflash2_runtime.install(model)
     chosen_arm = status.decode_path.arm
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
-    prefill_inverse = dflash2_engine.use_exact_prefill_inverse()  # every end-to-end arm prefills as the servers do
+    # Every end-to-end arm prefills as the servers do (at mlx-vlm's default prefill step).
+    prefill_inverse = dflash2_engine.use_exact_prefill_inverse(lm.args.linear_num_value_heads)
     log(prefill_inverse)
     # Each form in the dtype the server would choose for it (dflash2_runtime.choose_drafter_dtype).
     dtypes = {form: dflash2_runtime.choose_drafter_dtype(model, drafter) for form, drafter in drafters.items()}

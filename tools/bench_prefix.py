@@ -225,7 +225,8 @@ def main():
     started = time.time()
     model, processor, drafter = load(args)
     status = dflash2_runtime.install(model)
-    prefill_inverse = dflash2_engine.use_exact_prefill_inverse()  # as both servers prefill
+    prefill_inverse = dflash2_engine.use_exact_prefill_inverse(  # as both servers prefill
+        model.language_model.args.linear_num_value_heads, max(args.step_sizes))
     print(prefill_inverse, flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
