@@ -19,6 +19,11 @@ DEFAULT_PORT = 8080
 DEFAULT_REQUEST_TIMEOUT_S = 600
 DEFAULT_PREFIX_CACHE_GB = 8.0
 MAX_PREFILL_STEP = 4096
+# With the prefix cache a next turn re-prefills from the last multiple of the step in its
+# history: on an H200 at the 27B shape a 4k-token next turn took 14-16% of its cold time at
+# 256 and 55% at mlx-vlm's 2048, for a first turn about a quarter slower
+# (evidence/prefix-cache-cuda-27b-steps.md). Without the cache mlx-vlm's step stands.
+PREFIX_CACHE_PREFILL_STEP = 256
 MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 # Environment variables mlx-vlm reads for generation, caching or batching. An inherited
@@ -123,7 +128,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     # MLX CUDA could not capture a 16384-token prefill step at the 27B shape
     # (cudaGraphAddKernelNode: invalid argument); 4096 worked there.
     mlx_vlm.add_argument("--prefill-step-size", type=int_in(1, MAX_PREFILL_STEP),
-                         help="prompt tokens per prefill step (mlx-vlm's default: 2048; at most "
+                         help=f"prompt tokens per prefill step (default: {PREFIX_CACHE_PREFILL_STEP}, "
+                              "mlx-vlm's 2048 with --no-prefix-cache; at most "
                               f"{MAX_PREFILL_STEP}); the prefix cache stores states at its multiples")
     mlx_vlm.add_argument("--thinking-start-token", metavar="TOKEN",
                          help="the token that opens a thinking block (default: mlx-vlm's, <think>)")
@@ -146,6 +152,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
             f"not accepted: {' '.join(rest)}. Options pass through to mlx-vlm only by their "
             "exact names (no abbreviations); see --help for the full list"
         )
+    if args.prefill_step_size is None and not args.no_prefix_cache:
+        args.prefill_step_size = PREFIX_CACHE_PREFILL_STEP
     return args
 
 

@@ -278,6 +278,7 @@ def test_arrival_and_finish_log_lines(servers):
 def test_both_servers_prefill_with_the_row_appending_inverse(servers):
     for name in ("spec", "plain"):
         assert "prefill inverse: row-appending, bitwise mlx-vlm's at start-up" in servers[name].log()
+        assert "exact prefix cache: 8 GB, snapshots at multiples of 256 prompt tokens" in servers[name].log()
 
 
 # ---------------------------------------------------------------------------------------

@@ -273,6 +273,17 @@ def test_edited_mlx_vlm_sources_refuse_the_start_and_are_named(script, pinned_pa
     assert named == {row.target for row in dflash2_audit.REPLACED}
 
 
+@pytest.mark.parametrize("argv, step", [([], 256), (["--no-prefix-cache"], None),
+                                        (["--prefill-step-size", "1024"], 1024),
+                                        (["--no-prefix-cache", "--prefill-step-size", "512"], 512)])
+def test_the_prefill_step_is_small_where_the_prefix_cache_reuses_it(argv, step):
+    """With the prefix cache a next turn re-prefills from the last multiple of the step;
+    without it, mlx-vlm's default (None here) stands; a given step always does."""
+    from dflash2_options import make_parser, parse_args
+
+    assert parse_args(make_parser("serve.py", ""), argv).prefill_step_size == step
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_prefill_step_beyond_what_cuda_captures_is_refused(main_exit, script):
     status, stderr = main_exit(script, "--prefill-step-size", "16384")
