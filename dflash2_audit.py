@@ -93,10 +93,11 @@ REPLACED = (
         "Swapped by the engine on every route for its own code with another _invert_unit_lower "
         "(dflash2_runtime.prefill_chunked): the prefill's forward substitution with the same "
         "matmuls on the same operands, appending each row instead of concatenating all earlier "
-        "rows again (one GPU copy kernel per row: about half a second a 27B prefill chunk), on "
-        "CUDA each row's subtraction and append in one launch where that checks out bitwise; "
-        "a prompt shorter than one chunk substitutes only its own rows (the padding rows are "
-        "the identity's).",
+        "rows again (one GPU copy kernel per row: about half a second a 27B prefill chunk); on "
+        "CUDA the whole substitution in one launch with cuBLASLt's row sums, calibrated per "
+        "chunk count at start-up, else each row's subtraction and append in one launch, where "
+        "that checks out bitwise; a prompt shorter than one chunk substitutes only its own rows "
+        "(the padding rows are the identity's).",
     ),
     Audited(
         "mlx_vlm.server.generation:ResponseGenerator.__init__",
@@ -247,7 +248,9 @@ AUDITED = (
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower",
         "bf5313477baa147b47ae80d53cca3f1828ef6ff7280d295cf5b606ea5dff5e64",
-        "Mirrored by dflash2_kernels.invert_unit_lower, whose start-up check compares with it.",
+        "Mirrored by dflash2_kernels.invert_unit_lower, whose start-up check compares with it; "
+        "its row products' matmul shapes are replicated by dflash2_kernels.stock_rows_on, which "
+        "calibrates the one-launch inverse.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update",
