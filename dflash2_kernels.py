@@ -2912,9 +2912,13 @@ def _spans(numbers: list) -> str:
     return ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in groups)
 
 
+def _random_lower(heads: int, chunks: int, scale: float, seed: int):
+    """A chunked prefill's strictly lower part of Tmat, random (one prompt, 64-row chunks)."""
+    return mx.tril(mx.random.normal((1, heads, chunks, 64, 64), key=mx.random.key(int(seed))) * scale, -1)
+
+
 def _random_unit_lower(heads: int, chunks: int, scale: float, seed: int):
-    lower = mx.tril(mx.random.normal((1, heads, chunks, 64, 64), key=mx.random.key(int(seed))) * scale, -1)
-    return mx.eye(64, dtype=mx.float32) + lower
+    return mx.eye(64, dtype=mx.float32) + _random_lower(heads, chunks, scale, seed)
 
 
 def invert_unit_lower_fused(Tmat, C: int, rows: int = None):
@@ -2948,7 +2952,7 @@ def self_test_inverse(heads: int = 48, chunks: int = 2, kernel=None) -> int:
     gated_delta_chunked's chunk), whole chunks and prompts shorter than one (rows past the
     prompt's are the identity's, as gated_delta_chunked's padding makes them)."""
     C = 64
-    lower = mx.tril(mx.random.normal((1, heads, chunks, C, C), key=mx.random.key(0)) * 0.3, -1)
+    lower = _random_lower(heads, chunks, 0.3, seed=0)
     differing = 0
     for rows in INVERSE_TEST_ROWS:
         held = lower if rows is None else lower * (mx.arange(C) < rows)[:, None]
