@@ -22,6 +22,7 @@ the whole run does not fit in one ten-minute GPU call at the 27B shape).
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -254,11 +255,19 @@ def main():
     dflash2_runtime.use_decode_arm("mlx")
     reference = greedy(model, prompt_ids, args.tokens)
     outputs, oracles, tables_before = {}, {}, {}
+    token_gaps = {}  # arm -> each full run's gaps between tokens handed on (the first: from the start)
+
+    def timed_greedy(key, tokens, **kwargs):
+        arrivals = [time.perf_counter()]
+        output = greedy(model, prompt_ids, tokens, arrivals=arrivals, **kwargs)
+        if tokens == args.tokens:
+            token_gaps.setdefault(key, []).append([1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])])
+        return output
 
     def plain_arm(arm):
         def run(tokens):
             dflash2_runtime.use_decode_arm(arm)
-            output = greedy(model, prompt_ids, tokens)
+            output = timed_greedy(f"plain {arm}", tokens)
             if tokens == args.tokens:
                 outputs[arm] = output
 
@@ -279,7 +288,7 @@ def main():
             oracle.prefer_requested_block_size = block is not None
             key = arm_name(profile, block, drafter)
             table = costs.to_json()  # the learning table this run's policy starts from
-            output = greedy(model, prompt_ids, tokens, drafter=oracle, block_size=block or BLOCK)
+            output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK)
             if tokens == args.tokens:
                 tables_before[key], outputs[key], oracles[key] = table, output, oracle
 
@@ -339,6 +348,11 @@ def main():
         for form, drafter in drafters.items() if drafter is not cost_drafter
     }
     identical = all(output == reference for output in outputs.values())
+    # Where the time goes: per token position, the median gap over the timed runs (the
+    # warm-up pass left out), for plain on the chosen path and each profile's policy.
+    gap_arms = [f"plain {chosen_arm}", *(arm_name(profile, None) for profile in PROFILE_TOKENS_PER_ROUND)]
+    token_gap_medians = {arm: [round(statistics.median(gaps), 2) for gaps in zip(*token_gaps[arm][1:])]
+                         for arm in gap_arms}
     log(f"e2e (policy) {e2e}; policy / best fixed block {policy_vs_best_fixed}; "
         f"tokens per round at block {BLOCK} {tokens_per_round}; identical {identical}")
 
@@ -364,6 +378,7 @@ def main():
         "tokens_per_round": tokens_per_round,
         "tokens_per_round_whole_run": tokens_per_round_whole_run,
         "tokens_identical": identical,
+        "e2e_token_gaps_ms": token_gap_medians,
         "seconds": round(time.time() - started, 1),
     })
     write_record(args.out, name, record, summary_markdown(record))
@@ -477,6 +492,17 @@ def summary_markdown(r) -> str:
                   + "; ".join(f"{profile} {drafts}" for profile, drafts in r["policy_drafts_per_round"].items()) + "."]
     lines += ["", "| arm | ms per run |", "|---|---|"]
     lines += [f"| {arm} | {spread(stats)} |" for arm, stats in r["e2e_ms"].items()]
+    if "e2e_token_gaps_ms" in r:
+        plain_gaps = next(iter(r["e2e_token_gaps_ms"].values()))
+        lines += ["", "Where the time goes (`e2e_token_gaps_ms`: per token, the median gap since the one "
+                  "before, the first from the request's start), against plain on the chosen path:", "",
+                  "| arm | first token ms | later tokens, median ms | ms over plain, summed | slowest tokens (position: ms) |",
+                  "|---|---|---|---|---|"]
+        for arm, gaps in r["e2e_token_gaps_ms"].items():
+            slowest = sorted(range(1, len(gaps)), key=lambda i: -gaps[i])[:3]
+            lines.append(f"| {arm} | {gaps[0]:.1f} | {statistics.median(gaps[1:]):.1f} | "
+                         f"{sum(gaps) - sum(plain_gaps):+.1f} | "
+                         + ", ".join(f"{i}: {gaps[i]:.1f}" for i in slowest) + " |")
     for form, speedups in r["e2e_speedup_by_other_drafter_form"].items():
         lines.append("")
         lines.append(f"Same profiles at block 8 paying the {form} drafter's cost: "

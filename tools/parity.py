@@ -131,7 +131,9 @@ def fixture_cases(model, processor, drafter, max_tokens):
     return cases
 
 
-def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, **kwargs):
+def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, arrivals=None, **kwargs):
+    """Greedy tokens through generate_step; `arrivals` (a list) gets each token's
+    time.perf_counter() as it is handed on."""
     steps = generate_step(
         input_ids,
         model,
@@ -144,7 +146,12 @@ def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, **kwa
         draft_block_size=block_size,
         **kwargs,
     )
-    return [int(token) for token, _ in steps]
+    tokens = []
+    for token, _ in steps:
+        tokens.append(int(token))
+        if arrivals is not None:
+            arrivals.append(time.perf_counter())
+    return tokens
 
 
 def _evaluated(cache):
