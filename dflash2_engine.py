@@ -55,14 +55,15 @@ def use_exact_prefill_inverse(gdn_heads: int = 48, prefill_step: int = 2048) -> 
 
     started = time.perf_counter()
     failed, calibration = [], ""
+    chunk_counts = -(-prefill_step // 64)
     if dflash2_kernels.backend_name() == "cuda":
         try:
-            calibration = dflash2_kernels.calibrate_fused_inverse(gdn_heads, -(-prefill_step // 64))
+            calibration = dflash2_kernels.calibrate_fused_inverse(gdn_heads, chunk_counts)
         except Exception as error:  # e.g. a kernel that does not build here
             failed.append(f"the fused one failed: {error}")
     for name, inverse in dflash2_kernels.inverse_candidates():
-        try:
-            differing = dflash2_kernels.self_test_inverse(heads=gdn_heads, kernel=inverse)
+        try:  # at a chunk count a prefill step has (the fused one's plans are per count)
+            differing = dflash2_kernels.self_test_inverse(gdn_heads, min(2, chunk_counts), kernel=inverse)
         except Exception as error:  # e.g. a kernel that does not build here
             failed.append(f"the {name} one failed: {error}")
             continue
@@ -71,7 +72,7 @@ def use_exact_prefill_inverse(gdn_heads: int = 48, prefill_step: int = 2048) -> 
             continue
         dflash2_audit.replace(dflash2_runtime.PREFILL_CHUNKED_TARGET, dflash2_runtime.prefill_chunked(inverse))
         return (f"prefill inverse: {name}, bitwise mlx-vlm's at start-up"
-                + (f" ({calibration})" if name == "fused" else "")
+                + (f" ({calibration})" if calibration else "")
                 + "".join(f" ({reason})" for reason in failed)
                 + f" ({time.perf_counter() - started:.1f} s)")
     return f"prefill inverse: mlx-vlm's ({'; '.join(failed)}), {time.perf_counter() - started:.1f} s"

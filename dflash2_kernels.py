@@ -2764,24 +2764,29 @@ def invert_unit_lower_one_launch(Tmat, C: int, rows: int = None):
 _ROW_SUM_COMBINES = {"s": 0, "t": 1, "b": 2}  # sequential, adjacent pairs, butterfly (xor halves)
 
 
-def _fixed_width_parts(width: int, combine: str):
-    """Spans of `width` k's (the last shorter), as many parts as a power of two holds."""
-    return lambda K: (1 << max(0, (-(-K // width) - 1).bit_length()), 0, _ROW_SUM_COMBINES[combine], width)
+def _row_sum_orders() -> dict:
+    """label -> K -> (parts, interleaved, combine, fixed span width or 0 for ceil(K / parts)).
+    Combines that add the same pairs in the same order as another are left out (with two
+    or three parts every combine is sequential; a butterfly needs a power of two)."""
+    orders = {"one chain": lambda K: (1, 0, 0, 0)}
+    for parts in (2, 3, 4, 5, 6, 7, 8, 16, 32):
+        combines = "s" if parts <= 3 else "stb" if parts & (parts - 1) == 0 else "st"
+        for interleaved in (0, 1):
+            for combine in combines:
+                plan = (parts, interleaved, _ROW_SUM_COMBINES[combine], 0)
+                orders[f"{parts} {'interleaved' if interleaved else 'spans'} {combine}"] = lambda K, plan=plan: plan
+    for width in (2, 4, 8, 16):
+        for combine in "stb":
+            # Spans of `width` k's (the last shorter), as many parts as a power of two holds.
+            orders[f"width {width} {combine}"] = lambda K, width=width, combine=_ROW_SUM_COMBINES[combine]: (
+                1 << max(0, (-(-K // width) - 1).bit_length()), 0, combine, width)
+    return orders
 
 
-# label -> K -> (parts, interleaved, combine, fixed span width or 0 for ceil(K / parts)).
-ROW_SUMS = {"one chain": lambda K: (1, 0, 0, 0)}
-for _parts in (2, 3, 4, 5, 6, 7, 8, 16, 32):
-    for _interleaved in (0, 1):
-        for _combine in ("s",) if _parts == 2 else ("s", "t", "b") if _parts & (_parts - 1) == 0 else ("s", "t"):
-            ROW_SUMS[f"{_parts} {'interleaved' if _interleaved else 'spans'} {_combine}"] = (
-                lambda K, plan=(_parts, _interleaved, _ROW_SUM_COMBINES[_combine], 0): plan)
-for _width in (2, 4, 8, 16):
-    for _combine in "stb":
-        ROW_SUMS[f"width {_width} {_combine}"] = _fixed_width_parts(_width, _combine)
+ROW_SUMS = _row_sum_orders()
 
-# One thread per column of one matrix; row i from rows 0..i-1 (stock's, read from Xstock,
-# when `isolated`: the calibration judges each row alone). IEEE fp32 throughout (no fast
+# One thread per column of one matrix; row i from rows 0..i-1 (X's, read from Xstock, when
+# ISOLATED: the calibration judges each row alone). IEEE fp32 throughout (no fast
 # math): the FMAs, adds and the subtraction from the identity's row are spelled out.
 _FUSED_INVERSE_SOURCE = """
   constexpr int C = 64;
@@ -2790,7 +2795,7 @@ _FUSED_INVERSE_SOURCE = """
   const size_t b = blockIdx.x;
   const int j = threadIdx.x;
   const float* T = Tmat + b * C * C;
-  for (int r = 0; r < C; ++r) X[r][j] = isolated[0] ? Xstock[b * C * C + r * C + j] : (r == j ? 1.0f : 0.0f);
+  for (int r = 0; r < C; ++r) X[r][j] = ISOLATED ? Xstock[b * C * C + r * C + j] : (r == j ? 1.0f : 0.0f);
   out[b * C * C + j] = X[0][j];
   __syncthreads();
   float part[32];
@@ -2815,9 +2820,8 @@ _FUSED_INVERSE_SOURCE = """
     }
     const float row = __fsub_rn(j == i ? 1.0f : 0.0f, part[0]);
     out[b * C * C + i * C + j] = row;
-    __syncthreads();
-    if (!isolated[0]) X[i][j] = row;
-    __syncthreads();
+    if (!ISOLATED) X[i][j] = row;  // each thread reads only its own column of X
+    __syncthreads();  // every thread done with trow before the next row's
   }
 """
 
@@ -2826,7 +2830,7 @@ _FUSED_INVERSE_SOURCE = """
 def _fused_inverse_kernel():
     return mx.fast.cuda_kernel(
         name="dflash2_unit_lower_inverse",
-        input_names=["Tmat", "Xstock", "plan", "isolated"],
+        input_names=["Tmat", "Xstock", "plan"],
         output_names=["out"],
         source=_FUSED_INVERSE_SOURCE,
     )
@@ -2841,7 +2845,8 @@ def fused_inverse_rows(Tmat, plan: mx.array, stock=None):
     """Every row of 64 x 64 unit lower inverses in one launch, each row's products summed as
     `plan` says; with `stock`, each row i from stock's rows 0..i-1 instead of its own."""
     return _fused_inverse_kernel()(
-        inputs=[Tmat, Tmat if stock is None else stock, plan.reshape(-1), mx.array([stock is not None], mx.int32)],
+        inputs=[Tmat, Tmat if stock is None else stock, plan.reshape(-1)],
+        template=[("ISOLATED", stock is not None)],
         grid=(64 * (Tmat.size // 4096), 1, 1),
         threadgroup=(64, 1, 1),
         output_shapes=[Tmat.shape],
@@ -2854,24 +2859,26 @@ _fused_inverse_plans: dict = {}
 
 
 def stock_rows_on(Tmat, X):
-    """Each row i of mlx-vlm's substitution computed from X's rows 0..i-1 (row 0: X's): the
-    same matmul shapes and layouts as _invert_unit_lower's (a strided row of Tmat, a
-    contiguous i x 64 operand), so the same cuBLASLt kernels, on operands without the
-    inverse's zeros: every order of summation shows in every column."""
-    rows = [X[..., :1, :]]
-    for i in range(1, 64):
-        rows.append(mx.eye(64, dtype=mx.float32)[i : i + 1] - Tmat[..., i : i + 1, :i] @ mx.contiguous(X[..., :i, :]))
-    return mx.concatenate(rows, axis=-2)
+    """Each row i of mlx-vlm's substitution computed from X's rows 0..i-1 (row 0: X's), by
+    _invert_unit_lower's own ops (the concatenate of the rows before, a strided row of
+    Tmat), so the same cuBLASLt problems and kernels, on operands without the inverse's
+    zeros: every order of summation shows in every column."""
+    rows = [X[..., k : k + 1, :] for k in range(64)]
+    identity = mx.eye(64, dtype=mx.float32)
+    return mx.concatenate([rows[0]] + [
+        identity[i : i + 1] - Tmat[..., i : i + 1, :i] @ mx.concatenate(rows[:i], axis=-2) for i in range(1, 64)
+    ], axis=-2)
 
 
 def calibrate_fused_inverse(heads: int, max_chunks: int, run=fused_inverse_rows) -> str:
     """For 1..max_chunks chunks of `heads` heads, the row sums giving each row of mlx-vlm's
     inverse its bits (on dense operands, the previous count's orders tried first), then the
-    whole inverse checked against mlx-vlm's on two fresh inputs; counts that pass are served
-    in one launch (invert_unit_lower_fused), the others by the one-launch append. Returns a
-    summary for the log."""
+    whole inverse checked against mlx-vlm's on three fresh inputs (one with subnormal and
+    zero entries, as strong decay gives); counts that pass are served in one launch
+    (invert_unit_lower_fused), the others by the one-launch append. The plans take effect
+    only once every count is done. Returns a summary for the log."""
     _fused_inverse_plans.clear()
-    labels, served, missed = None, {}, []
+    plans, labels, served, missed = {}, None, {}, []
     for chunks in range(1, max_chunks + 1):
         Tmat = _random_unit_lower(heads, chunks, 0.3, seed=chunks)
         X = mx.random.normal(Tmat.shape, key=mx.random.key(chunks))
@@ -2883,21 +2890,25 @@ def calibrate_fused_inverse(heads: int, max_chunks: int, run=fused_inverse_rows)
 
         if labels is None or not all(matching(labels)):
             matches = {label: matching([label] * 63) for label in ROW_SUMS}
-            whole = [label for label, rows in matches.items() if all(rows)]
-            found = [next((label for label, rows in matches.items() if rows[K]), None) for K in range(63)]
-            labels = [whole[0]] * 63 if whole else None if None in found else found
+            # Each row from the order that gives the most rows (short rows match many).
+            ranked = sorted(matches, key=lambda label: -sum(matches[label]))
+            found = [next((label for label in ranked if matches[label][K]), None) for K in range(63)]
+            labels = None if None in found else found
         plan = labels and row_sum_plan(labels)
         fresh = [_random_unit_lower(heads, chunks, scale, seed=1000 * scale + chunks) for scale in (0.3, 1.0)]
+        decay = mx.exp(-mx.random.uniform(0, 110, fresh[0].shape, key=mx.random.key(chunks)))
+        fresh.append(mx.eye(64, dtype=mx.float32) + (fresh[1] - mx.eye(64, dtype=mx.float32)) * decay)
         if plan is None or any(_differing(run(T, plan), _invert_unit_lower(T, 64)) for T in fresh):
             missed.append(chunks)
             continue
-        _fused_inverse_plans[heads * chunks] = plan
+        plans[heads * chunks] = plan
         served[chunks] = " + ".join(dict.fromkeys(labels))
+    _fused_inverse_plans.update(plans)
     ranges = {}
     for chunks, orders in served.items():
         ranges.setdefault(orders, []).append(chunks)
-    return (f"one launch at {len(served)} of {max_chunks} chunk counts ({heads} heads): "
-            + "; ".join(f"{_spans(counts)}: {orders}" for orders, counts in ranges.items())
+    return (f"one launch at {len(served)} of {max_chunks} chunk counts ({heads} heads)"
+            + "".join(f"; {_spans(counts)}: {orders}" for orders, counts in ranges.items())
             + (f"; the one-launch append at {_spans(missed)}" if missed else ""))
 
 

@@ -57,7 +57,7 @@ def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
     monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")  # row-appending the only candidate
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)  # undone after the test
     assert dflash2_kernels.self_test_inverse(heads=2, kernel=rows_ignored(reversed_substitution)) > 0
-    monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda heads=48, kernel=None: 7)
+    monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda heads=48, chunks=2, kernel=None: 7)
     line = dflash2_engine.use_exact_prefill_inverse()
     assert "the row-appending one differed from it here in 7 elements" in line
     assert gated_delta.gated_delta_chunked is STOCK_CHUNKED
@@ -123,23 +123,43 @@ def test_one_launch_inverse_passes_the_start_up_check_on_cuda():
 
 
 @pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
-def test_fused_inverse_on_cuda():
+def test_fused_inverse_on_cuda(monkeypatch):
     """The calibrated one-launch inverse at the 27B's 48 heads and a 2048-token step's chunk
     counts: every count it serves gives stock's bits on inputs the calibration never saw
     (signed zeros of the inverse's structure included), and another count's plan does not
     (on the H200, cuBLASLt sums these rows in one chain at 32 chunks, in halves at 2)."""
+    monkeypatch.setattr(dflash2_kernels, "_fused_inverse_plans", {})
     summary = dflash2_kernels.calibrate_fused_inverse(48, 32)
-    served = sorted(batch // 48 for batch in dflash2_kernels._fused_inverse_plans)
+    plans = dflash2_kernels._fused_inverse_plans
+    served = sorted(batch // 48 for batch in plans)
     assert served, summary
     for chunks in served:
         for scale in (0.3, 1.0):
             Tmat = unit_lower((1, 48, chunks, 64, 64), scale, seed=7 * chunks + int(10 * scale))
             assert differing(dflash2_kernels.invert_unit_lower_fused(Tmat, 64), STOCK(Tmat, 64)) == 0, (chunks, summary)
-    if {2, 32} <= set(served):
-        Tmat = unit_lower((1, 48, 2, 64, 64), 0.3, seed=3)
-        wrong = dflash2_kernels.fused_inverse_rows(Tmat, dflash2_kernels._fused_inverse_plans[48 * 32])
-        assert differing(wrong, STOCK(Tmat, 64)) > 0
+    by_plan = {str(plans[48 * chunks].tolist()): chunks for chunks in served}
+    assert len(by_plan) >= 2, summary
+    chunks, other = list(by_plan.values())[:2]
+    Tmat = unit_lower((1, 48, chunks, 64, 64), 0.3, seed=3)
+    assert differing(dflash2_kernels.fused_inverse_rows(Tmat, plans[48 * other]), STOCK(Tmat, 64)) > 0
     assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernels.invert_unit_lower_fused) == 0
+
+
+@pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
+@pytest.mark.parametrize("T", [8, 64, 70])
+def test_fused_inverse_in_the_swapped_prefill_on_cuda(T, monkeypatch):
+    """gated_delta_chunked swapped with the one-launch inverse, calibrated for chunk_inputs'
+    4 value heads: stock's output and state bits for one prompt and for two in a batch
+    (left-padded, with a mask), prompts shorter than a chunk included."""
+    monkeypatch.setattr(dflash2_kernels, "_fused_inverse_plans", {})
+    summary = dflash2_kernels.calibrate_fused_inverse(4, 4)
+    assert {4, 8} <= set(dflash2_kernels._fused_inverse_plans), summary  # 1 and 2 chunks
+    for batch in (1, 2):
+        inputs = chunk_inputs(T, seed=200 + T, batch=batch)
+        mask = None if batch == 1 else mx.array([[True] * T, [False] * (T // 2) + [True] * (T - T // 2)])
+        want_y, want_state = STOCK_CHUNKED(*inputs, mask)
+        got_y, got_state = dflash2_runtime.prefill_chunked(dflash2_kernels.invert_unit_lower_fused)(*inputs, mask)
+        assert differing(got_y, want_y) == 0 and differing(got_state, want_state) == 0, (batch, summary)
 
 
 def emulated_fused_rows(Tmat, plan, stock=None):
@@ -179,24 +199,37 @@ def reversed_rows_on(Tmat, X):
     return mx.concatenate(rows, axis=-2)
 
 
+# Per batch count (heads x chunks): the row sums an emulated stock uses, by K (rows 1..63).
+EMULATED_ORDERS = {
+    2: ["2 spans s"] * 63,
+    4: ["2 spans s"] * 63,
+    6: ["width 4 b"] * 63,
+    8: ["2 spans s"] * 13 + ["4 spans s"] * 50,  # cuBLASLt's mix at 9-13 chunks on the H200
+}  # 10: summed in reverse, which no order gives
+
+
+def emulated_stock(orders):
+    """(_invert_unit_lower, stock_rows_on) for a stock whose row sums follow the batch count."""
+    def inverse(Tmat, C):
+        labels = orders.get(Tmat.size // (C * C))
+        return emulated_fused_rows(Tmat, dflash2_kernels.row_sum_plan(labels)) if labels else reversed_substitution(Tmat, C)
+
+    def rows_on(Tmat, X):
+        labels = orders.get(Tmat.size // 4096)
+        return emulated_fused_rows(Tmat, dflash2_kernels.row_sum_plan(labels), stock=X) if labels else reversed_rows_on(Tmat, X)
+
+    return inverse, rows_on
+
+
 def test_the_calibration_finds_each_batch_counts_row_sums(monkeypatch):
     """calibrate_fused_inverse against a stock whose row sums follow the batch count: each
-    count gets the order that gives its rows (the previous count's reused, in one launch,
-    where it still does), and a count no order matches is left to the one-launch append."""
-    orders = {2: "2 spans s", 4: "2 spans s", 6: "width 4 b"}  # 8: summed in reverse
-
-    def stock(Tmat, C):
-        batch = Tmat.size // (C * C)
-        if batch in orders:
-            return emulated_fused_rows(Tmat, dflash2_kernels.row_sum_plan([orders[batch]] * 63))
-        return reversed_substitution(Tmat, C)
-
-    def stock_rows_on(Tmat, X):
-        batch = Tmat.size // 4096
-        if batch in orders:
-            return emulated_fused_rows(Tmat, dflash2_kernels.row_sum_plan([orders[batch]] * 63), stock=X)
-        return reversed_rows_on(Tmat, X)
-
+    count gets the orders that give its rows (the previous count's reused, in one launch,
+    where they still do; per row where no one order does), and a count no order matches is
+    left to the one-launch append."""
+    inverse, rows_on = emulated_stock(EMULATED_ORDERS)
+    monkeypatch.setattr(dflash2_kernels, "_invert_unit_lower", inverse)
+    monkeypatch.setattr(dflash2_kernels, "stock_rows_on", rows_on)
+    monkeypatch.setattr(dflash2_kernels, "_fused_inverse_plans", {})
     isolated_runs = []
 
     def run(Tmat, plan, stock=None):
@@ -204,18 +237,34 @@ def test_the_calibration_finds_each_batch_counts_row_sums(monkeypatch):
             isolated_runs.append(Tmat.size // 4096)
         return emulated_fused_rows(Tmat, plan, stock)
 
-    monkeypatch.setattr(dflash2_kernels, "_invert_unit_lower", stock)
-    monkeypatch.setattr(dflash2_kernels, "stock_rows_on", stock_rows_on)
-    summary = dflash2_kernels.calibrate_fused_inverse(2, 4, run=run)
-    assert summary == ("one launch at 3 of 4 chunk counts (2 heads): 1-2: 2 spans s; 3: width 4 b; "
-                       "the one-launch append at 4")
-    assert isolated_runs.count(4) == 1  # count 1's order, checked once
-    assert sorted(dflash2_kernels._fused_inverse_plans) == [2, 4, 6]
-    for batch, label in orders.items():
-        want = dflash2_kernels.row_sum_plan([label] * 63)
-        assert dflash2_kernels._fused_inverse_plans[batch].tolist() == want.tolist()
-    monkeypatch.undo()
-    dflash2_kernels._fused_inverse_plans.clear()
+    summary = dflash2_kernels.calibrate_fused_inverse(2, 5, run=run)
+    assert summary == ("one launch at 4 of 5 chunk counts (2 heads); 1-2: 2 spans s; 3: width 4 b; "
+                       "4: 4 spans s + 2 spans s; the one-launch append at 5")
+    assert isolated_runs.count(4) == 1  # count 1's orders, checked once
+    assert sorted(dflash2_kernels._fused_inverse_plans) == [2, 4, 6, 8]
+    # Rows 1 and 2 sum the same in both orders: they take the order of the most rows.
+    chosen = {**EMULATED_ORDERS, 8: ["4 spans s"] * 2 + EMULATED_ORDERS[8][2:]}
+    for batch, labels in chosen.items():
+        assert dflash2_kernels._fused_inverse_plans[batch].tolist() == dflash2_kernels.row_sum_plan(labels).tolist()
+
+
+def test_a_calibration_cut_short_serves_no_plan(monkeypatch):
+    """Plans take effect only once every count is calibrated: a failure part way (here the
+    third count's kernel) leaves none behind for the fused inverse to serve."""
+    inverse, rows_on = emulated_stock(EMULATED_ORDERS)
+    monkeypatch.setattr(dflash2_kernels, "_invert_unit_lower", inverse)
+    monkeypatch.setattr(dflash2_kernels, "stock_rows_on", rows_on)
+    monkeypatch.setattr(dflash2_kernels, "_fused_inverse_plans", {})
+
+    def run(Tmat, plan, stock=None):
+        if Tmat.size // 4096 == 6:
+            raise RuntimeError("out of memory")
+        return emulated_fused_rows(Tmat, plan, stock)
+
+    with pytest.raises(RuntimeError):
+        dflash2_kernels.calibrate_fused_inverse(2, 4, run=run)
+    assert dflash2_kernels._fused_inverse_plans == {}
+    assert "fused" not in dict(dflash2_kernels.inverse_candidates())
 
 
 def chunk_inputs(T, seed, heads=(2, 4), Dk=16, Dv=16, batch=1):
