@@ -73,6 +73,10 @@ class RoundCosts:
     decode_step_ms: float
     verify_steps_by_block: dict  # block -> verify, walk and commit, in decode steps
     draft_steps_by_block: dict  # block -> the drafter's pass, in decode steps
+    # What the first plain step after a round costs above a steady one, in decode steps:
+    # plain steps queue the next before reading a token, a round reads its tokens before
+    # anything follows, so the queue starts empty (on the H200 about one more step).
+    refill_steps: float = 0.0
     # A measured table keeps learning from the rounds and plain runs requests time; one given
     # on the command line stays as given.
     learning: bool = field(default=False, compare=False)
@@ -91,6 +95,14 @@ class RoundCosts:
         for table in (self.verify_steps_by_block, self.draft_steps_by_block):
             for block in table:  # a round's ms stays what it was
                 table[block] *= old / self.decode_step_ms
+
+    def observe_refill(self, ms: float) -> None:
+        """The first plain step after a round took `ms` (its token handed on included)."""
+        if not self.learning:
+            return
+        weight = self._weight("refill")
+        observed = max(0.0, ms / self.decode_step_ms - 1)
+        self.refill_steps = (1 - weight) * self.refill_steps + weight * observed
 
     def observe_round(self, block: int, ms: float) -> None:
         """A round of `block` took `ms`, draft to the last token handed on. Its verify and
@@ -124,6 +136,7 @@ class RoundCosts:
             "decode_step_ms": round(self.decode_step_ms, 3),
             "verify_steps_by_block": {str(b): round(v, 3) for b, v in sorted(self.verify_steps_by_block.items())},
             "draft_steps_by_block": {str(b): round(v, 3) for b, v in sorted(self.draft_steps_by_block.items())},
+            "refill_steps": round(self.refill_steps, 3),
         }
 
     @classmethod
@@ -133,15 +146,16 @@ class RoundCosts:
             step = float(data["decode_step_ms"])
             tables = [{int(block): float(steps) for block, steps in data[key].items()}
                       for key in ("verify_steps_by_block", "draft_steps_by_block")]
+            refill = float(data.get("refill_steps", 0.0))  # tables written before it: none
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"not a round cost table ({error!r})") from None
         if tables[0].keys() != tables[1].keys() or not tables[0]:
             raise ValueError("verify_steps_by_block and draft_steps_by_block need the same blocks")
-        values = [step, *tables[0].values(), *tables[1].values()]
+        values = [step, refill, *tables[0].values(), *tables[1].values()]
         blocks_in_range = all(2 <= block <= MAX_ROWS for block in tables[0])
         if not blocks_in_range or not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"blocks must be 2..{MAX_ROWS} and costs finite and non-negative")
-        return cls(step, *tables)
+        return cls(step, *tables, refill)
 
     def summary(self) -> str:
         rounds = ", ".join(
@@ -150,7 +164,8 @@ class RoundCosts:
         )
         verdict = "can pay" if self.can_pay() else "cannot pay at any acceptance"
         return (f"decode step {self.decode_step_ms:.2f} ms; round cost in decode steps "
-                f"(block: verify+draft) {rounds}; speculation {verdict}")
+                f"(block: verify+draft) {rounds}; the first plain step after a round "
+                f"+{self.refill_steps:.2f}; speculation {verdict}")
 
 
 def rounds_can_pay(draft_model) -> bool:
@@ -247,8 +262,12 @@ class RoundPolicy:
 
     def probe_loss(self, block: int) -> float:
         """Decode steps a round of this block is expected to fall short of paying (by
-        PAY_MARGIN): what a probe draws from the budget."""
-        return PAY_MARGIN * self.costs.round_steps(block) - self.estimate.expected_tokens(block)
+        PAY_MARGIN), the refill of the plain steps after it included: what a probe draws
+        from the budget."""
+        return self._round_price(block) - self.estimate.expected_tokens(block)
+
+    def _round_price(self, block: int) -> float:
+        return PAY_MARGIN * self.costs.round_steps(block) + self.costs.refill_steps
 
     def best_block(self, remaining: int) -> Optional[int]:
         """The most valuable block that wants no more than `remaining` tokens."""
@@ -280,8 +299,8 @@ class RoundPolicy:
     def record_round(self, block: int, accepted: int, tokens: int) -> None:
         self.estimate.age(tokens)
         self.estimate.record(block - 1, accepted)
-        # Counted against the margin, as probe_loss: a round short of it draws on the budget.
-        self.lost_steps = max(0.0, self.lost_steps + PAY_MARGIN * self.costs.round_steps(block) - tokens)
+        # Counted as probe_loss counts it: a round short of its price draws on the budget.
+        self.lost_steps = max(0.0, self.lost_steps + self._round_price(block) - tokens)
         self.tokens += tokens
         self.rounds += 1
 
@@ -431,21 +450,28 @@ def policy_rounds(
         listener(counts)
 
     emitted = 1  # the caller yielded the prefill's token
-    first_round = True
+    first_round, after_round = True, False
     while emitted < max_tokens:
         remaining = max_tokens - emitted
         block = policy.choose_block(remaining)
         # Each round and plain run is timed up to its last token handed on, and the cost
         # table learns from it (the first round is left out: its drafter reads the prompt).
+        # A plain run's first step is timed apart: it starts with an empty queue (after a
+        # round, that is the round's refill; the rest are steady steps).
         started = time.perf_counter()
         if block is None:
             steps = policy.plain_run(remaining)
+            first_ms = None
             for token in decoder.plain_steps(steps):
+                first_ms = first_ms or 1000 * (time.perf_counter() - started)
                 policy.record_plain(1)
                 counts.tokens_from_plain_steps += 1
                 emitted += 1
                 yield token, None
-            costs.observe_plain(steps, 1000 * (time.perf_counter() - started))
+            if after_round:
+                costs.observe_refill(first_ms)
+            costs.observe_plain(steps - 1, 1000 * (time.perf_counter() - started) - first_ms)
+            after_round = False
             continue
         accepted, tokens = decoder.round(block, remaining)
         policy.record_round(block, accepted, len(tokens))
@@ -455,7 +481,7 @@ def policy_rounds(
             yield token, None
         if not first_round:
             costs.observe_round(block, 1000 * (time.perf_counter() - started))
-        first_round = False
+        first_round, after_round = False, True
 
 
 # ---------------------------------------------------------------------------
@@ -529,7 +555,8 @@ def steady_ms(steps, run: int, settle):
 
 
 def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=3) -> RoundCosts:
-    """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling.
+    """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling,
+    and the refill of a plain step right after a round.
 
     Runs the request loop's own code on a scratch cache after a short synthetic prompt. Each
     sample is a steady run as a request has it: one untimed lead-in (switching from the
@@ -572,6 +599,9 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
         for block in blocks:
             arms[("draft", block)] = steady(drafts(block))
             arms[("round", block)] = steady(rounds(block))
+        # A round of the smallest block, then one plain step (a run of one: all refill).
+        arms["refill"] = steady(lambda count: [(decoder.round(2, 2), list(decoder.plain_steps(1)))
+                                               for _ in range(count)])
         ms = {name: stats["median"] for name, stats in interleaved_ms(arms, repeats).items()}
     # Leave the target as a fresh request expects it.
     lm._position_ids = lm._rope_deltas = None
@@ -583,5 +613,6 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
         decode_step_ms=step_ms,
         verify_steps_by_block={block: (ms[("round", block)] - draft[block]) / step_ms for block in blocks},
         draft_steps_by_block={block: draft[block] / step_ms for block in blocks},
+        refill_steps=max(0.0, (ms["refill"] - ms[("round", 2)] - step_ms) / step_ms),
         learning=True,
     )

@@ -98,6 +98,35 @@ def test_rounds_short_of_the_margin_run_only_as_probes_within_the_budget():
     assert policy.choose_block(100) is not None
 
 
+def zero_acceptance_loss(costs, tokens, refill):
+    """Decode steps a request of `tokens` loses to plain at zero acceptance under the policy,
+    each round costing what the table says plus `refill` for the plain step after it."""
+    policy, emitted, lost = RoundPolicy(costs, ceiling=8), 1, 0.0
+    while emitted < tokens:
+        block = policy.choose_block(tokens - emitted)
+        if block is None:
+            steps = policy.plain_run(tokens - emitted)
+            for _ in range(steps):
+                policy.record_plain(1)
+            emitted += steps
+        else:
+            policy.record_round(block, 0, 1)
+            emitted += 1
+            lost += costs.round_steps(block) + refill - 1
+    return lost
+
+
+@pytest.mark.parametrize("tokens", [256, 1024])
+def test_probes_priced_with_the_refill_keep_zero_acceptance_within_the_budget(tokens):
+    """A round's tokens are read before anything follows it, so the plain step after it
+    starts with an empty queue (about one step more on the H200). Priced in, the probes a
+    zero-acceptance request runs lose no more than the budget; priced out, three times it."""
+    refill = 1.0
+    priced = RoundCosts(COSTS.decode_step_ms, COSTS.verify_steps_by_block, COSTS.draft_steps_by_block, refill)
+    assert zero_acceptance_loss(priced, tokens, refill) <= PROBE_BUDGET * tokens
+    assert zero_acceptance_loss(COSTS, tokens, refill) > 2.5 * PROBE_BUDGET * tokens
+
+
 def test_costs_that_never_pay_mean_plain_steps_only_and_fixed_blocks_stay_fixed():
     never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS})
     assert not never.can_pay()
@@ -152,8 +181,12 @@ def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes(
 
 def test_cost_table_round_trips_and_bad_tables_are_named():
     assert RoundCosts.from_json(COSTS.to_json()).to_json() == COSTS.to_json()
+    refilled = RoundCosts(2.0, {2: 1.5}, {2: 0.25}, 0.75)
+    assert RoundCosts.from_json(refilled.to_json()) == refilled
+    older = {key: value for key, value in refilled.to_json().items() if key != "refill_steps"}
+    assert RoundCosts.from_json(older).refill_steps == 0.0  # tables written before it
     for bad in ({}, {**COSTS.to_json(), "draft_steps_by_block": {"2": 0.1}},
-                {**COSTS.to_json(), "decode_step_ms": -1},
+                {**COSTS.to_json(), "decode_step_ms": -1}, {**COSTS.to_json(), "refill_steps": -0.5},
                 {**COSTS.to_json(), "verify_steps_by_block": {str(b): 1.0 for b in range(1, 8)}}):
         with pytest.raises(ValueError):
             RoundCosts.from_json(bad)
@@ -251,6 +284,17 @@ def test_a_measured_table_learns_what_rounds_and_plain_runs_take_a_given_one_doe
     assert learning.round_steps(4) * learning.decode_step_ms == pytest.approx(expected_round_ms)
     assert learning.round_steps(3) * learning.decode_step_ms == pytest.approx(15.0)
     assert learning.draft_steps_by_block[4] * learning.decode_step_ms == pytest.approx(expected_round_ms / 3)
+
+
+def test_a_measured_table_learns_the_refill_a_given_one_does_not():
+    pinned = RoundCosts(10.0, {2: 1.0}, {2: 0.5}, 0.2)
+    learning = RoundCosts(10.0, {2: 1.0}, {2: 0.5}, 0.2, learning=True)
+    for costs in (pinned, learning):
+        costs.observe_refill(25.0)  # the first plain step after a round: 1.5 steps above a steady one
+        costs.observe_refill(5.0)  # faster than a steady step: no refill, not a negative one
+    assert pinned.refill_steps == 0.2
+    assert learning.refill_steps == pytest.approx((0.5 * 0.2 + 0.5 * 1.5) * 2 / 3)
+    assert learning.decode_step_ms == 10.0 and learning.round_steps(2) == 1.5
 
 
 def test_learning_is_a_running_mean_then_a_tenth_and_can_go_below_the_drafter_share():
@@ -367,3 +411,20 @@ def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
         assert costs.blocks == [2, 3]
     finally:
         drafter.config.runtime_block_size = before
+
+
+def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(target, prompt_and_plain):  # noqa: F811
+    """At zero acceptance the policy probes between plain runs; each run after a round teaches
+    the measured table its refill (the run's first step), the rest its steady step."""
+    model, _, drafter = target
+    ids, plain = prompt_and_plain
+    table = RoundCosts(60.0, dict(COSTS.verify_steps_by_block), dict(COSTS.draft_steps_by_block),
+                       learning=True)  # about a tiny-pack decode step on CPU
+    oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
+                           target_layer_ids=drafter.config.target_layer_ids)
+    oracle.prefer_requested_block_size = False
+    oracle.round_costs = table
+    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    assert oracle.round_counts.tokens_from_plain_steps > 0
+    assert 1 <= table.observed.get("refill", 0) <= len(oracle.draft_lens)
+    assert table.observed.get("plain", 0) >= 1

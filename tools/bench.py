@@ -436,9 +436,10 @@ def summary_markdown(r) -> str:
     for arm, stats in r["round_ms"].items():
         lines.append(f"| {arm} | {spread(stats)} | {stats['median'] / r['decode_step_ms']:.2f} |")
     def cost_table(costs):
+        refill = f"; the first plain step after a round +{costs['refill_steps']:.2f}" if "refill_steps" in costs else ""
         return (f"(decode step {costs['decode_step_ms']:.2f} ms), in decode steps, block: verify+draft: "
                 + ", ".join(f"{b}: {v:.2f}+{costs['draft_steps_by_block'][b]:.2f}"
-                            for b, v in costs["verify_steps_by_block"].items()) + ".")
+                            for b, v in costs["verify_steps_by_block"].items()) + refill + ".")
 
     lines += ["", "Drafter dtype as the server chooses it at start-up: "
               + "; ".join(f"{form}: {summary}" for form, summary in r.get("drafter_dtype_by_form", {}).items())]
