@@ -40,7 +40,7 @@ LONG = 30000  # max_tokens no request here reaches: it ends by cancellation
 # first round a speculative request continues with plain steps.
 ROUND_COSTS = {"decode_step_ms": 100.0,
                "verify_steps_by_block": {str(b): 1.0 + 0.25 * (b - 1) for b in range(2, 9)},
-               "draft_steps_by_block": {str(b): 0.2 for b in range(2, 9)}}
+               "draft_steps_by_block": {str(b): 0.2 for b in range(2, 9)}, "refill_steps": 0.0}
 
 # serve_dflash2.py whose runtime reports a failed kernel self-test (run from the pack folder).
 FAILING_SELF_TEST = """
