@@ -93,8 +93,9 @@ class RoundCosts:
         old = self.decode_step_ms
         self.decode_step_ms = (1 - weight) * old + weight * ms / steps
         for table in (self.verify_steps_by_block, self.draft_steps_by_block):
-            for block in table:  # a round's ms stays what it was
+            for block in table:  # a round's ms stays what it was, and so does the refill's
                 table[block] *= old / self.decode_step_ms
+        self.refill_steps *= old / self.decode_step_ms
 
     def observe_refill(self, ms: float) -> None:
         """The first plain step after a round took `ms` (its token handed on included)."""
@@ -262,12 +263,10 @@ class RoundPolicy:
 
     def probe_loss(self, block: int) -> float:
         """Decode steps a round of this block is expected to fall short of paying (by
-        PAY_MARGIN), the refill of the plain steps after it included: what a probe draws
-        from the budget."""
-        return self._round_price(block) - self.estimate.expected_tokens(block)
-
-    def _round_price(self, block: int) -> float:
-        return PAY_MARGIN * self.costs.round_steps(block) + self.costs.refill_steps
+        PAY_MARGIN), with the refill of the plain steps that follow a probe that does not
+        pay: what a probe draws from the budget."""
+        return (PAY_MARGIN * self.costs.round_steps(block) + self.costs.refill_steps
+                - self.estimate.expected_tokens(block))
 
     def best_block(self, remaining: int) -> Optional[int]:
         """The most valuable block that wants no more than `remaining` tokens."""
@@ -299,10 +298,14 @@ class RoundPolicy:
     def record_round(self, block: int, accepted: int, tokens: int) -> None:
         self.estimate.age(tokens)
         self.estimate.record(block - 1, accepted)
-        # Counted as probe_loss counts it: a round short of its price draws on the budget.
-        self.lost_steps = max(0.0, self.lost_steps + self._round_price(block) - tokens)
+        # Counted against the margin, as probe_loss: a round short of it draws on the budget.
+        self.lost_steps = max(0.0, self.lost_steps + PAY_MARGIN * self.costs.round_steps(block) - tokens)
         self.tokens += tokens
         self.rounds += 1
+
+    def record_refill(self) -> None:
+        """Plain steps follow a round: their first refills the queue (probe_loss priced it)."""
+        self.lost_steps += self.costs.refill_steps
 
     def record_plain(self, tokens: int) -> None:
         self.estimate.age(tokens)
@@ -461,13 +464,16 @@ def policy_rounds(
         started = time.perf_counter()
         if block is None:
             steps = policy.plain_run(remaining)
+            if after_round:
+                policy.record_refill()
             first_ms = None
             for token in decoder.plain_steps(steps):
-                first_ms = first_ms or 1000 * (time.perf_counter() - started)
                 policy.record_plain(1)
                 counts.tokens_from_plain_steps += 1
                 emitted += 1
                 yield token, None
+                if first_ms is None:
+                    first_ms = 1000 * (time.perf_counter() - started)
             if after_round:
                 costs.observe_refill(first_ms)
             costs.observe_plain(steps - 1, 1000 * (time.perf_counter() - started) - first_ms)
@@ -607,12 +613,17 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
     lm._position_ids = lm._rope_deltas = None
     draft_model.reset(model)
 
-    step_ms = ms["decode"]
+    # A "decode" sample's first step refills too: per step it took steady + refill / run,
+    # and a round's plain step took steady + refill.
+    after_round = ms["refill"] - ms[("round", 2)]
+    refill_ms = max(0.0, (after_round - ms["decode"]) * run / (run - 1)) if run > 1 else 0.0
+    refill_ms = min(refill_ms, ms["decode"] * run / 2)  # noise cannot take the steady step below half
+    step_ms = ms["decode"] - refill_ms / run
     draft = {block: min(ms[("draft", block)], ms[("round", block)]) for block in blocks}
     return RoundCosts(
         decode_step_ms=step_ms,
         verify_steps_by_block={block: (ms[("round", block)] - draft[block]) / step_ms for block in blocks},
         draft_steps_by_block={block: draft[block] / step_ms for block in blocks},
-        refill_steps=max(0.0, (ms["refill"] - ms[("round", 2)] - step_ms) / step_ms),
+        refill_steps=refill_ms / step_ms,
         learning=True,
     )

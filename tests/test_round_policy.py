@@ -101,18 +101,22 @@ def test_rounds_short_of_the_margin_run_only_as_probes_within_the_budget():
 def zero_acceptance_loss(costs, tokens, refill):
     """Decode steps a request of `tokens` loses to plain at zero acceptance under the policy,
     each round costing what the table says plus `refill` for the plain step after it."""
-    policy, emitted, lost = RoundPolicy(costs, ceiling=8), 1, 0.0
+    policy, emitted, lost, after_round = RoundPolicy(costs, ceiling=8), 1, 0.0, False
     while emitted < tokens:
         block = policy.choose_block(tokens - emitted)
         if block is None:
             steps = policy.plain_run(tokens - emitted)
+            if after_round:
+                policy.record_refill()
+                lost += refill
             for _ in range(steps):
                 policy.record_plain(1)
             emitted += steps
         else:
             policy.record_round(block, 0, 1)
             emitted += 1
-            lost += costs.round_steps(block) + refill - 1
+            lost += costs.round_steps(block) - 1
+        after_round = block is not None
     return lost
 
 
@@ -120,11 +124,24 @@ def zero_acceptance_loss(costs, tokens, refill):
 def test_probes_priced_with_the_refill_keep_zero_acceptance_within_the_budget(tokens):
     """A round's tokens are read before anything follows it, so the plain step after it
     starts with an empty queue (about one step more on the H200). Priced in, the probes a
-    zero-acceptance request runs lose no more than the budget; priced out, three times it."""
+    zero-acceptance request runs lose no more than the budget; priced out, over 2.5 times it."""
     refill = 1.0
     priced = RoundCosts(COSTS.decode_step_ms, COSTS.verify_steps_by_block, COSTS.draft_steps_by_block, refill)
     assert zero_acceptance_loss(priced, tokens, refill) <= PROBE_BUDGET * tokens
     assert zero_acceptance_loss(COSTS, tokens, refill) > 2.5 * PROBE_BUDGET * tokens
+
+
+def test_a_probe_is_priced_with_its_refill_and_rounds_that_pay_are_not():
+    """probe_loss adds the refill of the plain steps after a probe; a round's own record
+    does not (rounds back to back have none): the refill is drawn when plain steps follow."""
+    refilled = RoundCosts(COSTS.decode_step_ms, COSTS.verify_steps_by_block, COSTS.draft_steps_by_block, 0.75)
+    plain, priced = RoundPolicy(COSTS, ceiling=8), RoundPolicy(refilled, ceiling=8)
+    assert priced.probe_loss(3) == pytest.approx(plain.probe_loss(3) + 0.75)
+    for policy in (plain, priced):
+        policy.record_round(3, 2, 3)
+    assert priced.lost_steps == plain.lost_steps
+    priced.record_refill()
+    assert priced.lost_steps == pytest.approx(plain.lost_steps + 0.75)
 
 
 def test_costs_that_never_pay_mean_plain_steps_only_and_fixed_blocks_stay_fixed():
@@ -407,8 +424,9 @@ def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
     try:
         dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(block_cap=3))
         assert _dflash_block_total(drafter, None) == 3
-        costs = dflash2_policy.measure_round_costs(model, drafter, repeats=1, run=1)
+        costs = dflash2_policy.measure_round_costs(model, drafter, repeats=1, run=2)
         assert costs.blocks == [2, 3]
+        assert 0.0 <= costs.refill_steps < float("inf") and costs.decode_step_ms > 0
     finally:
         drafter.config.runtime_block_size = before
 
