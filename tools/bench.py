@@ -148,6 +148,8 @@ def main():
     parser.add_argument("--fixed-blocks", default="2,3,4,5,6,7,8",
                         help="fixed blocks measured end to end beside the round policy (must include 8)")
     parser.add_argument("--drafter-forms", default="bf16,4bit", help="random drafters to build: bf16, 4bit or both")
+    parser.add_argument("--profiles", default=",".join(PROFILE_TOKENS_PER_ROUND),
+                        help="acceptance profiles measured end to end (fewer arms between samples)")
     parser.add_argument("--part", choices=["all", "rounds", "e2e"], default="all",
                         help="rounds: stop after the round phase; e2e: only the end-to-end phase, "
                         "added to the record a rounds run wrote in --out")
@@ -155,6 +157,9 @@ def main():
     fixed_blocks = sorted({int(block) for block in args.fixed_blocks.split(",")})
     if BLOCK not in fixed_blocks or not all(2 <= block <= BLOCK for block in fixed_blocks):
         parser.error(f"--fixed-blocks: blocks 2..{BLOCK}, including {BLOCK} (the profiles are named at it)")
+    profiles = args.profiles.split(",")
+    if not profiles or not set(profiles) <= set(PROFILE_TOKENS_PER_ROUND):
+        parser.error(f"--profiles: some of {', '.join(PROFILE_TOKENS_PER_ROUND)}")
     started = time.time()
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
     size = Path(args.pack).name if args.pack else args.size
@@ -312,7 +317,7 @@ def main():
         return sample
 
     arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in dflash2_runtime.DECODE_ARMS}
-    for profile in PROFILE_TOKENS_PER_ROUND:
+    for profile in profiles:
         arms[arm_name(profile, None)] = after_lead_in(speculative_arm(profile))
         for block in fixed_blocks:
             arms[arm_name(profile, block)] = after_lead_in(speculative_arm(profile, block))
@@ -320,37 +325,37 @@ def main():
     # with real weights; the tokens may not).
     for form, drafter in drafters.items():
         if drafter is not cost_drafter:
-            for profile in ("chat", "median", "code"):
+            for profile in [name for name in profiles if name != "zero"]:
                 arms[arm_name(profile, BLOCK, drafter)] = after_lead_in(speculative_arm(profile, BLOCK, drafter))
     e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats)
     dflash2_runtime.use_decode_arm(chosen_arm)
     plain_ms = e2e_ms[f"plain {chosen_arm}"]["median"]
     speedup = {name: plain_ms / stats["median"] for name, stats in e2e_ms.items()}
-    e2e = {profile: speedup[arm_name(profile, None)] for profile in PROFILE_TOKENS_PER_ROUND}
+    e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
     e2e_fixed = {
         profile: {str(block): speedup[arm_name(profile, block)] for block in fixed_blocks}
-        for profile in PROFILE_TOKENS_PER_ROUND
+        for profile in profiles
     }
     policy_vs_best_fixed = {profile: e2e[profile] / max(e2e_fixed[profile].values()) for profile in e2e}
     round_counts = {
-        profile: vars(oracles[arm_name(profile, None)].round_counts) for profile in PROFILE_TOKENS_PER_ROUND
+        profile: vars(oracles[arm_name(profile, None)].round_counts) for profile in profiles
     }
     # Each round's drafts (block - 1) in the policy's last run per profile: what it chose.
-    policy_drafts = {profile: oracles[arm_name(profile, None)].draft_lens for profile in PROFILE_TOKENS_PER_ROUND}
+    policy_drafts = {profile: oracles[arm_name(profile, None)].draft_lens for profile in profiles}
     # Profiles are named by tokens per round at block 8.
-    block_runs = {profile: oracles[arm_name(profile, BLOCK)] for profile in PROFILE_TOKENS_PER_ROUND}
+    block_runs = {profile: oracles[arm_name(profile, BLOCK)] for profile in profiles}
     tokens_per_round = {profile: full_round_tokens(run.accept_lens) for profile, run in block_runs.items()}
     tokens_per_round_whole_run = {
         profile: (args.tokens - 1) / max(1, len(run.accept_lens)) for profile, run in block_runs.items()
     }
     e2e_by_form = {
-        form: {profile: speedup[arm_name(profile, BLOCK, drafter)] for profile in ("chat", "median", "code")}
+        form: {profile: speedup[arm_name(profile, BLOCK, drafter)] for profile in profiles if profile != "zero"}
         for form, drafter in drafters.items() if drafter is not cost_drafter
     }
     identical = all(output == reference for output in outputs.values())
     # Where the time goes: per token position, the median gap over the timed runs (the
     # warm-up pass left out), for plain on the chosen path and each profile's policy.
-    gap_arms = [f"plain {chosen_arm}", *(arm_name(profile, None) for profile in PROFILE_TOKENS_PER_ROUND)]
+    gap_arms = [f"plain {chosen_arm}", *(arm_name(profile, None) for profile in profiles)]
     token_gap_medians = {arm: [round(statistics.median(gaps), 2) for gaps in zip(*token_gaps[arm][1:])]
                          for arm in gap_arms}
     log(f"e2e (policy) {e2e}; policy / best fixed block {policy_vs_best_fixed}; "
@@ -369,7 +374,7 @@ def main():
         "policy_vs_best_fixed_block": policy_vs_best_fixed,
         "policy_round_counts": round_counts,
         "policy_drafts_per_round": policy_drafts,
-        "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in PROFILE_TOKENS_PER_ROUND},
+        "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in profiles},
         # The measured table after the end-to-end arms taught it (as a server's learns).
         "round_costs_learned": costs.to_json(),
         "cost_drafter_form": drafter_names[id(cost_drafter)],
