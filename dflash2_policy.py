@@ -51,6 +51,13 @@ PRIOR_WEIGHT = 0.5
 # While a learning table has no block that pays, one greedy request in this many still goes
 # speculative (the policy decodes it plain but probes rounds), so the table keeps learning.
 ROUTE_PROBE_EVERY = 16
+# Across a measured table's requests, the drafter's recent rounds seed each request's
+# acceptance estimate, weighing as much as this many rounds; each round recorded there ages
+# the rest by MEMORY_DECAY (plain steps teach nothing, so they forget nothing). A request's
+# first round then runs only where that estimate says it pays, or in every
+# ROUTE_PROBE_EVERY-th request (otherwise it waits for the probe budget, as later ones do).
+MEMORY_WEIGHT = 1.0
+MEMORY_DECAY = 0.9
 # How far an observed round or plain run moves a learning cost table toward what it took:
 # the start-up measurement counts as one observation and the first ones as many (a running
 # mean, so a wrong start-up figure is corrected within a few rounds), then this much.
@@ -210,7 +217,9 @@ class AcceptanceEstimate:
         self.tried = [0.0] * positions
 
     def age(self, tokens: int) -> None:
-        factor = ACCEPTANCE_DECAY**tokens
+        self.fade(ACCEPTANCE_DECAY**tokens)
+
+    def fade(self, factor: float) -> None:
         self.accepted = [value * factor for value in self.accepted]
         self.tried = [value * factor for value in self.tried]
 
@@ -219,6 +228,15 @@ class AcceptanceEstimate:
         for position in range(min(drafted, accepted + 1)):
             self.tried[position] += 1
             self.accepted[position] += position < accepted
+
+    def seeded(self, weight: float) -> "AcceptanceEstimate":
+        """A fresh estimate holding this one's rates, its first position tried `weight` times
+        at most."""
+        scale = min(1.0, weight / self.tried[0]) if self.tried[0] else 0.0
+        seed = AcceptanceEstimate(len(self.tried))
+        seed.accepted = [value * scale for value in self.accepted]
+        seed.tried = [value * scale for value in self.tried]
+        return seed
 
     def conditional(self) -> list:
         rates, prior = [], PRIOR_ACCEPTANCE
@@ -244,14 +262,40 @@ class RoundCounts:
     tokens_from_plain_steps: int = 0
 
 
+class AcceptanceMemory:
+    """A drafter's acceptance across the requests of a measured table (MEMORY_WEIGHT)."""
+
+    def __init__(self, positions: int):
+        self.estimate = AcceptanceEstimate(positions)
+        self.requests = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.estimate.fade(MEMORY_DECAY)
+        self.estimate.record(drafted, accepted)
+
+    def start_request(self) -> tuple:
+        """(the new request's acceptance estimate, whether its first round runs whatever it
+        says): every ROUTE_PROBE_EVERY-th request, or while no round has been seen."""
+        self.requests += 1
+        seen = self.estimate.tried[0] > 0
+        return self.estimate.seeded(MEMORY_WEIGHT), not seen or self.requests % ROUTE_PROBE_EVERY == 0
+
+
 class RoundPolicy:
     """Per request: the next round's block, or how many plain steps come first."""
 
-    def __init__(self, costs: RoundCosts, ceiling: int, fixed_block: Optional[int] = None):
+    def __init__(self, costs: RoundCosts, ceiling: int, fixed_block: Optional[int] = None,
+                 estimate: AcceptanceEstimate = None, first_round: bool = True):
         self.costs = costs
         self.blocks = [block for block in costs.blocks if block <= ceiling]
         self.fixed_block = fixed_block
+        # Positions past the seed's (a drafter whose ceiling changed) start unobserved.
         self.estimate = AcceptanceEstimate(max(self.blocks, default=1))
+        if estimate is not None:
+            count = min(len(estimate.tried), len(self.estimate.tried))
+            self.estimate.accepted[:count] = estimate.accepted[:count]
+            self.estimate.tried[:count] = estimate.tried[:count]
+        self.first_round = first_round  # whether the request's first round runs whatever it costs
         self.can_pay = costs.can_pay(ceiling)
         self.rounds = 0
         self.tokens = 1  # the prefill's token
@@ -280,7 +324,7 @@ class RoundPolicy:
         best = self.best_block(remaining)
         if best is None:
             return None
-        if self.value(best) > PAY_MARGIN or self.rounds == 0:
+        if self.value(best) > PAY_MARGIN or (self.rounds == 0 and self.first_round):
             return best
         # Otherwise a round runs only as a probe, within the budget for rounds that do not pay.
         if self.lost_steps + self.probe_loss(best) <= PROBE_BUDGET * self.tokens:
@@ -443,7 +487,13 @@ def policy_rounds(
         return
     ceiling = _dflash_block_total(draft_model, draft_block_size)
     fixed = ceiling if getattr(draft_model, "prefer_requested_block_size", False) else None
-    policy = RoundPolicy(costs, ceiling, fixed)
+    memory = None
+    if costs.learning:  # a table given on the command line: each request from the prior
+        memory = getattr(draft_model, "acceptance_memory", None)
+        if memory is None:
+            memory = draft_model.acceptance_memory = AcceptanceMemory(MAX_ROWS)
+    estimate, first_round_runs = memory.start_request() if memory else (None, True)
+    policy = RoundPolicy(costs, ceiling, fixed, estimate, first_round_runs)
     decoder = RequestDecoder(model, draft_model, prompt_cache, hidden, first_bonus, sampler, token_dtype)
     with mx.stream(generation_stream):
         dflash_rounds._reserve_dflash_target_cache(prompt_cache, ceiling)
@@ -481,6 +531,8 @@ def policy_rounds(
             continue
         accepted, tokens = decoder.round(block, remaining)
         policy.record_round(block, accepted, len(tokens))
+        if memory:
+            memory.record(block - 1, accepted)
         for token in tokens:
             counts.tokens_from_rounds += 1
             emitted += 1

@@ -446,3 +446,45 @@ def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(target,
     assert oracle.round_counts.tokens_from_plain_steps > 0
     assert 1 <= table.observed.get("refill", 0) <= len(oracle.draft_lens)
     assert table.observed.get("plain", 0) >= 1
+
+
+def test_a_drafter_s_recent_rounds_seed_each_request_s_estimate():
+    """Across requests of a measured table: after rounds that accepted nothing, a request's
+    first round waits for the probe budget (but every ROUTE_PROBE_EVERY-th request's runs);
+    after rounds that accepted everything, the first round takes the block full acceptance
+    calls for, not the prior's."""
+    refilled = RoundCosts(COSTS.decode_step_ms, COSTS.verify_steps_by_block, COSTS.draft_steps_by_block, 1.0)
+    memory = dflash2_policy.AcceptanceMemory(8)
+    estimate, forced = memory.start_request()
+    assert forced and RoundPolicy(refilled, 8, None, estimate, forced).choose_block(39) is not None
+    for _ in range(3):
+        memory.record(2, 0)
+    starts = [memory.start_request() for _ in range(dflash2_policy.ROUTE_PROBE_EVERY - 1)]
+    assert [forced for _, forced in starts] == [False] * (dflash2_policy.ROUTE_PROBE_EVERY - 2) + [True]
+    estimate, forced = starts[0]
+    assert sum(estimate.tried) <= 2 * dflash2_policy.MEMORY_WEIGHT  # a seed, not the history
+    assert RoundPolicy(refilled, 8, None, estimate, forced).choose_block(39) is None
+    full = dflash2_policy.AcceptanceMemory(8)
+    for _ in range(4):
+        full.record(7, 7)
+    estimate, forced = full.start_request()
+    assert RoundPolicy(COSTS, 8, None, estimate, forced).choose_block(39) == exhaustive_choice(COSTS, [1.0] * 7, 39)
+    assert RoundPolicy(COSTS, 8).choose_block(39) != exhaustive_choice(COSTS, [1.0] * 7, 39)  # the prior's
+
+
+def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prompt_and_plain):  # noqa: F811
+    """The same drafter through two requests of a measured table at zero acceptance: the
+    first runs a round, the second decodes plain (its first round would not pay, and the
+    budget has no room for a probe in 40 tokens); both give plain decoding's tokens."""
+    model, _, drafter = target
+    ids, plain = prompt_and_plain
+    table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 1.0, learning=True)
+    oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
+                           target_layer_ids=drafter.config.target_layer_ids)
+    oracle.prefer_requested_block_size = False
+    oracle.round_costs = table
+    rounds = []
+    for _ in range(2):
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+        rounds.append(oracle.round_counts.tokens_from_rounds)
+    assert rounds[0] >= 1 and rounds[1] == 0, rounds
