@@ -114,6 +114,9 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
         return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
     logger.info("DFlash2 round costs (%s): %s",
                 "from --dflash2-round-costs" if setup.round_costs else "measured", drafter.round_costs.summary())
+    if not setup.round_costs:  # a given table stays as given: each request starts from the prior
+        drafter.acceptance_memory = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
+        logger.info("DFlash2: each request's acceptance estimate starts from the drafter's recent rounds")
     if getattr(drafter, "prefer_requested_block_size", False):
         logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
                     "whatever the table says", drafter.config.runtime_block_size)

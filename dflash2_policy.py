@@ -51,11 +51,13 @@ PRIOR_WEIGHT = 0.5
 # While a learning table has no block that pays, one greedy request in this many still goes
 # speculative (the policy decodes it plain but probes rounds), so the table keeps learning.
 ROUTE_PROBE_EVERY = 16
-# Across a measured table's requests, the drafter's recent rounds seed each request's
-# acceptance estimate, weighing as much as this many rounds; each round recorded there ages
-# the rest by MEMORY_DECAY (plain steps teach nothing, so they forget nothing). A request's
-# first round then runs only where that estimate says it pays, or in every
-# ROUTE_PROBE_EVERY-th request (otherwise it waits for the probe budget, as later ones do).
+# Across requests (the engine keeps an AcceptanceMemory on a drafter whose table it
+# measured; with a table given on the command line every request starts from the prior),
+# the drafter's recent rounds seed each request's acceptance estimate, weighing as much as
+# this many rounds; each round recorded there ages the rest by MEMORY_DECAY (plain steps
+# teach nothing, so they forget nothing). A request's first round then runs only where that
+# estimate says it pays, while no round has been seen, or in every ROUTE_PROBE_EVERY-th
+# request (otherwise it waits for the probe budget, as later rounds do).
 MEMORY_WEIGHT = 1.0
 MEMORY_DECAY = 0.9
 # How far an observed round or plain run moves a learning cost table toward what it took:
@@ -263,7 +265,7 @@ class RoundCounts:
 
 
 class AcceptanceMemory:
-    """A drafter's acceptance across the requests of a measured table (MEMORY_WEIGHT)."""
+    """A drafter's acceptance across requests (MEMORY_WEIGHT, MEMORY_DECAY)."""
 
     def __init__(self, positions: int):
         self.estimate = AcceptanceEstimate(positions)
@@ -487,12 +489,8 @@ def policy_rounds(
         return
     ceiling = _dflash_block_total(draft_model, draft_block_size)
     fixed = ceiling if getattr(draft_model, "prefer_requested_block_size", False) else None
-    memory = None
-    if costs.learning:  # a table given on the command line: each request from the prior
-        memory = getattr(draft_model, "acceptance_memory", None)
-        if memory is None:
-            memory = draft_model.acceptance_memory = AcceptanceMemory(MAX_ROWS)
-    estimate, first_round_runs = memory.start_request() if memory else (None, True)
+    memory = getattr(draft_model, "acceptance_memory", None)  # the engine's, with a measured table
+    estimate, first_round_runs = memory.start_request() if memory is not None else (None, True)
     policy = RoundPolicy(costs, ceiling, fixed, estimate, first_round_runs)
     decoder = RequestDecoder(model, draft_model, prompt_cache, hidden, first_bonus, sampler, token_dtype)
     with mx.stream(generation_stream):
@@ -531,7 +529,7 @@ def policy_rounds(
             continue
         accepted, tokens = decoder.round(block, remaining)
         policy.record_round(block, accepted, len(tokens))
-        if memory:
+        if memory is not None:
             memory.record(block - 1, accepted)
         for token in tokens:
             counts.tokens_from_rounds += 1

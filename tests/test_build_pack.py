@@ -198,6 +198,7 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
                                                        "rotation+recurrence+matmul")
         # The log says the fixed block runs rounds, not that requests go plain.
         assert "block fixed at 2 (--dflash2-block-size): greedy requests run rounds of it" in server.log()
+        assert "each request's acceptance estimate starts from the drafter's recent rounds" in server.log()
         assert "routed plain" not in server.log()
     finally:
         server.stop()

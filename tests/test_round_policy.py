@@ -473,18 +473,23 @@ def test_a_drafter_s_recent_rounds_seed_each_request_s_estimate():
 
 
 def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prompt_and_plain):  # noqa: F811
-    """The same drafter through two requests of a measured table at zero acceptance: the
-    first runs a round, the second decodes plain (its first round would not pay, and the
-    budget has no room for a probe in 40 tokens); both give plain decoding's tokens."""
+    """The same drafter, remembering its acceptance as the engine sets it up, through two
+    requests at zero acceptance: the first runs a round, the second decodes plain (its first
+    round would not pay, and the budget has no room for a probe in 40 tokens); both give
+    plain decoding's tokens. Without the memory the second runs one too."""
     model, _, drafter = target
     ids, plain = prompt_and_plain
-    table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 1.0, learning=True)
+    table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 1.0)
     oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
     oracle.prefer_requested_block_size = False
     oracle.round_costs = table
+    oracle.acceptance_memory = dflash2_policy.AcceptanceMemory(8)
     rounds = []
     for _ in range(2):
         assert greedy(model, ids, GENERATED, drafter=oracle) == plain
         rounds.append(oracle.round_counts.tokens_from_rounds)
     assert rounds[0] >= 1 and rounds[1] == 0, rounds
+    del oracle.acceptance_memory
+    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    assert oracle.round_counts.tokens_from_rounds >= 1
