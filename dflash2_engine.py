@@ -342,4 +342,7 @@ def warm_up(generator, route):
             pass
     finally:
         current_request.reset(token)
+    memory = getattr(generator.speculation.drafter, "acceptance_memory", None)
+    if memory is not None:  # a warm-up's rounds say nothing of the requests to come
+        memory.forget()
     logger.info("warm-up %s: %d tokens in %.2fs", route, record.tokens, time.perf_counter() - started)

@@ -40,7 +40,7 @@ from dflash2_kernels import MAX_ROWS
 # while a misjudged one loses as much, so near break-even plain, the safe side, wins.
 PAY_MARGIN = 1.05
 # Share of a request's decode steps that rounds which did not pay for themselves may cost
-# (the request's first round is always tried).
+# (a request's first round may be tried regardless: see MEMORY_WEIGHT).
 PROBE_BUDGET = 0.03
 # Acceptance evidence weighs less with every token emitted since (half-life ~23 tokens).
 ACCEPTANCE_DECAY = 0.97
@@ -270,6 +270,9 @@ class AcceptanceMemory:
     def __init__(self, positions: int):
         self.estimate = AcceptanceEstimate(positions)
         self.requests = 0
+
+    def forget(self) -> None:
+        self.__init__(len(self.estimate.tried))
 
     def record(self, drafted: int, accepted: int) -> None:
         self.estimate.fade(MEMORY_DECAY)

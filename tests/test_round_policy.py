@@ -464,6 +464,12 @@ def test_a_drafter_s_recent_rounds_seed_each_request_s_estimate():
     estimate, forced = starts[0]
     assert sum(estimate.tried) <= 2 * dflash2_policy.MEMORY_WEIGHT  # a seed, not the history
     assert RoundPolicy(refilled, 8, None, estimate, forced).choose_block(39) is None
+    estimate, forced = starts[-1]  # the ROUTE_PROBE_EVERY-th request
+    policy = RoundPolicy(refilled, 8, None, estimate, forced)
+    assert forced and policy.best_block(39) is not None and policy.value(policy.best_block(39)) < PAY_MARGIN
+    assert policy.choose_block(39) is not None  # runs though it does not pay
+    memory.forget()
+    assert memory.start_request()[1]  # nothing seen: forced again
     full = dflash2_policy.AcceptanceMemory(8)
     for _ in range(4):
         full.record(7, 7)
@@ -479,7 +485,7 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     plain decoding's tokens. Without the memory the second runs one too."""
     model, _, drafter = target
     ids, plain = prompt_and_plain
-    table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 1.0)
+    table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 2.0)
     oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
     oracle.prefer_requested_block_size = False
