@@ -2896,8 +2896,8 @@ def calibrate_fused_inverse(heads: int, max_chunks: int, run=fused_inverse_rows)
             labels = None if None in found else found
         plan = labels and row_sum_plan(labels)
         fresh = [_random_unit_lower(heads, chunks, scale, seed=1000 * scale + chunks) for scale in (0.3, 1.0)]
-        decay = mx.exp(-mx.random.uniform(0, 110, fresh[0].shape, key=mx.random.key(chunks)))
-        fresh.append(mx.eye(64, dtype=mx.float32) + (fresh[1] - mx.eye(64, dtype=mx.float32)) * decay)
+        decay = mx.exp(-mx.random.uniform(0, 110, Tmat.shape, key=mx.random.key(chunks)))
+        fresh.append(mx.eye(64, dtype=mx.float32) + _random_lower(heads, chunks, 1.0, seed=1000 + chunks) * decay)
         if plan is None or any(_differing(run(T, plan), _invert_unit_lower(T, 64)) for T in fresh):
             missed.append(chunks)
             continue

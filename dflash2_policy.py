@@ -294,12 +294,8 @@ class RoundPolicy:
         self.costs = costs
         self.blocks = [block for block in costs.blocks if block <= ceiling]
         self.fixed_block = fixed_block
-        # Positions past the seed's (a drafter whose ceiling changed) start unobserved.
-        self.estimate = AcceptanceEstimate(max(self.blocks, default=1))
-        if estimate is not None:
-            count = min(len(estimate.tried), len(self.estimate.tried))
-            self.estimate.accepted[:count] = estimate.accepted[:count]
-            self.estimate.tried[:count] = estimate.tried[:count]
+        # A seed holds MAX_ROWS positions, as many as any block drafts or more.
+        self.estimate = estimate if estimate is not None else AcceptanceEstimate(max(self.blocks, default=1))
         self.first_round = first_round  # whether the request's first round runs whatever it costs
         self.can_pay = costs.can_pay(ceiling)
         self.rounds = 0
@@ -515,8 +511,6 @@ def policy_rounds(
         started = time.perf_counter()
         if block is None:
             steps = policy.plain_run(remaining)
-            if after_round:
-                policy.record_refill()
             first_ms = None
             for token in decoder.plain_steps(steps):
                 policy.record_plain(1)
@@ -526,6 +520,7 @@ def policy_rounds(
                 if first_ms is None:
                     first_ms = 1000 * (time.perf_counter() - started)
             if after_round:
+                policy.record_refill()
                 costs.observe_refill(first_ms)
             costs.observe_plain(steps - 1, 1000 * (time.perf_counter() - started) - first_ms)
             after_round = False

@@ -307,8 +307,9 @@ def main():
         """A sample: a short untimed run of the same arm, then the timed one. A server runs
         one configuration request after request; without the lead-in each sample would
         follow another arm's (decode path, block or drafter), which leaves MLX's CUDA graph
-        cache and buffer cache in states no server sees (on the H200, zero acceptance
-        measured that way lost a fifth to plain that a probe of two arms did not show)."""
+        cache and buffer cache in states no server sees. (On the H200 zero acceptance lost
+        about a fifth to plain here, with and without the lead-in, and a probe of those two
+        arms alone did not show it: e2e_token_gaps_ms is kept to find where.)"""
         def sample():
             if args.lead_in_tokens:
                 run(args.lead_in_tokens)
@@ -316,6 +317,7 @@ def main():
 
         return sample
 
+    drafted_profiles = [profile for profile in profiles if profile != "zero"]  # where drafter forms differ
     arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in dflash2_runtime.DECODE_ARMS}
     for profile in profiles:
         arms[arm_name(profile, None)] = after_lead_in(speculative_arm(profile))
@@ -325,7 +327,7 @@ def main():
     # with real weights; the tokens may not).
     for form, drafter in drafters.items():
         if drafter is not cost_drafter:
-            for profile in [name for name in profiles if name != "zero"]:
+            for profile in drafted_profiles:
                 arms[arm_name(profile, BLOCK, drafter)] = after_lead_in(speculative_arm(profile, BLOCK, drafter))
     e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats)
     dflash2_runtime.use_decode_arm(chosen_arm)
@@ -349,7 +351,7 @@ def main():
         profile: (args.tokens - 1) / max(1, len(run.accept_lens)) for profile, run in block_runs.items()
     }
     e2e_by_form = {
-        form: {profile: speedup[arm_name(profile, BLOCK, drafter)] for profile in profiles if profile != "zero"}
+        form: {profile: speedup[arm_name(profile, BLOCK, drafter)] for profile in drafted_profiles}
         for form, drafter in drafters.items() if drafter is not cost_drafter
     }
     identical = all(output == reference for output in outputs.values())
