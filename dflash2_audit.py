@@ -148,9 +148,40 @@ REPLACED = (
         "(cache, inputs, sequence-aligned arguments, tap chunks, processed columns, cached "
         "tokens), records the boundaries prompt_step passes and stores them before generate.",
     ),
+    Audited(
+        "mlx_vlm.generate.ar:GenerationBatch._step",
+        "e5afa79043c9aa1a7fdb3321aa8b15f09a97dcf4e5c642c4aaf726ed5a4603e3",
+        "Wrapped by the engine on the plain route (dflash2_engine.first_tokens_first_step): a "
+        "batch's first call after its prompts hands out their first tokens (and logprobs) as "
+        "stock's first call returns them, without first building the next forward; that stock "
+        "step runs at the next call. Not with forced-token criteria.",
+    ),
+    Audited(
+        "mlx_vlm.generate.ar:GenerationBatch._eval_pending_state",
+        "5332fc81fc8f9314cd1989de56c578d4a2353db45b969d6a9c4d4b8a1011ad96",
+        "Wrapped by the engine: before extend or filter change a batch's rows, the stock step "
+        "first_tokens_first_step held back runs, so the rows change in the state stock has them.",
+    ),
 )
 
 AUDITED = (
+    Audited(
+        "mlx_vlm.generate.ar:GenerationBatch.next",
+        "23ac24308ae4510c49e62c3cfe8bea0172793ca97301c54f5ac547ceb00c176e",
+        "Relied on by first_tokens_first_step: builds each response from what _step returns "
+        "(tokens, logprobs, top logprobs), and forced tokens rewrite _next_tokens after it.",
+    ),
+    Audited(
+        "mlx_vlm.generate.ar:GenerationBatch.extend",
+        "6b854e036ff16901a1c99ae58c52cf88452c18f235e1b6d6d5a78cf96b46c213",
+        "Relied on by first_tokens_first_step: a non-empty batch calls _eval_pending_state before "
+        "it takes new rows (an empty one holds no step held back).",
+    ),
+    Audited(
+        "mlx_vlm.generate.ar:GenerationBatch.filter",
+        "3be0b906ce17899d31526b33a043e81a7dc8cc47c7c23b76dc558aae86050788",
+        "Relied on by first_tokens_first_step: calls _eval_pending_state before it drops rows.",
+    ),
     Audited(
         "mlx_vlm.generate.ar:BatchGenerator._next",
         "bd54cdd3a03327bd718158b74dd44a3a99b048134c208284d4c1c561a17b9d05",

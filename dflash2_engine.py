@@ -2,7 +2,8 @@
 thread, one sequence at a time, each request on the route its record carries.
 
 The engine subclasses mlx-vlm's ResponseGenerator, swaps two of mlx_vlm.server's functions
-and, on every route, one function of the GatedDeltaNet prefill (same bits, fewer copies);
+and, on every route, one function of the GatedDeltaNet prefill (same bits, fewer copies) and
+plain generation's step (a request's first token handed out before its second step is built);
 dflash2_audit lists each with its audited source, checked before any weight loads.
 The drafter's start-up (dflash2_runtime's install and self-checks, the round costs) ends in
 one Speculation value: a drafter to serve with, or why every request is served plain.
@@ -184,6 +185,50 @@ class RecordingTokens:
 
 
 
+# ---------------------------------------------------------------------------
+# Plain generation hands out a request's first token before building its second step
+
+
+def first_tokens_first_step(self):
+    """mlx-vlm's GenerationBatch._step, except that a batch's first call after its prompts
+    finished hands out their first tokens at once; the stock step that would have built the
+    next forward before reading them runs at the next call (or before the batch changes:
+    first_tokens_first_pending_state), then stock goes on. Stock builds and queues the second
+    forward before it reads the first token, while the GPU has nothing else queued: each
+    request's first token waits for a decode step's graph build and encode (about 45 ms at the
+    27B shape on the H200; the speculative route hands its first token out at once). The
+    same forwards run on the same tokens. Not for forced-token criteria (thinking budgets):
+    next() lets them rewrite the token after the one it hands out."""
+    import mlx.core as mx
+
+    stock = first_tokens_first_step.__dflash2_stock__
+    if (self._current_tokens is None and not self.__dict__.get("_dflash2_unstepped")
+            and not any(self.thinking_budget_criteria or [])):
+        self._dflash2_unstepped = True  # no step ran since the prompts: their tokens are next
+        mx.eval([a for a in (self._next_tokens, self._next_lps, self._next_top_idx, self._next_top_lp)
+                 if a is not None])
+        top = self._next_top_idx
+        return (self._next_tokens.tolist(), None if self._next_lps is None else self._next_lps.tolist(),
+                None if top is None else top.tolist(), None if top is None else self._next_top_lp.tolist())
+    first_tokens_first_pending_state(self, evaluate=False)
+    return stock(self)
+
+
+def first_tokens_first_pending_state(self, evaluate=True):
+    """mlx-vlm's GenerationBatch._eval_pending_state (extend and filter call it before they
+    change the batch's rows), after the step first_tokens_first_step held back, if any."""
+    if self.__dict__.pop("_dflash2_unstepped", False):
+        first_tokens_first_step.__dflash2_stock__(self)  # what it returns was handed out
+    if evaluate:
+        first_tokens_first_pending_state.__dflash2_stock__(self)
+
+
+def use_first_tokens_first() -> None:
+    """Plain generation hands out each request's first token at once, on every route."""
+    dflash2_audit.replace("mlx_vlm.generate.ar:GenerationBatch._step", first_tokens_first_step)
+    dflash2_audit.replace("mlx_vlm.generate.ar:GenerationBatch._eval_pending_state", first_tokens_first_pending_state)
+
+
 def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefill_step_size=None,
                  top_logprobs_k=None, drafter: DrafterSetup = None, prefix_cache_gb=None):
     """Checks the audited mlx-vlm sources, loads the target (and with a DrafterSetup, the
@@ -213,6 +258,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     text_config = json.loads((target_dir / "config.json").read_text())["text_config"]
     logger.info(use_exact_prefill_inverse(text_config["linear_num_value_heads"],
                                           prefill_step_size or get_prefill_step_size()))
+    use_first_tokens_first()
     if prefix_cache_gb:
         import dflash2_prefix_cache
 
