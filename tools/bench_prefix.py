@@ -141,35 +141,46 @@ def drafter_own_bytes(drafter, model) -> int:
     return sum(value.nbytes for _, value in tree_flatten(drafter.parameters()) if id(value) not in shared)
 
 
-def spec_extra_memory(model, processor, drafter, contexts, step):
+def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
     """Speculation's extra memory by context, in GB: the drafter's weights plus how far a
     speculative request's peak goes past a plain one's (drafter cache, taps, verify work;
     nothing where it stays below), with the drafter's whole context and then with its
-    sliding window. Returns that and the peak's difference itself (negative: below plain)."""
+    sliding window. Per context, `repeats` passes of plain, whole and windowed requests in
+    turn (after one untimed pass: a layout's first request allocates once), each peak
+    against its own pass's plain one, median over passes. Returns that, the median
+    difference itself (negative: below plain) and the differences' min and max."""
     drafter.reset(model)  # bound to the target, as a request binds it
     weights = drafter_own_bytes(drafter, model)
     vocab = min(model.language_model.args.vocab_size, 150000)
+    layouts = {"full": False, "sliding_window": True}
 
-    def peak(context, route_drafter):
+    def peak(context, window):
+        """One request's peak memory: plain (window None) or speculative."""
+        if window is not None:
+            dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=window))
         inputs = {"input_ids": mx.array([turns(context, 1, vocab, seed=0)[0]])}
         mx.clear_cache()
         mx.reset_peak_memory()
-        request(model, processor, inputs, step=step, drafter=route_drafter, max_tokens=16)
+        request(model, processor, inputs, step=step, drafter=None if window is None else drafter, max_tokens=16)
         return mx.get_peak_memory()
 
-    plain = {context: peak(context, None) for context in contexts}  # the window changes only the drafter
-    extra, over_plain = {}, {}
+    extra, over_plain, spread = {}, {}, {}
     with attention_layout_kept(drafter):  # the timings after this serve the drafter as loaded
-        for window in (False, True):
-            dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=window))
-            name = "sliding_window" if window else "full"
-            for context in contexts:
-                grown = peak(context, drafter) - plain[context]
-                extra.setdefault(str(context), {})[name] = round((weights + max(0, grown)) / 1e9, 3)
-                over_plain.setdefault(str(context), {})[name] = round(grown / 1e9, 3)
-                print(f"speculation's extra memory at {context} tokens (sliding window {window}): "
-                      f"{extra[str(context)]}; peak over plain {over_plain[str(context)]}", flush=True)
-    return extra, over_plain
+        for context in contexts:
+            grown = {name: [] for name in layouts}
+            for sample in range(repeats + 1):
+                plain = peak(context, None)
+                for name, window in layouts.items():
+                    spec = peak(context, window)
+                    if sample:
+                        grown[name].append(spec - plain)
+            median = {name: statistics.median(values) for name, values in grown.items()}
+            extra[str(context)] = {name: round((weights + max(0, m)) / 1e9, 3) for name, m in median.items()}
+            over_plain[str(context)] = {name: round(m / 1e9, 3) for name, m in median.items()}
+            spread[str(context)] = {name: [round(min(v) / 1e9, 3), round(max(v) / 1e9, 3)] for name, v in grown.items()}
+            print(f"speculation's extra memory at {context} tokens: {extra[str(context)]}; "
+                  f"peak over plain {over_plain[str(context)]} (min-max {spread[str(context)]})", flush=True)
+    return extra, over_plain, spread
 
 
 @contextlib.contextmanager
@@ -211,7 +222,8 @@ def main():
     parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
     parser.add_argument("--pack", help="measure a built pack instead of random weights")
     parser.add_argument("--out", default=str(REPO / "evidence"))
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 16384],
+                        help="contexts of the timed turns (none: speculation's memory only)")
     parser.add_argument("--step-sizes", type=int, nargs="+", default=[2048, 512])
     parser.add_argument("--follow-up", type=int, default=150, help="tokens the second turn adds")
     parser.add_argument("--speculative", action="store_true", help="also the speculative route")
@@ -227,10 +239,11 @@ def main():
     status = dflash2_runtime.install(model)
     prefill_inverse = dflash2_engine.use_exact_prefill_inverse(  # as both servers prefill
         model.language_model.args.linear_num_value_heads, max(args.step_sizes))
+    dflash2_engine.use_first_tokens_first()  # as both servers hand out a first token
     print(prefill_inverse, flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
-    results, memory, peak_over_plain = {}, {}, {}
+    results, memory, peak_over_plain, peak_spread = {}, {}, {}, {}
 
     def write(complete):
         """The record so far: a run cut short keeps what it measured (complete: false)."""
@@ -246,6 +259,7 @@ def main():
             "by_route_step_context": results,
             "spec_extra_memory_gb": memory,
             "spec_peak_over_plain_gb": peak_over_plain,
+            "spec_peak_over_plain_min_max_gb": peak_spread,
             "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values()),
             "seconds": round(time.time() - started, 1),
         }
@@ -254,9 +268,11 @@ def main():
 
     # Memory first (it is quick), so that a run cut short in the timings still has it.
     if drafter is not None and args.memory_contexts:
-        extra, over_plain = spec_extra_memory(model, processor, drafter, args.memory_contexts, args.step_sizes[0])
+        extra, over_plain, spread = spec_extra_memory(model, processor, drafter, args.memory_contexts,
+                                                      args.step_sizes[0], args.repeats)
         memory.update(extra)
         peak_over_plain.update(over_plain)
+        peak_spread.update(spread)
         write(complete=False)
     for route, route_drafter in routes.items():
         for step in args.step_sizes:
@@ -281,24 +297,25 @@ def summary_markdown(r) -> str:
         f"Command: `{r['command']}`; mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}. "
         f"Second turn = first turn less its last {GENERATION_PROMPT} tokens + {r['follow_up_tokens']} tokens; "
         f"median of {r['repeats']}. {r.get('prefill_inverse', '')}.",
-        "",
-        "| route | step | context | cold ms | cached ms | cached / cold | repeat ms | reused tokens | store GB | "
-        "logits bitwise |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for route, steps in r["by_route_step_context"].items():
-        for step, contexts in steps.items():
-            for context, m in contexts.items():
-                t = m["ttft_ms"]
-                lines.append(f"| {route} | {step} | {context} | {t['cold']} | {t['cached']} | "
-                             f"{m['cached_over_cold']:.2f} | {t['repeat']} | {m['cached_tokens']} / "
-                             f"{m['second_turn_tokens']} | {m['store_gb_after_first_turn']} | {m['exact']} |")
-    lines += ["", f"Every cached first token bitwise the cold one: {r['exact']}.", ""]
+    if r["by_route_step_context"]:
+        lines += ["", "| route | step | context | cold ms | cached ms | cached / cold | repeat ms | reused tokens | "
+                  "store GB | logits bitwise |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for route, steps in r["by_route_step_context"].items():
+            for step, contexts in steps.items():
+                for context, m in contexts.items():
+                    t = m["ttft_ms"]
+                    lines.append(f"| {route} | {step} | {context} | {t['cold']} | {t['cached']} | "
+                                 f"{m['cached_over_cold']:.2f} | {t['repeat']} | {m['cached_tokens']} / "
+                                 f"{m['second_turn_tokens']} | {m['store_gb_after_first_turn']} | {m['exact']} |")
+        lines += ["", f"Every cached first token bitwise the cold one: {r['exact']}."]
+    lines.append("")
     if r["spec_extra_memory_gb"]:
         form = f"the {r['drafter_form']} drafter's" if r.get("drafter_form") else "the drafter's"
         lines += [f"Speculation's extra memory ({form} own weights, not the target's embedding and head it "
                   "shares, + how far a speculative request's peak goes past a plain one's, nothing where "
-                  "it stays below; that difference itself in brackets), GB:", "",
+                  "it stays below; that difference itself in brackets; median over passes of plain, whole "
+                  "and windowed requests, each against its own pass's plain one), GB:", "",
                   "| context | drafter's whole context | sliding window |", "|---|---|---|"]
         over = r.get("spec_peak_over_plain_gb", {})
         lines += [f"| {context} | {m['full']}{bracket(over, context, 'full')} | "
