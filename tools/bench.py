@@ -150,6 +150,9 @@ def main():
     parser.add_argument("--drafter-forms", default="bf16,4bit", help="random drafters to build: bf16, 4bit or both")
     parser.add_argument("--profiles", default=",".join(PROFILE_TOKENS_PER_ROUND),
                         help="acceptance profiles measured end to end (fewer arms between samples)")
+    parser.add_argument("--all-decode-arms", action=argparse.BooleanOptionalAction, default=True,
+                        help="end to end, plain under every decode arm (--no-all-decode-arms: stock "
+                        "and the arm install chose only)")
     parser.add_argument("--part", choices=["all", "rounds", "e2e"], default="all",
                         help="rounds: stop after the round phase; e2e: only the end-to-end phase, "
                         "added to the record a rounds run wrote in --out")
@@ -278,9 +281,17 @@ def main():
 
         return run
 
-    def speculative_arm(profile, block=None, drafter=cost_drafter):
-        """block None: the round policy (ceiling BLOCK), as the server runs it."""
+    memories = {}  # policy arm -> its AcceptanceMemory, kept across the arm's runs
+
+    def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False):
+        """block None: the round policy (ceiling BLOCK), as the server runs it: each run
+        starts from the acceptance the arm's earlier runs left (the server's drafter keeps
+        an AcceptanceMemory across requests), or, with first_request, from none (a
+        server's first request, or a drafter the server did not measure)."""
         accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
+        key = arm_name(profile, block, drafter, first_request)
+        if block is None and not first_request:
+            memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
 
         def run(tokens):
             dflash2_runtime.use_decode_arm(chosen_arm)
@@ -291,7 +302,8 @@ def main():
             )
             oracle.round_costs = costs
             oracle.prefer_requested_block_size = block is not None
-            key = arm_name(profile, block, drafter)
+            if key in memories:
+                oracle.acceptance_memory = memories[key]
             table = costs.to_json()  # the learning table this run's policy starts from
             output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK)
             if tokens == args.tokens:
@@ -299,8 +311,9 @@ def main():
 
         return run
 
-    def arm_name(profile, block, drafter=cost_drafter):
+    def arm_name(profile, block, drafter=cost_drafter, first_request=False):
         name = f"{profile}, {'policy' if block is None else f'block {block}'}"
+        name += ", first request" if first_request else ""
         return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
 
     def after_lead_in(run):
@@ -318,9 +331,11 @@ def main():
         return sample
 
     drafted_profiles = [profile for profile in profiles if profile != "zero"]  # where drafter forms differ
-    arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in dflash2_runtime.DECODE_ARMS}
+    decode_arms = [arm for arm in dflash2_runtime.DECODE_ARMS if args.all_decode_arms or arm in ("mlx", chosen_arm)]
+    arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in decode_arms}
     for profile in profiles:
         arms[arm_name(profile, None)] = after_lead_in(speculative_arm(profile))
+        arms[arm_name(profile, None, first_request=True)] = after_lead_in(speculative_arm(profile, first_request=True))
         for block in fixed_blocks:
             arms[arm_name(profile, block)] = after_lead_in(speculative_arm(profile, block))
     # The other drafter forms' cost at the same acceptance, block 8 (proposals may differ
@@ -334,16 +349,18 @@ def main():
     plain_ms = e2e_ms[f"plain {chosen_arm}"]["median"]
     speedup = {name: plain_ms / stats["median"] for name, stats in e2e_ms.items()}
     e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
+    e2e_first = {profile: speedup[arm_name(profile, None, first_request=True)] for profile in profiles}
     e2e_fixed = {
         profile: {str(block): speedup[arm_name(profile, block)] for block in fixed_blocks}
         for profile in profiles
     }
     policy_vs_best_fixed = {profile: e2e[profile] / max(e2e_fixed[profile].values()) for profile in e2e}
-    round_counts = {
-        profile: vars(oracles[arm_name(profile, None)].round_counts) for profile in profiles
-    }
+    first_vs_best_fixed = {profile: e2e_first[profile] / max(e2e_fixed[profile].values()) for profile in e2e}
+    policy_arms = {f"{profile}{suffix}": arm_name(profile, None, first_request=bool(suffix))
+                   for profile in profiles for suffix in ("", ", first request")}
+    round_counts = {name: vars(oracles[arm].round_counts) for name, arm in policy_arms.items()}
     # Each round's drafts (block - 1) in the policy's last run per profile: what it chose.
-    policy_drafts = {profile: oracles[arm_name(profile, None)].draft_lens for profile in profiles}
+    policy_drafts = {name: oracles[arm].draft_lens for name, arm in policy_arms.items()}
     # Profiles are named by tokens per round at block 8.
     block_runs = {profile: oracles[arm_name(profile, BLOCK)] for profile in profiles}
     tokens_per_round = {profile: full_round_tokens(run.accept_lens) for profile, run in block_runs.items()}
@@ -357,7 +374,7 @@ def main():
     identical = all(output == reference for output in outputs.values())
     # Where the time goes: per token position, the median gap over the timed runs (the
     # warm-up pass left out), for plain on the chosen path and each profile's policy.
-    gap_arms = [f"plain {chosen_arm}", *(arm_name(profile, None) for profile in profiles)]
+    gap_arms = [f"plain {chosen_arm}", *policy_arms.values()]
     token_gap_medians = {arm: [round(statistics.median(gaps), 2) for gaps in zip(*token_gaps[arm][1:])]
                          for arm in gap_arms}
     log(f"e2e (policy) {e2e}; policy / best fixed block {policy_vs_best_fixed}; "
@@ -369,11 +386,14 @@ def main():
         "e2e_lead_in_tokens": args.lead_in_tokens,  # each timed sample after an untimed run this long
         "installed_plain_ratio": e2e_ms["plain mlx"]["median"] / plain_ms,
         "plain_ratio_by_arm": {arm: e2e_ms["plain mlx"]["median"] / e2e_ms[f"plain {arm}"]["median"]
-                               for arm in dflash2_runtime.DECODE_ARMS},
-        # The round policy, as the server runs it; then each fixed block.
+                               for arm in decode_arms},
+        # The round policy, as the server runs it (acceptance memory across requests); as
+        # it runs a server's first request (none); then each fixed block.
         "e2e_speedup": e2e,
+        "e2e_speedup_first_request": e2e_first,
         "e2e_speedup_fixed_block": e2e_fixed,
         "policy_vs_best_fixed_block": policy_vs_best_fixed,
+        "first_request_vs_best_fixed_block": first_vs_best_fixed,
         "policy_round_counts": round_counts,
         "policy_drafts_per_round": policy_drafts,
         "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in profiles},
@@ -464,6 +484,7 @@ def summary_markdown(r) -> str:
     if not r["complete"]:
         return "\n".join(lines + ["The end-to-end part did not finish in this run.", ""])
     whole_run = r.get("tokens_per_round_whole_run")  # absent from records before full-round naming
+    first = r.get("e2e_speedup_first_request")  # absent from records before acceptance memory
     if "prefill_inverse" in r:  # records before it: mlx-vlm's inverse in every arm's prefill
         lines += [f"Every end-to-end arm's prefill, as the servers': {r['prefill_inverse']}.", ""]
     lines += [
@@ -474,15 +495,20 @@ def summary_markdown(r) -> str:
         f"End to end, {r['tokens']} tokens, oracle drafter paying the {r['cost_drafter_form']} drafter's cost, "
         + (f"each timed run after an untimed {r['e2e_lead_in_tokens']}-token run of the same arm, "
            if r.get("e2e_lead_in_tokens") else "")
-        + f"speculative / plain (`{r['plain_decode_path']['arm']}`):",
+        + f"speculative / plain (`{r['plain_decode_path']['arm']}`)"
+        + (". Policy: as the server runs it, each run from the acceptance the arm's earlier runs left "
+           "(the server's drafter keeps it across requests); first request: from none:"
+           if first else ":"),
         "",
         "| profile | "
         + ("tokens per round at block 8, full rounds (whole run; target)" if whole_run
            else "tokens per round at block 8, whole run (target)")
-        + " | policy | "
+        + " | policy | " + ("first request | " if first else "")
         + " | ".join(f"block {b}" for b in next(iter(r["e2e_speedup_fixed_block"].values())))
-        + " | policy / best fixed | policy tokens from rounds / plain steps |",
-        "|---|---|---|" + "---|" * len(next(iter(r["e2e_speedup_fixed_block"].values()))) + "---|---|",
+        + " | policy / best fixed | " + ("first request / best fixed | " if first else "")
+        + "policy tokens from rounds / plain steps |",
+        "|---|---|---|" + ("---|" if first else "") + "---|" * len(next(iter(r["e2e_speedup_fixed_block"].values())))
+        + "---|---|" + ("---|" if first else ""),
     ]
     for profile, speedup in r["e2e_speedup"].items():
         counts = r["policy_round_counts"][profile]
@@ -490,10 +516,11 @@ def summary_markdown(r) -> str:
             f"| {profile} | {r['tokens_per_round'][profile]:.2f} ("
             + (f"{whole_run[profile]:.2f}; " if whole_run else "")
             + f"{r['profile_target_tokens_per_round'][profile]:.2f}) "
-            f"| {speedup:.2f}x | "
+            f"| {speedup:.2f}x | " + (f"{first[profile]:.2f}x | " if first else "")
             + " | ".join(f"{v:.2f}x" for v in r["e2e_speedup_fixed_block"][profile].values())
-            + f" | {r['policy_vs_best_fixed_block'][profile]:.3f} "
-            f"| {counts['tokens_from_rounds']} / {counts['tokens_from_plain_steps']} |"
+            + f" | {r['policy_vs_best_fixed_block'][profile]:.3f} | "
+            + (f"{r['first_request_vs_best_fixed_block'][profile]:.3f} | " if first else "")
+            + f"{counts['tokens_from_rounds']} / {counts['tokens_from_plain_steps']} |"
         )
     if "policy_drafts_per_round" in r:
         lines += ["", "The policy's drafts per round (block - 1) in its last run: "
