@@ -19,7 +19,7 @@ def add(bench, *prefix):
 
 def test_every_prefix_row_lands_in_the_bench_record_with_its_source(tmp_path):
     bench = Path(shutil.copy(EVIDENCE / "bench-cuda-27b.json", tmp_path))
-    sources = [EVIDENCE / "prefix-cache-cuda-27b.json", EVIDENCE / "prefix-cache-cuda-27b-steps.json"]
+    sources = [EVIDENCE / f"prefix-cache-cuda-27b{name}.json" for name in ("", "-steps", "-memory")]
     done = add(bench, *sources)
     assert done.returncode == 0, done.stderr
     record = json.loads(bench.read_text())
@@ -33,8 +33,13 @@ def test_every_prefix_row_lands_in_the_bench_record_with_its_source(tmp_path):
                     expected[(context, route, int(step), source.stem)] = (row["ttft_ms"]["cold"], row["ttft_ms"]["cached"])
     assert copied == expected and len(expected) >= 5
     assert set(record["ttft_ms"]) == {context for context, *_ in expected} >= {"4096", "16384"}
-    memory = json.loads(sources[0].read_text())["spec_extra_memory_gb"]
-    assert record["spec_extra_memory_gb"]["4096"] == [{**memory["4096"], "record": sources[0].stem}]
+    # Each memory figure with its record and how many passes its median took (one: records
+    # from before the passes).
+    one_pass, passes = (json.loads(source.read_text()) for source in (sources[0], sources[2]))
+    assert record["spec_extra_memory_gb"]["4096"] == [
+        {**one_pass["spec_extra_memory_gb"]["4096"], "passes": 1, "record": sources[0].stem},
+        {**passes["spec_extra_memory_gb"]["4096"], "passes": passes["repeats"], "record": sources[2].stem}]
+    assert passes["repeats"] > 1 and "spec_peak_over_plain_min_max_gb" in passes
     assert set(record["prefix_figure_commands"]) == {source.stem for source in sources}
     # The round and end-to-end figures are untouched, and the summary shows the rows.
     original = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())

@@ -31,8 +31,10 @@ def prefix_figures(prefix_records: dict) -> dict:
                         "cached": row["ttft_ms"]["cached"], "cached_over_cold": row["cached_over_cold"],
                         "exact": row["exact"], "record": name,
                     })
+        # Records that kept each figure's spread took the median over passes; earlier ones one pass.
+        passes = record["repeats"] if "spec_peak_over_plain_min_max_gb" in record else 1
         for context, figures in record.get("spec_extra_memory_gb", {}).items():
-            memory.setdefault(context, []).append({**figures, "record": name})
+            memory.setdefault(context, []).append({**figures, "passes": passes, "record": name})
     by_length = lambda table: dict(sorted(table.items(), key=lambda item: int(item[0])))  # noqa: E731
     return {"ttft_ms": by_length(ttft), "spec_extra_memory_gb": by_length(memory)}
 

@@ -427,9 +427,11 @@ def prefix_figure_lines(r) -> list:
         lines += [f"| {context} | {row['route']} | {row['step']} | {row['cold']:.1f} | {row['cached']:.1f} "
                   f"| {row['cached_over_cold']:.2f} | {row['exact']} | {row['record']} |" for row in rows]
     if r.get("spec_extra_memory_gb"):
-        lines += ["", "Speculation's extra memory, GB (the drafter's whole context / its sliding window):", ""]
+        lines += ["", "Speculation's extra memory, GB (the drafter's whole context / its sliding window; "
+                  "the median over passes of plain and speculative requests in turn, or one pass each):", ""]
         lines += [f"- {context} tokens: " + "; ".join(
-            f"{row['full']:.3f} / {row['sliding_window']:.3f} ({row['record']})" for row in rows)
+            f"{row['full']:.3f} / {row['sliding_window']:.3f} ({row['record']}, "
+            + (f"median of {row['passes']} passes)" if row.get("passes", 1) > 1 else "one pass)") for row in rows)
             for context, rows in r["spec_extra_memory_gb"].items()]
     return lines + [""]
 

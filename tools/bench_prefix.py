@@ -232,8 +232,10 @@ def main():
     parser.add_argument("--drafter-form", choices=["bf16", "4bit"], default="4bit",
                         help="the random drafter's form (the one a pack should ship: 4bit)")
     parser.add_argument("--budget-gb", type=float, default=8.0)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats (and memory passes), at least 5")
     args = parser.parse_args()
+    if args.repeats < 5:
+        parser.error("--repeats must be at least 5 (each first repeat at a new length compiles)")
     started = time.time()
     model, processor, drafter = load(args)
     status = dflash2_runtime.install(model)
