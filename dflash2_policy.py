@@ -561,18 +561,25 @@ def timed_ms(fn):
     return sample
 
 
-def interleaved_ms(arms: dict, repeats: int = 5) -> dict:
+def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = None) -> dict:
     """Median, min and max ms of each arm, measured side by side.
 
     arms: name -> function that runs one sample and returns its ms. One warm-up
-    pass first, then the arms interleaved (ABAB...) `repeats` times.
+    pass first, then the arms interleaved (ABAB...) `repeats` times. deadline (a
+    time.monotonic() value): after the warm-up pass, raises TimeoutError at once if
+    `repeats` passes as long as it would end past the deadline.
     """
     samples = {name: [] for name in arms}
     for repeat in range(repeats + 1):
+        started = time.monotonic()
         for name, sample in arms.items():
             ms = sample()
             if repeat:  # the first pass is the warm-up
                 samples[name].append(ms)
+        pass_s = time.monotonic() - started
+        if not repeat and deadline is not None and time.monotonic() + repeats * pass_s > deadline:
+            raise TimeoutError(f"{len(arms)} arms: the warm-up pass took {pass_s:.0f} s, so {repeats} more "
+                               f"would end {time.monotonic() + repeats * pass_s - deadline:.0f} s past the deadline")
     return {
         name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
         for name, s in samples.items()

@@ -7,6 +7,7 @@ acceptance, and the policy's blocks and plain steps are the ones the costs call 
 """
 
 import random
+import time
 
 import mlx.core as mx
 import pytest
@@ -499,3 +500,24 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     del oracle.acceptance_memory
     assert greedy(model, ids, GENERATED, drafter=oracle) == plain
     assert oracle.round_counts.tokens_from_rounds >= 1
+
+
+def test_interleaved_ms_stops_after_the_warm_up_when_the_repeats_would_pass_the_deadline():
+    """A GPU call has a time limit: a run whose repeats cannot finish stops after its warm-up
+    pass rather than being killed with nothing written; one that fits runs every repeat."""
+    calls = []
+
+    def arm(name):
+        def sample():
+            calls.append(name)
+            time.sleep(0.02)
+            return 20.0
+        return sample
+
+    arms = {"a": arm("a"), "b": arm("b")}
+    with pytest.raises(TimeoutError, match="warm-up pass took"):
+        dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
+    assert calls == ["a", "b"]  # the warm-up pass only
+    calls.clear()
+    stats = dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
+    assert calls == ["a", "b"] * 6 and stats["a"]["median"] == 20.0

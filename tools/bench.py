@@ -153,6 +153,9 @@ def main():
     parser.add_argument("--all-decode-arms", action=argparse.BooleanOptionalAction, default=True,
                         help="end to end, plain under every decode arm (--no-all-decode-arms: stock "
                         "and the arm install chose only)")
+    parser.add_argument("--deadline-s", type=float,
+                        help="seconds from the start: stop after the end-to-end warm-up pass, without a "
+                        "record, if the repeats would end later (a GPU call's limit)")
     parser.add_argument("--part", choices=["all", "rounds", "e2e"], default="all",
                         help="rounds: stop after the round phase; e2e: only the end-to-end phase, "
                         "added to the record a rounds run wrote in --out")
@@ -164,6 +167,7 @@ def main():
     if not profiles or not set(profiles) <= set(PROFILE_TOKENS_PER_ROUND):
         parser.error(f"--profiles: some of {', '.join(PROFILE_TOKENS_PER_ROUND)}")
     started = time.time()
+    deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
     size = Path(args.pack).name if args.pack else args.size
     environment = run_environment("bench.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0")
@@ -344,7 +348,10 @@ def main():
         if drafter is not cost_drafter:
             for profile in drafted_profiles:
                 arms[arm_name(profile, BLOCK, drafter)] = after_lead_in(speculative_arm(profile, BLOCK, drafter))
-    e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats)
+    try:
+        e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats, deadline)
+    except TimeoutError as error:
+        sys.exit(f"error: --deadline-s {args.deadline_s:g}: {error}")
     dflash2_runtime.use_decode_arm(chosen_arm)
     plain_ms = e2e_ms[f"plain {chosen_arm}"]["median"]
     speedup = {name: plain_ms / stats["median"] for name, stats in e2e_ms.items()}
