@@ -154,7 +154,8 @@ REPLACED = (
         "Wrapped by the engine on the plain route (dflash2_engine.first_tokens_first_step): a "
         "batch's first call after its prompts hands out their first tokens (and logprobs) as "
         "stock's first call returns them, without first building the next forward; that stock "
-        "step runs at the next call. Not with forced-token criteria.",
+        "step runs at the next call, at the sampling positions it would have had. Only for "
+        "greedy batches and position-keyed samplers, not with forced-token criteria.",
     ),
     Audited(
         "mlx_vlm.generate.ar:GenerationBatch._eval_pending_state",
@@ -170,6 +171,20 @@ AUDITED = (
         "23ac24308ae4510c49e62c3cfe8bea0172793ca97301c54f5ac547ceb00c176e",
         "Relied on by first_tokens_first_step: builds each response from what _step returns "
         "(tokens, logprobs, top logprobs), and forced tokens rewrite _next_tokens after it.",
+    ),
+    Audited(
+        "mlx_vlm.generate.ar:_sample_with_positions",
+        "c65d02b3a62030d4fbe62dee5f402d541e5bcb210584e78a9927292a8c2c58fb",
+        "Relied on by first_tokens_first_step: a sampler's sample_target draws by row and "
+        "position (_num_tokens + 1 when the step is built), so the held step runs with the "
+        "counts it would have had; other samplers draw from MLX's global key.",
+    ),
+    Audited(
+        "mlx_vlm.server.generation:_PositionedTargetSampler",
+        "10d06ea70165c390ebca1524b10f5c3cacd90213d9db504c6ed80aba41520ee1",
+        "Relied on by first_tokens_first_step: the server's sampler for a request with a "
+        "temperature draws from its seed, row and position only (sample_target), never from "
+        "MLX's global key, so a first token handed out early changes no draw.",
     ),
     Audited(
         "mlx_vlm.generate.ar:GenerationBatch.extend",

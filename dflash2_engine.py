@@ -197,19 +197,25 @@ def first_tokens_first_step(self):
     forward before it reads the first token, while the GPU has nothing else queued: each
     request's first token waits for a decode step's graph build and encode (about 45 ms at the
     27B shape on the H200; the speculative route hands its first token out at once). The
-    same forwards run on the same tokens. Not for forced-token criteria (thinking budgets):
-    next() lets them rewrite the token after the one it hands out."""
+    same forwards run on the same tokens with the same sampling positions. Only where that
+    holds whatever runs in between: greedy batches and samplers keyed by position (the
+    server's default; one that draws from MLX's global key would draw in another order if a
+    new prompt sampled between), and not with forced-token criteria (thinking budgets:
+    next() lets them rewrite the token after the one it hands out)."""
     import mlx.core as mx
 
     stock = first_tokens_first_step.__dflash2_stock__
-    if (self._current_tokens is None and not self.__dict__.get("_dflash2_unstepped")
-            and not any(self.thinking_budget_criteria or [])):
-        self._dflash2_unstepped = True  # no step ran since the prompts: their tokens are next
-        mx.eval([a for a in (self._next_tokens, self._next_lps, self._next_top_idx, self._next_top_lp)
-                 if a is not None])
-        top = self._next_top_idx
-        return (self._next_tokens.tolist(), None if self._next_lps is None else self._next_lps.tolist(),
-                None if top is None else top.tolist(), None if top is None else self._next_top_lp.tolist())
+    keyed_by_position = self.greedy_sampling or callable(getattr(self.sampler, "sample_target", None))
+    if (self._current_tokens is None and self.__dict__.get("_dflash2_unstepped") is None and keyed_by_position
+            and not any(criteria is not None for criteria in self.thinking_budget_criteria or [])):
+        # No step ran since the prompts: their tokens are next. The held step samples at the
+        # positions it would have had (next() counts the handed-out token before it runs).
+        self._dflash2_unstepped = list(self._num_tokens)
+        lps = self._next_lps
+        top_idx, top_lp = (self._next_top_idx, self._next_top_lp) if lps is not None else (None, None)
+        mx.eval([a for a in (self._next_tokens, lps, top_idx, top_lp) if a is not None])
+        return (self._next_tokens.tolist(), None if lps is None else lps.tolist(),
+                None if top_idx is None else top_idx.tolist(), None if top_idx is None else top_lp.tolist())
     first_tokens_first_pending_state(self, evaluate=False)
     return stock(self)
 
@@ -217,8 +223,13 @@ def first_tokens_first_step(self):
 def first_tokens_first_pending_state(self, evaluate=True):
     """mlx-vlm's GenerationBatch._eval_pending_state (extend and filter call it before they
     change the batch's rows), after the step first_tokens_first_step held back, if any."""
-    if self.__dict__.pop("_dflash2_unstepped", False):
-        first_tokens_first_step.__dflash2_stock__(self)  # what it returns was handed out
+    counts = self.__dict__.pop("_dflash2_unstepped", None)
+    if counts is not None:
+        handed_out, self._num_tokens = self._num_tokens, counts
+        try:
+            first_tokens_first_step.__dflash2_stock__(self)  # what it returns was handed out
+        finally:
+            self._num_tokens = handed_out
     if evaluate:
         first_tokens_first_pending_state.__dflash2_stock__(self)
 
