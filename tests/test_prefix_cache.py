@@ -229,3 +229,17 @@ def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
         dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
         assert all(layer.self_attn.is_sliding for layer in drafter.layers)
     assert (list(drafter.config.layer_types), [layer.self_attn.is_sliding for layer in drafter.layers]) == before
+
+
+def test_drafter_cache_grows_with_context_and_the_window_bounds_it(target):
+    """bench_prefix's deterministic memory figure: the drafter's cache after a request holds
+    its whole context, unless the sliding window (256 positions on the tiny drafter) caps it."""
+    from bench_prefix import spec_extra_memory
+
+    model, processor, drafter = target
+    window = drafter.config.sliding_window
+    contexts = [window + 44, 2 * window + 88]
+    *_, cache_gb = spec_extra_memory(model, processor, drafter, contexts, STEP * 8, repeats=1)
+    short, long = (cache_gb[str(context)] for context in contexts)
+    assert long["full"] > short["full"] > 0
+    assert long["sliding_window"] == short["sliding_window"] < short["full"]

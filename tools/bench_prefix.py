@@ -148,7 +148,9 @@ def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
     sliding window. Per context, `repeats` passes of plain, whole and windowed requests in
     turn (after one untimed pass: a layout's first request allocates once), each peak
     against its own pass's plain one, median over passes. Returns that, the median
-    difference itself (negative: below plain) and the differences' min and max."""
+    difference itself (negative: below plain), the differences' min and max, and the
+    drafter's cache after a request (its context: what the window bounds; no allocator
+    noise), in GB."""
     drafter.reset(model)  # bound to the target, as a request binds it
     weights = drafter_own_bytes(drafter, model)
     vocab = min(model.language_model.args.vocab_size, 150000)
@@ -156,16 +158,21 @@ def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
 
     def peak(context, window):
         """One request's peak memory: plain (window None) or speculative."""
-        if window is not None:
-            dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=window))
+        if window:
+            dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
+        elif window is not None:
+            loaded_layout()  # configure_drafter never switches the window back off
         inputs = {"input_ids": mx.array([turns(context, 1, vocab, seed=0)[0]])}
         mx.clear_cache()
         mx.reset_peak_memory()
         request(model, processor, inputs, step=step, drafter=None if window is None else drafter, max_tokens=16)
+        if window is not None:
+            cache_gb.setdefault(str(context), {})[name_of[window]] = round(cache_bytes(made[-1]) / 1e9, 6)
         return mx.get_peak_memory()
 
-    extra, over_plain, spread = {}, {}, {}
-    with attention_layout_kept(drafter):  # the timings after this serve the drafter as loaded
+    name_of = {window: name for name, window in layouts.items()}
+    extra, over_plain, spread, cache_gb = {}, {}, {}, {}
+    with attention_layout_kept(drafter) as loaded_layout, drafter_caches(drafter) as made:  # the timings after this serve the drafter as loaded
         for context in contexts:
             grown = {name: [] for name in layouts}
             for sample in range(repeats + 1):
@@ -180,21 +187,50 @@ def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
             spread[str(context)] = {name: [round(min(v) / 1e9, 3), round(max(v) / 1e9, 3)] for name, v in grown.items()}
             print(f"speculation's extra memory at {context} tokens: {extra[str(context)]}; "
                   f"peak over plain {over_plain[str(context)]} (min-max {spread[str(context)]})", flush=True)
-    return extra, over_plain, spread
+    return extra, over_plain, spread, cache_gb
+
+
+@contextlib.contextmanager
+def drafter_caches(drafter):
+    """Collects the cache each request's drafter.reset makes (the drafter's context)."""
+    made = []
+    stock = drafter.reset
+
+    def reset(*args, **kwargs):
+        made.append(stock(*args, **kwargs))
+        return made[-1]
+
+    drafter.reset = reset
+    try:
+        yield made
+    finally:
+        del drafter.reset
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a drafter cache holds: each layer's key and value buffers as allocated."""
+    return sum(array.nbytes for layer in cache for array in (getattr(layer, "keys", None),
+                                                              getattr(layer, "values", None))
+               if array is not None)
 
 
 @contextlib.contextmanager
 def attention_layout_kept(drafter):
     """Puts back the drafter's attention layout, which configure_drafter's window option
-    switches to sliding (and nothing switches back)."""
+    switches to sliding (and nothing switches back), on leaving and whenever the function
+    it yields is called."""
     layout = (list(drafter.config.layer_types),
               [(layer.self_attn.is_sliding, layer.self_attn.sliding_window) for layer in drafter.layers])
-    try:
-        yield
-    finally:
-        drafter.config.layer_types = layout[0]
+
+    def restore():
+        drafter.config.layer_types = list(layout[0])
         for layer, (sliding, size) in zip(drafter.layers, layout[1]):
             layer.self_attn.is_sliding, layer.self_attn.sliding_window = sliding, size
+
+    try:
+        yield restore
+    finally:
+        restore()
 
 
 def load(args):
@@ -245,7 +281,7 @@ def main():
     print(prefill_inverse, flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
-    results, memory, peak_over_plain, peak_spread = {}, {}, {}, {}
+    results, memory, peak_over_plain, peak_spread, drafter_cache = {}, {}, {}, {}, {}
 
     def write(complete):
         """The record so far: a run cut short keeps what it measured (complete: false)."""
@@ -262,6 +298,7 @@ def main():
             "spec_extra_memory_gb": memory,
             "spec_peak_over_plain_gb": peak_over_plain,
             "spec_peak_over_plain_min_max_gb": peak_spread,
+            "drafter_cache_gb": drafter_cache,
             "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values()),
             "seconds": round(time.time() - started, 1),
         }
@@ -270,11 +307,12 @@ def main():
 
     # Memory first (it is quick), so that a run cut short in the timings still has it.
     if drafter is not None and args.memory_contexts:
-        extra, over_plain, spread = spec_extra_memory(model, processor, drafter, args.memory_contexts,
-                                                      args.step_sizes[0], args.repeats)
+        extra, over_plain, spread, cache_gb = spec_extra_memory(model, processor, drafter, args.memory_contexts,
+                                                                args.step_sizes[0], args.repeats)
         memory.update(extra)
         peak_over_plain.update(over_plain)
         peak_spread.update(spread)
+        drafter_cache.update(cache_gb)
         write(complete=False)
     for route, route_drafter in routes.items():
         for step in args.step_sizes:
@@ -324,6 +362,10 @@ def summary_markdown(r) -> str:
                   f"{m['sliding_window']}{bracket(over, context, 'sliding_window')} |"
                   for context, m in r["spec_extra_memory_gb"].items()]
         lines.append("")
+    if r.get("drafter_cache_gb"):
+        lines += ["The drafter's cache after a request (its context), GB, whole / window: "
+                  + "; ".join(f"{context} tokens {m['full']} / {m['sliding_window']}"
+                              for context, m in r["drafter_cache_gb"].items()) + ".", ""]
     return "\n".join(lines)
 
 
