@@ -345,9 +345,8 @@ struct WeightChunk {
   }
 };
 
-// y[m, first..first+R) for one warp; C steps of weights are loaded at once,
-// with PREFETCH the next C steps' loads fly while this chunk is computed.
-// Launch: block (32, warps), grid.x = blocks.
+// y[m, first..first+R) for one warp and M activation rows; C steps of weights are
+// loaded at once, with PREFETCH the next C steps' loads fly while this chunk is computed.
 template <int M, int R, int C, bool PREFETCH>
 __device__ __forceinline__ void qmv_rows(
     const __half* __restrict__ x,
@@ -356,9 +355,9 @@ __device__ __forceinline__ void qmv_rows(
     const __half* __restrict__ biases,
     __half* __restrict__ y,
     int n,
-    int k) {
+    int k,
+    int first) {
   const int lane = threadIdx.x;
-  const int first = (blockIdx.x * blockDim.y + threadIdx.y) * R;
   if (first >= n) {
     return;
   }
@@ -449,13 +448,36 @@ __device__ __forceinline__ void qmv_rows(
   }
 }
 
+// The M activation rows split over S warps (M / S rows each, consecutive warps of a
+// block): S warps share each output row group's weights through L1, each with M / S rows
+// of accumulators (fewer registers: more warps resident). Every (row, output) pair keeps
+// qmv_rows' arithmetic. Launch: block (32, warps), grid.x = blocks; warp w takes output
+// rows (w / S) * R.. and activation rows (w % S) * M / S...
+template <int M, int S, int R, int C, bool PREFETCH>
+__device__ __forceinline__ void qmv_split_rows(
+    const __half* __restrict__ x,
+    const uint32_t* __restrict__ w,
+    const __half* __restrict__ scales,
+    const __half* __restrict__ biases,
+    __half* __restrict__ y,
+    int n,
+    int k) {
+  static_assert(M % S == 0, "S must divide M");
+  constexpr int kRows = M / S;
+  const int warp = blockIdx.x * blockDim.y + threadIdx.y;
+  const int part = warp % S;
+  qmv_rows<kRows, R, C, PREFETCH>(
+      x + part * kRows * k, w, scales, biases, y + part * kRows * n, n, k, (warp / S) * R);
+}
+
 }  // namespace dflash2
 """
 
-_CUDA_SOURCE = "dflash2::qmv_rows<M, R, C, PREFETCH>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
+_CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
 
 # Launch shape by activation rows M: (output rows per warp R, weight steps per
-# load C, prefetch the next C steps). R * M accumulators of 8 registers bound R.
+# load C, prefetch the next C steps[, warps S the M rows split over, 1 if absent]).
+# R * M / S accumulators of 8 registers bound R.
 # Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md).
 CUDA_LAUNCH = {
     1: (2, 4, 0), 2: (2, 4, 1), 3: (2, 4, 1), 4: (2, 4, 1),
@@ -478,11 +500,12 @@ def _cuda_kernel():
 @cache
 def _cuda_launch(rows: int, n: int, launch=None) -> dict:
     """The kernel call's arguments for M rows of N outputs (built once: ~400 calls a verify)."""
-    rows_per_warp, chunk, prefetch = launch or CUDA_LAUNCH[rows]
-    warps = -(-n // rows_per_warp)
+    rows_per_warp, chunk, prefetch, *split = launch or CUDA_LAUNCH[rows]
+    split = split[0] if split else 1
+    warps = -(-n // rows_per_warp) * split
     blocks = -(-warps // CUDA_WARPS_PER_BLOCK)
     return dict(
-        template=[("M", rows), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", bool(prefetch))],
+        template=[("M", rows), ("S", split), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", bool(prefetch))],
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
         output_shapes=[(rows, n)],
@@ -493,7 +516,7 @@ def _cuda_launch(rows: int, n: int, launch=None) -> dict:
 def cuda_matmul(x, weight, scales, biases, launch=None):
     """(M, K) fp16 rows -> (M, N) through the CUDA kernel; no self-test gate.
 
-    launch: (R, C, prefetch) to override CUDA_LAUNCH (for the tuning sweep)."""
+    launch: (R, C, prefetch[, S]) to override CUDA_LAUNCH (for the tuning sweep)."""
     call = _cuda_launch(x.shape[0], weight.shape[0], launch and tuple(launch))
     return _cuda_kernel()(inputs=[x, weight, scales, biases], **call)[0]
 

@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_kernels as dk
+from kernel_parity import TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 
 SHAPE = (16, 512)
 
@@ -411,39 +412,83 @@ class RecordingKernel:
         return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
 
 
-def rows_stored(n, rows_per_warp, grid, threadgroup):
-    """Output rows the launch writes, by qmv_rows' mapping: warp w of block b takes rows
-    (b * warps + w) * R + j, stored while below n."""
+def rows_stored(n, rows_per_warp, split, grid, threadgroup):
+    """(output row, activation-row part) pairs the launch writes, by qmv_split_rows' mapping:
+    warp w of block b (global warp g = b * warps + w) takes part g % S of the activation rows
+    and output rows (g // S) * R + j, stored while below n."""
     blocks, warps = grid[0] // threadgroup[0], threadgroup[1]
     return [
-        (block * warps + warp) * rows_per_warp + j
+        ((block * warps + warp) // split * rows_per_warp + j, (block * warps + warp) % split)
         for block in range(blocks)
         for warp in range(warps)
         for j in range(rows_per_warp)
-        if (block * warps + warp) * rows_per_warp + j < n
+        if (block * warps + warp) // split * rows_per_warp + j < n
     ]
 
 
+@pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("n", [16, 42, 1024, 5120, 17408])
-def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch, n):
+def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch, request, n, split):
+    """Every output row once per part of the activation rows, whatever the table (the
+    committed one, and activation rows split over 2 or 4 warps where that divides them)."""
     kernel = RecordingKernel()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: kernel)
     monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dk._verified, "cuda", True)
+    if split > 1:
+        monkeypatch.setattr(dk, "CUDA_LAUNCH", {
+            rows: (*launch[:3], split) if rows % split == 0 else launch for rows, launch in dk.CUDA_LAUNCH.items()})
+    dk._cuda_launch.cache_clear()  # it keeps each (rows, n)'s arguments
+    request.addfinalizer(dk._cuda_launch.cache_clear)
     weight, scales, biases = dk.make_weights(n, 512, mx.random.key(1))
     x = dk.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(2))
     for rows in range(1, dk.MAX_ROWS + 1):
         assert dk.exact_quantized_matmul(x[:rows], weight, scales, biases).shape == (rows, n)
     for rows, launch in enumerate(kernel.launches, start=1):
-        rows_per_warp, chunk, prefetch = dk.CUDA_LAUNCH[rows]
-        assert launch["template"] == {"M": rows, "R": rows_per_warp, "C": chunk, "PREFETCH": bool(prefetch)}
+        rows_per_warp, chunk, prefetch, *parts = dk.CUDA_LAUNCH[rows]
+        parts = parts[0] if parts else 1
+        assert rows % parts == 0
+        assert launch["template"] == {"M": rows, "S": parts, "R": rows_per_warp, "C": chunk,
+                                      "PREFETCH": bool(prefetch)}
         assert launch["threadgroup"] == (32, dk.CUDA_WARPS_PER_BLOCK, 1)
         assert launch["grid"][0] % 32 == 0 and launch["grid"][1:] == (dk.CUDA_WARPS_PER_BLOCK, 1)
-        stored = rows_stored(n, rows_per_warp, launch["grid"], launch["threadgroup"])
-        assert sorted(stored) == list(range(n))  # each output row once, none missing
+        stored = rows_stored(n, rows_per_warp, parts, launch["grid"], launch["threadgroup"])
+        assert sorted(stored) == [(row, part) for row in range(n) for part in range(parts)]
         # and no block is launched with nothing to do
-        assert (launch["grid"][0] // 32 - 1) * dk.CUDA_WARPS_PER_BLOCK * rows_per_warp < n
+        assert (launch["grid"][0] // 32 - 1) * dk.CUDA_WARPS_PER_BLOCK < -(-n // rows_per_warp) * parts
     assert len(kernel.launches) == dk.MAX_ROWS
+
+
+def test_tuned_launch_splits_only_rows_it_divides():
+    """kernel_parity's tuning gives untimed row counts the nearest timed choice, its split of
+    the activation rows cut to one that divides theirs (qmv_split_rows asserts it does)."""
+    assert launch_for_rows((2, 4, 1, 4), 6) == (2, 4, 1, 3)
+    assert launch_for_rows((2, 4, 1, 2), 7) == (2, 4, 1)
+    assert launch_for_rows((2, 2, 1), 5) == (2, 2, 1)
+    for rows, launches in TUNE_LAUNCHES.items():
+        assert all(rows % (launch[3] if len(launch) > 3 else 1) == 0 for launch in launches)
+    for rows, like in TUNE_FALLBACK.items():
+        for launch in TUNE_LAUNCHES[like]:
+            split = launch_for_rows(launch, rows)
+            assert rows % (split[3] if len(split) > 3 else 1) == 0
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+@pytest.mark.parametrize("launch", sorted({launch for launches in TUNE_LAUNCHES.values()
+                                          for launch in launches if len(launch) > 3}))
+def test_split_launches_equal_single_row_calls_on_cuda(launch):
+    """Each launch the tuning may pick with its activation rows split over warps gives every
+    row MLX's single-row bits, at its own row count, for every input kind (a wrong part
+    offset would give some row another row's outputs or none)."""
+    rows = next(count for count, launches in TUNE_LAUNCHES.items() if launch in launches)
+    key = mx.random.key(7)
+    for n, k in dk.DEFAULT_SHAPES:
+        key, weight_key, input_key = mx.random.split(key, 3)
+        weight, scales, biases = dk.make_weights(n, k, weight_key)
+        for kind in dk.INPUT_KINDS:
+            x = dk.make_inputs(kind, rows, k, input_key)
+            got = dk.cuda_matmul(x, weight, scales, biases, launch=launch)
+            assert dk._differing(got, dk.stock_rows(x, weight, scales, biases)) == 0, (launch, n, k, kind)
 
 
 def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch):

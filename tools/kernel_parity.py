@@ -29,17 +29,27 @@ import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 BENCH_ROWS = (1, 2, 4, 8)
-# CUDA launch shapes (output rows per warp, weight steps per load, prefetch)
-# tried by --tune, by activation rows.
+# CUDA launch shapes (output rows per warp, weight steps per load, prefetch[, warps
+# the activation rows split over]) tried by --tune, by activation rows.
 TUNE_LAUNCHES = {
     1: [(1, 4, 1), (2, 4, 0), (2, 4, 1), (2, 8, 1)],
-    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1)],
-    4: [(2, 2, 0), (2, 2, 1), (2, 4, 1)],
-    8: [(2, 1, 1), (2, 2, 0), (2, 2, 1)],
+    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2)],
+    4: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 1, 2), (2, 4, 0, 4)],
+    8: [(2, 1, 1), (2, 2, 0), (2, 2, 1), (2, 2, 1, 2), (2, 4, 1, 2), (2, 4, 1, 4), (2, 4, 0, 8)],
 }
 # Rows not timed take the choice of the nearest timed row count with as many
-# or more rows (so their accumulators fit as well).
+# or more rows (so their accumulators fit as well), split over as many warps as
+# divide their rows, up to the choice's.
 TUNE_FALLBACK = {3: 4, 5: 8, 6: 8, 7: 8}
+
+
+def launch_for_rows(launch: tuple, rows: int) -> tuple:
+    """A launch chosen for another row count, its split cut to a divisor of `rows`."""
+    rows_per_warp, chunk, prefetch, *split = launch
+    if not split:
+        return launch
+    split = max(s for s in range(1, split[0] + 1) if rows % s == 0)
+    return (rows_per_warp, chunk, prefetch) if split == 1 else (rows_per_warp, chunk, prefetch, split)
 TUNE_SHAPES = ((17408, 5120), (5120, 17408), (1024, 5120))
 # Enough weight copies per timing that they do not sit in the 50 MB L2.
 ROTATION_BYTES = 256 << 20
@@ -165,7 +175,7 @@ def tune_cuda_launch(key):
         rows: min(launches, key=lambda launch: cost[rows, launch])
         for rows, launches in TUNE_LAUNCHES.items()
     }
-    table.update({rows: table[like] for rows, like in TUNE_FALLBACK.items()})
+    table.update({rows: launch_for_rows(table[like], rows) for rows, like in TUNE_FALLBACK.items()})
     return timings, dict(sorted(table.items()))
 
 
@@ -216,7 +226,7 @@ def summary_markdown(record):
     if "cuda_launch" in record:
         how = "chosen by this run's tuning (rows 'tuning' below)" if record["tuned"] else "as set in the code"
         lines += [
-            f"CUDA launch per rows (R, C, prefetch), {how}, used for everything else here: "
+            f"CUDA launch per rows (R, C, prefetch[, S]), {how}, used for everything else here: "
             + ", ".join(f"{rows}: {tuple(launch)}" for rows, launch in record["cuda_launch"].items()),
             "",
         ]
@@ -250,7 +260,7 @@ def summary_markdown(record):
             "Median per call over weight copies rotated past the L2 (weights from memory);",
             "GB/s counts the packed weights, scales and biases once.",
             "",
-            "| shape (N, K) | what | rows | launch (R, C, prefetch) | us | GB/s | differing vs single rows |",
+            "| shape (N, K) | what | rows | launch (R, C, prefetch[, S]) | us | GB/s | differing vs single rows |",
             "|---|---|---|---|---|---|---|",
         ]
         for t in record["timings"]:
