@@ -223,12 +223,21 @@ def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
     from bench_prefix import attention_layout_kept
 
     _, _, drafter = target
-    before = (list(drafter.config.layer_types), [layer.self_attn.is_sliding for layer in drafter.layers])
+
+    def state():
+        return (list(drafter.config.layer_types), [layer.self_attn.is_sliding for layer in drafter.layers],
+                getattr(drafter.config, "runtime_block_size", None))
+
+    before = state()
     assert drafter.config.sliding_window  # the synthetic drafters have one
-    with attention_layout_kept(drafter):
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
+    with attention_layout_kept(drafter) as restore:
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True, block_cap=2))
         assert all(layer.self_attn.is_sliding for layer in drafter.layers)
-    assert (list(drafter.config.layer_types), [layer.self_attn.is_sliding for layer in drafter.layers]) == before
+        assert drafter.config.runtime_block_size == 2
+        restore()  # the whole-context requests between windowed ones
+        assert state() == before
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True, block_cap=2))
+    assert state() == before
 
 
 def test_drafter_cache_grows_with_context_and_the_window_bounds_it(target):

@@ -19,6 +19,7 @@ Writes evidence/prefix-cache-<backend>-<size>.json and .md.
 
 import argparse
 import contextlib
+import gc
 import statistics
 import sys
 import tempfile
@@ -163,11 +164,13 @@ def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
         elif window is not None:
             loaded_layout()  # configure_drafter never switches the window back off
         inputs = {"input_ids": mx.array([turns(context, 1, vocab, seed=0)[0]])}
+        gc.collect()  # the earlier requests' caches go now, not when the collector next runs
         mx.clear_cache()
         mx.reset_peak_memory()
         request(model, processor, inputs, step=step, drafter=None if window is None else drafter, max_tokens=16)
         if window is not None:
-            cache_gb.setdefault(str(context), {})[name_of[window]] = round(cache_bytes(made[-1]) / 1e9, 6)
+            cache_gb.setdefault(str(context), {})[name_of[window]] = round(sum(map(cache_bytes, made)) / 1e9, 6)
+            made.clear()  # kept, this request's cache would sit under the next one's peak
         return mx.get_peak_memory()
 
     name_of = {window: name for name, window in layouts.items()}
@@ -217,12 +220,14 @@ def cache_bytes(cache) -> int:
 @contextlib.contextmanager
 def attention_layout_kept(drafter):
     """Puts back the drafter's attention layout, which configure_drafter's window option
-    switches to sliding (and nothing switches back), on leaving and whenever the function
-    it yields is called."""
+    switches to sliding (and nothing switches back), and its block ceiling, on leaving and
+    whenever the function it yields is called."""
     layout = (list(drafter.config.layer_types),
               [(layer.self_attn.is_sliding, layer.self_attn.sliding_window) for layer in drafter.layers])
+    ceiling = getattr(drafter.config, "runtime_block_size", None)  # None: mlx-vlm's default
 
     def restore():
+        drafter.config.runtime_block_size = ceiling
         drafter.config.layer_types = list(layout[0])
         for layer, (sliding, size) in zip(drafter.layers, layout[1]):
             layer.self_attn.is_sliding, layer.self_attn.sliding_window = sliding, size
@@ -299,7 +304,8 @@ def main():
             "spec_peak_over_plain_gb": peak_over_plain,
             "spec_peak_over_plain_min_max_gb": peak_spread,
             "drafter_cache_gb": drafter_cache,
-            "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values()),
+            "exact": all(r["exact"] for steps in results.values() for c in steps.values() for r in c.values())
+                     if results else None,  # None: no cached turn was timed
             "seconds": round(time.time() - started, 1),
         }
         write_record(args.out, f"prefix-cache-{record['backend']}-{record['size']}", record, summary_markdown(record))
