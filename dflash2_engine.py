@@ -195,8 +195,9 @@ def first_tokens_first_step(self):
     next forward before reading them runs at the next call (or before the batch changes:
     first_tokens_first_pending_state), then stock goes on. Stock builds and queues the second
     forward before it reads the first token, while the GPU has nothing else queued: each
-    request's first token waits for a decode step's graph build and encode (about 45 ms at the
-    27B shape on the H200; the speculative route hands its first token out at once). The
+    request's first token waits for a decode step's graph build and encode (at the 27B shape
+    on the H200, most of a short prompt's wait beyond its prefill; the speculative route hands
+    its first token out at once). The
     same forwards run on the same tokens with the same sampling positions. Only where that
     holds whatever runs in between: greedy batches and samplers keyed by position (the
     server's default; one that draws from MLX's global key would draw in another order if a
