@@ -576,10 +576,12 @@ def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = Non
             ms = sample()
             if repeat:  # the first pass is the warm-up
                 samples[name].append(ms)
-        pass_s = time.monotonic() - started
-        if not repeat and deadline is not None and time.monotonic() + repeats * pass_s > deadline:
-            raise TimeoutError(f"{len(arms)} arms: the warm-up pass took {pass_s:.0f} s, so {repeats} more "
-                               f"would end {time.monotonic() + repeats * pass_s - deadline:.0f} s past the deadline")
+        if not repeat and deadline is not None:
+            pass_s = time.monotonic() - started
+            late_s = time.monotonic() + repeats * pass_s - deadline
+            if late_s > 0:
+                raise TimeoutError(f"{len(arms)} arms: the warm-up pass took {pass_s:.0f} s, so {repeats} more "
+                                   f"would end {late_s:.0f} s past the deadline")
     return {
         name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
         for name, s in samples.items()

@@ -361,8 +361,9 @@ def main():
         profile: {str(block): speedup[arm_name(profile, block)] for block in fixed_blocks}
         for profile in profiles
     }
-    policy_vs_best_fixed = {profile: e2e[profile] / max(e2e_fixed[profile].values()) for profile in e2e}
-    first_vs_best_fixed = {profile: e2e_first[profile] / max(e2e_fixed[profile].values()) for profile in e2e}
+    best_fixed = {profile: max(e2e_fixed[profile].values()) for profile in profiles}
+    policy_vs_best_fixed = {profile: e2e[profile] / best_fixed[profile] for profile in profiles}
+    first_vs_best_fixed = {profile: e2e_first[profile] / best_fixed[profile] for profile in profiles}
     policy_arms = {f"{profile}{suffix}": arm_name(profile, None, first_request=bool(suffix))
                    for profile in profiles for suffix in ("", ", first request")}
     round_counts = {name: vars(oracles[arm].round_counts) for name, arm in policy_arms.items()}

@@ -155,33 +155,33 @@ def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
     drafter.reset(model)  # bound to the target, as a request binds it
     weights = drafter_own_bytes(drafter, model)
     vocab = min(model.language_model.args.vocab_size, 150000)
-    layouts = {"full": False, "sliding_window": True}
+    layouts = ("full", "sliding_window")
 
-    def peak(context, window):
-        """One request's peak memory: plain (window None) or speculative."""
-        if window:
+    def peak(context, layout=None):
+        """One request's peak memory: plain (layout None) or speculative with that layout."""
+        if layout == "sliding_window":
             dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
-        elif window is not None:
+        elif layout == "full":
             loaded_layout()  # configure_drafter never switches the window back off
         inputs = {"input_ids": mx.array([turns(context, 1, vocab, seed=0)[0]])}
         gc.collect()  # the earlier requests' caches go now, not when the collector next runs
         mx.clear_cache()
         mx.reset_peak_memory()
-        request(model, processor, inputs, step=step, drafter=None if window is None else drafter, max_tokens=16)
-        if window is not None:
-            cache_gb.setdefault(str(context), {})[name_of[window]] = round(sum(map(cache_bytes, made)) / 1e9, 6)
+        request(model, processor, inputs, step=step, drafter=drafter if layout else None, max_tokens=16)
+        if layout:
+            cache_gb.setdefault(str(context), {})[layout] = round(sum(map(cache_bytes, made)) / 1e9, 6)
             made.clear()  # kept, this request's cache would sit under the next one's peak
         return mx.get_peak_memory()
 
-    name_of = {window: name for name, window in layouts.items()}
     extra, over_plain, spread, cache_gb = {}, {}, {}, {}
-    with attention_layout_kept(drafter) as loaded_layout, drafter_caches(drafter) as made:  # the timings after this serve the drafter as loaded
+    # The timings after this serve the drafter as loaded.
+    with attention_layout_kept(drafter) as loaded_layout, drafter_caches(drafter) as made:
         for context in contexts:
             grown = {name: [] for name in layouts}
             for sample in range(repeats + 1):
-                plain = peak(context, None)
-                for name, window in layouts.items():
-                    spec = peak(context, window)
+                plain = peak(context)
+                for name in layouts:
+                    spec = peak(context, name)
                     if sample:
                         grown[name].append(spec - plain)
             median = {name: statistics.median(values) for name, values in grown.items()}

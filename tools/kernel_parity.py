@@ -41,6 +41,11 @@ TUNE_LAUNCHES = {
 # or more rows (so their accumulators fit as well), split over as many warps as
 # divide their rows, up to the choice's.
 TUNE_FALLBACK = {3: 4, 5: 8, 6: 8, 7: 8}
+TUNE_SHAPES = ((17408, 5120), (5120, 17408), (1024, 5120))
+# Enough weight copies per timing that they do not sit in the 50 MB L2.
+ROTATION_BYTES = 256 << 20
+MAX_COPIES = 64
+REPEATS = 15
 
 
 def launch_for_rows(launch: tuple, rows: int) -> tuple:
@@ -50,11 +55,6 @@ def launch_for_rows(launch: tuple, rows: int) -> tuple:
         return launch
     split = max(s for s in range(1, split[0] + 1) if rows % s == 0)
     return (rows_per_warp, chunk, prefetch) if split == 1 else (rows_per_warp, chunk, prefetch, split)
-TUNE_SHAPES = ((17408, 5120), (5120, 17408), (1024, 5120))
-# Enough weight copies per timing that they do not sit in the 50 MB L2.
-ROTATION_BYTES = 256 << 20
-MAX_COPIES = 64
-REPEATS = 15
 
 
 def weight_bytes(n, k):
