@@ -56,7 +56,7 @@ def test_image_prompt_with_partial_acceptance_equals_plain(target):
     ids, image = image_inputs(processor)
     plain = greedy(model, ids, GENERATED, **image)
     vocab = model.language_model.lm_head.weight.shape[0]
-    drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=0.35, block_size=5)
+    drafter = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=vocab, error_rate=0.35, block_size=5)
     assert greedy(model, ids, GENERATED, drafter=drafter, block_size=5, **image) == plain
     assert sum(drafter.accept_lens) > 0
 

@@ -224,7 +224,7 @@ def prompt_and_plain(target):  # noqa: F811
 def run_policy(target, prompt_and_plain, error_rate):  # noqa: F811
     model, _, drafter = target
     ids, plain = prompt_and_plain
-    oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=error_rate,
+    oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=error_rate,
                            target_layer_ids=drafter.config.target_layer_ids)
     oracle.prefer_requested_block_size = False  # the policy chooses
     oracle.round_costs = COSTS
@@ -338,7 +338,7 @@ def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, pr
         return cheap.round_steps(block) * cheap.decode_step_ms
 
     before = {b: round_ms(b) for b in BLOCKS}
-    oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=0.0,
+    oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=0.0,
                            target_layer_ids=drafter.config.target_layer_ids)
     oracle.prefer_requested_block_size = False
     oracle.round_costs = cheap
@@ -439,7 +439,7 @@ def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(target,
     ids, plain = prompt_and_plain
     table = RoundCosts(60.0, dict(COSTS.verify_steps_by_block), dict(COSTS.draft_steps_by_block),
                        learning=True)  # about a tiny-pack decode step on CPU
-    oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
+    oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
     oracle.prefer_requested_block_size = False
     oracle.round_costs = table
@@ -487,7 +487,7 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     model, _, drafter = target
     ids, plain = prompt_and_plain
     table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 2.0)
-    oracle = OracleDrafter(plain, vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
+    oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
     oracle.prefer_requested_block_size = False
     oracle.round_costs = table
@@ -500,6 +500,25 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     del oracle.acceptance_memory
     assert greedy(model, ids, GENERATED, drafter=oracle) == plain
     assert oracle.round_counts.tokens_from_rounds >= 1
+
+
+def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain):  # noqa: F811
+    """The drafter's first call after plain steps gets their taps with the prompt's; the oracle
+    (one right draft per round) must still propose the true continuation from there, or the
+    benchmark's remembering policy arms measure misaligned rounds that accept nothing."""
+    model, _, drafter = target
+    ids, plain = prompt_and_plain
+    table = RoundCosts(60.0, {b: 1.2 for b in BLOCKS}, {b: 0.0 for b in BLOCKS})
+    oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size,
+                           accepted_per_round=1.0, target_layer_ids=drafter.config.target_layer_ids)
+    oracle.prefer_requested_block_size = False
+    oracle.round_costs = table
+    oracle.acceptance_memory = dflash2_policy.AcceptanceMemory(8)
+    for _ in range(3):  # remembered rounds that accepted nothing: the request starts plain
+        oracle.acceptance_memory.record(1, 0)
+    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    assert oracle.round_counts.tokens_from_plain_steps >= 1 and oracle.accept_lens
+    assert oracle.accept_lens[:-1] == [1] * (len(oracle.accept_lens) - 1), oracle.accept_lens
 
 
 def test_interleaved_ms_stops_after_the_warm_up_when_the_repeats_would_pass_the_deadline():

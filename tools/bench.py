@@ -301,7 +301,7 @@ def main():
             dflash2_runtime.use_decode_arm(chosen_arm)
             dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
             oracle = OracleDrafter(
-                reference, vocab_size=vocab, accepted_per_round=accepted, block_size=block or BLOCK,
+                reference, prompt_length=prompt_ids.shape[1], vocab_size=vocab, accepted_per_round=accepted, block_size=block or BLOCK,
                 target_layer_ids=taps, cost_drafter=drafter,
             )
             oracle.round_costs = costs

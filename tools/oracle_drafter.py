@@ -17,6 +17,7 @@ class OracleDrafter:
         self,
         continuation: list[int],
         *,
+        prompt_length: int,
         vocab_size: int,
         error_rate: float = 0.0,
         accepted_per_round: float = None,
@@ -26,6 +27,7 @@ class OracleDrafter:
         cost_drafter=None,
     ):
         self.continuation = list(continuation)
+        self.prompt_length = prompt_length  # the target's hidden rows before the first token
         self.vocab_size = vocab_size
         self.error_rate = error_rate
         # If set, round r gets floor((r + 1) a) - floor(r a) right proposals and then a
@@ -50,16 +52,19 @@ class OracleDrafter:
         self.accept_lens, self.draft_lens = [], []
         self._rng = random.Random(self.seed)
         self._cost_cache = self.cost_drafter.reset(target_model) if self.cost_drafter else None
-        self._context = []  # rows of target hidden states handed over, per call
+        self._rows = 0  # rows of target hidden states handed over so far
         return []
 
     def draft_block(self, last_bonus, hidden, cache, block_size, sampler, token_dtype=mx.int32):
         del cache
-        # The drafter sees one hidden row per token the target processed: the prompt's at
-        # the first call, then one per token since (rounds or plain steps). The bonus token
-        # is continuation[emitted - 1], so the proposal starts at `emitted`.
-        self._context.append(int(hidden.shape[1]))
-        start = 1 + sum(self._context[1:])
+        # The drafter sees one hidden row per token the target processed: the prompt's, then
+        # one per token since (rounds or plain steps; a request the policy starts with plain
+        # steps hands them over with the prompt's). The bonus token is continuation[emitted - 1],
+        # so the proposal starts at `emitted`.
+        self._rows += int(hidden.shape[1])
+        if self._rows < self.prompt_length:
+            raise ValueError(f"the drafter saw {self._rows} hidden rows, fewer than the prompt's {self.prompt_length}")
+        start = 1 + self._rows - self.prompt_length
         if self.accepted_per_round is not None:
             rounds, rate = len(self.accept_lens), self.accepted_per_round
             right = int((rounds + 1) * rate) - int(rounds * rate)

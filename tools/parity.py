@@ -255,7 +255,7 @@ def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
 def oracle_token_case(model, ids, plain, block, error_rate, max_tokens, **labels):
     """Greedy speculative tokens (oracle drafter at one block and error rate) against plain."""
     vocab = model.language_model.lm_head.weight.shape[0]
-    drafter = OracleDrafter(plain, vocab_size=vocab, error_rate=error_rate, block_size=block)
+    drafter = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=vocab, error_rate=error_rate, block_size=block)
     spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
     return {
         "check": "tokens",
