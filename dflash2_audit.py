@@ -54,7 +54,8 @@ REPLACED = (
         "Its own code runs with its fused attention call routed through "
         "dflash2_runtime.drafter_attention: on CUDA a bf16 drafter's attention would go to "
         "cuDNN, which builds a graph for every new key length. The sliding-window option "
-        "relies on it trimming the drafter's context to its window.",
+        "relies on it trimming the drafter's context to its window and advancing the cache's "
+        "offset past what it skips, as RequestDecoder does for taps the prefill dropped.",
     ),
     Audited(
         "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens",
@@ -146,7 +147,8 @@ REPLACED = (
         "Subclassed and swapped by the engine (dflash2_prefix_cache.PrefixPromptBatch): the exact "
         "prefix cache restores a stored chunk boundary as if prompt_step had prefilled up to it "
         "(cache, inputs, sequence-aligned arguments, tap chunks, processed columns, cached "
-        "tokens), records the boundaries prompt_step passes and stores them before generate.",
+        "tokens), records the boundaries prompt_step passes and stores them before generate; "
+        "with a sliding drafter, it drops the tap chunks before the drafter's window.",
     ),
     Audited(
         "mlx_vlm.generate.ar:GenerationBatch._step",
@@ -236,7 +238,8 @@ AUDITED = (
         "mlx_vlm.speculative.utils:SpeculativePrefill",
         "f909df339ada560ce3d951721cb99c48bb985b7d3d3531e620dbda735c791842",
         "Relied on by the prefix cache: the drafter's context is the concatenation of the tap "
-        "chunks (a restore puts the stored prefix's taps first).",
+        "chunks (a restore puts the stored prefix's taps first; a sliding drafter's prompt "
+        "batch drops leading chunks).",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.qwen3_5:Model.get_input_embeddings",

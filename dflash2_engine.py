@@ -247,8 +247,9 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     drafter: generator.speculation says how that went) in mlx-vlm's worker thread and wires
     mlx-vlm's server to it. Returns (generator, mlx-vlm's FastAPI app).
 
-    With prefix_cache_gb, every route prefills through dflash2_prefix_cache's exact prefix
-    cache with that budget.
+    Every route prefills through dflash2_prefix_cache's prompt batch: with prefix_cache_gb,
+    through its exact prefix cache with that budget; either way a sliding drafter's prompt
+    keeps only the taps it reads.
 
     A request whose prompt plus max_tokens exceeds context_length is refused after its
     prompt is tokenized, before it reaches the worker (a stream: before it opens).
@@ -271,11 +272,11 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     logger.info(use_exact_prefill_inverse(text_config["linear_num_value_heads"],
                                           prefill_step_size or get_prefill_step_size()))
     use_first_tokens_first()
-    if prefix_cache_gb:
-        import dflash2_prefix_cache
+    import dflash2_prefix_cache  # its prompt batch also drops the taps a sliding drafter never reads
 
-        dflash2_prefix_cache.PrefixPromptBatch.store = dflash2_prefix_cache.PrefixStore(prefix_cache_gb)
-        dflash2_audit.replace("mlx_vlm.generate:PromptProcessingBatch", dflash2_prefix_cache.PrefixPromptBatch)
+    store = dflash2_prefix_cache.PrefixStore(prefix_cache_gb) if prefix_cache_gb else None
+    dflash2_prefix_cache.PrefixPromptBatch.store = store
+    dflash2_audit.replace("mlx_vlm.generate:PromptProcessingBatch", dflash2_prefix_cache.PrefixPromptBatch)
 
     class PackGenerator(ResponseGenerator):
         speculation = Speculation()  # no drafter: every request plain

@@ -376,11 +376,41 @@ def _decoder_layer_call(self, *args, **kwargs):
 # One request's target and drafter
 
 
+def serves_rounds(draft_model, greedy_sampling: bool) -> bool:
+    """Whether policy_rounds runs a request's rounds itself (RequestDecoder) rather than
+    handing it to mlx-vlm's loop: a greedy request on a drafter with a cost table whose
+    drafter reads the target's taps as they are."""
+    return (getattr(draft_model, "round_costs", None) is not None and greedy_sampling
+            and not callable(getattr(draft_model, "prepare_target_hidden", None)))
+
+
+def context_window(draft_model) -> Optional[int]:
+    """How many of its context positions the drafter still reads at a round: with every
+    layer sliding, its window less one (mlx-vlm's sliding layers keep that many and skip the
+    rest, so the prompt's earlier taps are never read); otherwise None, all of them."""
+    layers = getattr(draft_model, "layers", None)
+    if not layers or not all(getattr(layer.self_attn, "is_sliding", False) for layer in layers):
+        return None
+    return int(draft_model.config.sliding_window) - 1
+
+
+def processed_tokens(prompt_cache) -> int:
+    """Positions the target's cache holds (one row): its first attention layer's offset."""
+    for layer in prompt_cache:
+        if getattr(layer, "keys", None) is not None:
+            offset = layer.offset
+            return offset if isinstance(offset, int) else int(mx.max(offset).item())
+    raise ValueError("the target's cache has no attention layer with positions")
+
+
 class RequestDecoder:
     """Rounds and plain steps on one request's caches, keeping the drafter's context whole.
 
     `context` holds the target's tap hidden states of the tokens the target processed
-    since the drafter last read them; a round hands them all to the drafter.
+    since the drafter last read them; a round hands them all to the drafter. With a sliding
+    drafter the prefill may have kept only the prompt's last taps (dflash2_prefix_cache): the
+    drafter's cache then starts past the positions left out, where its sliding layers would
+    have skipped them, so every position keeps its rotary offset.
     """
 
     def __init__(self, model, draft_model, prompt_cache, hidden, bonus, sampler, token_dtype):
@@ -390,6 +420,14 @@ class RequestDecoder:
         self.taps = list(draft_model.config.target_layer_ids)
         self.tap_layers = {id(self.lm.model.layers[index]) for index in self.taps}
         self.draft_cache = draft_model.reset(model)
+        left_out = processed_tokens(prompt_cache) - hidden.shape[1]
+        if left_out:
+            window = context_window(draft_model)
+            if window is None or hidden.shape[1] < window:
+                raise ValueError(f"the drafter's context lacks positions it reads ({left_out} left out, "
+                                 f"{hidden.shape[1]} kept, window {window})")
+            for layer in self.draft_cache:
+                layer.offset += left_out
         self.context = [hidden]
         self.bonus = bonus
         self.sampler = sampler
@@ -477,8 +515,7 @@ def policy_rounds(
     Without a measured cost table on the drafter (`draft_model.round_costs`), for sampling,
     or for drafters that prepare the target's hidden states themselves, mlx-vlm's own loop runs.
     """
-    costs = getattr(draft_model, "round_costs", None)
-    if costs is None or not greedy_sampling or callable(getattr(draft_model, "prepare_target_hidden", None)):
+    if not serves_rounds(draft_model, greedy_sampling):
         yield from dflash_rounds._dflash_rounds(
             model, draft_model, prompt_cache, hidden, first_bonus=first_bonus,
             max_tokens=max_tokens, sampler=sampler, draft_block_size=draft_block_size,
@@ -486,6 +523,7 @@ def policy_rounds(
             greedy_sampling=greedy_sampling,
         )
         return
+    costs = draft_model.round_costs
     ceiling = _dflash_block_total(draft_model, draft_block_size)
     fixed = ceiling if getattr(draft_model, "prefer_requested_block_size", False) else None
     memory = getattr(draft_model, "acceptance_memory", None)  # the engine's, with a measured table
@@ -566,8 +604,9 @@ def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = Non
 
     arms: name -> function that runs one sample and returns its ms. One warm-up
     pass first, then the arms interleaved (ABAB...) `repeats` times. deadline (a
-    time.monotonic() value): after the warm-up pass, raises TimeoutError at once if
-    `repeats` passes as long as it would end past the deadline.
+    time.monotonic() value): after each timed pass, raises TimeoutError at once if the
+    passes left, each as long as that one, would end past it (the warm-up pass compiles,
+    so it says little of how long a timed one takes).
     """
     samples = {name: [] for name in arms}
     for repeat in range(repeats + 1):
@@ -576,11 +615,12 @@ def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = Non
             ms = sample()
             if repeat:  # the first pass is the warm-up
                 samples[name].append(ms)
-        if not repeat and deadline is not None:
+        left = repeats - repeat
+        if repeat and left and deadline is not None:
             pass_s = time.monotonic() - started
-            late_s = time.monotonic() + repeats * pass_s - deadline
+            late_s = time.monotonic() + left * pass_s - deadline
             if late_s > 0:
-                raise TimeoutError(f"{len(arms)} arms: the warm-up pass took {pass_s:.0f} s, so {repeats} more "
+                raise TimeoutError(f"{len(arms)} arms: timed pass {repeat} took {pass_s:.0f} s, so {left} more "
                                    f"would end {late_s:.0f} s past the deadline")
     return {
         name: {"median": statistics.median(s), "min": min(s), "max": max(s)}

@@ -17,9 +17,15 @@ once per boundary. MLX arrays are immutable values and a cache's in-place update
 new buffer while another handle shares the old one; snapshots hold their own handles and a
 restore hands out new ones, so no request's cache can change a stored array.
 
+A drafter whose layers all slide reads only its window's last positions of the prompt's
+taps (mlx-vlm's sliding layers skip the rest), so for requests whose rounds RequestDecoder
+runs the prompt batch keeps only the prefill chunks those positions fall in: speculation's
+memory stays flat in the prompt's length. The entry then stores the taps from where the kept
+ones start, and a boundary is restored only where they cover the positions the drafter reads.
+
 The engine installs PrefixPromptBatch in place of mlx-vlm's PromptProcessingBatch (its
-BatchGenerator looks the class up on mlx_vlm.generate); dflash2_audit lists both. The store
-is used on mlx-vlm's one worker thread only.
+BatchGenerator looks the class up on mlx_vlm.generate), with or without a store; dflash2_audit
+lists both. The store is used on mlx-vlm's one worker thread only.
 """
 
 from collections import OrderedDict
@@ -31,6 +37,8 @@ import numpy as np
 from mlx_vlm.apc import media_token_spans, multimodal_token_ids_from_config
 from mlx_vlm.generate.ar import PromptProcessingBatch, _slice_sequence_aligned_prompt_kwarg
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from dflash2_policy import context_window, serves_rounds
 
 # The cache layers a snapshot knows how to copy (quantized KV is not among them).
 SNAPSHOT_TYPES = (KVCache, BatchKVCache, ArraysCache)
@@ -84,13 +92,19 @@ class Entry:
     """One prompt's stored states. layout: what a restore needs to match (cache layer
     types, the drafter's tap layers, the step); boundaries: position -> per-layer cache
     copies without KV; kv: per layer (keys, values) over the last boundary's positions, or
-    None; taps: per tap layer (1, last boundary, width), or None."""
+    None; taps: per tap layer (1, last boundary - taps_start, width), or None."""
 
     layout: tuple
     key: PromptKey
     boundaries: dict
     kv: list
     taps: list = None
+    taps_start: int = 0  # the position of the taps' first row (a sliding drafter's prefill left out the rest)
+
+    def covers(self, position: int, window) -> bool:
+        """Whether the taps hold what a drafter reading its last `window` positions (None: all)
+        needs at this boundary."""
+        return self.taps is None or self.taps_start <= position - min(position, window or position)
 
     def arrays(self):
         for layers in self.boundaries.values():
@@ -110,15 +124,17 @@ class PrefixStore:
         unique = {id(array): array.nbytes for entry in self.entries.values() for array in entry.arrays()}
         return sum(unique.values())
 
-    def lookup(self, layout, key: PromptKey, length: int):
-        """(entry, position) of the longest usable boundary, or (None, 0)."""
+    def lookup(self, layout, key: PromptKey, length: int, window=None):
+        """(entry, position) of the longest usable boundary, or (None, 0); window: the
+        drafter's, as Entry.covers takes it."""
         step = layout[-1]
         best, position = None, 0
         for entry in self.entries.values():
             if entry.layout != layout:
                 continue
             common = key.common_prefix(entry.key)
-            found = max((p for p in entry.boundaries if usable(p, common, length, step)), default=0)
+            found = max((p for p in entry.boundaries if usable(p, common, length, step) and entry.covers(p, window)),
+                        default=0)
             if found > position:
                 best, position = entry, found
         if best is not None:
@@ -205,12 +221,19 @@ class PrefixPromptBatch(PromptProcessingBatch):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # The drafter's window where the prompt's earlier taps may go (see the module's doc).
+        self._tap_window = None
+        if (self._speculative_prefill.kwargs and len(self.uids) == 1
+                and serves_rounds(self.draft_model, self.greedy_sampling)):
+            self._tap_window = context_window(self.draft_model)
+        self._taps_start = 0
         self._layout = self._prefix_layout()
         self._key, self._source, self._restored, self._boundaries = None, None, 0, {}
         if self._layout is None:
             return
         self._key = self._prompt_key()
-        self._source, self._restored = self.store.lookup(self._layout, self._key, self._inputs_embeds.shape[1])
+        self._source, self._restored = self.store.lookup(self._layout, self._key, self._inputs_embeds.shape[1],
+                                                         self._tap_window)
         if self._source is not None:
             self._restore(self._source, self._restored)
 
@@ -243,7 +266,12 @@ class PrefixPromptBatch(PromptProcessingBatch):
         """The state at `position`, as if prompt_step had prefilled up to it."""
         self.prompt_cache = restore_layers(entry.boundaries[position], entry.kv, position)
         if entry.taps is not None:
-            self._speculative_prefill.chunks = [[tap[:, :position] for tap in entry.taps]]
+            kept = position - entry.taps_start
+            if self._tap_window is not None:
+                kept = min(kept, self._tap_window)
+            self._taps_start = position - kept
+            start = self._taps_start - entry.taps_start
+            self._speculative_prefill.chunks = [[tap[:, start:position - entry.taps_start] for tap in entry.taps]]
         self._inputs_embeds = self._inputs_embeds[:, position:]
         self._input_ids = self._input_ids[:, position:]
         for name in self._prompt_length_aware_keys:
@@ -256,12 +284,22 @@ class PrefixPromptBatch(PromptProcessingBatch):
 
     def prompt_step(self) -> int:
         processed = super().prompt_step()
+        if processed:
+            self._drop_unread_taps()
         if processed and self._layout is not None:
             position = self._processed_prompt_columns
             self._boundaries[position] = snapshot_layers(self.prompt_cache)
             kept = kept_boundaries(self._boundaries, self.prefill_step_size)
             self._boundaries = {p: layers for p, layers in self._boundaries.items() if p in kept}
         return processed
+
+    def _drop_unread_taps(self):
+        """With a sliding drafter, the prefill chunks' taps before the last `window` positions go."""
+        if self._tap_window is None:
+            return
+        chunks = self._speculative_prefill.chunks
+        while len(chunks) > 1 and sum(chunk[0].shape[1] for chunk in chunks[1:]) >= self._tap_window:
+            self._taps_start += chunks.pop(0)[0].shape[1]
 
     def generate(self, *args, **kwargs):
         entry = None
@@ -273,7 +311,10 @@ class PrefixPromptBatch(PromptProcessingBatch):
                 taps = [mx.concatenate(parts, axis=1) for parts in zip(*chunks)]
                 self._speculative_prefill.chunks = [taps]
             entry = Entry(self._layout, self._key, self._boundaries, snapshot_kv(self.prompt_cache, last),
-                          _handles(taps))
+                          _handles(taps), self._taps_start)
+            # Boundaries whose taps went cannot serve this drafter again.
+            entry.boundaries = {p: layers for p, layers in entry.boundaries.items()
+                                if entry.covers(p, self._tap_window)}
         generation = super().generate(*args, **kwargs)
         if entry is not None:
             self.store.add(entry, self._source, self._restored)

@@ -252,3 +252,80 @@ def test_drafter_cache_grows_with_context_and_the_window_bounds_it(target):
     short, long = (cache_gb[str(context)] for context in contexts)
     assert long["full"] > short["full"] > 0
     assert long["sliding_window"] == short["sliding_window"] < short["full"]
+
+
+@pytest.fixture
+def sliding_drafter(target, monkeypatch):
+    """The tiny drafter with its sliding window and a cost table under which rounds pay (so
+    RequestDecoder runs them, as in the servers); restored as loaded afterwards. Yields
+    (drafter, the hidden rows each request's round loop started from)."""
+    import dflash2_policy
+    import dflash2_runtime
+    from bench_prefix import attention_layout_kept
+
+    _, _, drafter = target
+    blocks = range(2, dflash2_policy.MAX_ROWS + 1)
+    monkeypatch.setattr(drafter, "round_costs", dflash2_policy.RoundCosts(60.0, {b: 0.5 for b in blocks},
+                                                                          {b: 0.1 for b in blocks}), raising=False)
+    rows, start = [], dflash2_policy.RequestDecoder.__init__
+
+    def recording(self, model, draft_model, prompt_cache, hidden, *args):
+        rows.append(hidden.shape[1])
+        start(self, model, draft_model, prompt_cache, hidden, *args)
+
+    monkeypatch.setattr(dflash2_policy.RequestDecoder, "__init__", recording)
+    with attention_layout_kept(drafter):
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
+        yield drafter, rows
+
+
+def test_a_sliding_drafter_s_prompt_keeps_only_the_taps_it_reads(target, sliding_drafter):
+    """Past the window, the servers' prefill keeps the last chunks of taps that hold the
+    drafter's window, not the whole prompt's; the drafter's cache still ends at the positions
+    it reaches from the whole prompt's taps (mlx-vlm's own prompt batch), and the tokens are
+    plain decoding's."""
+    from bench_prefix import drafter_caches, turns
+
+    model, processor, _ = target
+    drafter, rows = sliding_drafter
+    window, step = drafter.config.sliding_window - 1, STEP * 8
+    prompt = turns(2 * window + 88, 1, 150, seed=1)[0]
+    inputs = {"input_ids": mx.array([prompt])}
+    plain = request(model, processor, inputs, step=step, max_tokens=12)[0]
+    offsets = {}
+    for served in (True, False):
+        with drafter_caches(drafter) as made:
+            tokens = request(model, processor, inputs, step=step, drafter=drafter, max_tokens=12,
+                             served_prefill=served)[0]
+        assert tokens == plain
+        offsets[served] = [layer.offset for layer in made[-1]]
+    assert window <= rows[0] <= window + step, rows  # the servers' prefill, then mlx-vlm's own
+    assert rows[1] == len(prompt)
+    assert offsets[True] == offsets[False]
+
+
+def test_a_sliding_drafter_s_turns_restore_exactly_from_the_taps_kept(target, first_logits, sliding_drafter):
+    """A conversation past the window on the speculative route with the drafter's window:
+    the stored entry holds only the taps from where the kept chunks start, the next turn
+    restores from it with the first token's logits bitwise a cold prefill's and plain
+    decoding's answer; a whole-context drafter cannot restore from it (its taps are gone)."""
+    from bench_prefix import turns
+
+    model, processor, _ = target
+    drafter, rows = sliding_drafter
+    window, step = drafter.config.sliding_window - 1, STEP * 8
+    first, second = turns(2 * window + 88, 40, 150, seed=2)
+    cold = request(model, processor, {"input_ids": mx.array([second])}, step=step, max_tokens=6)[0]
+    cold_logits = first_logits.pop()
+    store = PrefixStore(1.0)
+    request(model, processor, {"input_ids": mx.array([first])}, step=step, store=store, drafter=drafter)
+    (entry,) = store.entries.values()
+    assert entry.taps_start > 0 and entry.taps[0].shape[1] == len(first) - 1 - entry.taps_start
+    assert all(entry.covers(position, window) for position in entry.boundaries)
+    first_logits.clear()
+    tokens, cached = request(model, processor, {"input_ids": mx.array([second])}, step=step, store=store,
+                             drafter=drafter, max_tokens=6)[:2]
+    assert cached > window and tokens == cold
+    assert differing(first_logits.pop(), cold_logits) == 0
+    assert window <= rows[-1] <= window + step, rows
+    assert store.lookup(entry.layout, entry.key, len(first), window=None) == (None, 0)

@@ -521,22 +521,27 @@ def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(
     assert oracle.accept_lens[:-1] == [1] * (len(oracle.accept_lens) - 1), oracle.accept_lens
 
 
-def test_interleaved_ms_stops_after_the_warm_up_when_the_repeats_would_pass_the_deadline():
-    """A GPU call has a time limit: a run whose repeats cannot finish stops after its warm-up
-    pass rather than being killed with nothing written; one that fits runs every repeat."""
+def test_interleaved_ms_stops_after_a_timed_pass_when_the_repeats_left_would_pass_the_deadline():
+    """A GPU call has a time limit: a run whose repeats cannot finish stops after its first
+    timed pass (a warm-up pass compiles, and says little of a timed one's length) rather
+    than being killed with nothing written; one that fits runs every repeat."""
     calls = []
 
-    def arm(name):
+    def arm(name, warm_up_s=0.0):
         def sample():
+            time.sleep(0.02 + (warm_up_s if not calls.count(name) else 0.0))
             calls.append(name)
-            time.sleep(0.02)
             return 20.0
         return sample
 
+    slow_warm_up = {"a": arm("a", warm_up_s=0.3), "b": arm("b")}
+    stats = dflash2_policy.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
+    assert calls == ["a", "b"] * 6 and stats["b"]["median"] == 20.0  # fits, though 5 warm-ups would not
+    calls.clear()
     arms = {"a": arm("a"), "b": arm("b")}
-    with pytest.raises(TimeoutError, match="warm-up pass took"):
+    with pytest.raises(TimeoutError, match="timed pass 1 took"):
         dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
-    assert calls == ["a", "b"]  # the warm-up pass only
+    assert calls == ["a", "b"] * 2  # the warm-up pass and one timed pass
     calls.clear()
     stats = dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
     assert calls == ["a", "b"] * 6 and stats["a"]["median"] == 20.0

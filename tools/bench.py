@@ -154,8 +154,8 @@ def main():
                         help="end to end, plain under every decode arm (--no-all-decode-arms: stock "
                         "and the arm install chose only)")
     parser.add_argument("--deadline-s", type=float,
-                        help="seconds from the start: stop after the end-to-end warm-up pass, without a "
-                        "record, if the repeats would end later (a GPU call's limit)")
+                        help="seconds from the start: stop after an end-to-end timed pass, without a "
+                        "record, if the passes left would end later (a GPU call's limit)")
     parser.add_argument("--part", choices=["all", "rounds", "e2e"], default="all",
                         help="rounds: stop after the round phase; e2e: only the end-to-end phase, "
                         "added to the record a rounds run wrote in --out")

@@ -12,8 +12,10 @@ turn is timed cold (mlx-vlm's own prompt batch), cached (after the first turn st
 boundaries) and repeated (the same prompt again: all but its last token restored); the
 record says whether the cached first-token logits are bitwise the cold ones, how many tokens
 were reused and how large the store grew. `--speculative` runs the speculative route (the
-drafter's taps are stored too) beside the plain one, then measures speculation's extra memory
-at --memory-contexts with and without the drafter's sliding window. Median of --repeats.
+drafter's taps are stored too) beside the plain one, with the round policy's cost table
+measured as the speculative server measures it at start-up, then measures speculation's extra
+memory at --memory-contexts with and without the drafter's sliding window, each request
+prefilled by the servers' prompt batch without a store. Median of --repeats.
 Writes evidence/prefix-cache-<backend>-<size>.json and .md.
 """
 
@@ -34,6 +36,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 from mlx_vlm.generate.ar import BatchGenerator  # noqa: E402
 
 import dflash2_engine  # noqa: E402
+import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from dflash2_prefix_cache import PrefixPromptBatch, PrefixStore  # noqa: E402
 from parity import differing  # noqa: E402
@@ -71,12 +74,14 @@ def first_token_logits(model):
         language_model.__call__ = stock
 
 
-def request(model, processor, inputs, *, step, store=None, drafter=None, max_tokens=3):
+def request(model, processor, inputs, *, step, store=None, drafter=None, max_tokens=3, served_prefill=False):
     """One greedy request through BatchGenerator: (tokens, cached tokens, seconds to the first
-    token). store None: cold, mlx-vlm's own prompt batch; otherwise the prefix cache's."""
+    token). store None: cold, mlx-vlm's own prompt batch, or with served_prefill the servers'
+    without a store (which keeps only the taps a sliding drafter reads); otherwise the prefix
+    cache's."""
     generate_module = sys.modules["mlx_vlm.generate"]
     stock = generate_module.PromptProcessingBatch
-    if store is not None:
+    if store is not None or served_prefill:
         generate_module.PromptProcessingBatch = type("StoredPromptBatch", (PrefixPromptBatch,), {"store": store})
     try:
         generator = BatchGenerator(model.language_model, processor, prefill_step_size=step, draft_model=drafter,
@@ -167,7 +172,8 @@ def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
         gc.collect()  # the earlier requests' caches go now, not when the collector next runs
         mx.clear_cache()
         mx.reset_peak_memory()
-        request(model, processor, inputs, step=step, drafter=drafter if layout else None, max_tokens=16)
+        request(model, processor, inputs, step=step, drafter=drafter if layout else None, max_tokens=16,
+                served_prefill=True)
         if layout:
             cache_gb.setdefault(str(context), {})[layout] = round(sum(map(cache_bytes, made)) / 1e9, 6)
             made.clear()  # kept, this request's cache would sit under the next one's peak
@@ -284,6 +290,9 @@ def main():
         model.language_model.args.linear_num_value_heads, max(args.step_sizes))
     dflash2_engine.use_first_tokens_first()  # as both servers hand out a first token
     print(prefill_inverse, flush=True)
+    if drafter is not None:  # the policy's table, as the speculative server measures it at start-up
+        drafter.round_costs = dflash2_policy.measure_round_costs(model, drafter)
+        print("round costs:", drafter.round_costs.summary(), flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
     results, memory, peak_over_plain, peak_spread, drafter_cache = {}, {}, {}, {}, {}
