@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_kernels as dk
-from kernel_parity import TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
+from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 
 SHAPE = (16, 512)
 
@@ -459,18 +459,29 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     assert len(kernel.launches) == dk.MAX_ROWS
 
 
-def test_tuned_launch_splits_only_rows_it_divides():
+def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_registers():
     """kernel_parity's tuning gives untimed row counts the nearest timed choice, its split of
-    the activation rows cut to one that divides theirs (qmv_split_rows asserts it does)."""
+    the activation rows cut to one that divides theirs (qmv_split_rows asserts it does) and
+    its output rows per warp to MAX_ACCUMULATORS (at 5 or 7 rows, 4 output rows spill)."""
     assert launch_for_rows((2, 4, 1, 4), 6) == (2, 4, 1, 3)
     assert launch_for_rows((2, 4, 1, 2), 7) == (2, 4, 1)
     assert launch_for_rows((2, 2, 1), 5) == (2, 2, 1)
+    assert launch_for_rows((4, 2, 1, 2), 7) == (2, 2, 1)
+    assert launch_for_rows((4, 2, 1, 2), 5) == (3, 2, 1)
+    assert launch_for_rows((4, 2, 1, 2), 6) == (4, 2, 1, 2)
+
+    def accumulators(launch, rows):
+        return launch[0] * rows // (launch[3] if len(launch) > 3 else 1)
+
     for rows, launches in TUNE_LAUNCHES.items():
         assert all(rows % (launch[3] if len(launch) > 3 else 1) == 0 for launch in launches)
+        assert all(accumulators(launch, rows) <= MAX_ACCUMULATORS for launch in launches)
     for rows, like in TUNE_FALLBACK.items():
         for launch in TUNE_LAUNCHES[like]:
             split = launch_for_rows(launch, rows)
             assert rows % (split[3] if len(split) > 3 else 1) == 0
+            assert accumulators(split, rows) <= MAX_ACCUMULATORS
+    assert all(accumulators(launch, rows) <= MAX_ACCUMULATORS for rows, launch in dk.CUDA_LAUNCH.items())
 
 
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")

@@ -31,15 +31,22 @@ from records import run_environment, write_record  # noqa: E402
 BENCH_ROWS = (1, 2, 4, 8)
 # CUDA launch shapes (output rows per warp, weight steps per load, prefetch[, warps
 # the activation rows split over]) tried by --tune, by activation rows.
+# More output rows per warp (R) share each activation load among more outputs (at 8 rows
+# and R 2 a lane loads 32 activation bytes per weight word it reads); splitting the
+# activation rows over S warps keeps R * M / S accumulators in registers.
 TUNE_LAUNCHES = {
-    1: [(1, 4, 1), (2, 4, 0), (2, 4, 1), (2, 8, 1)],
-    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2)],
-    4: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 1, 2), (2, 4, 0, 4)],
-    8: [(2, 1, 1), (2, 2, 0), (2, 2, 1), (2, 2, 1, 2), (2, 4, 1, 2), (2, 4, 1, 4), (2, 4, 0, 8)],
+    1: [(1, 4, 1), (2, 4, 0), (2, 4, 1), (2, 8, 1), (4, 4, 0)],
+    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2), (4, 2, 1), (4, 4, 1)],
+    4: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 1, 2), (2, 4, 0, 4), (4, 1, 1), (4, 2, 1), (4, 2, 1, 2)],
+    8: [(2, 1, 1), (2, 2, 0), (2, 2, 1), (2, 2, 1, 2), (2, 4, 1, 2), (2, 4, 1, 4), (2, 4, 0, 8),
+        (3, 2, 1, 2), (4, 1, 1, 2), (4, 2, 1, 2), (4, 2, 1, 4)],
 }
+# R * M / S accumulators of 8 registers each: 16 take about 250 of a thread's 255
+# registers at sm_90 (ptxas -v); 20 spill.
+MAX_ACCUMULATORS = 16
 # Rows not timed take the choice of the nearest timed row count with as many
-# or more rows (so their accumulators fit as well), split over as many warps as
-# divide their rows, up to the choice's.
+# or more rows, split over as many warps as divide their rows, up to the
+# choice's, and with no more output rows per warp than MAX_ACCUMULATORS allows.
 TUNE_FALLBACK = {3: 4, 5: 8, 6: 8, 7: 8}
 TUNE_SHAPES = ((17408, 5120), (5120, 17408), (1024, 5120))
 # Enough weight copies per timing that they do not sit in the 50 MB L2.
@@ -49,11 +56,11 @@ REPEATS = 15
 
 
 def launch_for_rows(launch: tuple, rows: int) -> tuple:
-    """A launch chosen for another row count, its split cut to a divisor of `rows`."""
+    """A launch chosen for another row count: its split cut to a divisor of `rows`, its output
+    rows per warp to what MAX_ACCUMULATORS allows."""
     rows_per_warp, chunk, prefetch, *split = launch
-    if not split:
-        return launch
-    split = max(s for s in range(1, split[0] + 1) if rows % s == 0)
+    split = max(s for s in range(1, (split or [1])[0] + 1) if rows % s == 0)
+    rows_per_warp = min(rows_per_warp, max(1, MAX_ACCUMULATORS // (rows // split)))
     return (rows_per_warp, chunk, prefetch) if split == 1 else (rows_per_warp, chunk, prefetch, split)
 
 
