@@ -480,7 +480,7 @@ _CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH>(x, w, scales, bias
 # R * M / S accumulators of 8 registers bound R.
 # Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md).
 CUDA_LAUNCH = {
-    1: (2, 4, 0), 2: (2, 4, 1), 3: (2, 2, 1), 4: (2, 2, 1),
+    1: (2, 4, 0), 2: (2, 2, 1), 3: (4, 2, 1), 4: (4, 2, 1),
     5: (2, 2, 1), 6: (2, 2, 1), 7: (2, 2, 1), 8: (2, 2, 1),
 }
 CUDA_WARPS_PER_BLOCK = 4
