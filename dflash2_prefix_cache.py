@@ -19,7 +19,8 @@ restore hands out new ones, so no request's cache can change a stored array.
 
 A drafter whose layers all slide reads only its window's last positions of the prompt's
 taps (mlx-vlm's sliding layers skip the rest), so for requests whose rounds RequestDecoder
-runs the prompt batch keeps only the prefill chunks those positions fall in: speculation's
+runs the prompt batch keeps only the prefill chunks those positions fall in (with a store,
+also those before the last aligned boundaries, where a next turn resumes): speculation's
 memory stays flat in the prompt's length. The entry then stores the taps from where the kept
 ones start, and a boundary is restored only where they cover the positions the drafter reads.
 
@@ -228,6 +229,11 @@ class PrefixPromptBatch(PromptProcessingBatch):
             self._tap_window = context_window(self.draft_model)
         self._taps_start = 0
         self._layout = self._prefix_layout()
+        # Taps kept: the window's, and with a store the window before each of the last
+        # RECENT_BOUNDARIES aligned boundaries too (where the next turn resumes).
+        self._taps_kept = self._tap_window
+        if self._tap_window is not None and self._layout is not None:
+            self._taps_kept += RECENT_BOUNDARIES * self.prefill_step_size
         self._key, self._source, self._restored, self._boundaries = None, None, 0, {}
         if self._layout is None:
             return
@@ -267,8 +273,8 @@ class PrefixPromptBatch(PromptProcessingBatch):
         self.prompt_cache = restore_layers(entry.boundaries[position], entry.kv, position)
         if entry.taps is not None:
             kept = position - entry.taps_start
-            if self._tap_window is not None:
-                kept = min(kept, self._tap_window)
+            if self._taps_kept is not None:
+                kept = min(kept, self._taps_kept)
             self._taps_start = position - kept
             start = self._taps_start - entry.taps_start
             self._speculative_prefill.chunks = [[tap[:, start:position - entry.taps_start] for tap in entry.taps]]
@@ -294,11 +300,11 @@ class PrefixPromptBatch(PromptProcessingBatch):
         return processed
 
     def _drop_unread_taps(self):
-        """With a sliding drafter, the prefill chunks' taps before the last `window` positions go."""
-        if self._tap_window is None:
+        """With a sliding drafter, the prefill chunks' taps before the last `_taps_kept` positions go."""
+        if self._taps_kept is None:
             return
         chunks = self._speculative_prefill.chunks
-        while len(chunks) > 1 and sum(chunk[0].shape[1] for chunk in chunks[1:]) >= self._tap_window:
+        while len(chunks) > 1 and sum(chunk[0].shape[1] for chunk in chunks[1:]) >= self._taps_kept:
             self._taps_start += chunks.pop(0)[0].shape[1]
 
     def generate(self, *args, **kwargs):

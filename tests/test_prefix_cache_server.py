@@ -6,6 +6,7 @@ tests/gpu_rounding.py's swaps installed before it starts:
   cached_plain  serve.py, prefix cache on
   cold          serve_dflash2.py --no-prefix-cache with a round cost table under which no
                 block pays: the reference answers, greedy ones routed plain
+  window_spec   serve_dflash2.py --dflash2-sliding-window, prefix cache on (greedy only)
 Conversations run turn by turn through the openai client: text and a tool call answered
 by the tool's result greedy on the speculative route, thinking and an image with
 top_logprobs on the plain route (test_prefix_cache.py runs every conversation on both
@@ -37,6 +38,9 @@ sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 SYSTEM = {"role": "system", "content": "Answer in one word."}
+# Past the tiny drafter's sliding window (256 positions) in tokens: with the window, the
+# prefill keeps only the taps the drafter reads.
+LONG = " ".join(["alpha beta gamma delta"] * 90)
 
 
 def image_url(color):
@@ -62,6 +66,11 @@ CONVERSATIONS = {  # name -> (enable_thinking, the messages of each turn)
         [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
     ]),
+    "long": (False, [
+        [{"role": "user", "content": LONG}],
+        [{"role": "user", "content": LONG}, {"role": "assistant", "content": "Fine."},
+         {"role": "user", "content": "Again?"}],
+    ]),
     # mlx-vlm's chat endpoint attaches a request's images to its last user message, so the
     # history before that message (here the system prompt) is what a later turn reuses.
     "image": (False, [
@@ -75,8 +84,9 @@ CONVERSATIONS = {  # name -> (enable_thinking, the messages of each turn)
 # Every round costs at least its block in decode steps: not even full acceptance beats plain.
 NEVER_PAYS = {**ROUND_COSTS, "verify_steps_by_block": {str(b): float(b) for b in range(2, 9)}}
 ROUTES = {"speculative": {}, "plain": {"logprobs": True, "top_logprobs": TOP_LOGPROBS}}
-ON_ROUTE = {"speculative": ("text", "tool-call"), "plain": ("thinking", "image")}
-SERVED = {"cached_spec": ROUTES, "cached_plain": {"plain": ROUTES["plain"]}, "cold": ROUTES}
+ON_ROUTE = {"speculative": ("text", "tool-call", "long"), "plain": ("thinking", "image")}
+SERVED = {"cached_spec": ROUTES, "cached_plain": {"plain": ROUTES["plain"]}, "cold": ROUTES,
+          "window_spec": {"speculative": ROUTES["speculative"]}}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +97,8 @@ def servers(built_pack, start_server, tmp_path_factory):
     common = ["serve_dflash2.py", "--prefill-step-size", str(STEP), "--top-logprobs-k", str(TOP_LOGPROBS)]
     commands = {"cached_spec": [*common, "--dflash2-round-costs", str(folder / "pays.json")],
                 "cached_plain": ["serve.py", *common[1:]],
-                "cold": [*common, "--dflash2-round-costs", str(folder / "never-pays.json"), "--no-prefix-cache"]}
+                "cold": [*common, "--dflash2-round-costs", str(folder / "never-pays.json"), "--no-prefix-cache"],
+                "window_spec": [*common, "--dflash2-round-costs", str(folder / "pays.json"), "--dflash2-sliding-window"]}
     started = {name: start_server(name, ["-c", WITH_GPU_ROUNDING, *command], cwd=built_pack)
                for name, command in commands.items()}
     for server in started.values():
@@ -128,13 +139,13 @@ def results(servers):
         return dict(zip(SERVED, pool.map(run, SERVED)))
 
 
-@pytest.mark.parametrize("name", ["cached_spec", "cached_plain"])
+@pytest.mark.parametrize("name", ["cached_spec", "cached_plain", "window_spec"])
 def test_cached_answers_equal_cold_answers(results, name):
     for key, (mode, answer, logprobs, _, _) in results[name].items():
         cold_mode, cold_answer, cold_logprobs, _, cold_cached = results["cold"][key]
         assert cold_cached == 0, key
         assert (answer, logprobs) == (cold_answer, cold_logprobs), key
-        if name == "cached_spec":
+        if name != "cached_plain":
             assert mode == ("speculative" if key[1] == "speculative" else "fallback; reason=logprobs")
 
 
@@ -150,13 +161,21 @@ def test_greedy_requests_go_plain_where_no_block_pays_and_say_why(results, serve
     assert "greedy requests are routed plain" in servers["cold"].log()
 
 
-@pytest.mark.parametrize("name", ["cached_spec", "cached_plain"])
+@pytest.mark.parametrize("name", ["cached_spec", "cached_plain", "window_spec"])
 def test_later_turns_reuse_the_history_and_say_so(results, servers, name):
     log = servers[name].log()
     for (conversation, route, index), (_, _, _, prompt_tokens, cached) in results[name].items():
         if index:
             assert 0 < cached < prompt_tokens and cached % STEP == 0, (conversation, route, cached)
             assert f"prompt_tokens={prompt_tokens} cached_tokens={cached}" in log
+
+
+def test_the_drafter_s_window_restores_a_long_history_where_the_whole_context_does(results):
+    """The sliding-window server keeps only the taps its drafter reads and those before the
+    last aligned boundaries: the long conversation's next turn reuses as much history as on
+    the whole-context server, and its prompt is past the window."""
+    window, whole = (results[name][("long", "speculative", 1)] for name in ("window_spec", "cached_spec"))
+    assert window[3] == whole[3] > 256 and window[4] == whole[4] > 0
 
 
 def test_a_repeated_prompt_restores_all_but_its_last_token(results, servers):
