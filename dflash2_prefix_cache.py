@@ -22,7 +22,9 @@ taps (mlx-vlm's sliding layers skip the rest), so for requests whose rounds Requ
 runs the prompt batch keeps only the prefill chunks those positions fall in (with a store,
 also those before the last aligned boundaries, where a next turn resumes): speculation's
 memory stays flat in the prompt's length. The entry then stores the taps from where the kept
-ones start, and a boundary is restored only where they cover the positions the drafter reads.
+ones start, and a boundary is restored only where they cover the positions the drafter reads:
+on that route a prompt's older boundaries (a shared system prompt, an edit further back) are
+not kept, only those near its end.
 
 The engine installs PrefixPromptBatch in place of mlx-vlm's PromptProcessingBatch (its
 BatchGenerator looks the class up on mlx_vlm.generate), with or without a store; dflash2_audit
@@ -59,6 +61,12 @@ def kept_boundaries(positions, step: int) -> set:
     aligned = sorted(p for p in positions if p % step == 0)
     kept = {p for p in positions if p % step} | set(aligned[-RECENT_BOUNDARIES:])
     return kept | {p for p in aligned if (p // step) & (p // step - 1) == 0}
+
+
+def taps_cover(taps_start: int, position: int, window) -> bool:
+    """Whether taps from `taps_start` hold what a drafter reading its last `window` positions
+    (None: all of them) needs at a boundary."""
+    return taps_start <= position - min(position, window or position)
 
 
 def usable(position: int, common: int, length: int, step: int) -> bool:
@@ -103,9 +111,8 @@ class Entry:
     taps_start: int = 0  # the position of the taps' first row (a sliding drafter's prefill left out the rest)
 
     def covers(self, position: int, window) -> bool:
-        """Whether the taps hold what a drafter reading its last `window` positions (None: all)
-        needs at this boundary."""
-        return self.taps is None or self.taps_start <= position - min(position, window or position)
+        """Whether the taps hold what the drafter needs at this boundary (taps_cover)."""
+        return self.taps is None or taps_cover(self.taps_start, position, window)
 
     def arrays(self):
         for layers in self.boundaries.values():
@@ -296,7 +303,10 @@ class PrefixPromptBatch(PromptProcessingBatch):
             position = self._processed_prompt_columns
             self._boundaries[position] = snapshot_layers(self.prompt_cache)
             kept = kept_boundaries(self._boundaries, self.prefill_step_size)
-            self._boundaries = {p: layers for p, layers in self._boundaries.items() if p in kept}
+            # With a sliding drafter, a boundary whose taps went can never be restored: its
+            # snapshot goes now rather than when the entry is stored.
+            self._boundaries = {p: layers for p, layers in self._boundaries.items() if p in kept
+                                and (self._taps_kept is None or taps_cover(self._taps_start, p, self._tap_window))}
         return processed
 
     def _drop_unread_taps(self):

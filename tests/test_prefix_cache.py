@@ -258,7 +258,8 @@ def test_drafter_cache_grows_with_context_and_the_window_bounds_it(target):
 def sliding_drafter(target, monkeypatch):
     """The tiny drafter with its sliding window and a cost table under which rounds pay (so
     RequestDecoder runs them, as in the servers); restored as loaded afterwards. Yields
-    (drafter, the hidden rows each request's round loop started from)."""
+    (drafter, per request: the hidden states its round loop started from, the positions the
+    target had processed, and the drafter's cache offsets right after its first draft)."""
     import dflash2_policy
     import dflash2_runtime
     from bench_prefix import attention_layout_kept
@@ -267,66 +268,82 @@ def sliding_drafter(target, monkeypatch):
     blocks = range(2, dflash2_policy.MAX_ROWS + 1)
     monkeypatch.setattr(drafter, "round_costs", dflash2_policy.RoundCosts(60.0, {b: 0.5 for b in blocks},
                                                                           {b: 0.1 for b in blocks}), raising=False)
-    rows, start = [], dflash2_policy.RequestDecoder.__init__
+    seen, start, draft = [], dflash2_policy.RequestDecoder.__init__, dflash2_policy.RequestDecoder.draft
 
-    def recording(self, model, draft_model, prompt_cache, hidden, *args):
-        rows.append(hidden.shape[1])
+    def recording_start(self, model, draft_model, prompt_cache, hidden, *args):
+        seen.append({"hidden": hidden, "processed": dflash2_policy.processed_tokens(prompt_cache)})
         start(self, model, draft_model, prompt_cache, hidden, *args)
 
-    monkeypatch.setattr(dflash2_policy.RequestDecoder, "__init__", recording)
+    def recording_draft(self, block, hidden):
+        tokens = draft(self, block, hidden)
+        seen[-1].setdefault("offsets", [layer.offset for layer in self.draft_cache])
+        return tokens
+
+    monkeypatch.setattr(dflash2_policy.RequestDecoder, "__init__", recording_start)
+    monkeypatch.setattr(dflash2_policy.RequestDecoder, "draft", recording_draft)
     with attention_layout_kept(drafter):
         dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
-        yield drafter, rows
+        yield drafter, seen
 
 
 def test_a_sliding_drafter_s_prompt_keeps_only_the_taps_it_reads(target, sliding_drafter):
     """Past the window, the servers' prefill keeps the last chunks of taps that hold the
-    drafter's window, not the whole prompt's; the drafter's cache still ends at the positions
-    it reaches from the whole prompt's taps (mlx-vlm's own prompt batch), and the tokens are
-    plain decoding's."""
-    from bench_prefix import drafter_caches, turns
+    drafter's window, not the whole prompt's (mlx-vlm's own prompt batch keeps them all);
+    either way the drafter's first draft leaves its cache at the prompt's length (its
+    positions), and the tokens are plain decoding's."""
+    from bench_prefix import turns
 
     model, processor, _ = target
-    drafter, rows = sliding_drafter
+    drafter, seen = sliding_drafter
     window, step = drafter.config.sliding_window - 1, STEP * 8
     prompt = turns(2 * window + 88, 1, 150, seed=1)[0]
     inputs = {"input_ids": mx.array([prompt])}
     plain = request(model, processor, inputs, step=step, max_tokens=12)[0]
-    offsets = {}
     for served in (True, False):
-        with drafter_caches(drafter) as made:
-            tokens = request(model, processor, inputs, step=step, drafter=drafter, max_tokens=12,
-                             served_prefill=served)[0]
+        tokens = request(model, processor, inputs, step=step, drafter=drafter, max_tokens=12,
+                         served_prefill=served)[0]
         assert tokens == plain
-        offsets[served] = [layer.offset for layer in made[-1]]
-    assert window <= rows[0] <= window + step, rows  # the servers' prefill, then mlx-vlm's own
-    assert rows[1] == len(prompt)
-    assert offsets[True] == offsets[False]
+    servers, stock = seen
+    assert window <= servers["hidden"].shape[1] <= window + step and stock["hidden"].shape[1] == len(prompt)
+    for request_seen in seen:
+        assert request_seen["processed"] == len(prompt)
+        assert request_seen["offsets"] == [len(prompt)] * len(drafter.layers)
+    assert differing(servers["hidden"][:, -window:], stock["hidden"][:, -window:]) == 0
 
 
-def test_a_sliding_drafter_s_turns_restore_exactly_from_the_taps_kept(target, first_logits, sliding_drafter):
+# Past 2 windows: at 70 a window's taps before the restored boundary reach back past the
+# last aligned boundary only (keeping the window's alone, the restore misses); at 90 the
+# stored taps hold a row more than a restore keeps (it must drop the first, not the last).
+@pytest.mark.parametrize("past", [70, 90])
+def test_a_sliding_drafter_s_turns_restore_exactly_from_the_taps_kept(target, first_logits, sliding_drafter, past):
     """A conversation past the window on the speculative route with the drafter's window:
     the stored entry holds only the taps from where the kept chunks start, the next turn
     restores from it at the boundary it would without the window (the taps before the last
-    aligned boundaries stay), with the first token's logits bitwise a cold prefill's and
-    plain decoding's answer; a whole-context drafter cannot restore from it (its taps are gone)."""
+    aligned boundaries stay), with the window's taps, the first token's logits and the
+    drafter's positions those of a cold prefill and plain decoding's answer; a whole-context
+    drafter cannot restore from it (its taps are gone)."""
     from bench_prefix import GENERATION_PROMPT, turns
 
     model, processor, _ = target
-    drafter, rows = sliding_drafter
+    drafter, seen = sliding_drafter
     window, step = drafter.config.sliding_window - 1, STEP * 8
-    first, second = turns(2 * window + 70, 40, 150, seed=2)  # a window's taps reach back past 1 step only
+    first, second = turns(2 * window + past, 40, 150, seed=2)
     cold = request(model, processor, {"input_ids": mx.array([second])}, step=step, max_tokens=6)[0]
     cold_logits = first_logits.pop()
+    request(model, processor, {"input_ids": mx.array([second])}, step=step, drafter=drafter, served_prefill=True)
+    cold_spec = seen[-1]
     store = PrefixStore(1.0)
     request(model, processor, {"input_ids": mx.array([first])}, step=step, store=store, drafter=drafter)
     (entry,) = store.entries.values()
     assert entry.taps_start > 0 and entry.taps[0].shape[1] == len(first) - 1 - entry.taps_start
-    assert all(entry.covers(position, window) for position in entry.boundaries)
+    assert entry.boundaries and all(entry.covers(position, window) for position in entry.boundaries)
     first_logits.clear()
     tokens, cached = request(model, processor, {"input_ids": mx.array([second])}, step=step, store=store,
                              drafter=drafter, max_tokens=6)[:2]
     assert cached == (len(first) - GENERATION_PROMPT) // step * step and tokens == cold
     assert differing(first_logits.pop(), cold_logits) == 0
-    assert window <= rows[-1] <= window + (dflash2_prefix_cache.RECENT_BOUNDARIES + 1) * step, rows
+    restored = seen[-1]
+    assert window <= restored["hidden"].shape[1] <= window + (dflash2_prefix_cache.RECENT_BOUNDARIES + 1) * step
+    assert differing(restored["hidden"][:, -window:], cold_spec["hidden"][:, -window:]) == 0
+    assert restored["offsets"] == cold_spec["offsets"] == [len(second)] * len(drafter.layers)
     assert store.lookup(entry.layout, entry.key, len(first), window=None) == (None, 0)
