@@ -657,13 +657,15 @@ def steady_ms(steps, run: int, settle):
     return sample
 
 
-def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=3) -> RoundCosts:
+def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=3, plain_run=8) -> RoundCosts:
     """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling,
     and the refill of a plain step right after a round.
 
     Runs the request loop's own code on a scratch cache after a short synthetic prompt. Each
     sample is a steady run as a request has it: one untimed lead-in (switching from the
-    previous arm), then `run` rounds (or plain steps, or drafter passes) back to back,
+    previous arm), then `run` rounds (or drafter passes, or `plain_run` plain steps: the
+    refill their first step pays, a noisy difference of two arms, is a smaller share of
+    them to take out) back to back,
     their host work overlapping the GPU as it does in generation, and the state they leave
     evaluated (_settle). Samples are interleaved after a warm-up pass (interleaved_ms);
     each figure is a median of `repeats`. What the policy uses is a whole round (draft,
@@ -689,8 +691,8 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
         decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax, mx.int32)
         one_row = hidden[:, -1:]
 
-        def steady(steps):
-            return steady_ms(steps, run, lambda: _settle(decoder))
+        def steady(steps, count=run):
+            return steady_ms(steps, count, lambda: _settle(decoder))
 
         def rounds(block):
             return lambda count: [decoder.round(block, block) for _ in range(count)]
@@ -698,7 +700,7 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
         def drafts(block):
             return lambda count: [decoder.draft(block, one_row) for _ in range(count)]
 
-        arms = {"decode": steady(lambda count: list(decoder.plain_steps(count)))}
+        arms = {"decode": steady(lambda count: list(decoder.plain_steps(count)), plain_run)}
         for block in blocks:
             arms[("draft", block)] = steady(drafts(block))
             arms[("round", block)] = steady(rounds(block))
@@ -710,12 +712,12 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
     lm._position_ids = lm._rope_deltas = None
     draft_model.reset(model)
 
-    # A "decode" sample's first step refills too: per step it took steady + refill / run,
+    # A "decode" sample's first step refills too: per step it took steady + refill / plain_run,
     # and a round's plain step took steady + refill.
     after_round = ms["refill"] - ms[("round", 2)]
-    refill_ms = max(0.0, (after_round - ms["decode"]) * run / (run - 1)) if run > 1 else 0.0
-    refill_ms = min(refill_ms, ms["decode"] * run / 2)  # noise cannot take the steady step below half
-    step_ms = ms["decode"] - refill_ms / run
+    refill_ms = max(0.0, (after_round - ms["decode"]) * plain_run / (plain_run - 1)) if plain_run > 1 else 0.0
+    refill_ms = min(refill_ms, ms["decode"] * plain_run / 2)  # noise cannot take the steady step below half
+    step_ms = ms["decode"] - refill_ms / plain_run
     draft = {block: min(ms[("draft", block)], ms[("round", block)]) for block in blocks}
     return RoundCosts(
         decode_step_ms=step_ms,
