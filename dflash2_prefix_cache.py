@@ -294,6 +294,7 @@ class PrefixPromptBatch(PromptProcessingBatch):
         self._cached_tokens_per_row = [position]
         # Boundaries up to here are the source's (same tokens, same arrays).
         self._boundaries = {p: layers for p, layers in entry.boundaries.items() if p <= position}
+        self._drop_uncovered_boundaries()
 
     def prompt_step(self) -> int:
         processed = super().prompt_step()
@@ -303,11 +304,15 @@ class PrefixPromptBatch(PromptProcessingBatch):
             position = self._processed_prompt_columns
             self._boundaries[position] = snapshot_layers(self.prompt_cache)
             kept = kept_boundaries(self._boundaries, self.prefill_step_size)
-            # With a sliding drafter, a boundary whose taps went can never be restored: its
-            # snapshot goes now rather than when the entry is stored.
-            self._boundaries = {p: layers for p, layers in self._boundaries.items() if p in kept
-                                and (self._taps_kept is None or taps_cover(self._taps_start, p, self._tap_window))}
+            self._boundaries = {p: layers for p, layers in self._boundaries.items() if p in kept}
+            self._drop_uncovered_boundaries()
         return processed
+
+    def _drop_uncovered_boundaries(self):
+        """With a sliding drafter, a boundary whose taps went can never be restored: its
+        snapshot goes as soon as they do (after a restore or a prefill step), not stored."""
+        self._boundaries = {p: layers for p, layers in self._boundaries.items()
+                            if taps_cover(self._taps_start, p, self._tap_window)}
 
     def _drop_unread_taps(self):
         """With a sliding drafter, the prefill chunks' taps before the last `_taps_kept` positions go."""
@@ -328,9 +333,6 @@ class PrefixPromptBatch(PromptProcessingBatch):
                 self._speculative_prefill.chunks = [taps]
             entry = Entry(self._layout, self._key, self._boundaries, snapshot_kv(self.prompt_cache, last),
                           _handles(taps), self._taps_start)
-            # Boundaries whose taps went cannot serve this drafter again.
-            entry.boundaries = {p: layers for p, layers in entry.boundaries.items()
-                                if entry.covers(p, self._tap_window)}
         generation = super().generate(*args, **kwargs)
         if entry is not None:
             self.store.add(entry, self._source, self._restored)
