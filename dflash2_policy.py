@@ -45,9 +45,12 @@ PROBE_BUDGET = 0.03
 # Acceptance evidence weighs less with every token emitted since (half-life ~23 tokens).
 ACCEPTANCE_DECAY = 0.97
 # Before any evidence, a draft is accepted half the time (about a chat-like drafter), with
-# the weight of half a round; an unobserved deeper position is assumed as good as the one before.
+# the weight of half a round; an unobserved deeper position is assumed PRIOR_DEPTH_DECAY times
+# as good as the one before (at 1.0 a policy that only tried small blocks kept retrying block 8
+# on the unproven promise of its deeper positions).
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 0.5
+PRIOR_DEPTH_DECAY = 0.8
 # While a learning table has no block that pays, one greedy request in this many still goes
 # speculative (the policy decodes it plain but probes rounds), so the table keeps learning.
 ROUTE_PROBE_EVERY = 16
@@ -243,8 +246,9 @@ class AcceptanceEstimate:
     def conditional(self) -> list:
         rates, prior = [], PRIOR_ACCEPTANCE
         for accepted, tried in zip(self.accepted, self.tried):
-            prior = (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
-            rates.append(prior)
+            rate = (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
+            rates.append(rate)
+            prior = rate * PRIOR_DEPTH_DECAY
         return rates
 
     def expected_tokens(self, block: int) -> float:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_policy
-from dflash2_policy import PAY_MARGIN, PROBE_BUDGET, RoundCosts, RoundPolicy
+from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
 from oracle_drafter import OracleDrafter
 from parity import PROMPTS, chat_ids, greedy
 
@@ -69,6 +69,18 @@ def test_choice_equals_exhaustive_expected_value():
         assert choice == exhaustive_choice(costs, rates, remaining), (costs, rates, remaining)
         choices.add(choice)
     assert None in choices and len(choices) >= 5  # plain and several blocks were chosen
+
+
+def test_an_untried_position_is_assumed_less_likely_than_the_one_before():
+    # Only the first position tried, always accepted: deeper positions promise less and less,
+    # so a policy that proved a small block is not lured back to block 8 by the prior alone.
+    estimate = AcceptanceEstimate(7)
+    for _ in range(20):
+        estimate.record(1, 1)
+    rates = estimate.conditional()
+    assert rates[0] > 0.95
+    assert rates[1:] == pytest.approx([rates[0] * PRIOR_DEPTH_DECAY ** k for k in range(1, 7)])
+    assert estimate.expected_tokens(8) < 1 + sum(rates[0] ** k for k in range(1, 8)) - 1
 
 
 def test_probe_waits_for_the_budget_plain_run_says_how_long():
@@ -264,7 +276,9 @@ def test_probes_return_to_rounds_when_acceptance_recovers(target, prompt_and_pla
     # acceptance again, rounds ran full blocks.
     last = rounds[-3:]
     assert len(rounds) >= 4 and all(accepted == block - 1 for block, accepted in last), rounds
-    assert max(block for block, _ in last) >= 4, rounds
+    # and deepened (an untried position is assumed less likely than the one before, so the
+    # policy earns each deeper position with a full round).
+    assert max(block for block, _ in last) >= 3, rounds
 
 
 def test_plain_steps_record_the_taps_capture_layer_ids_gives(target):  # noqa: F811

@@ -153,6 +153,9 @@ def main():
     parser.add_argument("--all-decode-arms", action=argparse.BooleanOptionalAction, default=True,
                         help="end to end, plain under every decode arm (--no-all-decode-arms: stock "
                         "and the arm install chose only)")
+    parser.add_argument("--compare-prior-depth-decay", type=float, nargs="*", default=[],
+                        help="end to end, per profile, the round policy also under these values of "
+                        "dflash2_policy.PRIOR_DEPTH_DECAY (a candidate measured beside the default)")
     parser.add_argument("--deadline-s", type=float,
                         help="seconds from the start: stop after an end-to-end timed pass, without a "
                         "record, if the passes left would end later (a GPU call's limit)")
@@ -287,13 +290,14 @@ def main():
 
     memories = {}  # policy arm -> its AcceptanceMemory, kept across the arm's runs
 
-    def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False):
+    def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False, prior_depth_decay=None):
         """block None: the round policy (ceiling BLOCK), as the server runs it: each run
         starts from the acceptance the arm's earlier runs left (the server's drafter keeps
         an AcceptanceMemory across requests), or, with first_request, from none (a
-        server's first request, or a drafter the server did not measure)."""
+        server's first request, or a drafter the server did not measure); with
+        prior_depth_decay, under that value of the policy's constant instead."""
         accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
-        key = arm_name(profile, block, drafter, first_request)
+        key = arm_name(profile, block, drafter, first_request, prior_depth_decay)
         if block is None and not first_request:
             memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
 
@@ -309,15 +313,21 @@ def main():
             if key in memories:
                 oracle.acceptance_memory = memories[key]
             table = costs.to_json()  # the learning table this run's policy starts from
-            output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK)
+            default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
+            dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
+            try:
+                output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK)
+            finally:
+                dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
             if tokens == args.tokens:
                 tables_before[key], outputs[key], oracles[key] = table, output, oracle
 
         return run
 
-    def arm_name(profile, block, drafter=cost_drafter, first_request=False):
+    def arm_name(profile, block, drafter=cost_drafter, first_request=False, prior_depth_decay=None):
         name = f"{profile}, {'policy' if block is None else f'block {block}'}"
         name += ", first request" if first_request else ""
+        name += f", prior depth decay {prior_depth_decay:g}" if prior_depth_decay else ""
         return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
 
     def after_lead_in(run):
@@ -342,6 +352,9 @@ def main():
         arms[arm_name(profile, None, first_request=True)] = after_lead_in(speculative_arm(profile, first_request=True))
         for block in fixed_blocks:
             arms[arm_name(profile, block)] = after_lead_in(speculative_arm(profile, block))
+        for decay in args.compare_prior_depth_decay:
+            arms[arm_name(profile, None, prior_depth_decay=decay)] = after_lead_in(
+                speculative_arm(profile, prior_depth_decay=decay))
     # The other drafter forms' cost at the same acceptance, block 8 (proposals may differ
     # with real weights; the tokens may not).
     for form, drafter in drafters.items():
@@ -363,6 +376,12 @@ def main():
     }
     best_fixed = {profile: max(e2e_fixed[profile].values()) for profile in profiles}
     policy_vs_best_fixed = {profile: e2e[profile] / best_fixed[profile] for profile in profiles}
+    # The policy / best fixed block under each candidate value of PRIOR_DEPTH_DECAY (memory arms).
+    candidate_decay_vs_best_fixed = {
+        f"{decay:g}": {profile: speedup[arm_name(profile, None, prior_depth_decay=decay)] / best_fixed[profile]
+                       for profile in profiles}
+        for decay in args.compare_prior_depth_decay
+    }
     first_vs_best_fixed = {profile: e2e_first[profile] / best_fixed[profile] for profile in profiles}
     policy_arms = {f"{profile}{suffix}": arm_name(profile, None, first_request=bool(suffix))
                    for profile in profiles for suffix in ("", ", first request")}
@@ -402,6 +421,8 @@ def main():
         "e2e_speedup_fixed_block": e2e_fixed,
         "policy_vs_best_fixed_block": policy_vs_best_fixed,
         "first_request_vs_best_fixed_block": first_vs_best_fixed,
+        "prior_depth_decay": dflash2_policy.PRIOR_DEPTH_DECAY,
+        "policy_vs_best_fixed_block_by_candidate_prior_depth_decay": candidate_decay_vs_best_fixed,
         "policy_round_counts": round_counts,
         "policy_drafts_per_round": policy_drafts,
         "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in profiles},
@@ -532,6 +553,10 @@ def summary_markdown(r) -> str:
             + (f"{r['first_request_vs_best_fixed_block'][profile]:.3f} | " if first else "")
             + f"{counts['tokens_from_rounds']} / {counts['tokens_from_plain_steps']} |"
         )
+    for decay, ratios in r.get("policy_vs_best_fixed_block_by_candidate_prior_depth_decay", {}).items():
+        lines += ["", f"The policy under a candidate prior depth decay {decay} (the policy's is "
+                  f"{r['prior_depth_decay']:g}), policy / best fixed: "
+                  + ", ".join(f"{profile} {ratio:.3f}" for profile, ratio in ratios.items()) + "."]
     if "policy_drafts_per_round" in r:
         lines += ["", "The policy's drafts per round (block - 1) in its last run: "
                   + "; ".join(f"{profile} {drafts}" for profile, drafts in r["policy_drafts_per_round"].items()) + "."]
