@@ -604,19 +604,22 @@ def timed_ms(fn):
 
 
 def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = None) -> dict:
-    """Median, min and max ms of each arm, measured side by side.
+    """Median, min and max ms of each arm, measured side by side, and its samples by pass.
 
     arms: name -> function that runs one sample and returns its ms. One warm-up
-    pass first, then the arms interleaved (ABAB...) `repeats` times. deadline (a
+    pass first, then the arms interleaved (ABAB...) `repeats` times, each pass starting
+    one arm later than the one before (no arm always follows the same one). deadline (a
     time.monotonic() value): after each timed pass, raises TimeoutError at once if the
     passes left, each as long as that one, would end past it (the warm-up pass compiles,
     so it says little of how long a timed one takes).
     """
-    samples = {name: [] for name in arms}
+    names = list(arms)
+    samples = {name: [] for name in names}
     for repeat in range(repeats + 1):
         started = time.monotonic()
-        for name, sample in arms.items():
-            ms = sample()
+        first = repeat % len(names)
+        for name in names[first:] + names[:first]:
+            ms = arms[name]()
             if repeat:  # the first pass is the warm-up
                 samples[name].append(ms)
         left = repeats - repeat
@@ -627,9 +630,15 @@ def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = Non
                 raise TimeoutError(f"{len(arms)} arms: timed pass {repeat} took {pass_s:.0f} s, so {left} more "
                                    f"would end {late_s:.0f} s past the deadline")
     return {
-        name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
+        name: {"median": statistics.median(s), "min": min(s), "max": max(s), "samples": s}
         for name, s in samples.items()
     }
+
+
+def paired_ratio(numerator: dict, denominator: dict) -> float:
+    """The median over passes of numerator / denominator within a pass (two arms of one
+    interleaved_ms): a slow pass slows both sides of its ratio, not one side of a median."""
+    return statistics.median(a / b for a, b in zip(numerator["samples"], denominator["samples"]))
 
 
 def cache_arrays(cache) -> list:

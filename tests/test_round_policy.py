@@ -550,12 +550,29 @@ def test_interleaved_ms_stops_after_a_timed_pass_when_the_repeats_left_would_pas
 
     slow_warm_up = {"a": arm("a", warm_up_s=0.3), "b": arm("b")}
     stats = dflash2_policy.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
-    assert calls == ["a", "b"] * 6 and stats["b"]["median"] == 20.0  # fits, though 5 warm-ups would not
+    assert calls == ["a", "b", "b", "a"] * 3 and stats["b"]["median"] == 20.0  # fits, though 5 warm-ups would not
     calls.clear()
     arms = {"a": arm("a"), "b": arm("b")}
     with pytest.raises(TimeoutError, match="timed pass 1 took"):
         dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
-    assert calls == ["a", "b"] * 2  # the warm-up pass and one timed pass
+    assert calls == ["a", "b", "b", "a"]  # the warm-up pass and one timed pass
     calls.clear()
     stats = dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
-    assert calls == ["a", "b"] * 6 and stats["a"]["median"] == 20.0
+    assert calls == ["a", "b", "b", "a"] * 3 and stats["a"]["median"] == 20.0
+
+
+def test_passes_rotate_the_arms_and_ratios_pair_samples_of_one_pass():
+    # The second timed pass runs on a machine five times slower; in the third, b alone is slow.
+    calls, slow = [], {(2, "a"): 5.0, (2, "b"): 5.0, (2, "c"): 5.0, (3, "b"): 1.5}
+
+    def arm(name, ms):
+        def sample():
+            calls.append(name)
+            return ms * slow.get(((len(calls) - 1) // 3, name), 1.0)
+        return sample
+
+    stats = dflash2_policy.interleaved_ms({"a": arm("a", 10.0), "b": arm("b", 20.0), "c": arm("c", 30.0)}, repeats=3)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert stats["b"]["samples"] == [20.0, 100.0, 30.0] and stats["a"]["samples"] == [10.0, 50.0, 10.0]
+    assert stats["b"]["median"] / stats["a"]["median"] == 3.0  # medians of different passes
+    assert dflash2_policy.paired_ratio(stats["b"], stats["a"]) == 2.0

@@ -236,9 +236,10 @@ def main():
         with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
             rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
         decode_ms = rounds["decode"]["median"]
-        verify = {L: rounds[f"verify {L}"]["median"] / decode_ms for L in range(2, BLOCK + 1)}
+        ratio = dflash2_policy.paired_ratio
+        verify = {L: ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
         served = {form: "bf16" if choice.bf16 else "promoted" for form, choice in dtypes.items()}
-        drafter_cost = {form: rounds[f"draft {form}, {served[form]}"]["median"] / decode_ms for form in drafters}
+        drafter_cost = {form: ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"]) for form in drafters}
         log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}")
         counts = primitive_counts()
         record = {
@@ -366,8 +367,8 @@ def main():
     except TimeoutError as error:
         sys.exit(f"error: --deadline-s {args.deadline_s:g}: {error}")
     dflash2_runtime.use_decode_arm(chosen_arm)
-    plain_ms = e2e_ms[f"plain {chosen_arm}"]["median"]
-    speedup = {name: plain_ms / stats["median"] for name, stats in e2e_ms.items()}
+    plain = e2e_ms[f"plain {chosen_arm}"]
+    speedup = {name: dflash2_policy.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
     e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
     e2e_first = {profile: speedup[arm_name(profile, None, first_request=True)] for profile in profiles}
     e2e_fixed = {
@@ -411,8 +412,8 @@ def main():
         "complete": True,
         "e2e_ms": e2e_ms,
         "e2e_lead_in_tokens": args.lead_in_tokens,  # each timed sample after an untimed run this long
-        "installed_plain_ratio": e2e_ms["plain mlx"]["median"] / plain_ms,
-        "plain_ratio_by_arm": {arm: e2e_ms["plain mlx"]["median"] / e2e_ms[f"plain {arm}"]["median"]
+        "installed_plain_ratio": dflash2_policy.paired_ratio(e2e_ms["plain mlx"], plain),
+        "plain_ratio_by_arm": {arm: dflash2_policy.paired_ratio(e2e_ms["plain mlx"], e2e_ms[f"plain {arm}"])
                                for arm in decode_arms},
         # The round policy, as the server runs it (acceptance memory across requests); as
         # it runs a server's first request (none); then each fixed block.
@@ -475,7 +476,9 @@ def summary_markdown(r) -> str:
         f"# Speed at the {r['size']} shape on {r['backend']} ({r['device']})",
         "",
         f"mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}. In each process, warm-up first, "
-        "arms interleaved, median (min-max) of the repeats.",
+        "arms interleaved, median (min-max) of the repeats"
+        + ("; a ratio of two arms is the median over passes of their ratio within a pass."
+           if "samples" in r["round_ms"]["decode"] else "."),
         "",
         f"Round phase: `{rounds['command']}`, {rounds['repeats']} repeats, code {rounds.get('code', 'not recorded')}. "
         "Plain decode path chosen at install: "
@@ -490,9 +493,14 @@ def summary_markdown(r) -> str:
             f"path chosen at install: `{r['plain_decode_path']['arm']}` ({r['plain_decode_path']['why']}).",
             "",
         ]
+    def ratio(stats, reference):  # records before samples were kept: a ratio of medians
+        if "samples" in stats:
+            return dflash2_policy.paired_ratio(stats, reference)
+        return stats["median"] / reference["median"]
+
     lines += ["| arm | ms per round | ratio to a decode step |", "|---|---|---|"]
     for arm, stats in r["round_ms"].items():
-        lines.append(f"| {arm} | {spread(stats)} | {stats['median'] / r['decode_step_ms']:.2f} |")
+        lines.append(f"| {arm} | {spread(stats)} | {ratio(stats, r['round_ms']['decode']):.2f} |")
     def cost_table(costs):
         refill = f"; the first plain step after a round +{costs['refill_steps']:.2f}" if "refill_steps" in costs else ""
         return (f"(decode step {costs['decode_step_ms']:.2f} ms), in decode steps, block: verify+draft: "
