@@ -346,8 +346,10 @@ struct WeightChunk {
 };
 
 // y[m, first..first+R) for one warp and M activation rows; C steps of weights are
-// loaded at once, with PREFETCH the next C steps' loads fly while this chunk is computed.
-template <int M, int R, int C, bool PREFETCH>
+// loaded at once. PREFETCH bit 0: the next C steps' loads fly while this chunk is
+// computed (in registers); bit 1: the warp first asks L2 for its whole weight slice (no
+// registers, so more loads in flight where registers limit the resident warps).
+template <int M, int R, int C, int PREFETCH>
 __device__ __forceinline__ void qmv_rows(
     const __half* __restrict__ x,
     const uint32_t* __restrict__ w,
@@ -378,6 +380,20 @@ __device__ __forceinline__ void qmv_rows(
     b_lane[j] = biases + row * groups_per_row + lane / 8;
   }
   const __half* x_lane = x + lane * kLaneElems;
+  if (PREFETCH & 2) {
+    // One 128-byte line per lane and request: the words of step s (a tail step too),
+    // then the scales' and biases' lines (64 groups each).
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      for (int s = lane; s * kStepElems < k; s += 32) {
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(w_lane[j] - lane + s * 32));
+      }
+      for (int g = lane * 64; g < groups_per_row; g += 32 * 64) {
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(s_lane[j] - lane / 8 + g));
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(b_lane[j] - lane / 8 + g));
+      }
+    }
+  }
 
   // MLX's fp16 accumulators, one per element slot, starting at +0.
   __half2 acc[R][M][8];
@@ -393,7 +409,7 @@ __device__ __forceinline__ void qmv_rows(
   chunk.load(w_lane, s_lane, b_lane, 0, steps);
   for (int s0 = 0; s0 < steps; s0 += C) {
     WeightChunk<R, C> next;
-    if (PREFETCH) {
+    if (PREFETCH & 1) {
       next.load(w_lane, s_lane, b_lane, s0 + C, steps);
     }
 #pragma unroll
@@ -403,7 +419,7 @@ __device__ __forceinline__ void qmv_rows(
             x_lane + (s0 + c) * kStepElems, k, chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
       }
     }
-    if (PREFETCH) {
+    if (PREFETCH & 1) {
       chunk = next;
     } else {
       chunk.load(w_lane, s_lane, b_lane, s0 + C, steps);
@@ -453,7 +469,7 @@ __device__ __forceinline__ void qmv_rows(
 // of accumulators (fewer registers: more warps resident). Every (row, output) pair keeps
 // qmv_rows' arithmetic. Launch: block (32, warps), grid.x = blocks; warp w takes output
 // rows (w / S) * R.. and activation rows (w % S) * M / S...
-template <int M, int S, int R, int C, bool PREFETCH>
+template <int M, int S, int R, int C, int PREFETCH>
 __device__ __forceinline__ void qmv_split_rows(
     const __half* __restrict__ x,
     const uint32_t* __restrict__ w,
@@ -476,7 +492,8 @@ __device__ __forceinline__ void qmv_split_rows(
 _CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
 
 # Launch shape by activation rows M: (output rows per warp R, weight steps per
-# load C, prefetch the next C steps[, warps S the M rows split over, 1 if absent]).
+# load C, prefetch (1: the next C steps into registers, 2: the warp's whole weight slice
+# into L2 first, 3: both)[, warps S the M rows split over, 1 if absent]).
 # R * M / S accumulators of 8 registers bound R.
 # Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md).
 CUDA_LAUNCH = {
@@ -505,7 +522,7 @@ def _cuda_launch(rows: int, n: int, launch=None) -> dict:
     warps = -(-n // rows_per_warp) * split
     blocks = -(-warps // CUDA_WARPS_PER_BLOCK)
     return dict(
-        template=[("M", rows), ("S", split), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", bool(prefetch))],
+        template=[("M", rows), ("S", split), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", int(prefetch))],
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
         output_shapes=[(rows, n)],

@@ -449,7 +449,7 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
         parts = parts[0] if parts else 1
         assert rows % parts == 0
         assert launch["template"] == {"M": rows, "S": parts, "R": rows_per_warp, "C": chunk,
-                                      "PREFETCH": bool(prefetch)}
+                                      "PREFETCH": prefetch}
         assert launch["threadgroup"] == (32, dk.CUDA_WARPS_PER_BLOCK, 1)
         assert launch["grid"][0] % 32 == 0 and launch["grid"][1:] == (dk.CUDA_WARPS_PER_BLOCK, 1)
         stored = rows_stored(n, rows_per_warp, parts, launch["grid"], launch["threadgroup"])
