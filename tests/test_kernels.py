@@ -486,11 +486,13 @@ def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_regi
 
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
 @pytest.mark.parametrize("launch", sorted({launch for launches in TUNE_LAUNCHES.values()
-                                          for launch in launches if len(launch) > 3}))
-def test_split_launches_equal_single_row_calls_on_cuda(launch):
-    """Each launch the tuning may pick with its activation rows split over warps gives every
-    row MLX's single-row bits, at its own row count, for every input kind (a wrong part
-    offset would give some row another row's outputs or none)."""
+                                          for launch in launches if len(launch) > 3 or launch[2] > 1}))
+def test_split_prefetching_and_staging_launches_equal_single_row_calls_on_cuda(launch):
+    """Each launch the tuning may pick with its activation rows split over warps, its weights
+    asked of L2 first or its activations staged for the block gives every row MLX's
+    single-row bits, at its own row count, for every input kind and shape (K under one step,
+    with a tail; warps past the last output row: a wrong part offset, staging index or wait
+    would give some row another row's outputs, another step's or none)."""
     rows = next(count for count, launches in TUNE_LAUNCHES.items() if launch in launches)
     key = mx.random.key(7)
     for n, k in dk.DEFAULT_SHAPES:

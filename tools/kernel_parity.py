@@ -34,17 +34,20 @@ BENCH_ROWS = (1, 2, 4, 8)
 # More output rows per warp (R) share each activation load among more outputs (at 8 rows
 # and R 2 a lane loads 32 activation bytes per weight word it reads); splitting the
 # activation rows over S warps keeps R * M / S accumulators in registers.
-# Prefetch 2 and 3 ask L2 for a warp's whole weight slice first: at 8 rows 247 registers
-# leave 8 warps an SM, each with one chunk of loads in flight (about 5 KB an SM, where
-# covering DRAM latency at full bandwidth takes about 26 KB), and an ablation on the H200
-# (x loads, dequantization or the reduction removed) found none of those the cost.
+# Prefetch bit 1 (2, 3) asks L2 for a warp's whole weight slice first: at 8 rows 247
+# registers leave 8 warps an SM, each with one chunk of loads in flight (about 5 KB an SM,
+# where covering DRAM latency at full bandwidth takes about 26 KB). Bit 2 (4-7) stages each
+# step's activations in shared memory for the block's warps: an ablation on the H200 put
+# the activation loads at 10-30% of the 8-row time (dequantization and the reduction at
+# about nothing).
 TUNE_LAUNCHES = {
     1: [(1, 4, 1), (2, 4, 0), (2, 4, 1), (2, 8, 1), (4, 4, 0), (2, 4, 2)],
-    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2), (4, 2, 1), (4, 4, 1), (2, 2, 3)],
+    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2), (4, 2, 1), (4, 4, 1), (2, 2, 3), (2, 2, 7)],
     4: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 1, 2), (2, 4, 0, 4), (4, 1, 1), (4, 2, 1), (4, 2, 1, 2),
-        (4, 2, 3), (2, 2, 3)],
+        (4, 2, 3), (2, 2, 3), (4, 2, 5), (4, 2, 7)],
     8: [(2, 1, 1), (2, 2, 0), (2, 2, 1), (2, 2, 1, 2), (2, 4, 1, 2), (2, 4, 1, 4), (2, 4, 0, 8),
-        (3, 2, 1, 2), (4, 1, 1, 2), (4, 2, 1, 2), (4, 2, 1, 4), (2, 2, 3), (2, 2, 2), (2, 1, 3), (2, 2, 3, 2)],
+        (3, 2, 1, 2), (4, 1, 1, 2), (4, 2, 1, 2), (4, 2, 1, 4), (2, 2, 3), (2, 2, 2), (2, 1, 3), (2, 2, 3, 2),
+        (2, 2, 5), (2, 2, 7), (2, 1, 7)],
 }
 # R * M / S accumulators of 8 registers each: 16 take about 250 of a thread's 255
 # registers at sm_90 (ptxas -v); 20 spill.
