@@ -437,15 +437,17 @@ __device__ __forceinline__ void qmv_rows(
   const __half* x_lane = x + lane * kLaneElems;
   if (PREFETCH & 2) {
     // One 128-byte line per lane and request: the words of step s (a tail step too),
-    // then the scales' and biases' lines (64 groups each).
+    // then the scales' and biases' lines (64 groups each, and the row's last group: a
+    // row's scales need not start on a line).
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       for (int s = lane; s * kStepElems < k; s += 32) {
         asm volatile("prefetch.global.L2 [%0];" :: "l"(w_lane[j] - lane + s * 32));
       }
-      for (int g = lane * 64; g < groups_per_row; g += 32 * 64) {
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(s_lane[j] - lane / 8 + g));
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(b_lane[j] - lane / 8 + g));
+      for (int g = lane * 64; g < groups_per_row + 64; g += 32 * 64) {
+        const int group = g < groups_per_row ? g : groups_per_row - 1;
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(s_lane[j] - lane / 8 + group));
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(b_lane[j] - lane / 8 + group));
       }
     }
   }
@@ -577,8 +579,9 @@ __device__ __forceinline__ void qmv_split_rows(
 _CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
 
 # Launch shape by activation rows M: (output rows per warp R, weight steps per
-# load C, prefetch (1: the next C steps into registers, 2: the warp's whole weight slice
-# into L2 first, 3: both)[, warps S the M rows split over, 1 if absent]).
+# load C, prefetch bits (1: the next C steps into registers, 2: the warp's whole weight
+# slice into L2 first, 4: each step's activations staged in shared memory for the block,
+# S 1 only)[, warps S the M rows split over, 1 if absent]).
 # R * M / S accumulators of 8 registers bound R.
 # Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md).
 CUDA_LAUNCH = {

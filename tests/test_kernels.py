@@ -484,18 +484,26 @@ def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_regi
     assert all(accumulators(launch, rows) <= MAX_ACCUMULATORS for rows, launch in dk.CUDA_LAUNCH.items())
 
 
+def tuned_launches_beyond_one_warps_loads():
+    """(rows, launch) the tuning may pick, timed or as a fallback row count's, that split the
+    activation rows over warps, ask L2 for the weights first or stage the activations."""
+    pairs = {(rows, launch) for rows, launches in TUNE_LAUNCHES.items() for launch in launches}
+    pairs |= {(rows, launch_for_rows(launch, rows)) for rows, like in TUNE_FALLBACK.items()
+              for launch in TUNE_LAUNCHES[like]}
+    return sorted(pair for pair in pairs if len(pair[1]) > 3 or pair[1][2] > 1)
+
+
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
-@pytest.mark.parametrize("launch", sorted({launch for launches in TUNE_LAUNCHES.values()
-                                          for launch in launches if len(launch) > 3 or launch[2] > 1}))
-def test_split_prefetching_and_staging_launches_equal_single_row_calls_on_cuda(launch):
+@pytest.mark.parametrize("rows, launch", tuned_launches_beyond_one_warps_loads())
+def test_split_prefetching_and_staging_launches_equal_single_row_calls_on_cuda(rows, launch):
     """Each launch the tuning may pick with its activation rows split over warps, its weights
     asked of L2 first or its activations staged for the block gives every row MLX's
-    single-row bits, at its own row count, for every input kind and shape (K under one step,
-    with a tail; warps past the last output row: a wrong part offset, staging index or wait
-    would give some row another row's outputs, another step's or none)."""
-    rows = next(count for count, launches in TUNE_LAUNCHES.items() if launch in launches)
+    single-row bits, at the row counts it may serve, for every input kind and shape (K under
+    one step, one step with a tail, several steps with a tail staged into a reused buffer;
+    warps past the last output row): a wrong part offset, staging index or wait would give
+    some row another row's outputs, another step's or none."""
     key = mx.random.key(7)
-    for n, k in dk.DEFAULT_SHAPES:
+    for n, k in (*dk.DEFAULT_SHAPES, (24, 1152)):
         key, weight_key, input_key = mx.random.split(key, 3)
         weight, scales, biases = dk.make_weights(n, k, weight_key)
         for kind in dk.INPUT_KINDS:
