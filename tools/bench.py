@@ -153,6 +153,9 @@ def main():
     parser.add_argument("--all-decode-arms", action=argparse.BooleanOptionalAction, default=True,
                         help="end to end, plain under every decode arm (--no-all-decode-arms: stock "
                         "and the arm install chose only)")
+    parser.add_argument("--first-request-arms", action=argparse.BooleanOptionalAction, default=True,
+                        help="end to end, per profile, the policy as a server's first request too "
+                        "(--no-first-request-arms: fewer arms between samples)")
     parser.add_argument("--compare-prior-depth-decay", type=float, nargs="*", default=[],
                         help="end to end, per profile, the round policy also under these values of "
                         "dflash2_policy.PRIOR_DEPTH_DECAY (a candidate measured beside the default)")
@@ -350,7 +353,8 @@ def main():
     arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in decode_arms}
     for profile in profiles:
         arms[arm_name(profile, None)] = after_lead_in(speculative_arm(profile))
-        arms[arm_name(profile, None, first_request=True)] = after_lead_in(speculative_arm(profile, first_request=True))
+        if args.first_request_arms:
+            arms[arm_name(profile, None, first_request=True)] = after_lead_in(speculative_arm(profile, first_request=True))
         for block in fixed_blocks:
             arms[arm_name(profile, block)] = after_lead_in(speculative_arm(profile, block))
         for decay in args.compare_prior_depth_decay:
@@ -370,7 +374,8 @@ def main():
     plain = e2e_ms[f"plain {chosen_arm}"]
     speedup = {name: dflash2_policy.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
     e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
-    e2e_first = {profile: speedup[arm_name(profile, None, first_request=True)] for profile in profiles}
+    e2e_first = {profile: speedup[arm_name(profile, None, first_request=True)]
+                 for profile in profiles if args.first_request_arms}
     e2e_fixed = {
         profile: {str(block): speedup[arm_name(profile, block)] for block in fixed_blocks}
         for profile in profiles
@@ -383,9 +388,9 @@ def main():
                        for profile in profiles}
         for decay in args.compare_prior_depth_decay
     }
-    first_vs_best_fixed = {profile: e2e_first[profile] / best_fixed[profile] for profile in profiles}
+    first_vs_best_fixed = {profile: first / best_fixed[profile] for profile, first in e2e_first.items()}
     policy_arms = {f"{profile}{suffix}": arm_name(profile, None, first_request=bool(suffix))
-                   for profile in profiles for suffix in ("", ", first request")}
+                   for profile in profiles for suffix in ("", ", first request")[: 1 + args.first_request_arms]}
     round_counts = {name: vars(oracles[arm].round_counts) for name, arm in policy_arms.items()}
     # Each round's drafts (block - 1) in the policy's last run per profile: what it chose.
     policy_drafts = {name: oracles[arm].draft_lens for name, arm in policy_arms.items()}
