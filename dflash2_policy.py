@@ -681,7 +681,8 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
     them to take out) back to back,
     their host work overlapping the GPU as it does in generation, and the state they leave
     evaluated (_settle). Samples are interleaved after a warm-up pass (interleaved_ms);
-    each figure is a median of `repeats`. What the policy uses is a whole round (draft,
+    each figure is an arm's median ratio to the plain steps of the same pass over `repeats`
+    passes, times their median. What the policy uses is a whole round (draft,
     verify, commit); its verify part is that minus the drafter's pass, for the log.
     """
     lm = getattr(model, "language_model", model)
@@ -720,7 +721,10 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
         # A round of the smallest block, then one plain step (a run of one: all refill).
         arms["refill"] = steady(lambda count: [(decoder.round(2, 2), list(decoder.plain_steps(1)))
                                                for _ in range(count)])
-        ms = {name: stats["median"] for name, stats in interleaved_ms(arms, repeats).items()}
+        stats = interleaved_ms(arms, repeats)
+    # Each arm as its median ratio to the plain steps of the same pass, in ms of their median:
+    # a pass the machine ran slow moves both sides of a ratio, not one arm's median.
+    ms = {name: paired_ratio(arm, stats["decode"]) * stats["decode"]["median"] for name, arm in stats.items()}
     # Leave the target as a fresh request expects it.
     lm._position_ids = lm._rope_deltas = None
     draft_model.reset(model)

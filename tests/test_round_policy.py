@@ -446,6 +446,27 @@ def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
         drafter.config.runtime_block_size = before
 
 
+def test_start_up_costs_pair_each_arm_with_the_plain_steps_of_its_pass(target, monkeypatch):
+    """A slow stretch that reached the plain steps two passes before the rounds leaves a round
+    1.5 plain steps (as in every pass), not the 0.5 its median over the plain steps' gives."""
+    model, _, drafter = target
+    plain = [10.0, 10.0, 30.0, 30.0, 30.0]
+    slowed_later = [1.0, 1.0, 1.0, 3.0, 3.0]
+
+    def timings(arms, repeats):
+        def stats(samples):
+            return {"median": sorted(samples)[2], "min": min(samples), "max": max(samples), "samples": samples}
+        factor = {"decode": 1.0, "refill": 2.5}  # a round of 2 then a plain step: no refill
+        return {name: stats(plain) if name == "decode" else
+                stats([10.0 * factor.get(name, 1.5 if name[0] == "round" else 0.1) * f for f in slowed_later])
+                for name in arms}
+
+    monkeypatch.setattr(dflash2_policy, "interleaved_ms", timings)
+    costs = dflash2_policy.measure_round_costs(model, drafter)
+    assert costs.decode_step_ms == 30.0 and costs.refill_steps == 0.0
+    assert all(costs.round_steps(block) == pytest.approx(1.5) for block in costs.blocks)
+
+
 def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(target, prompt_and_plain):  # noqa: F811
     """At zero acceptance the policy probes between plain runs; each run after a round teaches
     the measured table its refill (the run's first step), the rest its steady step."""
