@@ -106,3 +106,17 @@ def test_profiles_are_named_by_their_full_rounds():
     assert full_round_tokens([0, 0, 0]) == 1.0
     assert full_round_tokens([2]) == 3.0  # a single round is all there is
     assert full_round_tokens([]) == 0.0
+
+
+def test_server_ratios_pair_each_request_with_serve_py_s_of_the_same_pass():
+    from bench_server import REFERENCE, summarise
+
+    def runs(tok_s):
+        return [{"mode": None, "tokens": 8, "decode_tok_s": t, "ttft_s": 0.1, "tokens_from_rounds": None,
+                 "tokens_from_plain_steps": None} for t in tok_s]
+
+    # A slow stretch reached serve.py two passes before the speculative server: each pass's
+    # ratio is 2 (but where the stretch lies between them), the medians' 4.
+    results = summarise({"chat": {REFERENCE: runs([10, 10, 5, 5, 5]), "dflash2": runs([20, 20, 20, 10, 10])}})
+    assert results["chat"]["dflash2"]["decode_tok_s"]["median"] / results["chat"][REFERENCE]["decode_tok_s"]["median"] == 4
+    assert results["chat"]["dflash2"]["ratio_to_serve_py"] == {"decode_tok_s": 2.0, "ttft_s": 1.0}

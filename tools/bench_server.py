@@ -127,11 +127,10 @@ def summarise(samples) -> dict:
                 "tokens_from_rounds": spread(r["tokens_from_rounds"] for r in runs),
                 "tokens_from_plain_steps": spread(r["tokens_from_plain_steps"] for r in runs),
             }
-        reference = results[prompt][REFERENCE]
-        for name, result in results[prompt].items():
-            result["ratio_to_serve_py"] = {
-                key: (result[key]["median"] / reference[key]["median"]
-                      if result[key]["median"] and reference[key]["median"] else None)
+        for name, runs in arms.items():  # per pass against serve.py's request of the same pass
+            results[prompt][name]["ratio_to_serve_py"] = {
+                key: spread(r[key] / ref[key] if r[key] and ref[key] else None
+                            for r, ref in zip(runs, arms[REFERENCE]))["median"]
                 for key in ("decode_tok_s", "ttft_s")
             }
     return results
@@ -182,7 +181,8 @@ def main(argv=None):
         "method": "greedy streaming chat requests, one at a time, server order rotated each pass "
                   "after one warm-up request per prompt and server; decode tok/s = (tokens - 1) / "
                   "(last token chunk - first token chunk), TTFT = first token chunk - request sent, "
-                  "both at the client",
+                  "both at the client; a ratio to serve.py is the median over passes of the ratio "
+                  "to serve.py's request of the same pass",
         "results": summarise(samples),
         "outputs_identical": outputs_identical(samples),
         "seconds": round(time.time() - started, 1),
