@@ -136,6 +136,9 @@ def bench_shape(n, k, backend, key):
     timings = [
         bench.time("mlx single row", 1, dk.stock_quantized_matmul),
         bench.time("mlx 8 rows (inexact)", 8, dk.stock_quantized_matmul),
+        # Below 8 rows MLX's own multi-row call gave every row its single-row bits on the
+        # H200 (the negative control's rows 1-7): its speed there, beside the exact kernel's.
+        *(bench.time(f"mlx {rows} rows", rows, dk.stock_quantized_matmul) for rows in (2, 4)),
         bench.time("mlx 8 single-row calls", 8, dk.stock_rows),
     ]
     for rows in BENCH_ROWS:
@@ -210,6 +213,8 @@ def decode_step_estimate(timings):
         "mlx single row (ms)": total("mlx single row", 1),
         "exact kernel, 1 row (ms)": total("exact kernel", 1),
         "mlx 8 rows, inexact (ms)": total("mlx 8 rows (inexact)", 8),
+        "mlx 4 rows (ms)": total("mlx 4 rows", 4),
+        "exact kernel, 4 rows (ms)": total("exact kernel", 4),
         "mlx 8 single-row calls (ms)": total("mlx 8 single-row calls", 8),
         "exact kernel, 8 rows (ms)": total("exact kernel", 8),
     }
