@@ -120,3 +120,15 @@ def test_server_ratios_pair_each_request_with_serve_py_s_of_the_same_pass():
     results = summarise({"chat": {REFERENCE: runs([10, 10, 5, 5, 5]), "dflash2": runs([20, 20, 20, 10, 10])}})
     assert results["chat"]["dflash2"]["decode_tok_s"]["median"] / results["chat"][REFERENCE]["decode_tok_s"]["median"] == 4
     assert results["chat"]["dflash2"]["ratio_to_serve_py"] == {"decode_tok_s": 2.0, "ttft_s": 1.0}
+
+
+def test_the_bench_summary_says_how_its_ratios_were_taken():
+    from bench import ratio_method
+
+    medians, paired = {"median": 1.0}, {"median": 1.0, "samples": [1.0]}
+    assert ratio_method({"round_ms": {"decode": medians}}) == "."
+    assert ratio_method({"round_ms": {"decode": paired}, "e2e_ms": {"plain mlx": paired}}).startswith(
+        "; a ratio of two arms is the median over passes of their ratio within a pass.")
+    # An end-to-end phase added to an older round phase's record names the round phase apart.
+    assert "the round phase's, from a record without samples: a ratio of medians" in ratio_method(
+        {"round_ms": {"decode": medians}, "e2e_ms": {"plain mlx": paired}})

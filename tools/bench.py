@@ -471,6 +471,17 @@ def prefix_figure_lines(r) -> list:
     return lines + [""]
 
 
+def ratio_method(r) -> str:
+    """How the record's ratios were taken: paired by pass where its samples were kept."""
+    paired_rounds = "samples" in r["round_ms"]["decode"]
+    paired_e2e = "samples" in next(iter(r.get("e2e_ms", {}).values()), {})
+    if not (paired_rounds or paired_e2e):
+        return "."
+    return ("; a ratio of two arms is the median over passes of their ratio within a pass"
+            + ("." if paired_rounds or "e2e_ms" not in r else
+               " (the round phase's, from a record without samples: a ratio of medians)."))
+
+
 def summary_markdown(r) -> str:
     def spread(stats):
         return f"{stats['median']:.2f} ({stats['min']:.2f}-{stats['max']:.2f})"
@@ -481,9 +492,7 @@ def summary_markdown(r) -> str:
         f"# Speed at the {r['size']} shape on {r['backend']} ({r['device']})",
         "",
         f"mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}. In each process, warm-up first, "
-        "arms interleaved, median (min-max) of the repeats"
-        + ("; a ratio of two arms is the median over passes of their ratio within a pass."
-           if "samples" in r["round_ms"]["decode"] else "."),
+        "arms interleaved, median (min-max) of the repeats" + ratio_method(r),
         "",
         f"Round phase: `{rounds['command']}`, {rounds['repeats']} repeats, code {rounds.get('code', 'not recorded')}. "
         "Plain decode path chosen at install: "
