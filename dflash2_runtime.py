@@ -418,7 +418,7 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
         return dflash2_policy.timed_ms(lambda: run(passes))
 
     pass_ms = dflash2_policy.interleaved_ms({"bf16": sample(True), "promoted": sample(False)}, repeats)
-    bf16 = pass_ms["bf16"]["median"] < pass_ms["promoted"]["median"]
+    bf16 = dflash2_policy.paired_ratio(pass_ms["bf16"], pass_ms["promoted"]) < 1.0  # by pass
     use_drafter_bf16(bf16)
     drafter.reset(model)
     return DrafterDtypeChoice(
