@@ -422,8 +422,8 @@ __device__ __forceinline__ void qmv_rows(
   const int groups_per_row = k / 128;
   const int steps = k / kStepElems;
 
-  // This lane's word, scale and bias of step 0 in each output row. Rows past n
-  // (last warp only) recompute row n - 1 and are never stored.
+  // This lane's word, scale and bias of step 0 in each output row. Rows past n (the
+  // last warps only) recompute row n - 1 and are never stored.
   const uint32_t* w_lane[R];
   const __half* s_lane[R];
   const __half* b_lane[R];
