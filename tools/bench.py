@@ -239,10 +239,10 @@ def main():
         with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
             rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
         decode_ms = rounds["decode"]["median"]
-        ratio = dflash2_policy.paired_ratio
-        verify = {L: ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
+        verify = {L: dflash2_policy.paired_ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
         served = {form: "bf16" if choice.bf16 else "promoted" for form, choice in dtypes.items()}
-        drafter_cost = {form: ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"]) for form in drafters}
+        drafter_cost = {form: dflash2_policy.paired_ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"])
+                        for form in drafters}
         log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}")
         counts = primitive_counts()
         record = {
