@@ -49,6 +49,13 @@ REPLACED = (
         "and return the target's dtype to its head.",
     ),
     Audited(
+        "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._logits",
+        "adeaa45bb943b6ce858c0f66346660c024b4b8e73eaf9169e11fc361145f8762",
+        "Its own code with the target's packed head as one dflash2_kernels call for all of a "
+        "draft's rows: MLX's CUDA call below 8 rows reads the head's weights once per row. It "
+        "reads only lm_head and config.",
+    ),
+    Audited(
         "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
         "7eaabc86f5be71f93d2c7ae79cfd3baaaa2f812885119a737c5619d9602c073d",
         "Its own code runs with its fused attention call routed through "

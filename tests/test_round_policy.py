@@ -430,6 +430,21 @@ def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeyp
     assert len(calls) == len(drafter.layers) and all(shape[2] == 4 for shape in calls)
 
 
+
+def test_the_drafters_head_gives_each_row_its_single_row_logits(target, gpu_like_rounding):
+    """A draft's rows through the target's packed head in one dflash2_kernels call: each
+    row's logits are the one-row call's, where MLX's own call over the rows rounds
+    differently (the GPU-like backend; on CUDA it reads the head once per row)."""
+    import dflash2_runtime
+
+    model, _, drafter = target
+    drafter.reset(model)  # binds the target's head
+    hidden = mx.random.normal((1, 7, drafter.config.hidden_size), key=mx.random.key(3)).astype(mx.float16)
+    one_row_each = mx.concatenate(
+        [dflash2_runtime._stock_drafter_logits(drafter, hidden[:, row:row + 1]) for row in range(7)], axis=1)
+    assert mx.array_equal(drafter._logits(hidden), one_row_each)
+    assert not mx.array_equal(dflash2_runtime._stock_drafter_logits(drafter, hidden), one_row_each)
+
 def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
     import dflash2_runtime
     from mlx_vlm.speculative.common import _dflash_block_total
