@@ -444,13 +444,14 @@ class RequestDecoder:
         return tokens
 
     def round(self, block: int, budget: int):
-        """mlx-vlm's greedy DFlash round (draft, verify, walk, commit); returns (accepted, tokens)."""
-        hidden = self.context[0] if len(self.context) == 1 else mx.concatenate(self.context, axis=1)
-        self.context = []
-        draft_tokens = self.draft(block, hidden)
-        gdn_states = None
-        try:
-            with mx.stream(generation_stream):
+        """mlx-vlm's greedy DFlash round (draft, verify, walk, commit); returns (accepted, tokens).
+        Every op on generation_stream, as _plain_step's."""
+        with mx.stream(generation_stream):
+            hidden = self.context[0] if len(self.context) == 1 else mx.concatenate(self.context, axis=1)
+            self.context = []
+            draft_tokens = self.draft(block, hidden)
+            gdn_states = None
+            try:
                 verify_input = mx.concatenate(
                     [mx.array([[self.bonus]], dtype=self.token_dtype), draft_tokens], axis=1
                 )
@@ -458,30 +459,36 @@ class RequestDecoder:
                     self.lm, verify_input, self.prompt_cache, self.taps, self.sampler
                 )
                 hidden = mx.concatenate(captured, axis=-1)
-            mx.async_eval(target_tokens, hidden)
-            accepted, tokens = _speculative_walk(draft_tokens, target_tokens, budget)
-            _record_speculative_round(self.draft_model, accepted, block - 1)
-            with mx.stream(generation_stream):
+                mx.async_eval(target_tokens, hidden)
+                accepted, tokens = _speculative_walk(draft_tokens, target_tokens, budget)
+                _record_speculative_round(self.draft_model, accepted, block - 1)
                 commit_speculative_round(self.lm, self.prompt_cache, gdn_states, accepted, block)
-        except BaseException:
-            abort_speculative_round(gdn_states)
-            raise
-        self.context.append(hidden[:, : accepted + 1])
+            except BaseException:
+                abort_speculative_round(gdn_states)
+                raise
+            self.context.append(hidden[:, : accepted + 1])
         self.bonus = tokens[-1] if tokens else self.bonus
         return accepted, tokens
 
     def _plain_step(self, token: mx.array) -> mx.array:
-        """One decode step as plain generation runs it: fp16 logits - logsumexp, argmax."""
+        """One decode step as plain generation runs it: fp16 logits - logsumexp, argmax.
+
+        Every op on generation_stream, the token's reshape included: on CUDA an op built on
+        another stream (the caller's) that feeds this step in the same evaluation makes MLX
+        wait on the host, in a fence, until the previous step has finished on the GPU. The
+        overlap of building a step with running the one before is then lost (mlx
+        backend/cuda/fence.cpp: Fence::wait ignores the stream; on the H200 the speculative
+        server's plain steps ran at 0.67x serve.py's)."""
         global _tap_recorder
-        _tap_recorder = (self.tap_layers, [])
-        try:
-            with mx.stream(generation_stream):
-                logits = self.lm(token, cache=self.prompt_cache).logits[:, -1, :]
+        with mx.stream(generation_stream):
+            _tap_recorder = (self.tap_layers, [])
+            try:
+                logits = self.lm(token.reshape(1, 1), cache=self.prompt_cache).logits[:, -1, :]
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 next_token = mx.argmax(logprobs, axis=-1)
-        finally:
-            taps, _tap_recorder = _tap_recorder[1], None
-        self.context.append(mx.concatenate(taps, axis=-1))
+            finally:
+                taps, _tap_recorder = _tap_recorder[1], None
+            self.context.append(mx.concatenate(taps, axis=-1))
         mx.async_eval(next_token)
         return next_token
 
@@ -491,7 +498,7 @@ class RequestDecoder:
         for index in range(count):
             token = pending
             if index + 1 < count:
-                pending = self._plain_step(token.reshape(1, 1))
+                pending = self._plain_step(token)
             self.bonus = int(token.item())
             yield self.bonus
 
