@@ -34,7 +34,8 @@ REPLACED = (
         "The verify forward: batched quantized matmuls, batched dense GDN gates, L==2 batched "
         "attention, full-block convolution and the with-states recurrence all round differently "
         "from decode on GPUs. Its class, Qwen3_5BatchInvariantForward, is ExactVerifier's base "
-        "(layer, model and head plumbing kept from stock).",
+        "(layer, model and head plumbing kept from stock). Its quantized_linear also serves the "
+        "drafter's greedy head (speculative_argmax_from_hidden) over a draft's rows in one call.",
     ),
     Audited(
         "mlx_vlm.speculative.dflash:_dflash_verify_greedy",
@@ -47,13 +48,6 @@ REPLACED = (
         "e01ca795d8183f747210f41ee0e30810c99eb447c7b268186898ac14f289caa0",
         "Where start-up timing finds it faster (choose_drafter_dtype), run the drafter in bf16 "
         "and return the target's dtype to its head.",
-    ),
-    Audited(
-        "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._logits",
-        "adeaa45bb943b6ce858c0f66346660c024b4b8e73eaf9169e11fc361145f8762",
-        "Its own code with the target's packed head as one dflash2_kernels call for all of a "
-        "draft's rows: MLX's CUDA call below 8 rows reads the head's weights once per row. It "
-        "reads only lm_head and config.",
     ),
     Audited(
         "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",

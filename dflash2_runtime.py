@@ -230,6 +230,16 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
     def _linears(self, linears, x):
         return tuple(self._linear(linear, x) for linear in linears)
 
+    def quantized_linear(self, linear, x):
+        # The drafter's greedy head (speculative_argmax_from_hidden; stock verify, the other
+        # caller, is replaced): a draft's rows through the target's packed head in one call.
+        # MLX's CUDA call below 8 rows reads the head's weights once per row (248k x 5120: about
+        # 0.7 ms a row on the H200, 5 ms of a block-8 draft); each row here is MLX's single-row
+        # result bit for bit, as MLX's own call gives at 1-7 rows there: proposals unchanged.
+        if type(linear) is HadamardQuantizedLinear and x.dtype == mx.float16:
+            return _packed_linear(linear, x)
+        return super().quantized_linear(linear, x)
+
     def _embedding_as_linear(self, embedding, x):
         return _packed_linear(embedding, x)
 
@@ -371,7 +381,6 @@ def exact_verify_greedy(lm, verify_input, prompt_cache, target_layer_ids, sample
 
 _stock_draft_hidden = DFlashDraftModel._hidden
 _stock_embed_input_tokens = DFlash2DraftModel._embed_input_tokens
-_stock_drafter_logits = DFlash2DraftModel._logits
 
 
 _drafter_bf16: Optional[bool] = None  # None: bf16 off CPU; choose_drafter_dtype sets it by measurement
@@ -455,18 +464,6 @@ def _embed_input_tokens_bf16(self, inputs):
     return embedded.astype(mx.bfloat16) if _drafter_in_bf16() else embedded
 
 
-def _drafter_logits(self, hidden):
-    """DFlash2DraftModel._logits with the target's packed head in one call for all rows.
-    Below 8 rows MLX's CUDA call reads the head's weights once per row: at the 27B's
-    248k x 5120 head about 0.7 ms a row, 5 ms of a block-8 draft (the H200, session 19).
-    dflash2_kernels reads them once, each row MLX's single-row result bit for bit (which
-    is also what MLX's own call gives at 1-7 rows there, so proposals are unchanged)."""
-    if type(self.lm_head) is not HadamardQuantizedLinear or hidden.dtype != mx.float16:
-        return _stock_drafter_logits(self, hidden)
-    head = functools.partial(_packed_linear, self.lm_head)
-    return _stock_drafter_logits(types.SimpleNamespace(lm_head=head, config=self.config), hidden)
-
-
 # The drafter's attention off cuDNN. On CUDA, MLX sends fp16/bf16 attention with a head
 # dim up to 128 to cuDNN, which builds a graph for each new key length (tens of ms on an
 # H200; tools/bench_drafter_attention.py times both routes), and every round drafts at a
@@ -536,7 +533,6 @@ REPLACEMENTS = {
     "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._hidden": _draft_hidden_bf16,
     "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens":
         _embed_input_tokens_bf16,
-    "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._logits": _drafter_logits,
     "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__": _drafter_attention_call,
     "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops": _gated_delta_ops_call,
     "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
