@@ -31,6 +31,7 @@ os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_vlm.generate.ar import generate_step  # noqa: E402
+from mlx_vlm.generate.common import generation_stream  # noqa: E402
 from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
 from mlx_vlm.utils import prepare_inputs  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -133,24 +134,32 @@ def fixture_cases(model, processor, drafter, max_tokens):
 
 def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, arrivals=None, **kwargs):
     """Greedy tokens through generate_step; `arrivals` (a list) gets each token's
-    time.perf_counter() as it is handed on."""
-    steps = generate_step(
-        input_ids,
-        model,
-        kwargs.pop("pixel_values", None),
-        None,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        draft_model=drafter,
-        draft_kind="dflash",
-        draft_block_size=block_size,
-        **kwargs,
-    )
+    time.perf_counter() as it is handed on.
+
+    It runs on generate_step's own stream, as mlx-vlm's server runs plain generation on
+    one stream: generate_step builds each step's input (`y[None]`) on the caller's
+    stream, and on CUDA an op on another stream that feeds a step in the same evaluation
+    makes MLX wait on the host until the step before has finished, so plain decoding
+    would lose its overlap of building a step with running the one before (the timed
+    benches' plain arms with it)."""
     tokens = []
-    for token, _ in steps:
-        tokens.append(int(token))
-        if arrivals is not None:
-            arrivals.append(time.perf_counter())
+    with mx.stream(generation_stream):
+        steps = generate_step(
+            input_ids,
+            model,
+            kwargs.pop("pixel_values", None),
+            None,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            draft_model=drafter,
+            draft_kind="dflash",
+            draft_block_size=block_size,
+            **kwargs,
+        )
+        for token, _ in steps:
+            tokens.append(int(token))
+            if arrivals is not None:
+                arrivals.append(time.perf_counter())
     return tokens
 
 
