@@ -285,32 +285,13 @@ __device__ __forceinline__ void dequantize16(
   w[7] = bits_to_half2(permute_bytes(values01, values23, sel_10_11_14_15 >> 16));
 }
 
-// Where a lane finds its 16 activations of a step in row m. GlobalX: in x itself
-// (rows k apart); SharedX: in a step staged for the block (stage_x).
-struct GlobalX {
-  const __half* step;  // this lane's first element of the step in row 0
-  int k;
-  __device__ __forceinline__ void load(int m, uint4& lo, uint4& hi) const {
-    const uint4* xv = reinterpret_cast<const uint4*>(step + m * k);
-    lo = __ldg(xv);
-    hi = __ldg(xv + 1);
-  }
-};
-
-struct SharedX {
-  const uint4* stage;
-  int lane;
-  __device__ __forceinline__ void load(int m, uint4& lo, uint4& hi) const {
-    lo = stage[m * 64 + lane];
-    hi = stage[m * 64 + 32 + lane];
-  }
-};
-
-// One 512-wide step for R output rows and M activation rows: each activation
-// load serves all R output rows, each dequantized weight all M activation rows.
-template <int M, int R, class XSource>
+// One 512-wide step for R output rows and M activation rows (x_step: this lane's first
+// element of the step in row 0, rows k apart): each activation load serves all R output
+// rows, each dequantized weight all M activation rows.
+template <int M, int R>
 __device__ __forceinline__ void accumulate_step(
-    const XSource& x_step,
+    const __half* x_step,
+    int k,
     const uint32_t (&q)[R],
     const __half (&scale)[R],
     const __half (&bias)[R],
@@ -322,8 +303,9 @@ __device__ __forceinline__ void accumulate_step(
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    uint4 lo, hi;
-    x_step.load(m, lo, hi);
+    const uint4* xv = reinterpret_cast<const uint4*>(x_step + m * k);
+    const uint4 lo = __ldg(xv);
+    const uint4 hi = __ldg(xv + 1);
     const __half2 xh[8] = {
         bits_to_half2(lo.x), bits_to_half2(lo.y), bits_to_half2(lo.z), bits_to_half2(lo.w),
         bits_to_half2(hi.x), bits_to_half2(hi.y), bits_to_half2(hi.z), bits_to_half2(hi.w)};
@@ -335,39 +317,6 @@ __device__ __forceinline__ void accumulate_step(
       }
     }
   }
-}
-
-// The M rows' step at element `base` (its first `valid` elements) into `stage`, by the
-// whole block, laid out for SharedX: row m's 64 chunks of 8 elements, the first of each
-// lane's two (even chunks) then the second (odd), so a warp's loads are contiguous.
-// Asynchronous where the GPU copies so (sm_80 on): stage_x_wait before reading.
-template <int M>
-__device__ __forceinline__ void stage_x(uint4* stage, const __half* x, int k, int base, int valid) {
-  for (int i = threadIdx.y * 32 + threadIdx.x; i < M * 64; i += 32 * blockDim.y) {
-    const int m = i / 64, c = i % 64;
-    if (c * 8 < valid) {
-      uint4* dst = stage + m * 64 + (c % 2) * 32 + c / 2;
-      const __half* src = x + (int64_t)m * k + base + c * 8;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                   :: "r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src));
-#else
-      *dst = __ldg(reinterpret_cast<const uint4*>(src));
-#endif
-    }
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;");
-#endif
-}
-
-// Waits for all staged steps but the last `pending`, then for every warp of the block.
-template <int PENDING>
-__device__ __forceinline__ void stage_x_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING));
-#endif
-  __syncthreads();
 }
 
 // This lane's weight words, scales and biases of C steps in R output rows.
@@ -400,9 +349,7 @@ struct WeightChunk {
 // y[m, first..first+R) for one warp and M activation rows; C steps of weights are
 // loaded at once. PREFETCH bit 0: the next C steps' loads fly while this chunk is
 // computed (in registers); bit 1: the warp first asks L2 for its whole weight slice (no
-// registers, so more loads in flight where registers limit the resident warps); bit 2:
-// the block's warps stage each step's activations in shared memory once for all of them
-// (they must share their activation rows; the arithmetic is the same).
+// registers, so more loads in flight where registers limit the resident warps).
 template <int M, int R, int C, int PREFETCH>
 __device__ __forceinline__ void qmv_rows(
     const __half* __restrict__ x,
@@ -414,8 +361,7 @@ __device__ __forceinline__ void qmv_rows(
     int k,
     int first) {
   const int lane = threadIdx.x;
-  constexpr bool kStaged = (PREFETCH & 4) != 0;
-  if (!kStaged && first >= n) {  // a staging warp past n still stages and waits with its block
+  if (first >= n) {
     return;
   }
   const int words_per_row = k / 16;
@@ -462,20 +408,6 @@ __device__ __forceinline__ void qmv_rows(
       for (int t = 0; t < 8; ++t)
         acc[j][m][t] = __float2half2_rn(0.0f);
 
-  // Staged: each step's activations in shared memory, the next step's copy flying while
-  // this one is computed (a 16-byte array where nothing is staged).
-  __shared__ uint4 stage[kStaged ? 2 : 1][kStaged ? M * 64 : 1];
-  auto x_step = [&](int step) {  // where this lane's activations of `step` are
-    if constexpr (kStaged) {
-      return SharedX{stage[step % 2], lane};
-    } else {
-      return GlobalX{x_lane + step * kStepElems, k};
-    }
-  };
-  if constexpr (kStaged) {
-    stage_x<M>(stage[0], x, k, 0, k);
-  }
-
   WeightChunk<R, C> chunk;
   chunk.load(w_lane, s_lane, b_lane, 0, steps);
   for (int s0 = 0; s0 < steps; s0 += C) {
@@ -487,19 +419,7 @@ __device__ __forceinline__ void qmv_rows(
     for (int c = 0; c < C; ++c) {
       const int step = s0 + c;
       if (step < steps) {
-        if constexpr (kStaged) {
-          const int next_base = (step + 1) * kStepElems;  // the next step, or the tail
-          if (next_base < k) {
-            stage_x<M>(stage[(step + 1) % 2], x, k, next_base, k - next_base);
-            stage_x_wait<1>();
-          } else {
-            stage_x_wait<0>();
-          }
-        }
-        accumulate_step<M, R>(x_step(step), chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
-        if constexpr (kStaged) {
-          __syncthreads();  // every warp is done with this buffer before it is staged again
-        }
+        accumulate_step<M, R>(x_lane + step * kStepElems, k, chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
       }
     }
     if (PREFETCH & 1) {
@@ -511,9 +431,6 @@ __device__ __forceinline__ void qmv_rows(
 
   // MLX's tail for K % 512: lanes whose 16 elements start before k take one more step.
   const int rest = k % kStepElems;
-  if (kStaged && rest) {
-    stage_x_wait<0>();
-  }
   if (rest && lane * kLaneElems < rest) {
     const int base = k - rest;
     uint32_t q[R];
@@ -524,7 +441,7 @@ __device__ __forceinline__ void qmv_rows(
       sc[j] = __ldg(s_lane[j] + base / 128);
       bi[j] = __ldg(b_lane[j] + base / 128);
     }
-    accumulate_step<M, R>(x_step(steps), q, sc, bi, acc);
+    accumulate_step<M, R>(x_lane + steps * kStepElems, k, q, sc, bi, acc);
   }
 
   // Slots summed in float from +0 in slot order, then the xor butterfly of
@@ -565,7 +482,6 @@ __device__ __forceinline__ void qmv_split_rows(
     int n,
     int k) {
   static_assert(M % S == 0, "S must divide M");
-  static_assert(S == 1 || !(PREFETCH & 4), "a block stages one set of activation rows for all its warps");
   constexpr int kRows = M / S;
   const int warp = blockIdx.x * blockDim.y + threadIdx.y;
   const int part = warp % S;
@@ -580,8 +496,7 @@ _CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH>(x, w, scales, bias
 
 # Launch shape by activation rows M: (output rows per warp R, weight steps per
 # load C, prefetch bits (1: the next C steps into registers, 2: the warp's whole weight
-# slice into L2 first, 4: each step's activations staged in shared memory for the block,
-# S 1 only)[, warps S the M rows split over, 1 if absent]).
+# slice into L2 first)[, warps S the M rows split over, 1 if absent]).
 # R * M / S accumulators of 8 registers bound R.
 # Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md).
 CUDA_LAUNCH = {

@@ -486,7 +486,7 @@ def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_regi
 
 def tuned_launches_beyond_one_warps_loads():
     """(rows, launch) the tuning may pick, timed or as a fallback row count's, that split the
-    activation rows over warps, ask L2 for the weights first or stage the activations."""
+    activation rows over warps or ask L2 for the weights first."""
     pairs = {(rows, launch) for rows, launches in TUNE_LAUNCHES.items() for launch in launches}
     pairs |= {(rows, launch_for_rows(launch, rows)) for rows, like in TUNE_FALLBACK.items()
               for launch in TUNE_LAUNCHES[like]}
@@ -495,13 +495,12 @@ def tuned_launches_beyond_one_warps_loads():
 
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
 @pytest.mark.parametrize("rows, launch", tuned_launches_beyond_one_warps_loads())
-def test_split_prefetching_and_staging_launches_equal_single_row_calls_on_cuda(rows, launch):
-    """Each launch the tuning may pick with its activation rows split over warps, its weights
-    asked of L2 first or its activations staged for the block gives every row MLX's
-    single-row bits, at the row counts it may serve, for every input kind and shape (K under
-    one step, one step with a tail, several steps with a tail staged into a reused buffer;
-    warps past the last output row): a wrong part offset, staging index or wait would give
-    some row another row's outputs, another step's or none."""
+def test_split_and_prefetching_launches_equal_single_row_calls_on_cuda(rows, launch):
+    """Each launch the tuning may pick with its activation rows split over warps or its
+    weights asked of L2 first gives every row MLX's single-row bits, at the row counts it may
+    serve, for every input kind and shape (K under one step, one step with a tail, several
+    steps with a tail; warps past the last output row): a wrong part offset or prefetch
+    address would give some row another row's outputs, another step's or none."""
     key = mx.random.key(7)
     for n, k in (*dk.DEFAULT_SHAPES, (24, 1152)):
         key, weight_key, input_key = mx.random.split(key, 3)

@@ -36,18 +36,17 @@ BENCH_ROWS = (1, 2, 4, 8)
 # activation rows over S warps keeps R * M / S accumulators in registers.
 # Prefetch bit 1 (2, 3) asks L2 for a warp's whole weight slice first: at 8 rows 247
 # registers leave 8 warps an SM, each with one chunk of loads in flight (about 5 KB an SM,
-# where covering DRAM latency at full bandwidth takes about 26 KB). Bit 2 (4-7) stages each
-# step's activations in shared memory for the block's warps: an ablation on the H200 put
-# the activation loads at 10-30% of the 8-row time (dequantization and the reduction at
-# about nothing).
+# where covering DRAM latency at full bandwidth takes about 26 KB). (Staging each step's
+# activations in shared memory for the block's warps, tried in session 19, took up to twice
+# as long at every row count and shape on the H200, and was removed.) At 8 rows four-step
+# chunks split over two warps won there (2, 4, 1, 2): its neighbours are candidates.
 TUNE_LAUNCHES = {
     1: [(1, 4, 1), (2, 4, 0), (2, 4, 1), (2, 8, 1), (4, 4, 0), (2, 4, 2)],
-    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2), (4, 2, 1), (4, 4, 1), (2, 2, 3), (2, 2, 7)],
+    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2), (4, 2, 1), (4, 4, 1), (2, 2, 3)],
     4: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 1, 2), (2, 4, 0, 4), (4, 1, 1), (4, 2, 1), (4, 2, 1, 2),
-        (4, 2, 3), (2, 2, 3), (4, 2, 5), (4, 2, 7)],
-    8: [(2, 1, 1), (2, 2, 0), (2, 2, 1), (2, 2, 1, 2), (2, 4, 1, 2), (2, 4, 1, 4), (2, 4, 0, 8),
-        (3, 2, 1, 2), (4, 1, 1, 2), (4, 2, 1, 2), (4, 2, 1, 4), (2, 2, 3), (2, 2, 2), (2, 1, 3), (2, 2, 3, 2),
-        (2, 2, 5), (2, 2, 7), (2, 1, 7)],
+        (4, 2, 3), (2, 2, 3), (2, 4, 3)],
+    8: [(2, 2, 1), (2, 2, 1, 2), (2, 4, 1, 2), (2, 4, 1, 4), (3, 2, 1, 2), (4, 2, 1, 2), (2, 2, 3),
+        (2, 4, 3, 2), (3, 4, 1, 2), (2, 8, 1, 2), (2, 4, 1), (2, 4, 2, 2)],
 }
 # R * M / S accumulators of 8 registers each: 16 take about 250 of a thread's 255
 # registers at sm_90 (ptxas -v); 20 spill.
