@@ -273,7 +273,7 @@ def main():
     prompt_ids = mx.array([prompt[:8]])
     dflash2_runtime.use_decode_arm("mlx")
     reference = greedy(model, prompt_ids, args.tokens)
-    outputs, oracles, tables_before = {}, {}, {}
+    outputs, oracles, tables_before, seeds_before = {}, {}, {}, {}
     token_gaps = {}  # arm -> each full run's gaps between tokens handed on (the first: from the start)
 
     def timed_greedy(key, tokens, **kwargs):
@@ -317,6 +317,9 @@ def main():
             if key in memories:
                 oracle.acceptance_memory = memories[key]
             table = costs.to_json()  # the learning table this run's policy starts from
+            # and the acceptance its first choice reads (what the arm's earlier runs left)
+            seed = (memories[key].estimate.seeded(dflash2_policy.MEMORY_WEIGHT).conditional()
+                    if key in memories else None)
             default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
             dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
             try:
@@ -325,6 +328,7 @@ def main():
                 dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
             if tokens == args.tokens:
                 tables_before[key], outputs[key], oracles[key] = table, output, oracle
+                seeds_before[key] = seed
 
         return run
 
@@ -432,6 +436,7 @@ def main():
         "policy_round_counts": round_counts,
         "policy_drafts_per_round": policy_drafts,
         "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in profiles},
+        "policy_acceptance_seed_at_start": {profile: seeds_before[arm_name(profile, None)] for profile in profiles},
         # The measured table after the end-to-end arms taught it (as a server's learns).
         "round_costs_learned": costs.to_json(),
         "cost_drafter_form": drafter_names[id(cost_drafter)],
