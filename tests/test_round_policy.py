@@ -434,6 +434,22 @@ def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeyp
 
 
 
+def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
+    import dflash2_runtime
+    from mlx_vlm.speculative.common import _dflash_block_total
+
+    model, _, drafter = target
+    before = drafter.config.runtime_block_size
+    try:
+        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(block_cap=3))
+        assert _dflash_block_total(drafter, None) == 3
+        costs = dflash2_policy.measure_round_costs(model, drafter, repeats=1, run=2)
+        assert costs.blocks == [2, 3]
+        assert 0.0 <= costs.refill_steps < float("inf") and costs.decode_step_ms > 0
+    finally:
+        drafter.config.runtime_block_size = before
+
+
 def test_the_drafters_greedy_head_gives_each_row_its_single_row_logits(target, gpu_like_rounding):
     """A greedy draft's rows go through the target's packed head in one dflash2_kernels call
     (speculative_argmax_from_hidden, which draft_block_greedy calls): each row's logits are
