@@ -318,8 +318,9 @@ def main():
                 oracle.acceptance_memory = memories[key]
             table = costs.to_json()  # the learning table this run's policy starts from
             # and the acceptance its first choice reads (what the arm's earlier runs left)
-            seed = (memories[key].estimate.seeded(dflash2_policy.MEMORY_WEIGHT).conditional()
-                    if key in memories else None)
+            # (and how many requests it saw: every ROUTE_PROBE_EVERY-th runs its first round anyway)
+            seed = ({"rates": memories[key].estimate.seeded(dflash2_policy.MEMORY_WEIGHT).conditional(),
+                     "requests_before": memories[key].requests} if key in memories else None)
             default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
             dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
             try:
