@@ -317,8 +317,8 @@ def main():
             if key in memories:
                 oracle.acceptance_memory = memories[key]
             table = costs.to_json()  # the learning table this run's policy starts from
-            # and the acceptance its first choice reads (what the arm's earlier runs left)
-            # (and how many requests it saw: every ROUTE_PROBE_EVERY-th runs its first round anyway)
+            # The acceptance its first choice reads (what the arm's earlier runs left), and how many
+            # requests the memory saw (every ROUTE_PROBE_EVERY-th runs its first round anyway).
             seed = ({"rates": memories[key].estimate.seeded(dflash2_policy.MEMORY_WEIGHT).conditional(),
                      "requests_before": memories[key].requests} if key in memories else None)
             default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
