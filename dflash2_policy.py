@@ -51,16 +51,16 @@ ACCEPTANCE_DECAY = 0.97
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 0.5
 PRIOR_DEPTH_DECAY = 0.8
-# While a learning table has no block that pays, one greedy request in this many still goes
-# speculative (the policy decodes it plain but probes rounds), so the table keeps learning.
+# While a learning table, or the drafter's remembered acceptance, says no block pays, one
+# greedy request in this many still goes speculative (its first round runs, then the policy
+# decides), so the table and the memory keep learning; the others are routed plain.
 ROUTE_PROBE_EVERY = 16
 # Across requests (the engine keeps an AcceptanceMemory on a drafter whose table it
 # measured; with a table given on the command line every request starts from the prior),
 # the drafter's recent rounds seed each request's acceptance estimate, weighing as much as
 # this many rounds; each round recorded there ages the rest by MEMORY_DECAY (plain steps
-# teach nothing, so they forget nothing). A request's first round then runs only where that
-# estimate says it pays, while no round has been seen, or in every ROUTE_PROBE_EVERY-th
-# request (otherwise it waits for the probe budget, as later rounds do).
+# teach nothing, so they forget nothing). Where that estimate says no block pays, greedy
+# requests are routed plain (rounds_can_pay) but for the probes above.
 MEMORY_WEIGHT = 1.0
 MEMORY_DECAY = 0.9
 # How far an observed round or plain run moves a learning cost table toward what it took:
@@ -184,19 +184,24 @@ class RoundCosts:
 def rounds_can_pay(draft_model) -> bool:
     """Whether greedy requests on this drafter should go speculative: its cost table as it
     is now has a block up to the drafter's ceiling that beats plain decoding (by PAY_MARGIN)
-    at full acceptance (or the block is fixed, and rounds run whatever they cost). When not, the
-    policy would serve every token with plain steps, so the server routes such requests
-    plain: same tokens, and their prefill skips capturing the drafter's taps."""
+    at full acceptance and, where the drafter remembers its acceptance across requests, at
+    the acceptance its recent rounds showed (or the block is fixed, and rounds run whatever
+    they cost). When not, the policy would serve the request with plain steps, so the server
+    routes it plain: same tokens, decoded by mlx-vlm's own plain loop (on the H200 the round
+    loop's plain steps ran slower than it), and its prefill skips capturing the drafter's taps."""
     costs = getattr(draft_model, "round_costs", None)
     if costs is None or getattr(draft_model, "prefer_requested_block_size", False):
         return True
-    return costs.can_pay(_dflash_block_total(draft_model, None))
+    ceiling = _dflash_block_total(draft_model, None)
+    memory = getattr(draft_model, "acceptance_memory", None)
+    return costs.can_pay(ceiling) and (memory is None or memory.rounds_pay(costs, ceiling))
 
 
 class SpeculativeRoute:
-    """Whether a greedy request goes speculative: while the drafter's table pays
-    (rounds_can_pay), or, while a measured table does not, every ROUTE_PROBE_EVERY-th such
-    request, whose rounds the table learns from (plain-routed requests teach it nothing)."""
+    """Whether a greedy request goes speculative: while the drafter's rounds pay
+    (rounds_can_pay), or, while they do not by a measured table, every ROUTE_PROBE_EVERY-th
+    such request, whose rounds the table and the acceptance memory learn from (plain-routed
+    requests teach them nothing)."""
 
     def __init__(self):
         self.unpaid = 0
@@ -282,25 +287,31 @@ class AcceptanceMemory:
         self.estimate.fade(MEMORY_DECAY)
         self.estimate.record(drafted, accepted)
 
-    def start_request(self) -> tuple:
-        """(the new request's acceptance estimate, whether its first round runs whatever it
-        says): every ROUTE_PROBE_EVERY-th request, or while no round has been seen."""
+    def start_request(self) -> AcceptanceEstimate:
+        """The new request's acceptance estimate."""
         self.requests += 1
-        seen = self.estimate.tried[0] > 0
-        return self.estimate.seeded(MEMORY_WEIGHT), not seen or self.requests % ROUTE_PROBE_EVERY == 0
+        return self.estimate.seeded(MEMORY_WEIGHT)
+
+    def rounds_pay(self, costs: RoundCosts, ceiling: int) -> bool:
+        """Whether a request starting from this memory would expect a round to pay: no round
+        seen yet, or some block up to `ceiling` beating plain decoding by PAY_MARGIN."""
+        if not self.estimate.tried[0]:
+            return True
+        policy = RoundPolicy(costs, ceiling, estimate=self.estimate.seeded(MEMORY_WEIGHT))
+        best = policy.best_block(ceiling)
+        return best is not None and policy.value(best) > PAY_MARGIN
 
 
 class RoundPolicy:
     """Per request: the next round's block, or how many plain steps come first."""
 
     def __init__(self, costs: RoundCosts, ceiling: int, fixed_block: Optional[int] = None,
-                 estimate: AcceptanceEstimate = None, first_round: bool = True):
+                 estimate: AcceptanceEstimate = None):
         self.costs = costs
         self.blocks = [block for block in costs.blocks if block <= ceiling]
         self.fixed_block = fixed_block
         # A seed holds MAX_ROWS positions, as many as any block drafts or more.
         self.estimate = estimate if estimate is not None else AcceptanceEstimate(max(self.blocks, default=1))
-        self.first_round = first_round  # whether the request's first round runs whatever it costs
         self.can_pay = costs.can_pay(ceiling)
         self.rounds = 0
         self.tokens = 1  # the prefill's token
@@ -329,7 +340,9 @@ class RoundPolicy:
         best = self.best_block(remaining)
         if best is None:
             return None
-        if self.value(best) > PAY_MARGIN or (self.rounds == 0 and self.first_round):
+        # A request's first round runs whatever it is expected to give: the server routes a
+        # greedy request speculative only where rounds pay or as a probe (SpeculativeRoute).
+        if self.value(best) > PAY_MARGIN or self.rounds == 0:
             return best
         # Otherwise a round runs only as a probe, within the budget for rounds that do not pay.
         if self.lost_steps + self.probe_loss(best) <= PROBE_BUDGET * self.tokens:
@@ -538,8 +551,7 @@ def policy_rounds(
     ceiling = _dflash_block_total(draft_model, draft_block_size)
     fixed = ceiling if getattr(draft_model, "prefer_requested_block_size", False) else None
     memory = getattr(draft_model, "acceptance_memory", None)  # the engine's, with a measured table
-    estimate, first_round_runs = memory.start_request() if memory is not None else (None, True)
-    policy = RoundPolicy(costs, ceiling, fixed, estimate, first_round_runs)
+    policy = RoundPolicy(costs, ceiling, fixed, memory.start_request() if memory is not None else None)
     decoder = RequestDecoder(model, draft_model, prompt_cache, hidden, first_bonus, sampler, token_dtype)
     with mx.stream(generation_stream):
         dflash_rounds._reserve_dflash_target_cache(prompt_cache, ceiling)

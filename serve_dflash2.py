@@ -10,7 +10,8 @@ is routed, and every response says how in its x-dflash2 header:
 - fallback; reason=R: served plain. Per request R is temperature-omitted (the pack's
   sampling defaults apply), sampling, logprobs, penalties, logit-bias, multimodal-plain, or
   rounds-cannot-pay (a greedy request while the round cost table has no block that beats
-  plain decoding by 5% even at full acceptance); for every request it is no-dflash2
+  plain decoding by 5% even at full acceptance, or none at the acceptance the drafter's
+  recent rounds showed); for every request it is no-dflash2
   (--no-dflash2), packed-weights-unsupported, kernel-self-test-failed,
   verify-self-check-failed or speculative-warm-up-failed;
 - refused; reason=R: thinking-budget, structured-output, n-above-1, and the gateway's

@@ -503,41 +503,49 @@ def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(target,
     assert table.observed.get("plain", 0) >= 1
 
 
-def test_a_drafter_s_recent_rounds_seed_each_request_s_estimate():
-    """Across requests of a measured table: after rounds that accepted nothing, a request's
-    first round waits for the probe budget (but every ROUTE_PROBE_EVERY-th request's runs);
-    after rounds that accepted everything, the first round takes the block full acceptance
-    calls for, not the prior's."""
-    refilled = RoundCosts(COSTS.decode_step_ms, COSTS.verify_steps_by_block, COSTS.draft_steps_by_block, 1.0)
+def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
+    """Across requests of a measured table: after rounds that accepted nothing, greedy
+    requests are routed plain but every ROUTE_PROBE_EVERY-th, whose first round runs though
+    it does not pay, and whose estimate is a seed, not the history; after rounds that
+    accepted everything, the first round takes the block full acceptance calls for, not the
+    prior's."""
+    from types import SimpleNamespace
+
+    refilled = RoundCosts(COSTS.decode_step_ms, COSTS.verify_steps_by_block, COSTS.draft_steps_by_block, 1.0,
+                          learning=True)
     memory = dflash2_policy.AcceptanceMemory(8)
-    estimate, forced = memory.start_request()
-    assert forced and RoundPolicy(refilled, 8, None, estimate, forced).choose_block(39) is not None
+    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=refilled,
+                              acceptance_memory=memory)
+    assert memory.rounds_pay(refilled, 8) and dflash2_policy.rounds_can_pay(drafter)  # nothing seen yet
     for _ in range(3):
         memory.record(2, 0)
-    starts = [memory.start_request() for _ in range(dflash2_policy.ROUTE_PROBE_EVERY - 1)]
-    assert [forced for _, forced in starts] == [False] * (dflash2_policy.ROUTE_PROBE_EVERY - 2) + [True]
-    estimate, forced = starts[0]
+    assert not memory.rounds_pay(refilled, 8) and not dflash2_policy.rounds_can_pay(drafter)
+    route, every = dflash2_policy.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
+    routes = [route(drafter) for _ in range(2 * every)]
+    assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
+    estimate = memory.start_request()  # a probe reaches the round loop
     assert sum(estimate.tried) <= 2 * dflash2_policy.MEMORY_WEIGHT  # a seed, not the history
-    assert RoundPolicy(refilled, 8, None, estimate, forced).choose_block(39) is None
-    estimate, forced = starts[-1]  # the ROUTE_PROBE_EVERY-th request
-    policy = RoundPolicy(refilled, 8, None, estimate, forced)
-    assert forced and policy.best_block(39) is not None and policy.value(policy.best_block(39)) < PAY_MARGIN
-    assert policy.choose_block(39) is not None  # runs though it does not pay
+    policy = RoundPolicy(refilled, 8, None, estimate)
+    best = policy.choose_block(39)
+    assert best is not None and policy.value(best) < PAY_MARGIN  # runs though it does not pay
+    policy.record_round(best, 0, 1)
+    assert policy.choose_block(38) is None  # then plain steps
     memory.forget()
-    assert memory.start_request()[1]  # nothing seen: forced again
+    assert memory.rounds_pay(refilled, 8)  # nothing seen: speculative again
     full = dflash2_policy.AcceptanceMemory(8)
     for _ in range(4):
         full.record(7, 7)
-    estimate, forced = full.start_request()
-    assert RoundPolicy(COSTS, 8, None, estimate, forced).choose_block(39) == exhaustive_choice(COSTS, [1.0] * 7, 39)
+    assert full.rounds_pay(COSTS, 8)
+    estimate = full.start_request()
+    assert RoundPolicy(COSTS, 8, None, estimate).choose_block(39) == exhaustive_choice(COSTS, [1.0] * 7, 39)
     assert RoundPolicy(COSTS, 8).choose_block(39) != exhaustive_choice(COSTS, [1.0] * 7, 39)  # the prior's
 
 
 def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prompt_and_plain):  # noqa: F811
-    """The same drafter, remembering its acceptance as the engine sets it up, through two
-    requests at zero acceptance: the first runs a round, the second decodes plain (its first
-    round would not pay, and the budget has no room for a probe in 40 tokens); both give
-    plain decoding's tokens. Without the memory the second runs one too."""
+    """The same drafter, remembering its acceptance as the engine sets it up: a request at
+    zero acceptance runs rounds, after which its greedy requests would be routed plain (the
+    table alone still pays); a probe that reaches the round loop runs its first round and
+    then decodes plain. Every request gives plain decoding's tokens."""
     model, _, drafter = target
     ids, plain = prompt_and_plain
     table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 2.0)
@@ -546,14 +554,14 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     oracle.prefer_requested_block_size = False
     oracle.round_costs = table
     oracle.acceptance_memory = dflash2_policy.AcceptanceMemory(8)
-    rounds = []
-    for _ in range(2):
-        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
-        rounds.append(oracle.round_counts.tokens_from_rounds)
-    assert rounds[0] >= 1 and rounds[1] == 0, rounds
-    del oracle.acceptance_memory
+    assert dflash2_policy.rounds_can_pay(oracle)
     assert greedy(model, ids, GENERATED, drafter=oracle) == plain
     assert oracle.round_counts.tokens_from_rounds >= 1
+    assert not dflash2_policy.rounds_can_pay(oracle)
+    assert greedy(model, ids, GENERATED, drafter=oracle) == plain  # a probe
+    assert oracle.draft_lens[:1] and oracle.round_counts.tokens_from_plain_steps >= GENERATED - 3
+    del oracle.acceptance_memory
+    assert dflash2_policy.rounds_can_pay(oracle)
 
 
 def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain):  # noqa: F811

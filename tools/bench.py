@@ -293,6 +293,8 @@ def main():
         return run
 
     memories = {}  # policy arm -> its AcceptanceMemory, kept across the arm's runs
+    routes = {}  # policy arm -> its SpeculativeRoute: each run routed as the server would
+    routed_plain = {}  # policy arm -> its full runs the route sent plain
 
     def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False, prior_depth_decay=None):
         """block None: the round policy (ceiling BLOCK), as the server runs it: each run
@@ -304,6 +306,7 @@ def main():
         key = arm_name(profile, block, drafter, first_request, prior_depth_decay)
         if block is None and not first_request:
             memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
+            routes[key] = dflash2_policy.SpeculativeRoute()
 
         def run(tokens):
             dflash2_runtime.use_decode_arm(chosen_arm)
@@ -318,13 +321,18 @@ def main():
                 oracle.acceptance_memory = memories[key]
             table = costs.to_json()  # the learning table this run's policy starts from
             # The acceptance its first choice reads (what the arm's earlier runs left), and how many
-            # requests the memory saw (every ROUTE_PROBE_EVERY-th runs its first round anyway).
+            # requests the memory saw.
             seed = ({"rates": memories[key].estimate.seeded(dflash2_policy.MEMORY_WEIGHT).conditional(),
                      "requests_before": memories[key].requests} if key in memories else None)
             default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
             dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
             try:
-                output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK)
+                if key in routes and not routes[key](oracle):  # the server would route it plain
+                    output = timed_greedy(key, tokens)
+                    oracle.round_counts = dflash2_policy.RoundCounts(tokens_from_plain_steps=len(output) - 1)
+                    routed_plain[key] = routed_plain.get(key, 0) + (tokens == args.tokens)
+                else:
+                    output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK)
             finally:
                 dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
             if tokens == args.tokens:
@@ -425,7 +433,8 @@ def main():
         "installed_plain_ratio": dflash2_policy.paired_ratio(e2e_ms["plain mlx"], plain),
         "plain_ratio_by_arm": {arm: dflash2_policy.paired_ratio(e2e_ms["plain mlx"], e2e_ms[f"plain {arm}"])
                                for arm in decode_arms},
-        # The round policy, as the server runs it (acceptance memory across requests); as
+        # The round policy, as the server runs it (acceptance memory across requests, each run
+        # routed plain where the server would route its request plain); as
         # it runs a server's first request (none); then each fixed block.
         "e2e_speedup": e2e,
         "e2e_speedup_first_request": e2e_first,
@@ -438,6 +447,8 @@ def main():
         "policy_drafts_per_round": policy_drafts,
         "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in profiles},
         "policy_acceptance_seed_at_start": {profile: seeds_before[arm_name(profile, None)] for profile in profiles},
+        # Of the policy's full runs (warm-up included), how many its route sent plain.
+        "policy_runs_routed_plain": {profile: routed_plain.get(arm_name(profile, None), 0) for profile in profiles},
         # The measured table after the end-to-end arms taught it (as a server's learns).
         "round_costs_learned": costs.to_json(),
         "cost_drafter_form": drafter_names[id(cost_drafter)],
@@ -585,6 +596,10 @@ def summary_markdown(r) -> str:
         lines += ["", f"The policy under a candidate prior depth decay {decay} (the policy's is "
                   f"{r['prior_depth_decay']:g}), policy / best fixed: "
                   + ", ".join(f"{profile} {ratio:.3f}" for profile, ratio in ratios.items()) + "."]
+    if "policy_runs_routed_plain" in r:
+        lines += ["", f"The policy's full runs routed plain, as the server routes a request whose rounds would not "
+                  f"pay (of {r['repeats'] + 1} with the warm-up): "
+                  + ", ".join(f"{profile} {runs}" for profile, runs in r["policy_runs_routed_plain"].items()) + "."]
     if "policy_drafts_per_round" in r:
         lines += ["", "The policy's drafts per round (block - 1) in its last run: "
                   + "; ".join(f"{profile} {drafts}" for profile, drafts in r["policy_drafts_per_round"].items()) + "."]
