@@ -9,7 +9,12 @@ through each arm, interleaved (ABAB) after a warm-up pass:
 - speculative: routed as the server routes a greedy request (rounds_can_pay: the cost
   table and the drafter's acceptance memory, with its probe every ROUTE_PROBE_EVERY-th);
 - speculative, plain steps only: routed speculative, its round policy never running a
-  round, so every token after the first is a RequestDecoder plain step.
+  round, so every token after the first is a RequestDecoder plain step;
+- two diagnostic variants of that arm (same tokens; neither is how the server runs): with
+  each step's tap hidden states dropped instead of kept for the drafter, and with the
+  steps on the worker's own stream (mlx-vlm's plain loop's) instead of mlx-vlm's
+  speculative stream. On the H200 the round loop's plain steps ran slower than the plain
+  loop; these say whether keeping the taps or the stream is why.
 Per request the decode time per token is (last token - first token) / (tokens - 1), as
 bench_server's client measures it, here without HTTP. It writes
 evidence/bench-routes-<backend>.json and .md: per arm the median, min and max ms per token,
@@ -29,7 +34,14 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 from records import run_environment, write_record  # noqa: E402
 
 PROMPT = "Write a short, friendly note inviting a neighbour to dinner on Friday."
-ARMS = ("plain", "speculative", "speculative, plain steps only")
+# arm -> (route: "plain", "speculative" or "as routed"; the Variant flags it runs under)
+ARMS = {
+    "plain": ("plain", ()),
+    "speculative": ("as routed", ()),
+    "speculative, plain steps only": ("speculative", ("no_rounds",)),
+    "plain steps only, taps dropped": ("speculative", ("no_rounds", "drop_taps")),
+    "plain steps only, worker stream": ("speculative", ("no_rounds", "worker_stream")),
+}
 
 
 def start_engine(pack: Path):
@@ -52,17 +64,37 @@ def start_engine(pack: Path):
     return generator
 
 
-class NoRounds:
-    """While on, the round policy chooses plain steps for the whole request."""
+class Variant:
+    """The round loop's measurement variants, each off unless its flag is in `flags`:
+    no_rounds (the policy chooses plain steps for the whole request), drop_taps (a plain
+    step keeps no tap hidden states for the drafter) and worker_stream (the request's steps
+    run on the calling thread's default stream)."""
 
     def __init__(self):
-        import dflash2_policy
+        import mlx.core as mx
 
-        self.on = False
-        policy = dflash2_policy.RoundPolicy
-        choose_block, plain_run = policy.choose_block, policy.plain_run
-        policy.choose_block = lambda p, remaining: None if self.on else choose_block(p, remaining)
-        policy.plain_run = lambda p, remaining: remaining if self.on else plain_run(p, remaining)
+        import dflash2_policy as policy
+
+        self.flags = ()
+        rounds, decoder = policy.RoundPolicy, policy.RequestDecoder
+        choose_block, plain_run = rounds.choose_block, rounds.plain_run
+        plain_step, start = decoder._plain_step, decoder.__init__
+        speculative_stream = policy.generation_stream
+        rounds.choose_block = lambda p, remaining: None if "no_rounds" in self.flags else choose_block(p, remaining)
+        rounds.plain_run = lambda p, remaining: remaining if "no_rounds" in self.flags else plain_run(p, remaining)
+
+        def drop_taps(decoder, token):
+            next_token = plain_step(decoder, token)
+            if "drop_taps" in self.flags:
+                decoder.context.pop()
+            return next_token
+
+        def choose_stream(decoder, *args, **kwargs):  # read when each round or step is built
+            worker = "worker_stream" in self.flags
+            policy.generation_stream = mx.default_stream(mx.default_device()) if worker else speculative_stream
+            start(decoder, *args, **kwargs)
+
+        decoder._plain_step, decoder.__init__ = drop_taps, choose_stream
 
 
 def timed_request(generator, prompt, max_tokens: int, speculative: bool) -> dict:
@@ -98,17 +130,19 @@ def measure(generator, max_tokens: int, repeats: int) -> tuple:
     import dflash2_policy
 
     prompt = apply_chat_template(generator.processor, generator.config, [{"role": "user", "content": PROMPT}])
-    no_rounds = NoRounds()
+    variant = Variant()
     requests = {arm: [] for arm in ARMS}
 
     def arm(name):
+        route, flags = ARMS[name]
+
         def sample():
-            no_rounds.on = name == "speculative, plain steps only"
-            speculative = generator.rounds_can_pay() if name == "speculative" else name != "plain"
+            variant.flags = flags
+            speculative = generator.rounds_can_pay() if route == "as routed" else route == "speculative"
             try:
                 request = timed_request(generator, prompt, max_tokens, speculative)
             finally:
-                no_rounds.on = False
+                variant.flags = ()
             requests[name].append(request)
             return request["ms_per_token"]
 
