@@ -1,0 +1,37 @@
+#!/bin/bash
+# The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
+#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune
+# Runs in the repository root on the GPU machine, after ../shared/device's staging (mlx-cuda,
+# mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api). Records go to
+# $OUT (the device tool brings them back); copy them into evidence/ here. Scratch lives in
+# /tmp, which a warm machine keeps between calls: the pack that server and routes build once,
+# and the round-phase record that e2e adds to (carried back in as .gpu/b27/ if the machine
+# went cold in between).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+started=$(date +%s)
+left() { echo $(( ${1:-585} - ($(date +%s) - started) )); }
+
+build_pack() {  # the 27B-shape pack with a 4-bit random drafter (zero acceptance), once
+  [ -f /tmp/pack27/serve_dflash2.py ] && return
+  python3 tools/make_synthetic_pack.py --size 27b --seed 0 --out /tmp/src27 --drafter-form 4bit > /tmp/make.log 2>&1 \
+    && python3 tools/build_pack.py --base /tmp/src27/target --drafter /tmp/src27/drafter --out /tmp/pack27 > /tmp/build.log 2>&1 \
+    || { tail -20 /tmp/make.log /tmp/build.log; exit 5; }
+  rm -rf /tmp/src27
+  echo "pack built in $(( $(date +%s) - started )) s"
+}
+
+BENCH=(python3 tools/bench.py --size 27b --out /tmp/b27 --tokens 40 --repeats 5 --fixed-blocks 2,4,8
+       --drafter-forms 4bit --no-all-decode-arms --no-first-request-arms)
+mkdir -p "$OUT" /tmp/b27
+case "${1:-}" in
+  server) build_pack; timeout "$(left)" python3 tools/bench_server.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
+  routes) build_pack; timeout "$(left)" python3 tools/bench_routes.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
+  rounds) timeout "$(left)" "${BENCH[@]}" --part rounds; cp /tmp/b27/* "$OUT"/ ;;
+  e2e) [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
+       timeout "$(left 590)" "${BENCH[@]}" --deadline-s 570 --part e2e; cp /tmp/b27/* "$OUT"/ ;;
+  tune) timeout "$(left)" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
+  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune" >&2; exit 2 ;;
+esac
