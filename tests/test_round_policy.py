@@ -209,6 +209,20 @@ def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes(
     assert measured(learning) and measured(None)
 
 
+def test_a_plain_run_teaches_only_its_steady_steps():
+    """The refill (first token) and the last gap, which builds no step after it (on the
+    H200 the device's time alone), are left out; runs too short for a steady step teach
+    nothing, and a table fed only those keeps its step."""
+    steady = dflash2_policy.steady_plain_steps
+    assert steady([90.0, 126.5, 163.0, 199.5, 225.5]) == (3, 109.5)  # 36.5 ms steps, a 26 ms last gap
+    assert steady([90.0]) == (0, 0.0) and steady([90.0, 116.0]) == (0, 0.0)
+    table = RoundCosts(36.5, {2: 1.5}, {2: 0.2}, 1.0, learning=True)
+    table.observe_plain(*steady([90.0, 116.0]))
+    assert table.decode_step_ms == 36.5
+    table.observe_plain(*steady([90.0, 126.5, 163.0, 199.5, 225.5]))
+    assert table.decode_step_ms == pytest.approx(36.5)
+
+
 def test_cost_table_round_trips_and_bad_tables_are_named():
     assert RoundCosts.from_json(COSTS.to_json()).to_json() == COSTS.to_json()
     refilled = RoundCosts(2.0, {2: 1.5}, {2: 0.25}, 0.75)
