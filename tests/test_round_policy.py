@@ -578,7 +578,8 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     assert dflash2_policy.rounds_can_pay(oracle)
 
 
-def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain):  # noqa: F811
+def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain,  # noqa: F811
+                                                                                 monkeypatch):
     """The drafter's first call after plain steps gets their taps with the prompt's; the oracle
     (one right draft per round) must still propose the true continuation from there, or the
     benchmark's remembering policy arms measure misaligned rounds that accept nothing."""
@@ -589,11 +590,16 @@ def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(
                            accepted_per_round=1.0, target_layer_ids=drafter.config.target_layer_ids)
     oracle.prefer_requested_block_size = False
     oracle.round_costs = table
-    oracle.acceptance_memory = dflash2_policy.AcceptanceMemory(8)
-    for _ in range(3):  # remembered rounds that accepted nothing: the request starts plain
-        oracle.acceptance_memory.record(1, 0)
+    choose_block, choices = RoundPolicy.choose_block, []
+
+    def plain_first(policy, remaining):  # the request's first three choices: plain steps
+        choices.append(remaining)
+        return None if len(choices) <= 3 else choose_block(policy, remaining)
+
+    monkeypatch.setattr(RoundPolicy, "choose_block", plain_first)
+    monkeypatch.setattr(RoundPolicy, "plain_run", lambda policy, remaining: 1)
     assert greedy(model, ids, GENERATED, drafter=oracle) == plain
-    assert oracle.round_counts.tokens_from_plain_steps >= 1 and oracle.accept_lens
+    assert oracle.round_counts.tokens_from_plain_steps >= 3 and oracle.accept_lens
     assert oracle.accept_lens[:-1] == [1] * (len(oracle.accept_lens) - 1), oracle.accept_lens
 
 

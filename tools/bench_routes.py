@@ -24,6 +24,7 @@ tells which part of the speculative server's time is its routing and which its p
 """
 
 import argparse
+import copy
 import sys
 import time
 from pathlib import Path
@@ -95,6 +96,7 @@ class Variant:
             start(decoder, *args, **kwargs)
 
         decoder._plain_step, decoder.__init__ = drop_taps, choose_stream
+        self.restore_stream = lambda: setattr(policy, "generation_stream", speculative_stream)
 
 
 def timed_request(generator, prompt, max_tokens: int, speculative: bool) -> dict:
@@ -116,7 +118,7 @@ def timed_request(generator, prompt, max_tokens: int, speculative: bool) -> dict
         current_request.reset(context)
     counts = record.round_counts
     return {
-        "ms_per_token": 1000 * (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1),
+        "ms_per_token": 1000 * (arrivals[-1] - arrivals[0]) / max(1, len(arrivals) - 1),
         "tokens": tokens,
         "route": "speculative" if speculative else "plain",
         "tokens_from_rounds": counts.tokens_from_rounds if counts else 0,
@@ -137,12 +139,18 @@ def measure(generator, max_tokens: int, repeats: int) -> tuple:
         route, flags = ARMS[name]
 
         def sample():
-            variant.flags = flags
             speculative = generator.rounds_can_pay() if route == "as routed" else route == "speculative"
+            drafter = generator.speculation.drafter
+            table = drafter.round_costs
+            if flags:  # a variant's timings must not teach the table the server's routes read
+                drafter.round_costs = copy.deepcopy(table)
+            variant.flags = flags
             try:
                 request = timed_request(generator, prompt, max_tokens, speculative)
             finally:
                 variant.flags = ()
+                variant.restore_stream()
+                drafter.round_costs = table
             requests[name].append(request)
             return request["ms_per_token"]
 

@@ -12,7 +12,11 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 started=$(date +%s)
-left() { echo $(( ${1:-585} - ($(date +%s) - started) )); }
+left() {  # seconds left of this call's limit (585 unless given); none left: stop
+  local t=$(( ${1:-585} - ($(date +%s) - started) ))
+  (( t > 0 )) || { echo "no time left in this call" >&2; exit 124; }
+  echo "$t"
+}
 
 build_pack() {  # the 27B-shape pack with a 4-bit random drafter (zero acceptance), once
   [ -f /tmp/pack27/serve_dflash2.py ] && return
@@ -27,11 +31,11 @@ BENCH=(python3 tools/bench.py --size 27b --out /tmp/b27 --tokens 40 --repeats 5 
        --drafter-forms 4bit --no-all-decode-arms --no-first-request-arms)
 mkdir -p "$OUT" /tmp/b27
 case "${1:-}" in
-  server) build_pack; timeout "$(left)" python3 tools/bench_server.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
-  routes) build_pack; timeout "$(left)" python3 tools/bench_routes.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
-  rounds) timeout "$(left)" "${BENCH[@]}" --part rounds; cp /tmp/b27/* "$OUT"/ ;;
+  server) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_server.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
+  routes) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_routes.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
+  rounds) t=$(left) || exit 124; timeout "$t" "${BENCH[@]}" --part rounds; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   e2e) [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
-       timeout "$(left 590)" "${BENCH[@]}" --deadline-s 570 --part e2e; cp /tmp/b27/* "$OUT"/ ;;
-  tune) timeout "$(left)" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
+       t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
+  tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune" >&2; exit 2 ;;
 esac
