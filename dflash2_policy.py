@@ -298,8 +298,7 @@ class AcceptanceMemory:
         if not self.estimate.tried[0]:
             return True
         policy = RoundPolicy(costs, ceiling, estimate=self.estimate.seeded(MEMORY_WEIGHT))
-        best = policy.best_block(ceiling)
-        return best is not None and policy.value(best) > PAY_MARGIN
+        return policy.pays(policy.best_block(ceiling))
 
 
 class RoundPolicy:
@@ -333,6 +332,10 @@ class RoundPolicy:
         blocks = [block for block in self.blocks if block <= remaining]
         return max(blocks, key=self.value) if blocks and self.can_pay else None
 
+    def pays(self, block: Optional[int]) -> bool:
+        """Whether a round of this block is expected to beat plain decoding by PAY_MARGIN."""
+        return block is not None and self.value(block) > PAY_MARGIN
+
     def choose_block(self, remaining: int) -> Optional[int]:
         """The next round's block, or None for plain steps; `remaining` tokens are wanted."""
         if self.fixed_block is not None:
@@ -342,7 +345,7 @@ class RoundPolicy:
             return None
         # A request's first round runs whatever it is expected to give: the server routes a
         # greedy request speculative only where rounds pay or as a probe (SpeculativeRoute).
-        if self.value(best) > PAY_MARGIN or self.rounds == 0:
+        if self.pays(best) or self.rounds == 0:
             return best
         # Otherwise a round runs only as a probe, within the budget for rounds that do not pay.
         if self.lost_steps + self.probe_loss(best) <= PROBE_BUDGET * self.tokens:
