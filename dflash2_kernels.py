@@ -500,8 +500,8 @@ _CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH>(x, w, scales, bias
 # R * M / S accumulators of 8 registers bound R.
 # Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md).
 CUDA_LAUNCH = {
-    1: (2, 4, 0), 2: (2, 2, 1), 3: (4, 2, 3), 4: (4, 2, 3),
-    5: (2, 4, 1), 6: (2, 4, 1, 2), 7: (2, 4, 1), 8: (2, 4, 1, 2),
+    1: (2, 4, 0), 2: (2, 2, 3), 3: (2, 2, 3), 4: (2, 2, 3),
+    5: (3, 2, 1), 6: (4, 2, 1, 2), 7: (2, 2, 1), 8: (4, 2, 1, 2),
 }
 CUDA_WARPS_PER_BLOCK = 4
 
