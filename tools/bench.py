@@ -71,35 +71,44 @@ def prefill(lm, tokens, taps):
     return cache, hidden
 
 
+def decode_steps(lm, cache):
+    """steps(count): `count` plain decode steps of one token on `cache`, each evaluated."""
+    token = mx.array([[7]])
+
+    def steps(count):
+        for _ in range(count):
+            mx.eval(lm(token, cache=cache).logits)
+
+    return steps
+
+
+def verify_round_steps(lm, cache, taps, length):
+    """steps(count): `count` exact verify rounds of `length` positions on `cache` (forward,
+    greedy choice, commit of half the block)."""
+    block = mx.array([[11 + i for i in range(length)]])
+
+    def steps(count):
+        for _ in range(count):
+            hidden_out, states, tokens = dflash_rounds._dflash_verify_greedy(
+                lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1)
+            )
+            mx.eval(tokens, hidden_out)
+            commit_speculative_round(lm, cache, states, length // 2, length)
+
+    return steps
+
+
 def round_arms(lm, cache, taps, drafters, hidden, run=3):
     """Samples (dflash2_policy.steady_ms: `run` back to back after a lead-in, per step) of:
     a decode step, an exact verify round per block (forward, greedy choice, commit of half
     the block), a draft of 8 per drafter form, in bf16 and in the dtype its inputs promote to."""
-    token = mx.array([[7]])
 
     def settle():
         mx.eval(dflash2_policy.cache_arrays(cache))
 
-    def decode(count):
-        for _ in range(count):
-            mx.eval(lm(token, cache=cache).logits)
-
-    def verify_rounds(length):
-        block = mx.array([[11 + i for i in range(length)]])
-
-        def steps(count):
-            for _ in range(count):
-                hidden_out, states, tokens = dflash_rounds._dflash_verify_greedy(
-                    lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1)
-                )
-                mx.eval(tokens, hidden_out)
-                commit_speculative_round(lm, cache, states, length // 2, length)
-
-        return steps
-
-    arms = {"decode": dflash2_policy.steady_ms(decode, run, settle)}
+    arms = {"decode": dflash2_policy.steady_ms(decode_steps(lm, cache), run, settle)}
     for length in range(2, BLOCK + 1):
-        arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_rounds(length), run, settle)
+        arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
     # Drafter passes as serving drafts them, each at a new key length (as
     # dflash2_runtime.choose_drafter_dtype's arms).
     for form, drafter in drafters.items():

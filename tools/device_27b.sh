@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune
+#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune | profile
 # Runs in the repository root on the GPU machine, after ../shared/device's staging (mlx-cuda,
 # mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api). Records go to
 # $OUT (the device tool brings them back); copy them into evidence/ here. Scratch lives in
@@ -37,5 +37,6 @@ case "${1:-}" in
   e2e) [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
-  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune" >&2; exit 2 ;;
+  profile) t=$(left) || exit 124; timeout "$t" python3 tools/profile_verify.py --out "$OUT" ;;
+  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|profile" >&2; exit 2 ;;
 esac

@@ -1,0 +1,129 @@
+"""Where an exact verify round's GPU time goes, kernel by kernel, against a decode step.
+
+    python tools/profile_verify.py --out evidence/
+
+CUDA only (the GPU machine): builds the random-weight 27B-shape target as tools/bench.py
+does, installs the runtime, prefills a short prompt, then records with PyTorch's profiler
+(CUPTI, which sees every kernel the process launches, MLX's included) a few decode steps
+and exact verify rounds of each --blocks length. Per arm it gives the wall time of a step
+(timed apart, unprofiled), the summed kernel time and kernel count per step, and each
+kernel's time per step; the kernels whose time grows most from a decode step to the
+longest verify round come first. Writes evidence/profile-verify-<backend>.json and .md.
+A diagnostic: which kernels to make faster, not a speed record (see tools/bench.py).
+"""
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+
+import bench  # first: it sets MLX's CUDA graph cache before MLX starts and puts the pack on sys.path
+
+import mlx.core as mx  # noqa: E402
+
+import dflash2_kernels  # noqa: E402
+import dflash2_policy  # noqa: E402
+import dflash2_runtime  # noqa: E402
+from make_synthetic_pack import SIZES, build_target_model  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
+
+NAME_CHARS = 120  # kernel names are long template instantiations: their head says enough
+
+
+def kernel_ms_per_step(steps, count: int, settle) -> tuple:
+    """(ms by kernel name, kernels launched) per step, over `count` steps under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps(1)  # lead-in: the switch from the previous arm stays out of the record
+    settle()
+    with profile(activities=[ProfilerActivity.CUDA]) as recorded:
+        steps(count)
+        settle()
+    by_name, launched = defaultdict(float), 0
+    for event in recorded.events():
+        if str(event.device_type).endswith("CUDA"):
+            by_name[event.name[:NAME_CHARS]] += event.time_range.elapsed_us() / 1000 / count
+            launched += 1
+    return dict(by_name), launched / count
+
+
+def summary_markdown(record: dict) -> str:
+    arms = record["arms"]
+    longest = f"verify {max(record['blocks'])}"
+    lines = [
+        f"# Where a verify round's GPU time goes on {record['backend']} ({record['device']})", "",
+        f"Command: `{record['command']}`; mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
+        f"code {record['code']}. Context {record['context_tokens']} tokens; decode path "
+        f"`{record['plain_decode_path']}`.", "",
+        "Wall: ms per step, timed unprofiled (median of the samples); kernel ms: summed kernel time "
+        "per step under PyTorch's profiler (CUPTI). Wall well above kernel time means the host "
+        "(building and launching) bounds the step.", "",
+        "| arm | wall ms | kernel ms | kernels per step |",
+        "|---|---|---|---|",
+    ]
+    for name, arm in arms.items():
+        lines.append(f"| {name} | {arm['wall_ms']:.2f} | {arm['kernel_ms']:.2f} | {arm['kernels']:.0f} |")
+    lines += ["", f"Kernels by time added from a decode step to a {longest} round (ms per step):", "",
+              "| kernel | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+    for kernel in record["kernels_by_growth"][:25]:
+        lines.append(f"| `{kernel}` | " + " | ".join(f"{arm['by_kernel'].get(kernel, 0.0):.3f}"
+                                                     for arm in arms.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(bench.REPO / "evidence"))
+    parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
+    parser.add_argument("--context", type=int, default=32, help="prompt tokens before profiling")
+    parser.add_argument("--blocks", default="2,4,8", help="verify lengths to profile")
+    parser.add_argument("--steps", type=int, default=4, help="steps per arm under the profiler")
+    args = parser.parse_args()
+    if dflash2_kernels.backend_name() != "cuda":
+        parser.error("CUDA only: PyTorch's profiler reads the kernels through CUPTI")
+    import torch
+
+    torch.zeros(1, device="cuda")  # CUDA up in torch before its profiler starts
+    blocks = sorted({int(block) for block in args.blocks.split(",")})
+    started = time.time()
+    model = build_target_model(args.size, seed=0)
+    status = dflash2_runtime.install(model)
+    if not status.speculative:
+        sys.exit(f"exact verify is off on this machine: {status.reason}")
+    print(f"[{time.time() - started:6.1f}s] runtime installed: {'; '.join(status.log_lines())}", flush=True)
+    lm = model.language_model
+    taps = list(SIZES[args.size]["drafter"]["target_layer_ids"])
+    prompt = [(17 * i + 3) % 200 + 1 for i in range(args.context)]
+    cache, _ = bench.prefill(lm, prompt, taps)
+
+    def settle():
+        mx.eval(dflash2_policy.cache_arrays(cache))
+
+    arm_steps = {"decode": bench.decode_steps(lm, cache)}
+    arm_steps.update({f"verify {length}": bench.verify_round_steps(lm, cache, taps, length) for length in blocks})
+    arms = {}
+    with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
+        wall = dflash2_policy.interleaved_ms(
+            {name: dflash2_policy.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
+        for name, steps in arm_steps.items():
+            by_kernel, kernels = kernel_ms_per_step(steps, args.steps, settle)
+            arms[name] = {"wall_ms": wall[name]["median"], "wall_ms_samples": wall[name]["samples"],
+                          "kernel_ms": sum(by_kernel.values()), "kernels": kernels,
+                          "by_kernel": dict(sorted(by_kernel.items(), key=lambda item: -item[1]))}
+            print(f"[{time.time() - started:6.1f}s] {name}: wall {arms[name]['wall_ms']:.2f} ms, "
+                  f"kernels {arms[name]['kernel_ms']:.2f} ms in {kernels:.0f}", flush=True)
+    decode, longest = arms["decode"]["by_kernel"], arms[f"verify {blocks[-1]}"]["by_kernel"]
+    growth = sorted(set(decode) | set(longest), key=lambda kernel: decode.get(kernel, 0.0) - longest.get(kernel, 0.0))
+    record = {
+        **run_environment("profile_verify.py", f"synthetic {args.size}, seed 0"),
+        "context_tokens": args.context, "blocks": blocks, "profiled_steps": args.steps,
+        "plain_decode_path": status.decode_path.arm,
+        "arms": arms, "kernels_by_growth": growth,
+    }
+    markdown = summary_markdown(record)
+    write_record(args.out, f"profile-verify-{record['backend']}", record, markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
