@@ -237,7 +237,6 @@ namespace dflash2 {
 
 constexpr int kLaneElems = 16;                 // elements one lane takes per step
 constexpr int kStepElems = 32 * kLaneElems;    // 512: elements a warp takes per step
-constexpr int kWarpsPerBlock = 4;              // CUDA_WARPS_PER_BLOCK: blocks of (32, 4)
 
 __device__ __forceinline__ __half2 bits_to_half2(uint32_t bits) {
   return *reinterpret_cast<__half2*>(&bits);
@@ -258,12 +257,9 @@ __device__ __forceinline__ uint32_t permute_bytes(uint32_t lo, uint32_t hi, uint
 // MLX dequantizes w = code * scale + bias as one fp16 fma per element (ptxas
 // fuses its mul and add into HFMA2). A code takes 4 values, so we compute those 4
 // fmas and pick from them with byte permutes: same bits, fewer instructions.
-// Element e's code is at bits 2e..2e+1 of q; w[t] holds elements 2t, 2t+1. T = 8: all
-// 16 elements of q; T = 4: its low 8 (a lane half's, q shifted down by its first code).
-template <int T>
-__device__ __forceinline__ void dequantize(
-    uint32_t q, __half scale, __half bias, __half2 (&w)[T]) {
-  static_assert(T == 4 || T == 8, "a lane half or a whole lane");
+// Element e's code is at bits 2e..2e+1 of q; w[t] holds elements 2t, 2t+1.
+__device__ __forceinline__ void dequantize16(
+    uint32_t q, __half scale, __half bias, __half2 (&w)[8]) {
   const __half2 scale2 = __half2half2(scale);
   const __half2 bias2 = __half2half2(bias);
   const uint32_t values01 = half2_to_bits(__hfma2(__floats2half2_rn(0.0f, 1.0f), scale2, bias2));
@@ -276,121 +272,55 @@ __device__ __forceinline__ void dequantize(
   // Byte c * 0x22 + 0x10 holds the nibbles (2c, 2c + 1): the bytes of value c.
   // Each selector word serves two pairs: its low half, then its high half.
   const uint32_t sel_0_1_4_5 = __byte_perm(codes0, codes1, 0x5140) * 0x22u + 0x10101010u;
+  const uint32_t sel_8_9_12_13 = __byte_perm(codes0, codes1, 0x7362) * 0x22u + 0x10101010u;
   const uint32_t sel_2_3_6_7 = __byte_perm(codes2, codes3, 0x5140) * 0x22u + 0x10101010u;
+  const uint32_t sel_10_11_14_15 = __byte_perm(codes2, codes3, 0x7362) * 0x22u + 0x10101010u;
   w[0] = bits_to_half2(permute_bytes(values01, values23, sel_0_1_4_5));
   w[1] = bits_to_half2(permute_bytes(values01, values23, sel_2_3_6_7));
   w[2] = bits_to_half2(permute_bytes(values01, values23, sel_0_1_4_5 >> 16));
   w[3] = bits_to_half2(permute_bytes(values01, values23, sel_2_3_6_7 >> 16));
-  if constexpr (T == 8) {
-    const uint32_t sel_8_9_12_13 = __byte_perm(codes0, codes1, 0x7362) * 0x22u + 0x10101010u;
-    const uint32_t sel_10_11_14_15 = __byte_perm(codes2, codes3, 0x7362) * 0x22u + 0x10101010u;
-    w[4] = bits_to_half2(permute_bytes(values01, values23, sel_8_9_12_13));
-    w[5] = bits_to_half2(permute_bytes(values01, values23, sel_10_11_14_15));
-    w[6] = bits_to_half2(permute_bytes(values01, values23, sel_8_9_12_13 >> 16));
-    w[7] = bits_to_half2(permute_bytes(values01, values23, sel_10_11_14_15 >> 16));
-  }
+  w[4] = bits_to_half2(permute_bytes(values01, values23, sel_8_9_12_13));
+  w[5] = bits_to_half2(permute_bytes(values01, values23, sel_10_11_14_15));
+  w[6] = bits_to_half2(permute_bytes(values01, values23, sel_8_9_12_13 >> 16));
+  w[7] = bits_to_half2(permute_bytes(values01, values23, sel_10_11_14_15 >> 16));
 }
 
-// Cache hints of PREFETCH bits 2 and 3 (same values, other L1 policy): bit 2 reads the
-// weight words past L1 (each is read once, so they need not evict the activations, which
-// every warp rereads); bit 3 keeps the activation lines in L1 longest.
-template <int PREFETCH>
-__device__ __forceinline__ uint32_t load_word(const uint32_t* p) {
-  if constexpr ((PREFETCH & 4) != 0) {
-    uint32_t v;
-    asm("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-  } else {
-    return __ldg(p);
-  }
-}
-
-template <int PREFETCH>
-__device__ __forceinline__ uint4 load_activations(const uint4* p) {
-  if constexpr ((PREFETCH & 8) != 0) {
-    uint4 v;
-    asm("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-  } else {
-    return __ldg(p);
-  }
-}
-
-// PREFETCH bits 4 (16) and 5 (32): the weight words come through a ring of 4 or 8 steps
-// in shared memory, filled 2 or 6 steps ahead by cp.async (loads in flight that hold no
-// registers). A step's slot is refilled two steps after it was read.
-__host__ __device__ constexpr int ring_steps(int prefetch) {
-  return (prefetch & 32) ? 8 : (prefetch & 16) ? 4 : 0;
-}
-
-__device__ __forceinline__ void copy_word_async(uint32_t* shared_word, const uint32_t* word) {
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared_word));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(to), "l"(word) : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int PENDING>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
-}
-
-// One 512-wide step for R output rows and M activation rows (x_step: this thread's first
-// element of the step in row 0, rows k apart), T of its lane's 8 slots (a lane half, T = 4,
-// takes the codes from bit `shift` of each word): each activation load serves all R output
+// One 512-wide step for R output rows and M activation rows (x_step: this lane's first
+// element of the step in row 0, rows k apart): each activation load serves all R output
 // rows, each dequantized weight all M activation rows.
-template <int M, int R, int T, int PREFETCH>
+template <int M, int R>
 __device__ __forceinline__ void accumulate_step(
     const __half* x_step,
     int k,
-    int shift,
     const uint32_t (&q)[R],
     const __half (&scale)[R],
     const __half (&bias)[R],
-    __half2 (&acc)[R][M][T]) {
-  __half2 w[R][T];
+    __half2 (&acc)[R][M][8]) {
+  __half2 w[R][8];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
-    dequantize<T>(q[j] >> shift, scale[j], bias[j], w[j]);
+    dequantize16(q[j], scale[j], bias[j], w[j]);
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     const uint4* xv = reinterpret_cast<const uint4*>(x_step + m * k);
-    __half2 xh[T];
-#pragma unroll
-    for (int half = 0; half < T / 4; ++half) {
-      const uint4 bits = load_activations<PREFETCH>(xv + half);
-      xh[4 * half] = bits_to_half2(bits.x);
-      xh[4 * half + 1] = bits_to_half2(bits.y);
-      xh[4 * half + 2] = bits_to_half2(bits.z);
-      xh[4 * half + 3] = bits_to_half2(bits.w);
-    }
+    const uint4 lo = __ldg(xv);
+    const uint4 hi = __ldg(xv + 1);
+    const __half2 xh[8] = {
+        bits_to_half2(lo.x), bits_to_half2(lo.y), bits_to_half2(lo.z), bits_to_half2(lo.w),
+        bits_to_half2(hi.x), bits_to_half2(hi.y), bits_to_half2(hi.z), bits_to_half2(hi.w)};
 #pragma unroll
     for (int j = 0; j < R; ++j) {
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
+      for (int t = 0; t < 8; ++t) {
         acc[j][m][t] = __hfma2(xh[t], w[j][t], acc[j][m][t]);
       }
     }
   }
 }
 
-// `sum` plus a thread's slots in slot order, each slot's low element then its high.
-template <int T>
-__device__ __forceinline__ float add_slots(float sum, const __half2 (&slots)[T]) {
-#pragma unroll
-  for (int t = 0; t < T; ++t) {
-    sum += __low2float(slots[t]);
-    sum += __high2float(slots[t]);
-  }
-  return sum;
-}
-
 // This lane's weight words, scales and biases of C steps in R output rows.
-template <int R, int C, int PREFETCH>
+template <int R, int C>
 struct WeightChunk {
   uint32_t q[C][R];
   __half scale[C][R];
@@ -407,7 +337,7 @@ struct WeightChunk {
       if (first_step + c < steps) {
 #pragma unroll
         for (int j = 0; j < R; ++j) {
-          q[c][j] = load_word<PREFETCH>(w_lane[j] + (first_step + c) * 32);
+          q[c][j] = __ldg(w_lane[j] + (first_step + c) * 32);
           scale[c][j] = __ldg(s_lane[j] + (first_step + c) * 4);
           bias[c][j] = __ldg(b_lane[j] + (first_step + c) * 4);
         }
@@ -419,13 +349,8 @@ struct WeightChunk {
 // y[m, first..first+R) for one warp and M activation rows; C steps of weights are
 // loaded at once. PREFETCH bit 0: the next C steps' loads fly while this chunk is
 // computed (in registers); bit 1: the warp first asks L2 for its whole weight slice (no
-// registers, so more loads in flight where registers limit the resident warps); bits 2
-// and 3: load_word's and load_activations' cache hints; bits 4 and 5: ring_steps.
-// P = 2 splits each lane's 8 slots over two warps (`half` 0: slots 0-3, 1: slots 4-7; half
-// the accumulators a thread, so more warps resident): half 0 hands its slot sum to half 1
-// through `partial` (this warp pair's, R * M * 32 floats), which adds its own slots on, as
-// one lane sums all 8.
-template <int M, int R, int C, int PREFETCH, int P>
+// registers, so more loads in flight where registers limit the resident warps).
+template <int M, int R, int C, int PREFETCH>
 __device__ __forceinline__ void qmv_rows(
     const __half* __restrict__ x,
     const uint32_t* __restrict__ w,
@@ -434,21 +359,14 @@ __device__ __forceinline__ void qmv_rows(
     __half* __restrict__ y,
     int n,
     int k,
-    int first,
-    int half,
-    float* partial,
-    int pair,
-    uint32_t* ring) {
-  static_assert(P == 1 || P == 2, "a lane's slots in one warp or split over two");
-  constexpr int T = 8 / P;  // slots a thread accumulates
+    int first) {
   const int lane = threadIdx.x;
   if (first >= n) {
-    return;  // both warps of a pair: they share `first`
+    return;
   }
   const int words_per_row = k / 16;
   const int groups_per_row = k / 128;
   const int steps = k / kStepElems;
-  const int shift = 16 * half;  // a half's codes within each word
 
   // This lane's word, scale and bias of step 0 in each output row. Rows past n (the
   // last warps only) recompute row n - 1 and are never stored.
@@ -462,7 +380,7 @@ __device__ __forceinline__ void qmv_rows(
     s_lane[j] = scales + row * groups_per_row + lane / 8;
     b_lane[j] = biases + row * groups_per_row + lane / 8;
   }
-  const __half* x_lane = x + lane * kLaneElems + half * (kLaneElems / 2);
+  const __half* x_lane = x + lane * kLaneElems;
   if (PREFETCH & 2) {
     // One 128-byte line per lane and request: the words of step s (a tail step too),
     // then the scales' and biases' lines (64 groups each, and the row's last group: a
@@ -481,56 +399,19 @@ __device__ __forceinline__ void qmv_rows(
   }
 
   // MLX's fp16 accumulators, one per element slot, starting at +0.
-  __half2 acc[R][M][T];
+  __half2 acc[R][M][8];
 #pragma unroll
   for (int j = 0; j < R; ++j)
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int t = 0; t < T; ++t)
+      for (int t = 0; t < 8; ++t)
         acc[j][m][t] = __float2half2_rn(0.0f);
 
-  constexpr int kRing = ring_steps(PREFETCH);
-  if constexpr (kRing > 0) {
-    // ring: this warp's [kRing][R][32] words; lane l copies and reads word l alone.
-    constexpr int kAhead = kRing - 2;
-#pragma unroll
-    for (int step = 0; step < kAhead; ++step) {
-      if (step < steps) {
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-          copy_word_async(ring + (step * R + j) * 32 + lane, w_lane[j] + step * 32);
-        }
-      }
-      commit_copies();
-    }
-    for (int step = 0; step < steps; ++step) {
-      const int ahead = step + kAhead;
-      if (ahead < steps) {
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-          copy_word_async(ring + ((ahead % kRing) * R + j) * 32 + lane, w_lane[j] + ahead * 32);
-        }
-      }
-      commit_copies();
-      wait_copies<kAhead>();  // this step's copies have landed; the next kAhead may fly
-      uint32_t q[R];
-      __half sc[R], bi[R];
-#pragma unroll
-      for (int j = 0; j < R; ++j) {
-        q[j] = ring[((step % kRing) * R + j) * 32 + lane];
-        sc[j] = __ldg(s_lane[j] + step * 4);
-        bi[j] = __ldg(b_lane[j] + step * 4);
-      }
-      accumulate_step<M, R, T, PREFETCH>(x_lane + step * kStepElems, k, shift, q, sc, bi, acc);
-    }
-  }
-  WeightChunk<R, C, PREFETCH> chunk;
-  if (kRing == 0) {
-    chunk.load(w_lane, s_lane, b_lane, 0, steps);
-  }
-  for (int s0 = 0; s0 < steps && kRing == 0; s0 += C) {
-    WeightChunk<R, C, PREFETCH> next;
+  WeightChunk<R, C> chunk;
+  chunk.load(w_lane, s_lane, b_lane, 0, steps);
+  for (int s0 = 0; s0 < steps; s0 += C) {
+    WeightChunk<R, C> next;
     if (PREFETCH & 1) {
       next.load(w_lane, s_lane, b_lane, s0 + C, steps);
     }
@@ -538,8 +419,7 @@ __device__ __forceinline__ void qmv_rows(
     for (int c = 0; c < C; ++c) {
       const int step = s0 + c;
       if (step < steps) {
-        accumulate_step<M, R, T, PREFETCH>(x_lane + step * kStepElems, k, shift, chunk.q[c], chunk.scale[c],
-                                 chunk.bias[c], acc);
+        accumulate_step<M, R>(x_lane + step * kStepElems, k, chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
       }
     }
     if (PREFETCH & 1) {
@@ -557,36 +437,25 @@ __device__ __forceinline__ void qmv_rows(
     __half sc[R], bi[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      q[j] = load_word<PREFETCH>(w_lane[j] + base / 16);
+      q[j] = __ldg(w_lane[j] + base / 16);
       sc[j] = __ldg(s_lane[j] + base / 128);
       bi[j] = __ldg(b_lane[j] + base / 128);
     }
-    accumulate_step<M, R, T, PREFETCH>(x_lane + steps * kStepElems, k, shift, q, sc, bi, acc);
+    accumulate_step<M, R>(x_lane + steps * kStepElems, k, q, sc, bi, acc);
   }
 
-  // Slots summed in float from +0 in slot order (a pair: half 0's sum, then half 1
-  // adds its slots on), then the xor butterfly of cg::reduce, then lane 0 stores
-  // round-to-nearest fp16.
-  float* handed = partial + pair * R * M * 32 + lane;  // [j][m] of this lane, P == 2 only
-  if (P == 2 && half == 0) {
-#pragma unroll
-    for (int j = 0; j < R; ++j)
-#pragma unroll
-      for (int m = 0; m < M; ++m)
-        handed[(j * M + m) * 32] = add_slots(0.0f, acc[j][m]);
-  }
-  if (P == 2) {
-    // The pair's own barrier (ids 1.., 0 is __syncthreads): its 64 threads alone.
-    asm volatile("bar.sync %0, 64;" :: "r"(pair + 1) : "memory");
-    if (half == 0) {
-      return;
-    }
-  }
+  // Slots summed in float from +0 in slot order, then the xor butterfly of
+  // cg::reduce, then lane 0 stores round-to-nearest fp16.
 #pragma unroll
   for (int j = 0; j < R; ++j) {
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      float sum = add_slots(P == 2 ? handed[(j * M + m) * 32] : 0.0f, acc[j][m]);
+      float sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        sum += __low2float(acc[j][m][t]);
+        sum += __high2float(acc[j][m][t]);
+      }
 #pragma unroll
       for (int offset = 16; offset > 0; offset /= 2) {
         sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -601,11 +470,9 @@ __device__ __forceinline__ void qmv_rows(
 // The M activation rows split over S warps (M / S rows each, consecutive warps of a
 // block): S warps share each output row group's weights through L1, each with M / S rows
 // of accumulators (fewer registers: more warps resident). Every (row, output) pair keeps
-// qmv_rows' arithmetic, and so does each lane's slots split over P warps (P = 2: a warp
-// pair, the block's consecutive warps 2i, 2i + 1). Launch: block (32, kWarpsPerBlock),
-// grid.x = blocks; warp w takes lane half w % P, then with v = w / P output rows
-// (v / S) * R.. and activation rows (v % S) * M / S...
-template <int M, int S, int R, int C, int PREFETCH, int P>
+// qmv_rows' arithmetic. Launch: block (32, warps), grid.x = blocks; warp w takes output
+// rows (w / S) * R.. and activation rows (w % S) * M / S...
+template <int M, int S, int R, int C, int PREFETCH>
 __device__ __forceinline__ void qmv_split_rows(
     const __half* __restrict__ x,
     const uint32_t* __restrict__ w,
@@ -615,30 +482,22 @@ __device__ __forceinline__ void qmv_split_rows(
     int n,
     int k) {
   static_assert(M % S == 0, "S must divide M");
-  static_assert(kWarpsPerBlock % P == 0, "a warp pair stays in its block");
   constexpr int kRows = M / S;
-  __shared__ float partial[P == 2 ? kWarpsPerBlock / 2 * R * kRows * 32 : 1];
-  constexpr int kRingWords = ring_steps(PREFETCH) * R * 32;  // a warp's
-  __shared__ uint32_t ring[kRingWords > 0 ? kWarpsPerBlock * kRingWords : 1];
   const int warp = blockIdx.x * blockDim.y + threadIdx.y;
-  const int half = warp % P;
-  const int virtual_warp = warp / P;
-  const int part = virtual_warp % S;
-  qmv_rows<kRows, R, C, PREFETCH, P>(
-      x + part * kRows * k, w, scales, biases, y + part * kRows * n, n, k, (virtual_warp / S) * R,
-      half, partial, threadIdx.y / P, ring + threadIdx.y * kRingWords);
+  const int part = warp % S;
+  qmv_rows<kRows, R, C, PREFETCH>(
+      x + part * kRows * k, w, scales, biases, y + part * kRows * n, n, k, (warp / S) * R);
 }
 
 }  // namespace dflash2
 """
 
-_CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH, P>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
+_CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
 
 # Launch shape by activation rows M: (output rows per warp R, weight steps per
 # load C, prefetch bits (1: the next C steps into registers, 2: the warp's whole weight
-# slice into L2 first, 4: weight words read past L1, 8: activations kept in L1 longest,
-# 16 or 32: weight words through a shared-memory ring of 4 or 8 steps, C unused)[, warps S the M rows split over[, warps P each lane's 8 slots split
-# over]], S and P 1 if absent). R * M / S accumulators of 8 / P registers bound R.
+# slice into L2 first)[, warps S the M rows split over, 1 if absent]).
+# R * M / S accumulators of 8 registers bound R.
 # Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md).
 CUDA_LAUNCH = {
     1: (2, 4, 0), 2: (2, 2, 3), 3: (2, 2, 3), 4: (2, 2, 3),
@@ -658,21 +517,15 @@ def _cuda_kernel():
     )
 
 
-def launch_parts(launch: tuple) -> tuple:
-    """(R, C, prefetch, S, P) of a launch, S and P 1 where it leaves them out."""
-    rows_per_warp, chunk, prefetch, split, halves = (*launch, 1, 1)[:5]
-    return rows_per_warp, chunk, prefetch, split, halves
-
-
 @cache
 def _cuda_launch(rows: int, n: int, launch=None) -> dict:
     """The kernel call's arguments for M rows of N outputs (built once: ~400 calls a verify)."""
-    rows_per_warp, chunk, prefetch, split, halves = launch_parts(launch or CUDA_LAUNCH[rows])
-    warps = -(-n // rows_per_warp) * split * halves
+    rows_per_warp, chunk, prefetch, *split = launch or CUDA_LAUNCH[rows]
+    split = split[0] if split else 1
+    warps = -(-n // rows_per_warp) * split
     blocks = -(-warps // CUDA_WARPS_PER_BLOCK)
     return dict(
-        template=[("M", rows), ("S", split), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", int(prefetch)),
-                  ("P", halves)],
+        template=[("M", rows), ("S", split), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", int(prefetch))],
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
         output_shapes=[(rows, n)],
@@ -683,7 +536,7 @@ def _cuda_launch(rows: int, n: int, launch=None) -> dict:
 def cuda_matmul(x, weight, scales, biases, launch=None):
     """(M, K) fp16 rows -> (M, N) through the CUDA kernel; no self-test gate.
 
-    launch: (R, C, prefetch[, S[, P]]) to override CUDA_LAUNCH (for the tuning sweep)."""
+    launch: (R, C, prefetch[, S]) to override CUDA_LAUNCH (for the tuning sweep)."""
     call = _cuda_launch(x.shape[0], weight.shape[0], launch and tuple(launch))
     return _cuda_kernel()(inputs=[x, weight, scales, biases], **call)[0]
 

@@ -7,8 +7,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_kernels as dk
-from kernel_parity import (MAX_ACCUMULATOR_REGISTERS, TUNE_FALLBACK, TUNE_LAUNCHES, accumulator_registers,
-                           launch_for_rows)
+from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 
 SHAPE = (16, 512)
 
@@ -413,36 +412,32 @@ class RecordingKernel:
         return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
 
 
-def rows_stored(n, rows_per_warp, split, halves, grid, threadgroup):
+def rows_stored(n, rows_per_warp, split, grid, threadgroup):
     """(output row, activation-row part) pairs the launch writes, by qmv_split_rows' mapping:
-    warp w of block b (global warp g = b * warps + w) takes lane half g % P and, with
-    v = g // P, part v % S of the activation rows and output rows (v // S) * R + j, stored
-    by the last half while below n."""
+    warp w of block b (global warp g = b * warps + w) takes part g % S of the activation rows
+    and output rows (g // S) * R + j, stored while below n."""
     blocks, warps = grid[0] // threadgroup[0], threadgroup[1]
-    stored = []
-    for warp in range(blocks * warps):
-        virtual_warp = warp // halves
-        if warp % halves == halves - 1:
-            stored += [(virtual_warp // split * rows_per_warp + j, virtual_warp % split)
-                       for j in range(rows_per_warp) if virtual_warp // split * rows_per_warp + j < n]
-    return stored
+    return [
+        ((block * warps + warp) // split * rows_per_warp + j, (block * warps + warp) % split)
+        for block in range(blocks)
+        for warp in range(warps)
+        for j in range(rows_per_warp)
+        if (block * warps + warp) // split * rows_per_warp + j < n
+    ]
 
 
-@pytest.mark.parametrize("halves", [1, 2])
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("n", [16, 42, 1024, 5120, 17408])
-def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch, request, n, split, halves):
+def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch, request, n, split):
     """Every output row once per part of the activation rows, whatever the table (the
-    committed one, activation rows split over 2 or 4 warps where that divides them, and
-    each lane's slots split over 2 warps)."""
+    committed one, and activation rows split over 2 or 4 warps where that divides them)."""
     kernel = RecordingKernel()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: kernel)
     monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dk._verified, "cuda", True)
-    if split > 1 or halves > 1:
+    if split > 1:
         monkeypatch.setattr(dk, "CUDA_LAUNCH", {
-            rows: (*launch[:3], split if rows % split == 0 else dk.launch_parts(launch)[3], halves)
-            for rows, launch in dk.CUDA_LAUNCH.items()})
+            rows: (*launch[:3], split) if rows % split == 0 else launch for rows, launch in dk.CUDA_LAUNCH.items()})
     dk._cuda_launch.cache_clear()  # it keeps each (rows, n)'s arguments
     request.addfinalizer(dk._cuda_launch.cache_clear)
     weight, scales, biases = dk.make_weights(n, 512, mx.random.key(1))
@@ -450,49 +445,48 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     for rows in range(1, dk.MAX_ROWS + 1):
         assert dk.exact_quantized_matmul(x[:rows], weight, scales, biases).shape == (rows, n)
     for rows, launch in enumerate(kernel.launches, start=1):
-        rows_per_warp, chunk, prefetch, parts, lane_halves = dk.launch_parts(dk.CUDA_LAUNCH[rows])
-        assert rows % parts == 0 and dk.CUDA_WARPS_PER_BLOCK % lane_halves == 0
+        rows_per_warp, chunk, prefetch, *parts = dk.CUDA_LAUNCH[rows]
+        parts = parts[0] if parts else 1
+        assert rows % parts == 0
         assert launch["template"] == {"M": rows, "S": parts, "R": rows_per_warp, "C": chunk,
-                                      "PREFETCH": prefetch, "P": lane_halves}
+                                      "PREFETCH": prefetch}
         assert launch["threadgroup"] == (32, dk.CUDA_WARPS_PER_BLOCK, 1)
         assert launch["grid"][0] % 32 == 0 and launch["grid"][1:] == (dk.CUDA_WARPS_PER_BLOCK, 1)
-        stored = rows_stored(n, rows_per_warp, parts, lane_halves, launch["grid"], launch["threadgroup"])
+        stored = rows_stored(n, rows_per_warp, parts, launch["grid"], launch["threadgroup"])
         assert sorted(stored) == [(row, part) for row in range(n) for part in range(parts)]
         # and no block is launched with nothing to do
-        assert (launch["grid"][0] // 32 - 1) * dk.CUDA_WARPS_PER_BLOCK < -(-n // rows_per_warp) * parts * lane_halves
+        assert (launch["grid"][0] // 32 - 1) * dk.CUDA_WARPS_PER_BLOCK < -(-n // rows_per_warp) * parts
     assert len(kernel.launches) == dk.MAX_ROWS
 
 
 def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_registers():
     """kernel_parity's tuning gives untimed row counts the nearest timed choice, its split of
     the activation rows cut to one that divides theirs (qmv_split_rows asserts it does) and
-    its output rows per warp to MAX_ACCUMULATOR_REGISTERS (at 5 or 7 rows, 4 output rows of
-    whole lanes spill; of lane halves they fit)."""
+    its output rows per warp to MAX_ACCUMULATORS (at 5 or 7 rows, 4 output rows spill)."""
     assert launch_for_rows((2, 4, 1, 4), 6) == (2, 4, 1, 3)
     assert launch_for_rows((2, 4, 1, 2), 7) == (2, 4, 1)
     assert launch_for_rows((2, 2, 1), 5) == (2, 2, 1)
     assert launch_for_rows((4, 2, 1, 2), 7) == (2, 2, 1)
     assert launch_for_rows((4, 2, 1, 2), 5) == (3, 2, 1)
     assert launch_for_rows((4, 2, 1, 2), 6) == (4, 2, 1, 2)
-    assert launch_for_rows((4, 2, 1, 1, 2), 7) == (4, 2, 1, 1, 2)
-    assert launch_for_rows((4, 2, 1, 2, 2), 5) == (4, 2, 1, 1, 2)
-    assert accumulator_registers((4, 2, 1, 1, 2), 8) == MAX_ACCUMULATOR_REGISTERS
+
+    def accumulators(launch, rows):
+        return launch[0] * rows // (launch[3] if len(launch) > 3 else 1)
 
     for rows, launches in TUNE_LAUNCHES.items():
-        assert all(rows % dk.launch_parts(launch)[3] == 0 for launch in launches)
-        assert all(accumulator_registers(launch, rows) <= MAX_ACCUMULATOR_REGISTERS for launch in launches)
+        assert all(rows % (launch[3] if len(launch) > 3 else 1) == 0 for launch in launches)
+        assert all(accumulators(launch, rows) <= MAX_ACCUMULATORS for launch in launches)
     for rows, like in TUNE_FALLBACK.items():
         for launch in TUNE_LAUNCHES[like]:
             split = launch_for_rows(launch, rows)
-            assert rows % dk.launch_parts(split)[3] == 0
-            assert accumulator_registers(split, rows) <= MAX_ACCUMULATOR_REGISTERS
-    assert all(accumulator_registers(launch, rows) <= MAX_ACCUMULATOR_REGISTERS
-               for rows, launch in dk.CUDA_LAUNCH.items())
+            assert rows % (split[3] if len(split) > 3 else 1) == 0
+            assert accumulators(split, rows) <= MAX_ACCUMULATORS
+    assert all(accumulators(launch, rows) <= MAX_ACCUMULATORS for rows, launch in dk.CUDA_LAUNCH.items())
 
 
 def tuned_launches_beyond_one_warps_loads():
     """(rows, launch) the tuning may pick, timed or as a fallback row count's, that split the
-    activation rows or each lane's slots over warps, or ask L2 for the weights first."""
+    activation rows over warps or ask L2 for the weights first."""
     pairs = {(rows, launch) for rows, launches in TUNE_LAUNCHES.items() for launch in launches}
     pairs |= {(rows, launch_for_rows(launch, rows)) for rows, like in TUNE_FALLBACK.items()
               for launch in TUNE_LAUNCHES[like]}

@@ -30,39 +30,35 @@ from records import run_environment, write_record  # noqa: E402
 
 BENCH_ROWS = (1, 2, 4, 8)
 # CUDA launch shapes (output rows per warp, weight steps per load, prefetch[, warps
-# the activation rows split over[, warps each lane's slots split over]]) tried by --tune,
-# by activation rows.
+# the activation rows split over]) tried by --tune, by activation rows.
 # More output rows per warp (R) share each activation load among more outputs (at 8 rows
 # and R 2 a lane loads 32 activation bytes per weight word it reads); splitting the
-# activation rows over S warps keeps R * M / S accumulators in registers, at the cost of
-# dequantizing each weight S times; splitting each lane's 8 slots over P = 2 warps halves
-# a thread's accumulators and dequantizes each weight once (half the codes a warp).
-# Prefetch bit 1 (2, 3) asks L2 for a warp's whole weight slice first: at 8 rows 255
+# activation rows over S warps keeps R * M / S accumulators in registers.
+# Prefetch bit 1 (2, 3) asks L2 for a warp's whole weight slice first: at 8 rows 247
 # registers leave 8 warps an SM, each with one chunk of loads in flight (about 5 KB an SM,
-# where covering DRAM latency at full bandwidth takes about 26 KB); P = 2 at R 2 takes 128
-# (16 warps). (Staging each step's activations in shared memory for the block's warps,
-# tried in session 19, took up to twice as long at every row count and shape on the H200,
-# and was removed.) At 8 rows four-step chunks split over two warps won there (2, 4, 1, 2).
-# Prefetch bits 4 and 8 are cache hints: whether the activations, which every warp rereads
-# (at 8 rows and R 4, 16 bytes per weight byte), stay in L1 beside the weights' stream;
-# bits 16 and 32 bring the weight words through a shared-memory ring, 2 or 6 steps ahead.
-# Session 22's two H200 tunes timed lane halves (P 2) and the cache hints within the noise
-# of the launches before them (every 8-row candidate 78-118 us at (17408, 5120)), so the
-# lists keep each row count's leaders of those runs and the ring's candidates.
+# where covering DRAM latency at full bandwidth takes about 26 KB). (Staging each step's
+# activations in shared memory for the block's warps, tried in session 19, took up to twice
+# as long at every row count and shape on the H200, and was removed. Session 22 timed three
+# more, each bitwise: a lane's slots split over a warp pair (half the registers), L1 cache
+# hints, and the weight words through a shared-memory cp.async ring 2 or 6 steps ahead; none
+# was faster beyond the noise, whatever its registers, loads in flight or activation
+# traffic (evidence/qmv-variants-cuda.md; code in commit c33fc80), and they were removed.)
+# At 8 rows four-step chunks split over two warps won there (2, 4, 1, 2): its neighbours
+# are candidates.
 TUNE_LAUNCHES = {
-    1: [(2, 4, 0), (2, 4, 1), (4, 4, 0), (2, 4, 4), (2, 1, 16), (2, 1, 32), (4, 1, 32)],
-    2: [(2, 2, 0), (2, 2, 3), (2, 4, 1), (4, 4, 1), (2, 1, 32), (4, 1, 32), (2, 1, 34)],
-    4: [(4, 2, 3), (2, 2, 3), (4, 2, 1), (2, 2, 7), (2, 1, 32), (4, 1, 32), (4, 1, 34), (4, 1, 32, 1, 2)],
-    8: [(4, 2, 1, 1, 2), (4, 2, 1, 2), (2, 2, 3), (3, 4, 1, 2), (2, 4, 1, 1, 2), (2, 4, 1),
-        (2, 1, 32), (2, 1, 16), (4, 1, 32, 2), (4, 1, 32, 1, 2), (2, 1, 32, 1, 2), (4, 1, 34, 1, 2),
-        (3, 1, 32, 2)],
+    1: [(1, 4, 1), (2, 4, 0), (2, 4, 1), (2, 8, 1), (4, 4, 0), (2, 4, 2)],
+    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2), (4, 2, 1), (4, 4, 1), (2, 2, 3)],
+    4: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 1, 2), (2, 4, 0, 4), (4, 1, 1), (4, 2, 1), (4, 2, 1, 2),
+        (4, 2, 3), (2, 2, 3), (2, 4, 3)],
+    8: [(2, 2, 1), (2, 2, 1, 2), (2, 4, 1, 2), (2, 4, 1, 4), (3, 2, 1, 2), (4, 2, 1, 2), (2, 2, 3),
+        (2, 4, 3, 2), (3, 4, 1, 2), (2, 8, 1, 2), (2, 4, 1), (2, 4, 2, 2)],
 }
-# R * M / S accumulators of 8 / P registers each: 128 registers of them take about 250 of
-# a thread's 255 at sm_90 (ptxas -v); 160 spill.
-MAX_ACCUMULATOR_REGISTERS = 128
+# R * M / S accumulators of 8 registers each: 16 take about 250 of a thread's 255
+# registers at sm_90 (ptxas -v); 20 spill.
+MAX_ACCUMULATORS = 16
 # Rows not timed take the choice of the nearest timed row count with as many
 # or more rows, split over as many warps as divide their rows, up to the
-# choice's, and with no more output rows per warp than MAX_ACCUMULATOR_REGISTERS allows.
+# choice's, and with no more output rows per warp than MAX_ACCUMULATORS allows.
 TUNE_FALLBACK = {3: 4, 5: 8, 6: 8, 7: 8}
 TUNE_SHAPES = ((17408, 5120), (5120, 17408), (1024, 5120))
 # Enough weight copies per timing that they do not sit in the 50 MB L2.
@@ -71,20 +67,13 @@ MAX_COPIES = 64
 REPEATS = 15
 
 
-def accumulator_registers(launch: tuple, rows: int) -> int:
-    """Registers a thread of `launch` holds accumulators in, at `rows` activation rows."""
-    rows_per_warp, _, _, split, halves = dk.launch_parts(launch)
-    return rows_per_warp * (rows // split) * 8 // halves
-
-
 def launch_for_rows(launch: tuple, rows: int) -> tuple:
     """A launch chosen for another row count: its split cut to a divisor of `rows`, its output
-    rows per warp to what MAX_ACCUMULATOR_REGISTERS allows."""
-    rows_per_warp, chunk, prefetch, split, halves = dk.launch_parts(launch)
-    split = max(s for s in range(1, split + 1) if rows % s == 0)
-    per_output_row = accumulator_registers((1, chunk, prefetch, split, halves), rows)
-    rows_per_warp = min(rows_per_warp, max(1, MAX_ACCUMULATOR_REGISTERS // per_output_row))
-    return (rows_per_warp, chunk, prefetch, split, halves)[: 5 if halves > 1 else 4 if split > 1 else 3]
+    rows per warp to what MAX_ACCUMULATORS allows."""
+    rows_per_warp, chunk, prefetch, *split = launch
+    split = max(s for s in range(1, (split or [1])[0] + 1) if rows % s == 0)
+    rows_per_warp = min(rows_per_warp, max(1, MAX_ACCUMULATORS // (rows // split)))
+    return (rows_per_warp, chunk, prefetch) if split == 1 else (rows_per_warp, chunk, prefetch, split)
 
 
 def weight_bytes(n, k):
@@ -261,7 +250,7 @@ def summary_markdown(record):
     if "cuda_launch" in record:
         how = "chosen by this run's tuning (rows 'tuning' below)" if record["tuned"] else "as set in the code"
         lines += [
-            f"CUDA launch per rows (R, C, prefetch[, S[, P]]), {how}, used for everything else here: "
+            f"CUDA launch per rows (R, C, prefetch[, S]), {how}, used for everything else here: "
             + ", ".join(f"{rows}: {tuple(launch)}" for rows, launch in record["cuda_launch"].items()),
             "",
         ]
@@ -295,7 +284,7 @@ def summary_markdown(record):
             "Median per call over weight copies rotated past the L2 (weights from memory);",
             "GB/s counts the packed weights, scales and biases once.",
             "",
-            "| shape (N, K) | what | rows | launch (R, C, prefetch[, S[, P]]) | us | GB/s | differing vs single rows |",
+            "| shape (N, K) | what | rows | launch (R, C, prefetch[, S]) | us | GB/s | differing vs single rows |",
             "|---|---|---|---|---|---|---|",
         ]
         for t in record["timings"]:
