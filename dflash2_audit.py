@@ -34,7 +34,8 @@ REPLACED = (
         "The verify forward: batched quantized matmuls, batched dense GDN gates, L==2 batched "
         "attention, full-block convolution and the with-states recurrence all round differently "
         "from decode on GPUs. Its class, Qwen3_5BatchInvariantForward, is ExactVerifier's base "
-        "(layer, model and head plumbing kept from stock). Its quantized_linear also serves the "
+        "(layer, model and head plumbing kept from stock; each layer's output is handed to the "
+        "device every VERIFY_EVAL_EVERY layers). Its quantized_linear also serves the "
         "drafter's greedy head (speculative_argmax_from_hidden) over a draft's rows in one call.",
     ),
     Audited(

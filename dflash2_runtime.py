@@ -13,6 +13,7 @@ token is picked the way plain decode picks it. Every replaced or mirrored mlx-vl
 table: if its source differs from the audited one, `install` refuses and names it.
 """
 
+import contextlib
 import functools
 import os
 import time
@@ -201,6 +202,27 @@ def _single_unpadded_row(cache, batch: int) -> bool:
     return batch == 1 and (left_padding is None or max(left_padding.tolist()) <= 0)
 
 
+# The verify forward hands its hidden state to the device (mx.async_eval) after every
+# VERIFY_EVAL_EVERY layers, so the GPU runs the first layers while Python builds the rest:
+# a round cannot queue behind the one before (its block comes from that round's tokens), and
+# with one eval at the end the GPU idles through the whole graph build (the H200's rounds ran
+# 23-31 ms above their GPU time: evidence/profile-verify-cuda.md). Same ops in the same
+# order, so the same bits. 0: one eval at the end.
+VERIFY_EVAL_EVERY = 8
+
+
+@contextlib.contextmanager
+def verify_evaluated_once():
+    """Within it the verify forward makes no early hand-offs: one lazy graph, evaluated at
+    its end (for a side-by-side timing, and for counting the whole graph's primitives)."""
+    global VERIFY_EVAL_EVERY
+    every, VERIFY_EVAL_EVERY = VERIFY_EVAL_EVERY, 0
+    try:
+        yield
+    finally:
+        VERIFY_EVAL_EVERY = every
+
+
 class ExactVerifier(Qwen3_5BatchInvariantForward):
     """Qwen3.5 verify forward whose every position equals a decode step.
 
@@ -217,7 +239,15 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         # unpadded single row decodes without one. Checked once per round.
         attention_cache = (cache or [None])[language_model.model.fa_idx]
         self._unpadded_row = _single_unpadded_row(attention_cache, inputs.shape[0])
+        self._layers_built = 0
         return super().verify(language_model, inputs, cache=cache, **kwargs)
+
+    def _layer(self, layer, hidden, *args):
+        hidden = super()._layer(layer, hidden, *args)
+        self._layers_built += 1
+        if VERIFY_EVAL_EVERY and self._layers_built % VERIFY_EVAL_EVERY == 0:
+            mx.async_eval(hidden)
+        return hidden
 
     def _linear(self, linear, x):
         if isinstance(linear, HadamardQuantizedLinear):

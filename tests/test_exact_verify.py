@@ -20,6 +20,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from mlx_vlm.speculative import dflash as dflash_rounds
+from mlx_vlm.speculative.cache_state import abort_speculative_round
+
 import dflash2_audit
 import dflash2_runtime
 from conftest import GENERATED, raw_ids
@@ -47,6 +50,35 @@ def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target, 
     cases = rollback_cases(lm, ids, taps, raw_plain[1][:8], lengths=(2, 8))
     assert len(cases) == 2 + 8
     assert [c for c in cases if c["logits"]] == []
+
+
+def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_plain, monkeypatch):
+    """The verify forward hands its hidden state to mx.async_eval every VERIFY_EVAL_EVERY
+    layers (the tiny pack's 4 layers are under the default's 8: here every layer), and its
+    logits, hidden states and rollback stay those of sequential decode."""
+    model, processor, drafter = target
+    lm, taps = model.language_model, drafter.config.target_layer_ids
+    ids = raw_ids(processor, PROMPTS[0])
+    monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 1)
+    handed = []
+
+    def async_eval(*arrays):
+        handed.append(arrays)
+        return real_async_eval(*arrays)
+
+    real_async_eval = mx.async_eval
+    cache = lm.make_cache()
+    mx.eval(lm(ids, cache=cache, capture_layer_ids=taps).logits)
+    monkeypatch.setattr(mx, "async_eval", async_eval)
+    hidden, states, tokens = dflash_rounds._dflash_verify_greedy(lm, mx.array([raw_plain[0][:4]]), cache, taps, None)
+    mx.eval(hidden, tokens)
+    abort_speculative_round(states)
+    monkeypatch.setattr(mx, "async_eval", real_async_eval)
+    assert len(handed) == len(lm.model.layers) and all(len(arrays) == 1 for arrays in handed)
+    cases = verify_cases(lm, ids, taps, raw_plain[0][:8], lengths=(2, 8))
+    assert [c for c in cases if c["logits"] or c["hidden"]] == []
+    rollback = rollback_cases(lm, ids, taps, raw_plain[0][:8], lengths=(8,))
+    assert [c for c in rollback if c["logits"]] == []
 
 
 @pytest.fixture

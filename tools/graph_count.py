@@ -181,11 +181,15 @@ def count_decode_step(lm, cache, token) -> tuple[int, Counter]:
 
 
 def count_verify(lm, cache, block, taps) -> tuple[int, Counter]:
-    """The round's verify call (whatever _dflash_verify_greedy is now), then aborted."""
+    """The round's verify call (whatever _dflash_verify_greedy is now), then aborted; built
+    as one lazy graph (the exact forward's early hand-offs to the device off), so every
+    primitive is still there to count."""
     from mlx_vlm.speculative import dflash as rounds
     from mlx_vlm.speculative.cache_state import abort_speculative_round
 
-    with one_launch_calls() as calls:
+    import dflash2_runtime
+
+    with one_launch_calls() as calls, dflash2_runtime.verify_evaluated_once():
         hidden, transaction, tokens = rounds._dflash_verify_greedy(
             lm, mx.array([block]), cache, taps, lambda logits: mx.argmax(logits, axis=-1)
         )

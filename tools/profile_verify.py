@@ -5,7 +5,8 @@
 CUDA only (the GPU machine): builds the random-weight 27B-shape target as tools/bench.py
 does, installs the runtime, prefills a short prompt, then records with PyTorch's profiler
 (CUPTI, which sees every kernel the process launches, MLX's included) a few decode steps
-and exact verify rounds of each --blocks length. Per arm it gives the wall time of a step
+and exact verify rounds of each --blocks length (the longest also evaluated once at its end,
+without the runtime's early hand-offs to the device). Per arm it gives the wall time of a step
 (timed apart, unprofiled), the summed kernel time and kernel count per step, and each
 kernel's time per step; the kernels whose time grows most from a decode step to the
 longest verify round come first. Writes evidence/profile-verify-<backend>.json and .md.
@@ -101,6 +102,8 @@ def main():
 
     arm_steps = {"decode": bench.decode_steps(lm, cache)}
     arm_steps.update({f"verify {length}": bench.verify_round_steps(lm, cache, taps, length) for length in blocks})
+    arm_steps[f"verify {blocks[-1]}, one eval"] = bench.evaluated_once(
+        bench.verify_round_steps(lm, cache, taps, blocks[-1]))
     arms = {}
     with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
         wall = dflash2_policy.interleaved_ms(
