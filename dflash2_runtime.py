@@ -234,6 +234,8 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
     attention) goes through dflash2_kernels' multi-position equivalents.
     """
 
+    _layers_built = 0  # of the forward being built; verify starts each at 0
+
     def verify(self, language_model, inputs, *, cache=None, **kwargs):
         # The server's one-row batch cache brings an explicit causal mask; an
         # unpadded single row decodes without one. Checked once per round.

@@ -1,6 +1,7 @@
 """Shared fixtures and helpers. Keep each one small; add yours below."""
 
 import base64
+import fcntl
 import http.client
 import io
 import json
@@ -9,7 +10,7 @@ import mlx.core as mx
 import pytest
 from PIL import Image
 
-from server_process import ServerProcess
+from server_process import ServerFailed, ServerProcess
 
 SEEN = []  # every response's headers and body (request() keeps them), scanned for local paths
 
@@ -115,11 +116,26 @@ def start_server(tmp_path_factory):
     xdist): a test file asking for a server another already started gets that one (started
     again if it was stopped), so give equal servers equal commands. All stop at the end."""
     started = {}
+    # MLX's CPU backend compiles fused kernels into a shared folder (/tmp/mlx/...) and writes
+    # each library in place: a process that finds one half written fails to load it ("file
+    # too short"), so servers starting at once on a fresh machine can crash each other. The
+    # run's first server start (across xdist workers) is awaited alone, so its start-up fills
+    # that folder before others compile.
+    shared = tmp_path_factory.getbasetemp().parent
+    warmed = shared / "mlx-cpu-kernels-warmed"
 
     def start(name, command, cwd=None):
         key = (tuple(map(str, command)), str(cwd))
         if key not in started or started[key].process.poll() is not None:
-            started[key] = ServerProcess(name, command, tmp_path_factory.mktemp(name), cwd)
+            with open(shared / "mlx-cpu-kernels.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                started[key] = ServerProcess(name, command, tmp_path_factory.mktemp(name), cwd)
+                if not warmed.exists():
+                    try:
+                        started[key].wait_ready()
+                        warmed.touch()
+                    except ServerFailed:
+                        pass  # a server meant to fail: the next start warms instead
         return started[key]
 
     yield start

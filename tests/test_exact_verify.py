@@ -60,13 +60,12 @@ def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_pla
     lm, taps = model.language_model, drafter.config.target_layer_ids
     ids = raw_ids(processor, PROMPTS[0])
     monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 1)
-    handed = []
+    real_async_eval, handed = mx.async_eval, []
 
     def async_eval(*arrays):
         handed.append(arrays)
         return real_async_eval(*arrays)
 
-    real_async_eval = mx.async_eval
     cache = lm.make_cache()
     mx.eval(lm(ids, cache=cache, capture_layer_ids=taps).logits)
     monkeypatch.setattr(mx, "async_eval", async_eval)
