@@ -5,6 +5,7 @@ import fcntl
 import http.client
 import io
 import json
+import os
 
 import mlx.core as mx
 import pytest
@@ -120,8 +121,10 @@ def start_server(tmp_path_factory):
     # each library in place: a process that finds one half written fails to load it ("file
     # too short"), so servers starting at once on a fresh machine can crash each other. The
     # run's first server start (across xdist workers) is awaited alone, so its start-up fills
-    # that folder before others compile.
-    shared = tmp_path_factory.getbasetemp().parent
+    # that folder before others compile. Under xdist the workers' temp folders share a parent
+    # of this run's own.
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
     warmed = shared / "mlx-cpu-kernels-warmed"
 
     def start(name, command, cwd=None):
