@@ -212,15 +212,16 @@ VERIFY_EVAL_EVERY = 8
 
 
 @contextlib.contextmanager
-def verify_evaluated_once():
-    """Within it the verify forward makes no early hand-offs: one lazy graph, evaluated at
-    its end (for a side-by-side timing, and for counting the whole graph's primitives)."""
+def verify_eval_every(layers: int):
+    """Within it the verify forward hands off every `layers` layers instead (0: none, one
+    lazy graph evaluated at its end): for side-by-side timings, and for counting the whole
+    graph's primitives."""
     global VERIFY_EVAL_EVERY
-    every, VERIFY_EVAL_EVERY = VERIFY_EVAL_EVERY, 0
+    served, VERIFY_EVAL_EVERY = VERIFY_EVAL_EVERY, layers
     try:
         yield
     finally:
-        VERIFY_EVAL_EVERY = every
+        VERIFY_EVAL_EVERY = served
 
 
 class ExactVerifier(Qwen3_5BatchInvariantForward):

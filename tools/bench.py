@@ -52,9 +52,11 @@ from parity import greedy  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 BLOCK = 8
-# Blocks whose verify round is also timed evaluated once at its end, beside the runtime's
-# early hand-offs to the device (dflash2_runtime.VERIFY_EVAL_EVERY).
+# Blocks whose verify round is also timed with the forward handed to the device every
+# EVAL_EVERY_ARMS layers (0: evaluated once at its end), beside the runtime's own
+# dflash2_runtime.VERIFY_EVAL_EVERY.
 EARLY_EVAL_BLOCKS = (2, 8)
+EVAL_EVERY_ARMS = (0, 4, 16)
 # Profiles named by tokens per round at block 8 (seed 003's published figures:
 # chat and prose 2.0, median 2.71, code 4.5) and zero acceptance (a random drafter).
 PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.5}
@@ -101,11 +103,11 @@ def verify_round_steps(lm, cache, taps, length):
     return steps
 
 
-def evaluated_once(steps):
-    """steps(count) with each verify forward evaluated once at its end: the runtime's early
-    hand-offs to the device (dflash2_runtime.VERIFY_EVAL_EVERY) off, for a side-by-side arm."""
+def handed_off_every(layers, steps):
+    """steps(count) with each verify forward handed to the device every `layers` layers (0:
+    evaluated once at its end), not dflash2_runtime.VERIFY_EVAL_EVERY: a side-by-side arm."""
     def run(count):
-        with dflash2_runtime.verify_evaluated_once():
+        with dflash2_runtime.verify_eval_every(layers):
             steps(count)
 
     return run
@@ -114,8 +116,8 @@ def evaluated_once(steps):
 def round_arms(lm, cache, taps, drafters, hidden, run=3):
     """Samples (dflash2_policy.steady_ms: `run` back to back after a lead-in, per step) of:
     a decode step, an exact verify round per block (forward, greedy choice, commit of half
-    the block), the same at EARLY_EVAL_BLOCKS evaluated once at its end, a draft of 8 per
-    drafter form, in bf16 and in the dtype its inputs promote to."""
+    the block), the same at EARLY_EVAL_BLOCKS handed off every EVAL_EVERY_ARMS layers, a draft
+    of 8 per drafter form, in bf16 and in the dtype its inputs promote to."""
 
     def settle():
         mx.eval(dflash2_policy.cache_arrays(cache))
@@ -124,8 +126,9 @@ def round_arms(lm, cache, taps, drafters, hidden, run=3):
     for length in range(2, BLOCK + 1):
         arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
     for length in EARLY_EVAL_BLOCKS:
-        arms[f"verify {length}, one eval"] = dflash2_policy.steady_ms(
-            evaluated_once(verify_round_steps(lm, cache, taps, length)), run, settle)
+        for layers in EVAL_EVERY_ARMS:
+            arms[f"verify {length}, eval every {layers}"] = dflash2_policy.steady_ms(
+                handed_off_every(layers, verify_round_steps(lm, cache, taps, length)), run, settle)
     # Drafter passes as serving drafts them, each at a new key length (as
     # dflash2_runtime.choose_drafter_dtype's arms).
     for form, drafter in drafters.items():
@@ -266,8 +269,12 @@ def main():
             rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
         decode_ms = rounds["decode"]["median"]
         verify = {L: dflash2_policy.paired_ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
-        early_eval = {L: dflash2_policy.paired_ratio(rounds[f"verify {L}"], rounds[f"verify {L}, one eval"])
-                      for L in EARLY_EVAL_BLOCKS}
+        by_eval_every = {
+            L: {**{layers: dflash2_policy.paired_ratio(rounds[f"verify {L}, eval every {layers}"], rounds["decode"])
+                   for layers in EVAL_EVERY_ARMS},
+                dflash2_runtime.VERIFY_EVAL_EVERY: verify[L]}
+            for L in EARLY_EVAL_BLOCKS
+        }
         served = {form: "bf16" if choice.bf16 else "promoted" for form, choice in dtypes.items()}
         drafter_cost = {form: dflash2_policy.paired_ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"])
                         for form in drafters}
@@ -284,9 +291,10 @@ def main():
             "decode_step_ms": decode_ms,
             "round_ms": rounds,
             "verify_ratio_by_block": verify,
-            # verify round with the early hand-offs / evaluated once at its end (paired)
+            # verify round / decode step (paired) by the layers its forward is handed to the
+            # device after (0: evaluated once at its end), the served value included
             "verify_eval_every": dflash2_runtime.VERIFY_EVAL_EVERY,
-            "verify_early_eval_ratio_by_block": early_eval,
+            "verify_ratio_by_eval_every": by_eval_every,
             "drafter_ratio_by_form": drafter_cost,
             # Counted on CPU for the same layer pattern (tools/graph_count.py): launches per step.
             "decode_primitives": counts["decode"],
@@ -569,12 +577,13 @@ def summary_markdown(r) -> str:
                 + ", ".join(f"{b}: {v:.2f}+{costs['draft_steps_by_block'][b]:.2f}"
                             for b, v in costs["verify_steps_by_block"].items()) + refill + ".")
 
-    early = r.get("verify_early_eval_ratio_by_block")  # absent from records before the hand-offs
-    if early:
-        lines += ["", f"Verify round with the layers handed to the device every "
-                  f"{r['verify_eval_every']} layers, over the same round "
-                  "evaluated once at its end (paired by pass): "
-                  + ", ".join(f"block {L}: {ratio:.2f}" for L, ratio in early.items()) + "."]
+    by_eval_every = r.get("verify_ratio_by_eval_every")  # absent from records before the hand-offs
+    if by_eval_every:
+        lines += ["", f"Verify round / decode step by the layers its forward is handed to the device "
+                  f"after (0: evaluated once at its end; served: {r['verify_eval_every']}): "
+                  + "; ".join(f"block {L}: " + ", ".join(f"{layers}: {ratio:.2f}"
+                                                          for layers, ratio in sorted(ratios.items(), key=lambda kv: int(kv[0])))
+                              for L, ratios in by_eval_every.items()) + "."]
     lines += ["", "Drafter dtype as the server chooses it at start-up: "
               + "; ".join(f"{form}: {summary}" for form, summary in r.get("drafter_dtype_by_form", {}).items())]
     lines += [
