@@ -113,9 +113,10 @@ def raw_plain(target):
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory):
     """start_server(name, command, cwd=None) -> a ServerProcess (tools/server_process.py),
-    not yet waited for. One process per command and cwd for the session (per worker under
-    xdist): a test file asking for a server another already started gets that one (started
-    again if it was stopped), so give equal servers equal commands. All stop at the end."""
+    not yet waited for (but for the run's first: see below). One process per command and cwd
+    for the session (per worker under xdist): a test file asking for a server another
+    already started gets that one (started again if it was stopped), so give equal servers
+    equal commands. All stop at the end."""
     started = {}
     # MLX's CPU backend compiles fused kernels into a shared folder (/tmp/mlx/...) and writes
     # each library in place: a process that finds one half written fails to load it ("file

@@ -54,12 +54,13 @@ def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target, 
 
 def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_plain, monkeypatch):
     """The verify forward hands its hidden state to mx.async_eval every VERIFY_EVAL_EVERY
-    layers (the tiny pack's 4 layers are under the default's 8: here every layer), and its
-    logits, hidden states and rollback stay those of sequential decode."""
+    layers, counted afresh in each forward (the tiny pack's 4 layers are under the default's
+    8: here 3, then every layer), and its logits, hidden states and rollback stay those of
+    sequential decode. On CPU the order of evaluation cannot change bits; the start-up
+    self-check is what proves it on a GPU, with the served interval and the real layers."""
     model, processor, drafter = target
     lm, taps = model.language_model, drafter.config.target_layer_ids
     ids = raw_ids(processor, PROMPTS[0])
-    monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 1)
     real_async_eval, handed = mx.async_eval, []
 
     def async_eval(*arrays):
@@ -68,12 +69,15 @@ def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_pla
 
     cache = lm.make_cache()
     mx.eval(lm(ids, cache=cache, capture_layer_ids=taps).logits)
+    monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 3)
     monkeypatch.setattr(mx, "async_eval", async_eval)
-    hidden, states, tokens = dflash_rounds._dflash_verify_greedy(lm, mx.array([raw_plain[0][:4]]), cache, taps, None)
-    mx.eval(hidden, tokens)
-    abort_speculative_round(states)
+    for _ in range(3):  # after layer 3 of 4 in each (a count carried over would hand off 4 times)
+        hidden, states, tokens = dflash_rounds._dflash_verify_greedy(lm, mx.array([raw_plain[0][:4]]), cache, taps, None)
+        mx.eval(hidden, tokens)
+        abort_speculative_round(states)
     monkeypatch.setattr(mx, "async_eval", real_async_eval)
-    assert len(handed) == len(lm.model.layers) and all(len(arrays) == 1 for arrays in handed)
+    assert len(lm.model.layers) == 4 and len(handed) == 3 and all(len(arrays) == 1 for arrays in handed)
+    monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 1)
     cases = verify_cases(lm, ids, taps, raw_plain[0][:8], lengths=(2, 8))
     assert [c for c in cases if c["logits"] or c["hidden"]] == []
     rollback = rollback_cases(lm, ids, taps, raw_plain[0][:8], lengths=(8,))
