@@ -76,6 +76,11 @@ def prefill(lm, tokens, taps):
     return cache, hidden
 
 
+def cache_settler(cache):
+    """settle(): evaluate what steps on `cache` left lazy (its KV and recurrent states)."""
+    return lambda: mx.eval(dflash2_policy.cache_arrays(cache))
+
+
 def decode_steps(lm, cache):
     """steps(count): `count` plain decode steps of one token on `cache`, each evaluated."""
     token = mx.array([[7]])
@@ -118,10 +123,7 @@ def round_arms(lm, cache, taps, drafters, hidden, run=3):
     a decode step, an exact verify round per block (forward, greedy choice, commit of half
     the block), the same at EARLY_EVAL_BLOCKS handed off every EVAL_EVERY_ARMS layers, a draft
     of 8 per drafter form, in bf16 and in the dtype its inputs promote to."""
-
-    def settle():
-        mx.eval(dflash2_policy.cache_arrays(cache))
-
+    settle = cache_settler(cache)
     arms = {"decode": dflash2_policy.steady_ms(decode_steps(lm, cache), run, settle)}
     for length in range(2, BLOCK + 1):
         arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)

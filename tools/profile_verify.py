@@ -97,9 +97,7 @@ def main():
     prompt = [(17 * i + 3) % 200 + 1 for i in range(args.context)]
     cache, _ = bench.prefill(lm, prompt, taps)
 
-    def settle():
-        mx.eval(dflash2_policy.cache_arrays(cache))
-
+    settle = bench.cache_settler(cache)
     arm_steps = {"decode": bench.decode_steps(lm, cache)}
     arm_steps.update({f"verify {length}": bench.verify_round_steps(lm, cache, taps, length) for length in blocks})
     arm_steps[f"verify {blocks[-1]}, one eval"] = bench.handed_off_every(
