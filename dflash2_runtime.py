@@ -108,7 +108,9 @@ class RuntimeStatus:
             "kernels": {name: {"ok": r.ok, "reason": r.reason} for name, r in self.self_test.items()},
             "verify_self_check": None if check is None else {
                 "blocks": check.blocks, "differing": check.differing,
-                "stock_differing": check.stock_differing, "seconds": round(check.seconds, 2),
+                "stock_differing": check.stock_differing, "stock_block": check.stock_block,
+                "seconds": round(check.seconds, 2),
+                "seconds_by_part": {name: round(s, 2) for name, s in check.seconds_by_part.items()},
                 "summary": check.summary(),
             },
             "plain_decode_path": None if self.decode_path is None else {
@@ -626,20 +628,31 @@ def install(model=None) -> RuntimeStatus:
     return RuntimeStatus(reason is None, reason, backend, result, choice, check, seconds)
 
 
+# The negative control's block: stock verify's longest round, where it departs from decode
+# on every GPU backend (MLX's multi-row matmul at 8 rows on CUDA; the dense gates and
+# attention on Metal). One control round proves the comparison can see a difference; the
+# exact rounds, which the server serves, run at every block.
+STOCK_CONTROL_BLOCK = 8
+
+
 @dataclass
 class VerifySelfCheck:
     """Verify rounds against decode steps on the pack's own weights, as bits."""
 
     blocks: int
     differing: int  # elements of logits, hidden states and post-rollback caches
-    stock_differing: int  # the same for stock verify (the negative control)
+    stock_differing: int  # the same for stock verify at its one block (the negative control)
     seconds: float
     first_difference: Optional[str] = None
+    stock_block: int = STOCK_CONTROL_BLOCK
+    seconds_by_part: dict = field(default_factory=dict)  # decode steps / exact rounds / stock round
 
     def summary(self) -> str:
+        parts = ", ".join(f"{name} {s:.1f}" for name, s in self.seconds_by_part.items())
         text = (
             f"exact verify self-check: {self.blocks} blocks, {self.differing} differing "
-            f"(stock verify: {self.stock_differing} differing), {self.seconds:.1f} s"
+            f"(stock verify, block {self.stock_block}: {self.stock_differing} differing), "
+            f"{self.seconds:.1f} s" + (f" ({parts})" if parts else "")
         )
         return text + (f"; first: {self.first_difference}" if self.first_difference else "")
 
@@ -658,18 +671,20 @@ def _differing_bits(pairs) -> list:
 
 
 def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101, 55, 3, 88, 140)):
-    """One verify round per block size 2..8 against single-token decode steps.
+    """One exact verify round per block size 2..8 against single-token decode steps.
 
     Compares logits, the drafter's tap hidden states and, after committing half
-    the block, every cache array, bit for bit. Stock verify runs the same checks
-    as the negative control (on CPU it agrees; on GPUs it should not). Its seconds are
-    logged: at least the 8 decode steps, 7 exact and 7 stock verify rounds it compares.
+    the block, every cache array, bit for bit. Stock verify runs the same checks at
+    STOCK_CONTROL_BLOCK as the negative control (on CPU it agrees; on GPUs it should
+    not). Its seconds are logged by part: the prompt and 8 decode steps it compares
+    against, the 7 exact rounds, the stock round (first use compiles on GPUs).
     """
     import copy
 
     from mlx_vlm.speculative.cache_state import commit_speculative_round
 
     started = time.perf_counter()
+    seconds = {}
     layers = language_model.model.layers
     taps = sorted({0, len(layers) // 2, len(layers) - 1})
     cache = language_model.make_cache()
@@ -680,6 +695,7 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
         steps.append(language_model(mx.array([[token]]), cache=cache, capture_layer_ids=taps))
         mx.eval(steps[-1].logits, steps[-1].hidden_states)
         after.append(copy.deepcopy(cache))
+    seconds["decode steps"] = time.perf_counter() - started
 
     def check(length, verifier):
         qwen3_5_language._EXACT_SPECULATIVE_VERIFIER = verifier
@@ -703,17 +719,21 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
         return sum(counts), counts
 
     exact_verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
-    stock_verifier = exact_verifier.__dflash2_stock__
-    differing = stock_differing = 0
+    differing = 0
     first = None
+    part_started = time.perf_counter()
     for length in range(2, len(block) + 1):
         count, counts = check(length, exact_verifier)
         if count and first is None:
             part = next(i for i, c in enumerate(counts) if c)
             first = f"block {length}, " + ("logits" if part == 0 else f"array {part}")
         differing += count
-        stock_differing += check(length, stock_verifier)[0]
-    return VerifySelfCheck(len(block) - 1, differing, stock_differing, time.perf_counter() - started, first)
+    seconds["exact rounds"] = time.perf_counter() - part_started
+    part_started = time.perf_counter()
+    stock_differing = check(STOCK_CONTROL_BLOCK, exact_verifier.__dflash2_stock__)[0]
+    seconds["stock round"] = time.perf_counter() - part_started
+    return VerifySelfCheck(len(block) - 1, differing, stock_differing, time.perf_counter() - started,
+                           first, STOCK_CONTROL_BLOCK, seconds)
 
 
 def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:

@@ -192,7 +192,8 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
         assert all(steps > 0 for steps in costs["draft_steps_by_block"].values())
         runtime = request(server, "GET", "/health", record=False).json()["runtime"]
         check = runtime["verify_self_check"]
-        assert check["blocks"] == 7 and check["differing"] == 0
+        assert check["blocks"] == 7 and check["differing"] == 0 and check["stock_block"] == 8
+        assert list(check["seconds_by_part"]) == ["decode steps", "exact rounds", "stock round"]
         assert runtime["drafter_activations"] == "drafter activations: promoted (bf16 is emulated on CPU)"
         assert runtime["plain_decode_path"]["arm"] in ("mlx", "rotation", "rotation+recurrence",
                                                        "rotation+recurrence+matmul")

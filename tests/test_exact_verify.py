@@ -154,6 +154,8 @@ def test_start_up_self_check_passes_the_exact_verifier_and_catches_stock(target,
     lm = target[0].language_model
     check = dflash2_runtime.self_check_verify(lm)
     assert check.blocks == 7 and check.differing == 0 and check.stock_differing > 0
+    assert check.stock_block == 8 and list(check.seconds_by_part) == ["decode steps", "exact rounds", "stock round"]
+    assert "(stock verify, block 8: " in check.summary()
     stock = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER.__dflash2_stock__
     serving_stock = copy.copy(stock)  # installed as if it were the exact one
     serving_stock.__dflash2_stock__ = stock
