@@ -15,7 +15,7 @@ import pytest
 from build_pack import RUNTIME_FILES, build_pack
 from conftest import data_url, flip_byte, png, request
 from dflash2_pack import verify_pack
-from server_process import ServerProcess, clean_env
+from server_process import clean_env
 
 
 def build(sources, out_dir, target=None):
@@ -137,7 +137,7 @@ def test_refuses_a_folder_it_did_not_build(tiny_pack, tmp_path):
     assert (tmp_path / "mine.txt").read_text() == "user file\n"
 
 
-def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pack, tmp_path, file_checks):
+def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pack, tmp_path, file_checks, start_server):
     """Same shapes, some tensors edited, rewritten with safetensors: a valid new pack,
     built with the drafter prequantized to 4 bits."""
     target = Path(shutil.copytree(tiny_pack["target"], tmp_path / "derivative"))
@@ -167,8 +167,8 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
     # 4-bit drafter (a fixed block runs them whatever the table measured at start-up says;
     # on a CPU no round pays); with --dflash2-multimodal plain, one with an image runs
     # plain. The fixed block bounds what start-up measures.
-    server = ServerProcess("derivative", [pack_dir / "serve_dflash2.py", "--dflash2-multimodal", "plain",
-                                          "--dflash2-block-size", "2"], tmp_path / "run")
+    server = start_server("derivative", [pack_dir / "serve_dflash2.py", "--dflash2-multimodal", "plain",
+                                         "--dflash2-block-size", "2"])
     try:
         server.wait_ready()
         costs = request(server, "GET", "/health", record=False).json()["round_costs"]
