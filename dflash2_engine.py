@@ -105,6 +105,8 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
         return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
     # What a round costs here decides each greedy request's route, then each round's block or plain steps.
+    logger.info("DFlash2: timing the drafter's activation dtypes%s", "" if setup.round_costs else
+                " and each block's round cost (the round policy's table)")
     try:
         dtype = dflash2_runtime.choose_drafter_dtype(model, drafter)
         logger.info("DFlash2 %s", dtype.summary())

@@ -15,6 +15,7 @@ table: if its source differs from the audited one, `install` refuses and names i
 
 import contextlib
 import functools
+import logging
 import os
 import time
 import types
@@ -38,6 +39,8 @@ from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 from mlx_vlm.models.qwen3_5.speculative_verifier import Qwen3_5BatchInvariantForward
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
+
+logger = logging.getLogger("dflash2.runtime")
 from mlx_vlm.speculative.common import _dflash_block_total
 from mlx_vlm.speculative.drafters.dflash2.dflash2 import DFlash2DraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashAttention, DFlashDraftModel
@@ -610,6 +613,9 @@ def install(model=None) -> RuntimeStatus:
     if model is None:
         result = {"qmv": dflash2_kernels.self_test()}
     else:
+        # Start-up takes minutes on a GPU's first start (NVRTC builds every kernel): say what runs.
+        logger.info("start-up check 1 of 3: kernel self-tests at the pack's shapes on %s "
+                    "(a GPU's first start builds every kernel)", backend)
         result = dflash2_kernels.verify_kernel_self_tests(dflash2_pack.kernel_shapes(model))
     seconds["kernel self-tests"] = time.perf_counter() - started
     # The other kernels fall back to single-position stock calls where their test
@@ -619,8 +625,10 @@ def install(model=None) -> RuntimeStatus:
         return RuntimeStatus(False, reason, backend, result, seconds=seconds)
     if model is None:
         return RuntimeStatus(True, None, backend, result, seconds=seconds)
+    logger.info("start-up check 2 of 3: exact verify self-check (kernels took %.1f s)", seconds["kernel self-tests"])
     check = self_check_verify(model.language_model)
     seconds["verify self-check"] = check.seconds
+    logger.info("start-up check 3 of 3: timing plain decode's arms (self-check took %.1f s)", check.seconds)
     started = time.perf_counter()
     choice = choose_decode_path(model)
     seconds["plain decode path"] = time.perf_counter() - started

@@ -201,6 +201,12 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
         assert "block fixed at 2 (--dflash2-block-size): greedy requests run rounds of it" in server.log()
         assert "each request's acceptance estimate starts from the drafter's recent rounds" in server.log()
         assert "routed plain" not in server.log()
+        # Start-up says what it is running before each long check, then what each found.
+        log = server.log()
+        steps = [log.index(f"start-up check {n} of 3: ") for n in (1, 2, 3)]
+        assert steps == sorted(steps) and steps[-1] < log.index("DFlash2 kernel self-tests: ")
+        assert log.index("timing the drafter's activation dtypes and each block's round cost") < log.index(
+            "DFlash2 round costs (measured)")
     finally:
         server.stop()
 
