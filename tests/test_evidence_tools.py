@@ -132,3 +132,22 @@ def test_the_bench_summary_says_how_its_ratios_were_taken():
     # An end-to-end phase added to an older round phase's record names the round phase apart.
     assert "the round phase's, from a record without samples: a ratio of medians" in ratio_method(
         {"round_ms": {"decode": medians}, "e2e_ms": {"plain mlx": paired}})
+
+
+def test_the_verify_profile_ranks_kernels_by_added_launches():
+    """profile_verify's launch table: kernels whose launches per step grow most from the decode
+    step to the longest round come first (on CUDA the host's cost follows launches); a record
+    from before launches were counted renders without the table."""
+    from profile_verify import growth_order, summary_markdown
+
+    record = json.loads((EVIDENCE / "profile-verify-cuda.json").read_text())
+    assert "launches_by_growth" not in record
+    assert "by launches" not in summary_markdown(record)
+    arms = {"decode": {"launches_by_kernel": {"gemv": 96, "norm": 200}},
+            "verify 8": {"launches_by_kernel": {"gemv": 96, "norm": 210, "p @ v": 128}}}
+    assert growth_order(arms, "verify 8", "launches_by_kernel") == ["p @ v", "norm", "gemv"]
+    for name, arm in zip(record["arms"], record["arms"].values()):
+        arm["launches_by_kernel"] = arms["verify 8" if name.startswith("verify") else "decode"]["launches_by_kernel"]
+    record["launches_by_growth"] = growth_order(arms, "verify 8", "launches_by_kernel")
+    table = summary_markdown(record).split("by launches added")[1]
+    assert table.index("`p @ v` | 0 | 128") < table.index("`norm` | 200 | 210") < table.index("`gemv`")

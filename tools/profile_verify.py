@@ -8,8 +8,9 @@ does, installs the runtime, prefills a short prompt, then records with PyTorch's
 and exact verify rounds of each --blocks length (the longest also evaluated once at its end,
 without the runtime's early hand-offs to the device). Per arm it gives the wall time of a step
 (timed apart, unprofiled), the summed kernel time and kernel count per step, and each
-kernel's time per step; the kernels whose time grows most from a decode step to the
-longest verify round come first. Writes evidence/profile-verify-<backend>.json and .md.
+kernel's time and launches per step; the kernels whose time grows most from a decode step
+to the longest verify round come first, then those whose launches grow most (on CUDA the
+host's cost follows the launches). Writes evidence/profile-verify-<backend>.json and .md.
 A diagnostic: which kernels to make faster, not a speed record (see tools/bench.py).
 """
 
@@ -32,7 +33,8 @@ NAME_CHARS = 120  # kernel names are long template instantiations: their head sa
 
 
 def kernel_ms_per_step(steps, count: int, settle) -> tuple:
-    """(ms by kernel name, kernels launched) per step, over `count` steps under the profiler."""
+    """(ms by kernel name, launches by kernel name) per step, over `count` steps under the
+    profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     steps(1)  # lead-in: the switch from the previous arm stays out of the record
@@ -40,12 +42,18 @@ def kernel_ms_per_step(steps, count: int, settle) -> tuple:
     with profile(activities=[ProfilerActivity.CUDA]) as recorded:
         steps(count)
         settle()
-    by_name, launched = defaultdict(float), 0
+    by_name, launches = defaultdict(float), defaultdict(float)
     for event in recorded.events():
         if str(event.device_type).endswith("CUDA"):
             by_name[event.name[:NAME_CHARS]] += event.time_range.elapsed_us() / 1000 / count
-            launched += 1
-    return dict(by_name), launched / count
+            launches[event.name[:NAME_CHARS]] += 1 / count
+    return dict(by_name), dict(launches)
+
+
+def growth_order(arms: dict, longest: str, key: str) -> list:
+    """Kernel names by how much arms[longest][key] exceeds the decode step's, most first."""
+    decode, verify = arms["decode"][key], arms[longest][key]
+    return sorted(set(decode) | set(verify), key=lambda kernel: decode.get(kernel, 0.0) - verify.get(kernel, 0.0))
 
 
 def summary_markdown(record: dict) -> str:
@@ -69,6 +77,12 @@ def summary_markdown(record: dict) -> str:
     for kernel in record["kernels_by_growth"][:25]:
         lines.append(f"| `{kernel}` | " + " | ".join(f"{arm['by_kernel'].get(kernel, 0.0):.3f}"
                                                      for arm in arms.values()) + " |")
+    if "launches_by_growth" in record:  # records before launches were counted per kernel lack it
+        lines += ["", f"Kernels by launches added from a decode step to a {longest} round (launches per step):", "",
+                  "| kernel | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+        for kernel in record["launches_by_growth"][:15]:
+            lines.append(f"| `{kernel}` | " + " | ".join(f"{arm['launches_by_kernel'].get(kernel, 0.0):.0f}"
+                                                         for arm in arms.values()) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -107,19 +121,20 @@ def main():
         wall = dflash2_policy.interleaved_ms(
             {name: dflash2_policy.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
         for name, steps in arm_steps.items():
-            by_kernel, kernels = kernel_ms_per_step(steps, args.steps, settle)
+            by_kernel, launches = kernel_ms_per_step(steps, args.steps, settle)
             arms[name] = {"wall_ms": wall[name]["median"], "wall_ms_samples": wall[name]["samples"],
-                          "kernel_ms": sum(by_kernel.values()), "kernels": kernels,
-                          "by_kernel": dict(sorted(by_kernel.items(), key=lambda item: -item[1]))}
+                          "kernel_ms": sum(by_kernel.values()), "kernels": sum(launches.values()),
+                          "by_kernel": dict(sorted(by_kernel.items(), key=lambda item: -item[1])),
+                          "launches_by_kernel": dict(sorted(launches.items(), key=lambda item: -item[1]))}
             print(f"[{time.time() - started:6.1f}s] {name}: wall {arms[name]['wall_ms']:.2f} ms, "
-                  f"kernels {arms[name]['kernel_ms']:.2f} ms in {kernels:.0f}", flush=True)
-    decode, longest = arms["decode"]["by_kernel"], arms[f"verify {blocks[-1]}"]["by_kernel"]
-    growth = sorted(set(decode) | set(longest), key=lambda kernel: decode.get(kernel, 0.0) - longest.get(kernel, 0.0))
+                  f"kernels {arms[name]['kernel_ms']:.2f} ms in {arms[name]['kernels']:.0f}", flush=True)
+    longest = f"verify {blocks[-1]}"
     record = {
         **run_environment("profile_verify.py", f"synthetic {args.size}, seed 0"),
         "context_tokens": args.context, "blocks": blocks, "profiled_steps": args.steps,
         "plain_decode_path": status.decode_path.arm,
-        "arms": arms, "kernels_by_growth": growth,
+        "arms": arms, "kernels_by_growth": growth_order(arms, longest, "by_kernel"),
+        "launches_by_growth": growth_order(arms, longest, "launches_by_kernel"),
     }
     markdown = summary_markdown(record)
     write_record(args.out, f"profile-verify-{record['backend']}", record, markdown)
