@@ -306,8 +306,32 @@ AUDITED = (
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update",
         "66b3e98fcd83bed63869d1fcf6b3b130b8f4b7cbd25fee5988b288457c6615f0",
-        "Mirrored: decode's recurrence call; on Metal called per verify position. Relied on: "
-        "it calls gated_delta_chunked through its module's globals, where the engine swaps it.",
+        "Mirrored: its test for the fused Metal kernel (dflash2_kernels.decode_recurrence_on_metal) "
+        "decides which recurrence step verify reproduces. Relied on: it calls gated_delta_chunked "
+        "through its module's globals, where the engine swaps it.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_kernel",
+        "87dd535eba98a52b22f44ca642f8e8fbbf496446790a8a790ee626fef74a9483",
+        "Decode's recurrence step on Metal: called a step at a time by dflash2_kernels."
+        "stock_recurrence, the Metal verify's fallback and the self-test's reference.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:_make_gated_delta_kernel",
+        "cf05fe954c60c7a4e40912584a19f993ce6bac5cda630890faded93660930e04",
+        "The source of decode's fused Metal kernel, whose per-step statements the with-states "
+        "kernel repeats.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:_make_gated_delta_with_states_kernel",
+        "a8161134335e6e89552ad1d30f66caaf4048d9655bdad20d0e377d220cfc163e",
+        "Its kernel runs all verify steps in one launch on Metal (dflash2_kernels.metal_recurrence) "
+        "where the start-up self-test found it bitwise decode's fused kernel a step at a time.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update_with_states",
+        "a815e51717ae9d78e2fba99a6d5ad5d91790e9d6307a7d2cb1d551b0223a44e7",
+        "Mirrored: dflash2_kernels.metal_recurrence launches the with-states kernel as it does.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:_compute_g_beta",

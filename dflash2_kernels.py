@@ -24,9 +24,12 @@ position alone in plain decode, on this backend:
   cuda: copies hadamard.cuh; metal: copies hadamard.h; cpu: the stock chain.
   Gated per (K, block); qmv, gdn and dense per backend.
 - `gdn_recurrence(q, k, v, g, beta, state)`: L GatedDeltaNet steps in one launch,
-  each decode's compiled `_gated_delta_step_ops`, with the state after every step
-  for rollback. cuda only, in the variant ("fma": NVRTC contracts
-  `state + k * delta`, or "mul_add") that its self-test found bitwise equal.
+  each decode's own recurrence step, with the state after every step for rollback.
+  cuda: decode's compiled `_gated_delta_step_ops`, in the variant ("fma": NVRTC
+  contracts `state + k * delta`, or "mul_add") that its self-test found bitwise
+  equal. metal: decode runs mlx-vlm's fused kernel (`gated_delta_kernel`, T=1 a
+  step); its with-states twin (stock verify's, the same per-step statements) runs
+  all L steps once its self-test found it equal, else the fused kernel a step at a time.
 - `dense_rows(x, weight)`: 1..8 rows of x @ weight.T, each decode's one-row
   `nn.Linear` (MLX's gemv). cuda only.
 - `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
@@ -61,6 +64,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.models.cache import KVCache
 from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import hadamard_transform
+from mlx_vlm.models.qwen3_5 import gated_delta as gated_delta_module
 from mlx_vlm.models.qwen3_5.gated_delta import (
     _compute_g_beta,
     _gated_delta_step_ops,
@@ -1439,7 +1443,9 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 # then the add. MLX's NVRTC call sets no --fmad (jit_module.cpp:329-345), and
 # nvcc 13.0.88 with that default turns the fused kernel's Multiply-then-Add
 # (compiled.cpp:165-181) into fma.rn.f32 in PTX, so "fma" is expected to pass.
-GDN_VARIANTS = ("fma", "mul_add")
+# metal: "with_states", mlx-vlm's with-states kernel (stock verify's on Metal), whose loop
+# body is decode's fused kernel's statement for statement, but which is its own pipeline.
+GDN_VARIANTS = {"cuda": ("fma", "mul_add"), "metal": ("with_states",)}
 # The gemv replica has no open choice: fp16 products are exact in fp32, so its
 # lane sums are the same whether or not nvcc fused them.
 DENSE_VARIANTS = ("gemv",)
@@ -1462,16 +1468,32 @@ DENSE_SHAPES_SMALL = ((2, 512), (7, 320), (5, 102))
 # gdn, dense: stock references (decode's own calls)
 
 
+def decode_recurrence_on_metal() -> bool:
+    """Whether decode's recurrence step is mlx-vlm's fused Metal kernel here: the test
+    gated_delta_update makes (use_kernel is on at inference), read through its module."""
+    mlx = gated_delta_module.mx
+    return mlx.default_device() == mlx.gpu and mlx.metal.is_available()
+
+
 def stock_recurrence(q, k, v, g, beta, state, eval_each_step=False):
-    """Decode's step L times: `_gated_delta_step_ops` after the head repeat
-    (gated_delta_ops), returning y (B, L, Hv, Dv) and the state after each step.
-    eval_each_step: evaluate every step on its own, as decode does."""
-    if (repeat := v.shape[2] // q.shape[2]) > 1:
+    """Decode's recurrence call L times, a step each, as gated_delta_update makes it here:
+    mlx-vlm's fused Metal kernel with T=1 (key heads not repeated) where decode runs it,
+    else the compiled `_gated_delta_step_ops` after the head repeat (gated_delta_ops).
+    Returns y (B, L, Hv, Dv) and the state after each step. eval_each_step: evaluate
+    every step on its own, as decode does."""
+    on_metal = decode_recurrence_on_metal()
+    if not on_metal and (repeat := v.shape[2] // q.shape[2]) > 1:
         q = mx.repeat(q, repeat, -2)
         k = mx.repeat(k, repeat, -2)
     ys, states = [], []
     for t in range(q.shape[1]):
-        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        if on_metal:
+            step = slice(t, t + 1)
+            y, state = gated_delta_module.gated_delta_kernel(
+                q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], state)
+            y = y[:, 0]
+        else:
+            y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
         if eval_each_step:
             mx.eval(y, state)
         ys.append(y)
@@ -1487,7 +1509,7 @@ def stock_dense_rows(x, weight):
 
 
 # ---------------------------------------------------------------------------
-# gdn, dense: CUDA (no Metal kernel: on Metal both run the stock calls)
+# gdn, dense: CUDA (Metal: mlx-vlm's recurrence kernel below; dense rows run the stock calls)
 
 # MIT License, Copyright (c) 2023 Apple Inc. (arithmetic of MLX 0.32.2:
 # mlx/backend/cuda/reduce/row_reduce.cu, reduce/reduce_utils.cuh,
@@ -1759,6 +1781,24 @@ def cuda_recurrence(q, k, v, g, beta, state, variant):
     )
 
 
+def metal_recurrence(q, k, v, g, beta, state):
+    """All L steps in one launch of mlx-vlm's with-states Metal kernel, as its
+    gated_delta_update_with_states launches it (stock verify's on Metal): decode's fused
+    kernel's loop body, every step's state written. No self-test gate."""
+    B, L, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    y, _, states = gated_delta_module._gated_delta_with_states_kernel(
+        inputs=[q, k, v, g, beta, state, L],
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+                  ("StateT", L)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, 4, 1),
+        output_shapes=[(B, L, Hv, Dv), state.shape, (B, L, Hv, Dv, Dk)],
+        output_dtypes=[q.dtype, state.dtype, state.dtype],
+    )
+    return y, states
+
+
 def gemv_elements_per_lane(k: int) -> int:
     """gemv's n_per_thread (gemv.cu:242-249) for aligned pointers (every fresh or
     row-sliced array, the KV cache's buffers): used by dense rows and attention scores."""
@@ -1787,8 +1827,10 @@ _dense_serving: dict = {}
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def gdn_kernel_supports(q, k, v, g, beta, state) -> bool:
+def gdn_kernel_supports(backend, q, k, v, g, beta, state) -> bool:
     B, L, Hk, Dk = q.shape
+    if backend == "metal":  # mlx-vlm's kernel: Dk / 32 elements a lane, scalar gates
+        return Dk % 32 == 0 and v.shape[2] % Hk == 0 and g.ndim == 3 and q.dtype == k.dtype == v.dtype
     return (
         Dk % 4 == 0
         and Dk <= MAX_DK
@@ -1798,6 +1840,16 @@ def gdn_kernel_supports(q, k, v, g, beta, state) -> bool:
         and q.dtype == k.dtype == v.dtype  # one element type In in the kernel
         and all(a.dtype in _FLOATS for a in (q, g, beta))
     )
+
+
+def recurrence_backend() -> str:
+    """The backend whose recurrence decode runs: "metal" where it is mlx-vlm's fused kernel."""
+    return "metal" if decode_recurrence_on_metal() else backend_name()
+
+
+def gdn_variant(backend: str, name: str):
+    """The recurrence kernel of one of GDN_VARIANTS[backend]."""
+    return metal_recurrence if backend == "metal" else partial(cuda_recurrence, variant=name)
 
 
 def dense_kernel_supports(x, weight) -> bool:
@@ -1820,14 +1872,14 @@ def gdn_recurrence(q, k, v, g, beta, state, variant=None):
         raise ValueError(
             f"gdn_recurrence: shapes q {q.shape} v {v.shape} state {state.shape} do not match"
         )
+    backend = recurrence_backend()
     if variant is None:
-        backend = backend_name()
-        if backend == "cuda" and backend not in _gdn_serving:
+        if backend in GDN_VARIANTS and backend not in _gdn_serving:
             self_test_gdn()
         variant = _gdn_serving.get(backend)
-        if variant is None or not gdn_kernel_supports(q, k, v, g, beta, state):
+        if variant is None or not gdn_kernel_supports(backend, q, k, v, g, beta, state):
             return stock_recurrence(q, k, v, g, beta, state)
-    return tuple(cuda_recurrence(q, k, v, g, beta, state, variant))
+    return tuple(gdn_variant(backend, variant)(q, k, v, g, beta, state))
 
 
 def dense_rows(x, weight, variant=None):
@@ -1935,16 +1987,17 @@ def self_test_gdn(
 
     kernel: (q, k, v, g, beta, state) -> (y, states), tested as variant "kernel";
     default: each of this backend's GDN_VARIANTS, serving then switched to the first
-    that passed (None: the stock steps). Off CUDA there is no kernel to test.
+    that passed (None: the stock steps). Off CUDA and Metal there is no kernel to test.
     shapes: (B, Hk, Hv, Dk, Dv) tuples, default the 27B and the small shapes.
     For every shape, input kind and L = 1..max_steps, each variant's y and states
-    must equal the stepwise reference; stock multi-position paths are the controls.
+    must equal the stepwise reference (decode's own call a step at a time); stock
+    multi-position paths are the controls.
     """
-    backend = backend_name()
-    if kernel is None and backend != "cuda":
+    backend = recurrence_backend()
+    if kernel is None and backend not in GDN_VARIANTS:
         return _no_kernel_result(backend)
     variants = {"kernel": kernel} if kernel else {
-        name: partial(cuda_recurrence, variant=name) for name in GDN_VARIANTS
+        name: gdn_variant(backend, name) for name in GDN_VARIANTS[backend]
     }
     shapes = [tuple(s) for s in (shapes or GDN_SHAPES_27B + GDN_SHAPES_SMALL)]
     differing = {name: 0 for name in variants}

@@ -24,7 +24,15 @@ Row-wise ops (norms, softmax, logsumexp, argmax, element-wise, Hadamard) take th
 launch shape from the row length, never the row count, so they stay stock too. The swaps
 are looked up where callers look: attributes of `mlx.core`, `mlx.core.fast`,
 `mlx.core.array` and the mlx-vlm module, so every caller sees them while active.
+
+`metal_like_recurrence(monkeypatch)` is the GatedDeltaNet side of a Mac: mlx-vlm's
+gated_delta_update sees a GPU with Metal, so decode (and prefill, and stock verify's
+with-states call) run its fused kernels instead of the ops step. Their stand-ins run each
+step in float64 (state kept float32 between steps): the same at T=1 a step at a time as at
+T=L in one call, as the Metal kernel is, and different from the ops step, as it is.
 """
+
+import types
 
 import mlx.core as mx
 from mlx_vlm.models.qwen3_5 import gated_delta
@@ -130,3 +138,56 @@ def swap_row_variant_ops(monkeypatch):
     monkeypatch.setattr(mx, "addmm", addmm)
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", scaled_dot_product_attention)
     monkeypatch.setattr(gated_delta, "_gated_delta_with_states_ops", with_states_ops)
+
+
+class MetalLikeMx(types.ModuleType):
+    """mlx.core as gated_delta_update sees it on a Mac: the default device a GPU with Metal."""
+
+    metal = types.SimpleNamespace(is_available=lambda: True)
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    @staticmethod
+    def default_device():
+        return mx.gpu
+
+
+def float64_steps(q, k, v, g, beta, state, state_steps=None):
+    """y, final state and the first state_steps states of T recurrence steps, each step's
+    arithmetic in float64, its state rounded to float32 and y to q's dtype: a step at a time
+    or T at once give the same bits (the state is float32 between steps either way)."""
+    if (repeat := v.shape[2] // q.shape[2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    wide = [a.astype(mx.float64) for a in (q, k, v, g, beta)]
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        q_t, k_t, v_t, g_t, beta_t = (a[:, t] for a in wide)
+        s = state.astype(mx.float64) * g_t[..., None, None]
+        delta = (v_t - (s * k_t[..., None, :]).sum(-1)) * beta_t[..., None]
+        s = s + k_t[..., None, :] * delta[..., None]
+        ys.append((s * q_t[..., None, :]).sum(-1).astype(q.dtype))
+        state = s.astype(mx.float32)
+        states.append(state)
+    kept = states[: q.shape[1] if state_steps is None else state_steps]
+    return mx.stack(ys, axis=1), state, mx.stack(kept, axis=1) if kept else mx.zeros((q.shape[0], 0, *state.shape[1:]))
+
+
+def metal_like_kernel(q, k, v, g, beta, state, mask=None):
+    """gated_delta_kernel's stand-in: (y, final state) of T steps."""
+    assert mask is None, "the stand-in covers unmasked calls only"
+    return float64_steps(q, k, v, g, beta, state)[:2]
+
+
+def metal_like_with_states_kernel(*, inputs, template, **launch):
+    """_gated_delta_with_states_kernel's stand-in, called as gated_delta_update_with_states
+    and dflash2_kernels.metal_recurrence launch it: (y, final state, StateT states)."""
+    q, k, v, g, beta, state, _ = inputs
+    return float64_steps(q, k, v, g, beta, state, dict(template)["StateT"])
+
+
+def metal_like_recurrence(monkeypatch, with_states_kernel=metal_like_with_states_kernel):
+    """Install the Metal-like recurrence for the rest of the test (monkeypatch undoes it)."""
+    monkeypatch.setattr(gated_delta, "mx", MetalLikeMx("mlx.core"))
+    monkeypatch.setattr(gated_delta, "gated_delta_kernel", metal_like_kernel)
+    monkeypatch.setattr(gated_delta, "_gated_delta_with_states_kernel", with_states_kernel)

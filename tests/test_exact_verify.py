@@ -24,6 +24,7 @@ from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
 
 import dflash2_audit
+import dflash2_kernels
 import dflash2_runtime
 from conftest import GENERATED, raw_ids
 from parity import PROMPTS, greedy, oracle_token_case, rollback_cases, verify_cases
@@ -162,6 +163,22 @@ def test_start_up_self_check_passes_the_exact_verifier_and_catches_stock(target,
     monkeypatch.setattr(qwen3_5_language, "_EXACT_SPECULATIVE_VERIFIER", serving_stock)
     broken = dflash2_runtime.self_check_verify(lm)
     assert broken.differing > 0 and broken.first_difference.startswith("block ")
+
+
+def test_start_up_self_check_passes_where_decode_runs_a_fused_recurrence_kernel(target, monkeypatch):
+    """On a Metal-like backend (decode's GatedDeltaNet step is mlx-vlm's fused kernel, which
+    rounds unlike the ops step) the verify self-check finds 0 differing: verify reproduces
+    that kernel. A verify taking the ops step there, as every Mac's did, differs."""
+    from gpu_rounding import metal_like_recurrence
+
+    metal_like_recurrence(monkeypatch)
+    monkeypatch.setattr(dflash2_kernels, "_gdn_serving", {})
+    lm = target[0].language_model
+    check = dflash2_runtime.self_check_verify(lm)
+    assert check.differing == 0 and dflash2_kernels._gdn_serving == {"metal": "with_states"}
+    monkeypatch.setattr(dflash2_kernels, "decode_recurrence_on_metal", lambda: False)
+    monkeypatch.setattr(dflash2_kernels, "_gdn_serving", {})
+    assert dflash2_runtime.self_check_verify(lm).differing > 0
 
 
 def test_install_turns_speculation_off_for_packed_weights_the_verify_matmul_does_not_take(tiny_pack):

@@ -310,6 +310,39 @@ def test_wrong_recurrence_fails_naming_the_case():
     assert dk.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=dk.stock_recurrence).ok
 
 
+def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch):
+    """Where decode runs mlx-vlm's fused Metal kernel (a Metal-like CPU backend: its stand-in
+    rounds unlike the ops step), the reference is that kernel a step at a time; the
+    with-states kernel serves all steps in one call only while its self-test finds it equal,
+    and one a bit off leaves verify on the fused kernel a step at a time."""
+    from gpu_rounding import metal_like_recurrence, metal_like_with_states_kernel
+    from mlx_vlm.models.qwen3_5 import gated_delta
+
+    metal_like_recurrence(monkeypatch)
+    monkeypatch.setattr(dk, "_gdn_serving", {})
+    inputs = dk.make_gdn_inputs("normal", 1, 4, 1, 2, 64, 64, mx.random.key(1))
+    want_y, want_states = dk.stock_recurrence(*inputs, eval_each_step=True)
+    kernel_y, kernel_state = gated_delta.gated_delta_kernel(*inputs)  # T=4 in one call
+    assert same_bits(want_y, kernel_y) and same_bits(want_states[:, -1], kernel_state)
+    assert not same_bits(want_states[:, -1], dk.gated_delta_ops(*inputs)[1])  # the stand-in has teeth
+    shape = [(1, 1, 2, 64, 64)]
+    served = dk.self_test_gdn(shape, max_steps=3)
+    assert served.ok and served.backend == "metal" and served.variant == "with_states"
+    y, states = dk.gdn_recurrence(*inputs)
+    assert same_bits(y, want_y) and same_bits(states, want_states)
+
+    def off_by_one_bit(**launch):  # the last bit of the first state's first element
+        y, state, states = metal_like_with_states_kernel(**launch)
+        bits = dk.raw_bits(states).reshape(-1)
+        return y, state, mx.concatenate([bits[:1] ^ 1, bits[1:]]).reshape(states.shape).view(states.dtype)
+
+    monkeypatch.setattr(gated_delta, "_gated_delta_with_states_kernel", off_by_one_bit)
+    refused = dk.self_test_gdn(shape, max_steps=3)
+    assert not refused.ok and refused.variant is None and "0 of y, 1 of states" in refused.reason
+    y, states = dk.gdn_recurrence(*inputs)
+    assert same_bits(y, want_y) and same_bits(states, want_states)
+
+
 def test_wrong_dense_rows_fails_naming_the_case():
     result = dk.self_test_dense([(7, 320)], kernel=one_bit_off(dk.stock_dense_rows, 8))
     assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
