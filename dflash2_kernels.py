@@ -34,9 +34,11 @@ position alone in plain decode, on this backend:
   `nn.Linear` (MLX's gemv). cuda only.
 - `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
   queries, query j seeing first_length + j keys, each decode's single-query
-  `mx.fast.scaled_dot_product_attention`. cuda only, where decode runs MLX's
-  unfused fallback (fp16, head dim > 128): gemv scores, MLX's softmax, decode's
-  own p @ v call. Gated per (B, Hq, Hkv, D).
+  `mx.fast.scaled_dot_product_attention`. cuda, where decode runs MLX's unfused
+  fallback (fp16, head dim > 128): gemv scores, MLX's softmax, decode's own p @ v
+  call. metal, where decode runs sdpa_vector (GQA 6 to 16): MLX's multi-query
+  sdpa_vector, split where decode's routing would change. Gated per (B, Hq, Hkv, D)
+  and per softmax block dim (cuda) or routing regime (metal).
 
 Where a function has no kernel (cpu, metal where none is named above, shapes
 or dtypes a kernel does not take) it runs the stock calls decode makes, one row /
@@ -49,6 +51,7 @@ never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200.
 Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 """
 
+import bisect
 import hashlib
 import math
 import os
@@ -2154,8 +2157,8 @@ def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 #    of it is a view.
 # Where decode does not run that fallback (D <= 128, other dtypes, or B*Hkv == 1
 # with n_rep > 1, where matmul.cpp:86-96 folds the heads into M and leaves gemv),
-# for more than MAX_QUERIES queries, and on every backend but CUDA, each query is
-# the stock single-query call.
+# or Metal's multi-query call cannot keep decode's routing (metal_attention_supports),
+# for more than MAX_QUERIES queries, and on CPU, each query is the stock single-query call.
 
 SOFTMAX_READS = 8  # N_READS = 16 / sizeof(__half) (softmax.cu:144)
 ATTENTION_PACK_SHAPE = (1, 24, 4, 256)  # (B, Hq, Hkv, D) of the 27B's full-attention layers
@@ -2212,7 +2215,7 @@ def softmax_block_dim(axis_size: int) -> int:
 
 
 # ---------------------------------------------------------------------------
-# attention: CUDA (no Metal kernel: on Metal each query is the stock call)
+# attention: CUDA (Metal: MLX's own multi-query call, below)
 
 # MIT License, Copyright (c) 2025 Apple Inc. (arithmetic of gemv_impl,
 # mlx/backend/cuda/gemms/gemv.cu, and cu::softmax, mlx/backend/cuda/softmax.cu,
@@ -2543,12 +2546,82 @@ def cuda_attention_rows(queries, keys, values, scale, first_length):
 
 
 # ---------------------------------------------------------------------------
+# attention: Metal (MLX's sdpa_vector over several queries, split as decode routes them)
+
+# MLX 0.32.2's Metal sdpa_vector (metal/scaled_dot_product_attention.cpp:470-530, 661-708,
+# 868-880), which decode runs at one query, takes up to 8 queries while queries x GQA <= 32.
+# Each query's statements are the single-query call's (its causal test skips exactly the
+# keys decode never sees); the one- or two-pass route and the two-pass block count follow
+# the key length N, and n_simds = GQA x queries. Key lengths where either changes, on any
+# GPU class ('s', 'd' and the rest):
+METAL_SDPA_KEY_EDGES = (1024, 1025, 4096, 8192, 8193, 16384, 32769, 65536, 65537)
+# From a GQA of 6, n_simds takes every branch (> 4, <= 2, >= 4, >= 6) as at one query.
+METAL_SDPA_GQA = range(6, 17)  # 16: two queries a call at least
+METAL_SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_vector's; at 192 decode runs the unfused path
+
+
+def metal_sdpa_regime(keys: int) -> int:
+    """Which of MLX's Metal routing regimes a key length falls in (an index)."""
+    return bisect.bisect_right(METAL_SDPA_KEY_EDGES, keys)
+
+
+def metal_attention_spans(rows: int, first_length: int, gqa: int) -> list:
+    """[start, end) spans of the L verify queries, one sdpa_vector call each: at most
+    min(8, 32 // gqa) queries, all in one routing regime (query j sees first_length + j keys)."""
+    limit = min(MAX_QUERIES, 32 // gqa)
+    spans, start = [], 0
+    for j in range(1, rows):
+        if j - start == limit or metal_sdpa_regime(first_length + j) != metal_sdpa_regime(first_length + start):
+            spans.append((start, j))
+            start = j
+    return spans + [(start, rows)]
+
+
+def metal_attention_supports(batch, q_heads, kv_heads, head_dim, dtype) -> bool:
+    """Whether decode runs sdpa_vector here and several queries keep its routing."""
+    return (
+        q_heads % kv_heads == 0
+        and q_heads // kv_heads in METAL_SDPA_GQA
+        and head_dim in METAL_SDPA_HEAD_DIMS
+        and dtype in (mx.float16, mx.bfloat16)
+    )
+
+
+def metal_attention_rows(queries, keys, values, scale, first_length):
+    """The L queries in metal_attention_spans' calls of MLX's causal multi-query attention:
+    a span's last query sees all its keys, each earlier one its own prefix."""
+    gqa = queries.shape[1] // keys.shape[1]
+    outputs = [
+        mx.fast.scaled_dot_product_attention(
+            queries[:, :, start:end],
+            keys[:, :, : first_length + end - 1],
+            values[:, :, : first_length + end - 1],
+            scale=scale,
+            mask="causal",
+        )
+        for start, end in metal_attention_spans(queries.shape[2], first_length, gqa)
+    ]
+    return mx.concatenate(outputs, axis=2)
+
+
+# ---------------------------------------------------------------------------
 # attention: dispatch
 
-# (backend, (B, Hq, Hkv, D)) -> the softmax block dims the shape's self-test passed at
-# (empty where it failed). A longer context needs a block dim never tested (and never
-# compiled: ~1.5 s of JIT in the middle of a request): its queries run the stock calls.
+# (backend, (B, Hq, Hkv, D)) -> the variants the shape's self-test passed at (empty where
+# it failed): CUDA's softmax block dims, Metal's routing regimes. A longer context needs a
+# variant never tested (on CUDA never compiled either: ~1.5 s of JIT in the middle of a
+# request): its queries run the stock calls.
 _attention_verified: dict = {}
+
+
+def attention_path(backend: str):
+    """(supports(B, Hq, Hkv, D, dtype), the multi-query rows, a key length's variant) of
+    this backend's attention path; None where each query is the stock call."""
+    if backend == "cuda":
+        return attention_kernel_supports, cuda_attention_rows, softmax_block_dim
+    if backend == "metal":
+        return metal_attention_supports, metal_attention_rows, metal_sdpa_regime
+    return None
 
 
 def _check_attention_arguments(queries, keys, values, first_length):
@@ -2574,9 +2647,10 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
     Query j of the result is bitwise decode's single-query
     `mx.fast.scaled_dot_product_attention(queries[:, :, j:j+1], keys[..., :T_j, :],
     values[..., :T_j, :], scale=scale, mask=None)`, T_j = first_length + j. On CUDA,
-    where decode runs MLX's unfused fallback, through the kernels once their
-    self-test passed; elsewhere one stock call per query. Returns (B, Hq, L, D)
-    (on CUDA a transposed view of a contiguous (B, L, Hq, D) array).
+    where decode runs MLX's unfused fallback, through the kernels, and on Metal
+    through MLX's multi-query sdpa_vector, once their self-test passed; elsewhere one
+    stock call per query. Returns (B, Hq, L, D) (on CUDA a transposed view of a
+    contiguous (B, L, Hq, D) array).
     """
     _check_attention_arguments(queries, keys, values, first_length)
     batch, q_heads, rows, head_dim = queries.shape
@@ -2585,14 +2659,15 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
         keys, values = keys[:, :, :needed], values[:, :, :needed]
     backend = backend_name()
     shape = (batch, q_heads, keys.shape[1], head_dim)
-    if backend == "cuda" and rows <= MAX_QUERIES and attention_kernel_supports(*shape, queries.dtype):
+    path = attention_path(backend)
+    if path and rows <= MAX_QUERIES and path[0](*shape, queries.dtype):
+        _, attend, variant = path
         if (backend, shape) not in _attention_verified:
             result = self_test_attention([shape])
             if not result.ok:
-                warnings.warn(f"dflash2 {backend} attention kernels failed their self-test: {result.reason}")
-        block_dims = {softmax_block_dim(first_length), softmax_block_dim(needed)}
-        if block_dims <= _attention_verified.get((backend, shape), set()):
-            return cuda_attention_rows(queries, keys, values, scale, first_length)
+                warnings.warn(f"dflash2 {backend} attention failed its self-test: {result.reason}")
+        if {variant(first_length), variant(needed)} <= _attention_verified.get((backend, shape), set()):
+            return attend(queries, keys, values, scale, first_length)
     return stock_attention_rows(queries, keys, values, scale, first_length)
 
 
@@ -2670,8 +2745,9 @@ def _test_shape(backend, shape, key, first_lengths, max_queries, kernel):
     """Cases of one (B, Hq, Hkv, D): (case records, reason of the first difference).
     kernel: the attention under test; None: this backend's path for the shape."""
     batch, q_heads, kv_heads, head_dim = shape
-    served = kernel is None and backend == "cuda" and attention_kernel_supports(*shape, mx.float16)
-    attend = kernel or (cuda_attention_rows if served else stock_attention_rows)
+    path = attention_path(backend)
+    served = kernel is None and path is not None and path[0](*shape, mx.float16)
+    attend = kernel or (path[1] if served else stock_attention_rows)
     scale = head_dim**-0.5
     lengths = first_lengths or (
         PACK_FIRST_LENGTHS if shape == ATTENTION_PACK_SHAPE else TINY_FIRST_LENGTHS
@@ -2715,7 +2791,8 @@ def _test_shape(backend, shape, key, first_lengths, max_queries, kernel):
                         reason = (
                             f"{backend} {'kernels' if served else 'attention'} differ from decode at "
                             f"(B, Hq, Hkv, D)={shape}, first_length={first_length}, L={rows}, input={kind}: "
-                        ) + _describe_attention_difference(got, want, case, scale, first_length, served)
+                        ) + _describe_attention_difference(
+                            got, want, case, scale, first_length, served and backend == "cuda")
     except Exception as error:  # a kernel that fails to build or run fails the test
         reason = f"{backend} attention at {shape} raised {type(error).__name__}: {error}"
     return cases, reason
@@ -2728,7 +2805,7 @@ def self_test_attention(
 
     kernel: (queries, keys, values, scale, first_length) -> (B, Hq, L, D) to test
     instead; default: this backend's path, switched on or off per shape (off CUDA
-    there is no kernel to test).
+    and Metal there is nothing to test).
     shapes: (B, Hq, Hkv, D) tuples; default the pack's and the tiny ones. first_lengths: key
     lengths of query 0; default PACK_FIRST_LENGTHS for the pack's shape and
     TINY_FIRST_LENGTHS otherwise. For each shape, input kind, first length and
@@ -2739,7 +2816,7 @@ def self_test_attention(
     mask="causal" (negative control). Switches the kernels on or off per shape.
     """
     backend = backend_name()
-    if kernel is None and backend != "cuda":
+    if kernel is None and attention_path(backend) is None:
         return _no_kernel_result(backend)
     cases, reason = [], None
     key = mx.random.key(seed)
@@ -2751,9 +2828,9 @@ def self_test_attention(
         cases += shape_cases
         reason = reason or shape_reason
         if kernel is None:
+            variant = attention_path(backend)[2]
             _attention_verified[(backend, shape)] = set() if shape_reason else {
-                softmax_block_dim(case["first_length"] + query)
-                for case in shape_cases for query in range(case["queries"])
+                variant(case["first_length"] + query) for case in shape_cases for query in range(case["queries"])
             }
     mismatches = sum(c["mismatches"] for c in cases)
     stock_mismatches = sum(c["stock_mismatches"] for c in cases)

@@ -254,6 +254,46 @@ def test_attention_kernels_serve_only_the_softmax_block_dims_their_self_test_cov
     assert served == [250, 509]
 
 
+def test_metal_attention_spans_keep_decode_s_routing():
+    """At most 32 // GQA queries a call (8 at most), never across a key length where MLX's
+    Metal routing changes (query j sees first_length + j keys)."""
+    assert dk.metal_attention_spans(8, 100, 6) == [(0, 5), (5, 8)]
+    assert dk.metal_attention_spans(8, 1020, 6) == [(0, 4), (4, 5), (5, 8)]  # 1024 and 1025 start regimes
+    assert dk.metal_attention_spans(3, 4094, 16) == [(0, 2), (2, 3)]
+    assert dk.metal_attention_spans(1, 7, 6) == [(0, 1)]
+    assert not dk.metal_attention_supports(1, 8, 2, 256, mx.float16)  # GQA 4: its n_simds branches move
+    assert not dk.metal_attention_supports(1, 24, 4, 192, mx.float16)  # decode runs the unfused path
+    assert dk.metal_attention_supports(*dk.ATTENTION_PACK_SHAPE, mx.float16)
+
+
+def test_metal_attention_serves_multi_query_calls_only_where_its_self_test_passed(monkeypatch):
+    """On Metal verify takes MLX's multi-query attention once the shape's self-test found it
+    decode's per query; where multi-query calls round otherwise (the GPU-like backend) the
+    test fails and each query is the stock call."""
+    from gpu_rounding import swap_row_variant_ops
+
+    shape = (1, 12, 2, 64)  # GQA 6: five queries a call
+    monkeypatch.setattr(dk, "backend_name", lambda: "metal")
+    monkeypatch.setattr(dk, "_attention_verified", {})
+    queries, keys, values, _, _ = dk._make_case(shape, 250, 8, "normal", mx.random.key(2))
+    calls = []
+    spans = dk.metal_attention_spans
+    monkeypatch.setattr(dk, "metal_attention_spans", lambda *args: calls.append(args) or spans(*args))
+    want = dk.stock_attention_rows(queries, keys, values, 0.125, 250)
+    assert same_bits(dk.decode_attention_rows(queries, keys, values, 0.125, 250), want)
+    assert dk._attention_verified == {("metal", shape): {0}} and calls[-1] == (8, 250, 6)
+
+    swap_row_variant_ops(monkeypatch)
+    monkeypatch.setattr(dk, "_attention_verified", {})
+    calls.clear()
+    want = dk.stock_attention_rows(queries, keys, values, 0.125, 250)
+    with pytest.warns(UserWarning, match="metal attention failed its self-test"):
+        got = dk.decode_attention_rows(queries, keys, values, 0.125, 250)
+    assert same_bits(got, want) and dk._attention_verified == {("metal", shape): set()}
+    calls.clear()
+    assert same_bits(dk.decode_attention_rows(queries, keys, values, 0.125, 250), want) and calls == []
+
+
 def test_attention_self_test_lengths_cover_every_softmax_block_dim_at_the_pack_shape():
     lengths = {first + j for first in dk.PACK_FIRST_LENGTHS for j in range(dk.MAX_QUERIES)}
     assert {dk.softmax_block_dim(t) for t in lengths} == {32, 64, 128, 256, 512, 1024}
