@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune | profile | ncu
+#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune | profile | ncu | parity
 # Runs in the repository root on the GPU machine, after ../shared/device's staging (mlx-cuda,
 # mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api). Records go to
 # $OUT (the device tool brings them back); copy them into evidence/ here. Scratch lives in
@@ -38,6 +38,7 @@ case "${1:-}" in
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   profile) t=$(left) || exit 124; timeout "$t" python3 tools/profile_verify.py --out "$OUT" ;;
+  parity) t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
   ncu)  # Nsight Compute on MLX's single-row qmv and the exact kernel at 1 and 8 rows, one
         # launch each at (17408, 5120): where the 8-row kernel stalls (issue 13 item 3)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
@@ -51,5 +52,5 @@ mx.eval(w, x)
 for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul)):
     mx.eval(call(x[:rows], *w))
 ' 2>&1 | tee "$OUT/ncu-qmv.txt" ;;
-  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|profile|ncu" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|profile|ncu|parity" >&2; exit 2 ;;
 esac
