@@ -1832,8 +1832,9 @@ _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 def gdn_kernel_supports(backend, q, k, v, g, beta, state) -> bool:
     B, L, Hk, Dk = q.shape
-    if backend == "metal":  # mlx-vlm's kernel: Dk / 32 elements a lane, scalar gates
-        return Dk % 32 == 0 and v.shape[2] % Hk == 0 and g.ndim == 3 and q.dtype == k.dtype == v.dtype
+    if backend == "metal":  # mlx-vlm's kernel (Dk / 32 elements a lane, scalar gates) as tested
+        return (Dk % 32 == 0 and v.shape[2] % Hk == 0 and g.ndim == 3
+                and q.dtype == k.dtype == v.dtype == mx.float16 and state.dtype == mx.float32)
     return (
         Dk % 4 == 0
         and Dk <= MAX_DK
@@ -1946,16 +1947,18 @@ def make_gdn_inputs(kind: str, B, L, Hk, Hv, Dk, Dv, key):
 
 
 def _gdn_negative_controls(inputs, want_y, want_states) -> dict:
-    """Stock multi-position paths against the per-step reference (-1: raised)."""
-    y_ws, _, states_ws = _gated_delta_with_states_ops(*inputs)  # stock verify on CUDA
-    y_ch, final_ch = gated_delta_chunked(*inputs)  # stock prefill on CUDA
-    y_ops, _ = gated_delta_ops(*inputs)  # the same compiled step: 0 expected
+    """Stock multi-position paths against the per-step reference (-1: raised). Off Metal
+    the ops paths are stock verify's and prefill's; on Metal decode's step is the fused
+    kernel, so every ops path is a control there."""
+    y_ws, _, states_ws = _gated_delta_with_states_ops(*inputs)  # stock verify off Metal
+    y_ch, final_ch = gated_delta_chunked(*inputs)  # stock prefill off Metal
+    y_ops, _ = gated_delta_ops(*inputs)  # off Metal the same compiled step as decode's
     controls = {
         "with_states_ops y": (y_ws, want_y),
         "with_states_ops states": (states_ws, want_states),
         "chunked y": (y_ch, want_y),
         "chunked final state": (final_ch, want_states[:, -1]),
-        "gated_delta_ops(T=L) y, 0 expected": (y_ops, want_y),
+        "gated_delta_ops(T=L) y, 0 expected off Metal": (y_ops, want_y),
     }
     counts = {}
     for name, (got, want) in controls.items():
@@ -2548,7 +2551,7 @@ def cuda_attention_rows(queries, keys, values, scale, first_length):
 # ---------------------------------------------------------------------------
 # attention: Metal (MLX's sdpa_vector over several queries, split as decode routes them)
 
-# MLX 0.32.2's Metal sdpa_vector (metal/scaled_dot_product_attention.cpp:470-530, 661-708,
+# MLX 0.32.2's Metal sdpa_vector (metal/scaled_dot_product_attention.cpp:469-530, 661-708,
 # 868-880), which decode runs at one query, takes up to 8 queries while queries x GQA <= 32.
 # Each query's statements are the single-query call's (its causal test skips exactly the
 # keys decode never sees); the one- or two-pass route and the two-pass block count follow
@@ -2558,20 +2561,30 @@ METAL_SDPA_KEY_EDGES = (1024, 1025, 4096, 8192, 8193, 16384, 32769, 65536, 65537
 # From a GQA of 6, n_simds takes every branch (> 4, <= 2, >= 4, >= 6) as at one query.
 METAL_SDPA_GQA = range(6, 17)  # 16: two queries a call at least
 METAL_SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_vector's; at 192 decode runs the unfused path
+# One query, GQA 8, head dim 64 or 128 and N >= 8192: decode takes sdpa_vector_2pass_1_gqa
+# (:469-473), which splits the keys otherwise; a multi-query call never does.
+METAL_SDPA_ONE_QUERY_GQA = (8, (64, 128), 8192)
 
 
-def metal_sdpa_regime(keys: int) -> int:
-    """Which of MLX's Metal routing regimes a key length falls in (an index)."""
+def metal_sdpa_regime(shape, keys: int):
+    """Which of MLX's Metal routing regimes a (B, Hq, Hkv, D) call with `keys` keys falls
+    in (an index), or None where no multi-query call can route as decode's does."""
+    gqa, head_dims, first_keys = METAL_SDPA_ONE_QUERY_GQA
+    if shape[1] // shape[2] == gqa and shape[3] in head_dims and keys >= first_keys:
+        return None
     return bisect.bisect_right(METAL_SDPA_KEY_EDGES, keys)
 
 
-def metal_attention_spans(rows: int, first_length: int, gqa: int) -> list:
-    """[start, end) spans of the L verify queries, one sdpa_vector call each: at most
-    min(8, 32 // gqa) queries, all in one routing regime (query j sees first_length + j keys)."""
-    limit = min(MAX_QUERIES, 32 // gqa)
+def metal_attention_spans(shape, rows: int, first_length: int) -> list:
+    """[start, end) spans of the L verify queries of a (B, Hq, Hkv, D) call, one sdpa_vector
+    call each: at most min(8, 32 // GQA) queries, all in one routing regime (query j sees
+    first_length + j keys); one query a span where no regime is shared (decode's call)."""
+    limit = min(MAX_QUERIES, 32 // (shape[1] // shape[2]))
+    regime = partial(metal_sdpa_regime, shape)
     spans, start = [], 0
     for j in range(1, rows):
-        if j - start == limit or metal_sdpa_regime(first_length + j) != metal_sdpa_regime(first_length + start):
+        keys = first_length + j
+        if j - start == limit or regime(keys) is None or regime(keys) != regime(first_length + start):
             spans.append((start, j))
             start = j
     return spans + [(start, rows)]
@@ -2583,23 +2596,25 @@ def metal_attention_supports(batch, q_heads, kv_heads, head_dim, dtype) -> bool:
         q_heads % kv_heads == 0
         and q_heads // kv_heads in METAL_SDPA_GQA
         and head_dim in METAL_SDPA_HEAD_DIMS
-        and dtype in (mx.float16, mx.bfloat16)
+        and dtype == mx.float16  # the self-test's (and the pack's) dtype
     )
 
 
 def metal_attention_rows(queries, keys, values, scale, first_length):
     """The L queries in metal_attention_spans' calls of MLX's causal multi-query attention:
-    a span's last query sees all its keys, each earlier one its own prefix."""
-    gqa = queries.shape[1] // keys.shape[1]
+    a span's last query sees all its keys, each earlier one its own prefix. Each span's
+    queries are made row-contiguous, so MLX runs its kernel with the query layout decode's
+    one-query call and the self-test have, whatever view verify passes."""
+    shape = (queries.shape[0], queries.shape[1], keys.shape[1], queries.shape[3])
     outputs = [
         mx.fast.scaled_dot_product_attention(
-            queries[:, :, start:end],
+            mx.contiguous(queries[:, :, start:end]),
             keys[:, :, : first_length + end - 1],
             values[:, :, : first_length + end - 1],
             scale=scale,
             mask="causal",
         )
-        for start, end in metal_attention_spans(queries.shape[2], first_length, gqa)
+        for start, end in metal_attention_spans(shape, queries.shape[2], first_length)
     ]
     return mx.concatenate(outputs, axis=2)
 
@@ -2615,10 +2630,11 @@ _attention_verified: dict = {}
 
 
 def attention_path(backend: str):
-    """(supports(B, Hq, Hkv, D, dtype), the multi-query rows, a key length's variant) of
-    this backend's attention path; None where each query is the stock call."""
+    """(supports(B, Hq, Hkv, D, dtype), the multi-query rows, variant(shape, key length):
+    what must have passed the self-test) of this backend's attention path; None where each
+    query is the stock call."""
     if backend == "cuda":
-        return attention_kernel_supports, cuda_attention_rows, softmax_block_dim
+        return attention_kernel_supports, cuda_attention_rows, lambda shape, keys: softmax_block_dim(keys)
     if backend == "metal":
         return metal_attention_supports, metal_attention_rows, metal_sdpa_regime
     return None
@@ -2666,7 +2682,7 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
             result = self_test_attention([shape])
             if not result.ok:
                 warnings.warn(f"dflash2 {backend} attention failed its self-test: {result.reason}")
-        if {variant(first_length), variant(needed)} <= _attention_verified.get((backend, shape), set()):
+        if {variant(shape, first_length), variant(shape, needed)} <= _attention_verified.get((backend, shape), set()):
             return attend(queries, keys, values, scale, first_length)
     return stock_attention_rows(queries, keys, values, scale, first_length)
 
@@ -2813,7 +2829,8 @@ def self_test_attention(
     buffer after appending L rows, which may have grown to a capacity decode's
     never had), and the reference: per query, the stock call on decode's own cache
     views. `stock_mismatches` counts the stock multi-query call with
-    mask="causal" (negative control). Switches the kernels on or off per shape.
+    mask="causal" (negative control on CUDA; on Metal, within 32 / GQA queries, the very
+    call the path makes). Switches the kernels on or off per shape.
     """
     backend = backend_name()
     if kernel is None and attention_path(backend) is None:
@@ -2830,7 +2847,7 @@ def self_test_attention(
         if kernel is None:
             variant = attention_path(backend)[2]
             _attention_verified[(backend, shape)] = set() if shape_reason else {
-                variant(case["first_length"] + query) for case in shape_cases for query in range(case["queries"])
+                variant(shape, case["first_length"] + query) for case in shape_cases for query in range(case["queries"])
             }
     mismatches = sum(c["mismatches"] for c in cases)
     stock_mismatches = sum(c["stock_mismatches"] for c in cases)

@@ -179,11 +179,20 @@ def metal_like_kernel(q, k, v, g, beta, state, mask=None):
     return float64_steps(q, k, v, g, beta, state)[:2]
 
 
-def metal_like_with_states_kernel(*, inputs, template, **launch):
-    """_gated_delta_with_states_kernel's stand-in, called as gated_delta_update_with_states
-    and dflash2_kernels.metal_recurrence launch it: (y, final state, StateT states)."""
-    q, k, v, g, beta, state, _ = inputs
-    return float64_steps(q, k, v, g, beta, state, dict(template)["StateT"])
+def metal_like_with_states_kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    """_gated_delta_with_states_kernel's stand-in: (y, final state, StateT states), launched
+    only as gated_delta_update_with_states launches the kernel (checked)."""
+    q, k, v, g, beta, state, steps = inputs
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    kept = dict(template).get("StateT")
+    assert steps == T and q.shape == k.shape and kept is not None and 0 <= kept <= T
+    assert template == [("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+                        ("StateT", kept)], template
+    assert grid == (32, Dv, B * Hv) and threadgroup == (32, 4, 1), (grid, threadgroup)
+    assert output_shapes == [(B, T, Hv, Dv), state.shape, (B, kept, Hv, Dv, Dk)], output_shapes
+    assert output_dtypes == [q.dtype, state.dtype, state.dtype], output_dtypes
+    return float64_steps(q, k, v, g, beta, state, kept)
 
 
 def metal_like_recurrence(monkeypatch, with_states_kernel=metal_like_with_states_kernel):

@@ -257,10 +257,14 @@ def test_attention_kernels_serve_only_the_softmax_block_dims_their_self_test_cov
 def test_metal_attention_spans_keep_decode_s_routing():
     """At most 32 // GQA queries a call (8 at most), never across a key length where MLX's
     Metal routing changes (query j sees first_length + j keys)."""
-    assert dk.metal_attention_spans(8, 100, 6) == [(0, 5), (5, 8)]
-    assert dk.metal_attention_spans(8, 1020, 6) == [(0, 4), (4, 5), (5, 8)]  # 1024 and 1025 start regimes
-    assert dk.metal_attention_spans(3, 4094, 16) == [(0, 2), (2, 3)]
-    assert dk.metal_attention_spans(1, 7, 6) == [(0, 1)]
+    pack, gqa_8, gqa_16 = dk.ATTENTION_PACK_SHAPE, (1, 16, 2, 128), (1, 32, 2, 256)
+    assert dk.metal_attention_spans(pack, 8, 100) == [(0, 5), (5, 8)]
+    assert dk.metal_attention_spans(pack, 8, 1020) == [(0, 4), (4, 5), (5, 8)]  # 1024 and 1025 start regimes
+    assert dk.metal_attention_spans(gqa_16, 3, 4094) == [(0, 2), (2, 3)]
+    assert dk.metal_attention_spans(pack, 1, 7) == [(0, 1)]
+    # GQA 8 at head dim 128: from 8192 keys decode's one query takes a kernel of its own.
+    assert dk.metal_attention_spans(gqa_8, 6, 8188) == [(0, 4), (4, 5), (5, 6)]
+    assert dk.metal_sdpa_regime(gqa_8, 8192) is None and dk.metal_sdpa_regime(pack, 8192) == 4
     assert not dk.metal_attention_supports(1, 8, 2, 256, mx.float16)  # GQA 4: its n_simds branches move
     assert not dk.metal_attention_supports(1, 24, 4, 192, mx.float16)  # decode runs the unfused path
     assert dk.metal_attention_supports(*dk.ATTENTION_PACK_SHAPE, mx.float16)
@@ -281,7 +285,7 @@ def test_metal_attention_serves_multi_query_calls_only_where_its_self_test_passe
     monkeypatch.setattr(dk, "metal_attention_spans", lambda *args: calls.append(args) or spans(*args))
     want = dk.stock_attention_rows(queries, keys, values, 0.125, 250)
     assert same_bits(dk.decode_attention_rows(queries, keys, values, 0.125, 250), want)
-    assert dk._attention_verified == {("metal", shape): {0}} and calls[-1] == (8, 250, 6)
+    assert dk._attention_verified == {("metal", shape): {0}} and calls[-1] == (shape, 8, 250)
 
     swap_row_variant_ops(monkeypatch)
     monkeypatch.setattr(dk, "_attention_verified", {})
