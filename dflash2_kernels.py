@@ -2682,7 +2682,8 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
             result = self_test_attention([shape])
             if not result.ok:
                 warnings.warn(f"dflash2 {backend} attention failed its self-test: {result.reason}")
-        if {variant(shape, first_length), variant(shape, needed)} <= _attention_verified.get((backend, shape), set()):
+        variants = {variant(shape, first_length + j) for j in range(rows)}
+        if variants <= _attention_verified.get((backend, shape), set()):
             return attend(queries, keys, values, scale, first_length)
     return stock_attention_rows(queries, keys, values, scale, first_length)
 
