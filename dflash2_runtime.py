@@ -39,8 +39,6 @@ from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 from mlx_vlm.models.qwen3_5.speculative_verifier import Qwen3_5BatchInvariantForward
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
-
-logger = logging.getLogger("dflash2.runtime")
 from mlx_vlm.speculative.common import _dflash_block_total
 from mlx_vlm.speculative.drafters.dflash2.dflash2 import DFlash2DraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashAttention, DFlashDraftModel
@@ -50,6 +48,7 @@ import dflash2_kernels
 import dflash2_pack
 import dflash2_policy
 
+logger = logging.getLogger("dflash2.runtime")
 
 
 class ExactnessError(RuntimeError):
@@ -613,7 +612,7 @@ def install(model=None) -> RuntimeStatus:
     if model is None:
         result = {"qmv": dflash2_kernels.self_test()}
     else:
-        # Start-up takes minutes on a GPU's first start (NVRTC builds every kernel): say what runs.
+        # Start-up takes minutes on a GPU's first start (it compiles every kernel): say what runs.
         logger.info("start-up check 1 of 3: kernel self-tests at the pack's shapes on %s "
                     "(a GPU's first start builds every kernel)", backend)
         result = dflash2_kernels.verify_kernel_self_tests(dflash2_pack.kernel_shapes(model))
@@ -691,6 +690,8 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
 
     from mlx_vlm.speculative.cache_state import commit_speculative_round
 
+    if len(block) < STOCK_CONTROL_BLOCK:
+        raise ValueError(f"the self-check's block needs {STOCK_CONTROL_BLOCK} tokens, got {len(block)}")
     started = time.perf_counter()
     seconds = {}
     layers = language_model.model.layers
@@ -741,7 +742,7 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
     stock_differing = check(STOCK_CONTROL_BLOCK, exact_verifier.__dflash2_stock__)[0]
     seconds["stock round"] = time.perf_counter() - part_started
     return VerifySelfCheck(len(block) - 1, differing, stock_differing, time.perf_counter() - started,
-                           first, STOCK_CONTROL_BLOCK, seconds)
+                           first, seconds_by_part=seconds)
 
 
 def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:

@@ -41,11 +41,13 @@ case "${1:-}" in
   parity) t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
   ncu)  # Nsight Compute on MLX's single-row qmv and the exact kernel at 1 and 8 rows, one
         # launch each at (17408, 5120): where the 8-row kernel stalls (issue 13 item 3)
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -x "$ncu" ] || { echo "no ncu on this machine" >&2; exit 6; }
     t=$(left) || exit 124
-    timeout "$t" "$ncu" --clock-control none -k regex:qmv --launch-count 3 --section SpeedOfLight \
-      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --section InstructionStats python3 -c '
+    timeout "$t" "$ncu" --clock-control none -k regex:qmv --launch-count 3 --print-details all \
+      --export "$OUT/ncu-qmv" --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters python3 -c '
 import mlx.core as mx, dflash2_kernels as dk
 w = dk.make_weights(17408, 5120, mx.random.key(0)); x = dk.make_inputs("normal", 8, 5120, mx.random.key(1))
 mx.eval(w, x)

@@ -51,9 +51,11 @@ def kernel_ms_per_step(steps, count: int, settle) -> tuple:
 
 
 def growth_order(arms: dict, longest: str, key: str) -> list:
-    """Kernel names by how much arms[longest][key] exceeds the decode step's, most first."""
+    """Kernel names by how much arms[longest][key] exceeds the decode step's, most first
+    (ties by name, so a table's cut is the same from run to run)."""
     decode, verify = arms["decode"][key], arms[longest][key]
-    return sorted(set(decode) | set(verify), key=lambda kernel: decode.get(kernel, 0.0) - verify.get(kernel, 0.0))
+    return sorted(set(decode) | set(verify),
+                  key=lambda kernel: (decode.get(kernel, 0.0) - verify.get(kernel, 0.0), kernel))
 
 
 def summary_markdown(record: dict) -> str:
