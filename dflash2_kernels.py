@@ -2583,8 +2583,8 @@ def metal_attention_spans(shape, rows: int, first_length: int) -> list:
     regime = partial(metal_sdpa_regime, shape)
     spans, start = [], 0
     for j in range(1, rows):
-        keys = first_length + j
-        if j - start == limit or regime(keys) is None or regime(keys) != regime(first_length + start):
+        current = regime(first_length + j)
+        if j - start == limit or current is None or current != regime(first_length + start):
             spans.append((start, j))
             start = j
     return spans + [(start, rows)]

@@ -182,6 +182,12 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(dk.raw_bits(a), dk.raw_bits(b)).item()
 
 
+def flip_first_bit(a):
+    """a with the last bit of its first element flipped."""
+    bits = dk.raw_bits(a).reshape(-1)
+    return mx.concatenate([bits[:1] ^ 1, bits[1:]]).reshape(a.shape).view(a.dtype)
+
+
 def one_bit_off(function, at_rows):
     """function, but the last bit of its first output element flipped when its
     first argument has `at_rows` rows (axis `axis`)."""
@@ -191,8 +197,7 @@ def one_bit_off(function, at_rows):
         first = out[0] if isinstance(out, tuple) else out
         if args[0].shape[axis] != at_rows:
             return out
-        bits = dk.raw_bits(first).reshape(-1)
-        flipped = mx.concatenate([bits[:1] ^ 1, bits[1:]]).reshape(first.shape).view(first.dtype)
+        flipped = flip_first_bit(first)
         return (flipped, *out[1:]) if isinstance(out, tuple) else flipped
 
     return wrong
@@ -377,8 +382,7 @@ def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch):
 
     def off_by_one_bit(**launch):  # the last bit of the first state's first element
         y, state, states = metal_like_with_states_kernel(**launch)
-        bits = dk.raw_bits(states).reshape(-1)
-        return y, state, mx.concatenate([bits[:1] ^ 1, bits[1:]]).reshape(states.shape).view(states.dtype)
+        return y, state, flip_first_bit(states)
 
     monkeypatch.setattr(gated_delta, "_gated_delta_with_states_kernel", off_by_one_bit)
     refused = dk.self_test_gdn(shape, max_steps=3)

@@ -74,17 +74,15 @@ def summary_markdown(record: dict) -> str:
     ]
     for name, arm in arms.items():
         lines.append(f"| {name} | {arm['wall_ms']:.2f} | {arm['kernel_ms']:.2f} | {arm['kernels']:.0f} |")
-    lines += ["", f"Kernels by time added from a decode step to a {longest} round (ms per step):", "",
-              "| kernel | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
-    for kernel in record["kernels_by_growth"][:25]:
-        lines.append(f"| `{kernel}` | " + " | ".join(f"{arm['by_kernel'].get(kernel, 0.0):.3f}"
-                                                     for arm in arms.values()) + " |")
+    def growth_table(what, unit, order, key, rows, digits):
+        table = ["", f"Kernels by {what} added from a decode step to a {longest} round ({unit} per step):", "",
+                 "| kernel | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+        return table + [f"| `{kernel}` | " + " | ".join(f"{arm[key].get(kernel, 0.0):.{digits}f}" for arm in arms.values())
+                        + " |" for kernel in record[order][:rows]]
+
+    lines += growth_table("time", "ms", "kernels_by_growth", "by_kernel", 25, 3)
     if "launches_by_growth" in record:  # records before launches were counted per kernel lack it
-        lines += ["", f"Kernels by launches added from a decode step to a {longest} round (launches per step):", "",
-                  "| kernel | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
-        for kernel in record["launches_by_growth"][:15]:
-            lines.append(f"| `{kernel}` | " + " | ".join(f"{arm['launches_by_kernel'].get(kernel, 0.0):.0f}"
-                                                         for arm in arms.values()) + " |")
+        lines += growth_table("launches", "launches", "launches_by_growth", "launches_by_kernel", 15, 0)
     return "\n".join(lines) + "\n"
 
 
