@@ -326,6 +326,27 @@ __device__ __forceinline__ void accumulate_step(
   }
 }
 
+// This lane's step-0 weight word, scale and bias in each of a tile's R output rows
+// (first.. first + R). Rows past n (the last tile only) recompute row n - 1 and are never
+// stored.
+template <int R>
+struct TileRows {
+  const uint32_t* w_lane[R];
+  const __half* s_lane[R];
+  const __half* b_lane[R];
+
+  __device__ __forceinline__ TileRows(
+      const uint32_t* w, const __half* scales, const __half* biases, int n, int k, int first, int lane) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int64_t row = first + j < n ? first + j : n - 1;
+      w_lane[j] = w + row * (k / 16) + lane;
+      s_lane[j] = scales + row * (k / 128) + lane / 8;
+      b_lane[j] = biases + row * (k / 128) + lane / 8;
+    }
+  }
+};
+
 // This lane's weight words, scales and biases of C steps in R output rows.
 template <int R, int C>
 struct WeightChunk {
@@ -333,30 +354,28 @@ struct WeightChunk {
   __half scale[C][R];
   __half bias[C][R];
 
-  __device__ __forceinline__ void load(
-      const uint32_t* const (&w_lane)[R],
-      const __half* const (&s_lane)[R],
-      const __half* const (&b_lane)[R],
-      int first_step,
-      int steps) {
+  __device__ __forceinline__ void load(const TileRows<R>& rows, int first_step, int steps) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       if (first_step + c < steps) {
 #pragma unroll
         for (int j = 0; j < R; ++j) {
-          q[c][j] = __ldg(w_lane[j] + (first_step + c) * 32);
-          scale[c][j] = __ldg(s_lane[j] + (first_step + c) * 4);
-          bias[c][j] = __ldg(b_lane[j] + (first_step + c) * 4);
+          q[c][j] = __ldg(rows.w_lane[j] + (first_step + c) * 32);
+          scale[c][j] = __ldg(rows.s_lane[j] + (first_step + c) * 4);
+          bias[c][j] = __ldg(rows.b_lane[j] + (first_step + c) * 4);
         }
       }
     }
   }
 };
 
-// y[m, first..first+R) for one warp and M activation rows; C steps of weights are
-// loaded at once. PREFETCH bit 0: the next C steps' loads fly while this chunk is
-// computed (in registers); bit 1: the warp first asks L2 for its whole weight slice (no
-// registers, so more loads in flight where registers limit the resident warps).
+// y[m, first..first+R) for one warp and M activation rows, then (tile_stride > 0: a grid
+// smaller than the tiles) the same for the output rows tile_stride further on, while any
+// are left. C steps of weights are loaded at once; the last chunk's load is the next
+// tile's first, so a warp waits on memory only at its first tile. PREFETCH bit 0: the next
+// C steps' loads fly while this chunk is computed (in registers); bit 1: the warp first asks
+// L2 for its tile's whole weight slice (no registers, so more loads in flight where
+// registers limit the resident warps).
 template <int M, int R, int C, int PREFETCH>
 __device__ __forceinline__ void qmv_rows(
     const __half* __restrict__ x,
@@ -366,120 +385,126 @@ __device__ __forceinline__ void qmv_rows(
     __half* __restrict__ y,
     int n,
     int k,
-    int first) {
+    int first,
+    int tile_stride) {
   const int lane = threadIdx.x;
   if (first >= n) {
     return;
   }
-  const int words_per_row = k / 16;
   const int groups_per_row = k / 128;
   const int steps = k / kStepElems;
-
-  // This lane's word, scale and bias of step 0 in each output row. Rows past n (the
-  // last warps only) recompute row n - 1 and are never stored.
-  const uint32_t* w_lane[R];
-  const __half* s_lane[R];
-  const __half* b_lane[R];
-#pragma unroll
-  for (int j = 0; j < R; ++j) {
-    const int64_t row = first + j < n ? first + j : n - 1;
-    w_lane[j] = w + row * words_per_row + lane;
-    s_lane[j] = scales + row * groups_per_row + lane / 8;
-    b_lane[j] = biases + row * groups_per_row + lane / 8;
-  }
   const __half* x_lane = x + lane * kLaneElems;
-  if (PREFETCH & 2) {
-    // One 128-byte line per lane and request: the words of step s (a tail step too),
-    // then the scales' and biases' lines (64 groups each, and the row's last group: a
-    // row's scales need not start on a line).
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      for (int s = lane; s * kStepElems < k; s += 32) {
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(w_lane[j] - lane + s * 32));
-      }
-      for (int g = lane * 64; g < groups_per_row + 64; g += 32 * 64) {
-        const int group = g < groups_per_row ? g : groups_per_row - 1;
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(s_lane[j] - lane / 8 + group));
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(b_lane[j] - lane / 8 + group));
-      }
-    }
-  }
-
-  // MLX's fp16 accumulators, one per element slot, starting at +0.
-  __half2 acc[R][M][8];
-#pragma unroll
-  for (int j = 0; j < R; ++j)
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int t = 0; t < 8; ++t)
-        acc[j][m][t] = __float2half2_rn(0.0f);
-
+  TileRows<R> rows(w, scales, biases, n, k, first, lane);
   WeightChunk<R, C> chunk;
-  chunk.load(w_lane, s_lane, b_lane, 0, steps);
-  for (int s0 = 0; s0 < steps; s0 += C) {
-    WeightChunk<R, C> next;
-    if (PREFETCH & 1) {
-      next.load(w_lane, s_lane, b_lane, s0 + C, steps);
-    }
+  chunk.load(rows, 0, steps);
+  while (true) {
+    const int following = first + tile_stride;
+    const bool more = tile_stride > 0 && following < n;
+    if (PREFETCH & 2) {
+      // One 128-byte line per lane and request: the words of step s (a tail step too),
+      // then the scales' and biases' lines (64 groups each, and the row's last group: a
+      // row's scales need not start on a line).
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int step = s0 + c;
-      if (step < steps) {
-        accumulate_step<M, R>(x_lane + step * kStepElems, k, chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
+      for (int j = 0; j < R; ++j) {
+        for (int s = lane; s * kStepElems < k; s += 32) {
+          asm volatile("prefetch.global.L2 [%0];" :: "l"(rows.w_lane[j] - lane + s * 32));
+        }
+        for (int g = lane * 64; g < groups_per_row + 64; g += 32 * 64) {
+          const int group = g < groups_per_row ? g : groups_per_row - 1;
+          asm volatile("prefetch.global.L2 [%0];" :: "l"(rows.s_lane[j] - lane / 8 + group));
+          asm volatile("prefetch.global.L2 [%0];" :: "l"(rows.b_lane[j] - lane / 8 + group));
+        }
       }
     }
-    if (PREFETCH & 1) {
-      chunk = next;
-    } else {
-      chunk.load(w_lane, s_lane, b_lane, s0 + C, steps);
-    }
-  }
 
-  // MLX's tail for K % 512: lanes whose 16 elements start before k take one more step.
-  const int rest = k % kStepElems;
-  if (rest && lane * kLaneElems < rest) {
-    const int base = k - rest;
-    uint32_t q[R];
-    __half sc[R], bi[R];
+    // MLX's fp16 accumulators, one per element slot, starting at +0.
+    __half2 acc[R][M][8];
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+          acc[j][m][t] = __float2half2_rn(0.0f);
+
+    for (int s0 = 0; s0 < steps; s0 += C) {
+      // After this tile's last chunk comes the next tile's first.
+      const bool last = s0 + C >= steps;
+      WeightChunk<R, C> next;
+      if (PREFETCH & 1) {
+        if (!last) {
+          next.load(rows, s0 + C, steps);
+        } else if (more) {
+          next.load(TileRows<R>(w, scales, biases, n, k, following, lane), 0, steps);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int step = s0 + c;
+        if (step < steps) {
+          accumulate_step<M, R>(x_lane + step * kStepElems, k, chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
+        }
+      }
+      if (PREFETCH & 1) {
+        chunk = next;
+      } else if (!last) {
+        chunk.load(rows, s0 + C, steps);
+      } else if (more) {
+        chunk.load(TileRows<R>(w, scales, biases, n, k, following, lane), 0, steps);
+      }
+    }
+
+    // MLX's tail for K % 512: lanes whose 16 elements start before k take one more step.
+    const int rest = k % kStepElems;
+    if (rest && lane * kLaneElems < rest) {
+      const int base = k - rest;
+      uint32_t q[R];
+      __half sc[R], bi[R];
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        q[j] = __ldg(rows.w_lane[j] + base / 16);
+        sc[j] = __ldg(rows.s_lane[j] + base / 128);
+        bi[j] = __ldg(rows.b_lane[j] + base / 128);
+      }
+      accumulate_step<M, R>(x_lane + steps * kStepElems, k, q, sc, bi, acc);
+    }
+
+    // Slots summed in float from +0 in slot order, then the xor butterfly of
+    // cg::reduce, then lane 0 stores round-to-nearest fp16.
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      q[j] = __ldg(w_lane[j] + base / 16);
-      sc[j] = __ldg(s_lane[j] + base / 128);
-      bi[j] = __ldg(b_lane[j] + base / 128);
-    }
-    accumulate_step<M, R>(x_lane + steps * kStepElems, k, q, sc, bi, acc);
-  }
-
-  // Slots summed in float from +0 in slot order, then the xor butterfly of
-  // cg::reduce, then lane 0 stores round-to-nearest fp16.
 #pragma unroll
-  for (int j = 0; j < R; ++j) {
+      for (int m = 0; m < M; ++m) {
+        float sum = 0.0f;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float sum = 0.0f;
+        for (int t = 0; t < 8; ++t) {
+          sum += __low2float(acc[j][m][t]);
+          sum += __high2float(acc[j][m][t]);
+        }
 #pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        sum += __low2float(acc[j][m][t]);
-        sum += __high2float(acc[j][m][t]);
-      }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      }
-      if (lane == 0 && first + j < n) {
-        y[m * n + first + j] = __float2half_rn(sum);
+        for (int offset = 16; offset > 0; offset /= 2) {
+          sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        }
+        if (lane == 0 && first + j < n) {
+          y[m * n + first + j] = __float2half_rn(sum);
+        }
       }
     }
+    if (!more) {
+      return;
+    }
+    first = following;
+    rows = TileRows<R>(w, scales, biases, n, k, first, lane);
   }
 }
 
 // The M activation rows split over S warps (M / S rows each, consecutive warps of a
 // block): S warps share each output row group's weights through L1, each with M / S rows
 // of accumulators (fewer registers: more warps resident). Every (row, output) pair keeps
-// qmv_rows' arithmetic. Launch: block (32, warps), grid.x = blocks; warp w takes output
-// rows (w / S) * R.. and activation rows (w % S) * M / S...
-template <int M, int S, int R, int C, int PREFETCH>
+// qmv_rows' arithmetic. Launch: block (32, warps), grid.x = blocks; warp w takes activation
+// rows (w % S) * M / S.. and output rows (w / S) * R.., and where TILES (a grid capped
+// below the tiles: see _cuda_launch) those a grid's worth of warps further on.
+template <int M, int S, int R, int C, int PREFETCH, bool TILES>
 __device__ __forceinline__ void qmv_split_rows(
     const __half* __restrict__ x,
     const uint32_t* __restrict__ w,
@@ -492,23 +517,29 @@ __device__ __forceinline__ void qmv_split_rows(
   constexpr int kRows = M / S;
   const int warp = blockIdx.x * blockDim.y + threadIdx.y;
   const int part = warp % S;
+  const int tile_stride = TILES ? gridDim.x * blockDim.y / S * R : 0;
   qmv_rows<kRows, R, C, PREFETCH>(
-      x + part * kRows * k, w, scales, biases, y + part * kRows * n, n, k, (warp / S) * R);
+      x + part * kRows * k, w, scales, biases, y + part * kRows * n, n, k, (warp / S) * R, tile_stride);
 }
 
 }  // namespace dflash2
 """
 
-_CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
+_CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH, TILES>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
 
 # Launch shape by activation rows M: (output rows per warp R, weight steps per
 # load C, prefetch bits (1: the next C steps into registers, 2: the warp's whole weight
-# slice into L2 first)[, warps S the M rows split over, 1 if absent]).
+# slice into L2 first)[, warps S the M rows split over, 1 if absent[, blocks B the grid is
+# capped at, each warp then taking several tiles of R output rows: none if absent]]).
 # R * M / S accumulators of 8 registers bound R.
-# Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md).
+# Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md), the
+# capped grids (B: about one wave of resident warps, 132 SMs) kept where two interleaved runs
+# of tools/compare_qmv_launch.py both found them faster than the launch before (4 and 7
+# rows: 0.84-0.94x; 8 rows 0.98-0.99x; evidence/qmv-launch-cuda.md): a warp waits on memory
+# only at its first tile, not at every tile's first chunk.
 CUDA_LAUNCH = {
-    1: (2, 4, 0), 2: (2, 2, 3), 3: (2, 2, 3), 4: (2, 2, 3),
-    5: (3, 2, 1), 6: (4, 2, 1, 2), 7: (2, 2, 1), 8: (4, 2, 1, 2),
+    1: (2, 4, 0), 2: (2, 2, 3), 3: (2, 2, 3), 4: (2, 2, 1, 1, 396),
+    5: (3, 2, 1), 6: (4, 2, 1, 2), 7: (2, 2, 1, 1, 264), 8: (2, 2, 1, 1, 264),
 }
 CUDA_WARPS_PER_BLOCK = 4
 
@@ -527,12 +558,16 @@ def _cuda_kernel():
 @cache
 def _cuda_launch(rows: int, n: int, launch=None) -> dict:
     """The kernel call's arguments for M rows of N outputs (built once: ~400 calls a verify)."""
-    rows_per_warp, chunk, prefetch, *split = launch or CUDA_LAUNCH[rows]
-    split = split[0] if split else 1
+    rows_per_warp, chunk, prefetch, *more = launch or CUDA_LAUNCH[rows]
+    split = more[0] if more else 1
+    max_blocks = more[1] if len(more) > 1 else None
     warps = -(-n // rows_per_warp) * split
     blocks = -(-warps // CUDA_WARPS_PER_BLOCK)
+    if max_blocks:
+        blocks = min(blocks, max_blocks)
     return dict(
-        template=[("M", rows), ("S", split), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", int(prefetch))],
+        template=[("M", rows), ("S", split), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", int(prefetch)),
+                  ("TILES", bool(max_blocks))],
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
         output_shapes=[(rows, n)],
@@ -543,7 +578,7 @@ def _cuda_launch(rows: int, n: int, launch=None) -> dict:
 def cuda_matmul(x, weight, scales, biases, launch=None):
     """(M, K) fp16 rows -> (M, N) through the CUDA kernel; no self-test gate.
 
-    launch: (R, C, prefetch[, S]) to override CUDA_LAUNCH (for the tuning sweep)."""
+    launch: (R, C, prefetch[, S[, B]]) to override CUDA_LAUNCH (for the tuning sweep)."""
     call = _cuda_launch(x.shape[0], weight.shape[0], launch and tuple(launch))
     return _cuda_kernel()(inputs=[x, weight, scales, biases], **call)[0]
 

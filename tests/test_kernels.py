@@ -162,16 +162,26 @@ def test_input_kinds_are_what_they_say():
     assert mx.isfinite(large).all().item() and mx.abs(large).max().item() > 2048
 
 
-def test_cuda_launch_table_is_the_one_the_evidence_ran():
-    """The H200 evidence's parity and timings ran with the launch table in the code."""
+def test_every_cuda_launch_in_the_table_ran_bitwise_on_the_h200():
+    """Each row count's launch in the code ran on the H200 at every 27B shape with every
+    element its single-row bits: in kernel_parity's record (its table, self-test and negative
+    control) or as an arm of compare_qmv_launch's (each arm checked per shape)."""
     import json
     from pathlib import Path
 
-    record = json.loads((Path(__file__).parents[1] / "evidence/kernel-parity-cuda.json").read_text())
-    ran = {int(rows): tuple(launch) for rows, launch in record["cuda_launch"].items()}
-    assert ran == dk.CUDA_LAUNCH
+    evidence = Path(__file__).parents[1] / "evidence"
+    record = json.loads((evidence / "kernel-parity-cuda.json").read_text())
     assert record["self_test"]["ok"] and record["exact_mismatches"] == 0
     assert record["stock_mismatches"] > 0  # the negative control did see MLX's 8-row call differ
+    ran = {(int(rows), tuple(launch)) for rows, launch in record["cuda_launch"].items()}
+    compared = json.loads((evidence / "qmv-launch-cuda.json").read_text())
+    shapes = {tuple(map(int, shape.split("x"))) for shape in compared["shapes"]}
+    assert shapes == set(dk.PACKED_SHAPES_27B)
+    for arm in ("previous", "current"):
+        for rows, launch in compared[arm].items():
+            if all(entry["mismatches_vs_single_rows"][f"{arm} {rows}"] == 0 for entry in compared["shapes"].values()):
+                ran.add((int(rows), tuple(launch)))
+    assert {(rows, tuple(launch)) for rows, launch in dk.CUDA_LAUNCH.items()} <= ran
 
 
 # ---------------------------------------------------------------------------
@@ -493,18 +503,22 @@ class RecordingKernel:
         return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
 
 
-def rows_stored(n, rows_per_warp, split, grid, threadgroup):
+def rows_stored(n, rows_per_warp, split, grid, threadgroup, tiles):
     """(output row, activation-row part) pairs the launch writes, by qmv_split_rows' mapping:
     warp w of block b (global warp g = b * warps + w) takes part g % S of the activation rows
-    and output rows (g // S) * R + j, stored while below n."""
+    and output rows (g // S) * R + j, stored while below n; with TILES, also the output rows
+    a grid's worth of warps further on (tile stride: all warps / S * R), while below n."""
     blocks, warps = grid[0] // threadgroup[0], threadgroup[1]
-    return [
-        ((block * warps + warp) // split * rows_per_warp + j, (block * warps + warp) % split)
-        for block in range(blocks)
-        for warp in range(warps)
-        for j in range(rows_per_warp)
-        if (block * warps + warp) // split * rows_per_warp + j < n
-    ]
+    stride = blocks * warps // split * rows_per_warp if tiles else 0
+    stored = []
+    for g in range(blocks * warps):
+        first = g // split * rows_per_warp
+        while first < n:
+            stored += [(first + j, g % split) for j in range(rows_per_warp) if first + j < n]
+            if not stride:
+                break
+            first += stride
+    return stored
 
 
 @pytest.mark.parametrize("split", [1, 2, 4])
@@ -518,7 +532,8 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     monkeypatch.setitem(dk._verified, "cuda", True)
     if split > 1:
         monkeypatch.setattr(dk, "CUDA_LAUNCH", {
-            rows: (*launch[:3], split) if rows % split == 0 else launch for rows, launch in dk.CUDA_LAUNCH.items()})
+            rows: (*launch[:3], split, *launch[4:]) if rows % split == 0 else launch
+            for rows, launch in dk.CUDA_LAUNCH.items()})
     dk._cuda_launch.cache_clear()  # it keeps each (rows, n)'s arguments
     request.addfinalizer(dk._cuda_launch.cache_clear)
     weight, scales, biases = dk.make_weights(n, 512, mx.random.key(1))
@@ -526,17 +541,20 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     for rows in range(1, dk.MAX_ROWS + 1):
         assert dk.exact_quantized_matmul(x[:rows], weight, scales, biases).shape == (rows, n)
     for rows, launch in enumerate(kernel.launches, start=1):
-        rows_per_warp, chunk, prefetch, *parts = dk.CUDA_LAUNCH[rows]
-        parts = parts[0] if parts else 1
+        rows_per_warp, chunk, prefetch, *more = dk.CUDA_LAUNCH[rows]
+        parts = more[0] if more else 1
+        max_blocks = more[1] if len(more) > 1 else None
         assert rows % parts == 0
         assert launch["template"] == {"M": rows, "S": parts, "R": rows_per_warp, "C": chunk,
-                                      "PREFETCH": prefetch}
+                                      "PREFETCH": prefetch, "TILES": max_blocks is not None}
         assert launch["threadgroup"] == (32, dk.CUDA_WARPS_PER_BLOCK, 1)
         assert launch["grid"][0] % 32 == 0 and launch["grid"][1:] == (dk.CUDA_WARPS_PER_BLOCK, 1)
-        stored = rows_stored(n, rows_per_warp, parts, launch["grid"], launch["threadgroup"])
+        blocks = launch["grid"][0] // 32
+        assert max_blocks is None or blocks <= max_blocks
+        stored = rows_stored(n, rows_per_warp, parts, launch["grid"], launch["threadgroup"], max_blocks is not None)
         assert sorted(stored) == [(row, part) for row in range(n) for part in range(parts)]
         # and no block is launched with nothing to do
-        assert (launch["grid"][0] // 32 - 1) * dk.CUDA_WARPS_PER_BLOCK < -(-n // rows_per_warp) * parts
+        assert (blocks - 1) * dk.CUDA_WARPS_PER_BLOCK < -(-n // rows_per_warp) * parts
     assert len(kernel.launches) == dk.MAX_ROWS
 
 

@@ -30,7 +30,8 @@ from records import run_environment, write_record  # noqa: E402
 
 BENCH_ROWS = (1, 2, 4, 8)
 # CUDA launch shapes (output rows per warp, weight steps per load, prefetch[, warps
-# the activation rows split over]) tried by --tune, by activation rows.
+# the activation rows split over[, blocks the grid is capped at]]) tried by --tune, by
+# activation rows.
 # More output rows per warp (R) share each activation load among more outputs (at 8 rows
 # and R 2 a lane loads 32 activation bytes per weight word it reads); splitting the
 # activation rows over S warps keeps R * M / S accumulators in registers.
@@ -43,15 +44,16 @@ BENCH_ROWS = (1, 2, 4, 8)
 # hints, and the weight words through a shared-memory cp.async ring 2 or 6 steps ahead; none
 # was faster beyond the noise, whatever its registers, loads in flight or activation
 # traffic (evidence/qmv-variants-cuda.md; code in commit c33fc80), and they were removed.)
-# At 8 rows four-step chunks split over two warps won there (2, 4, 1, 2): its neighbours
-# are candidates.
+# A fifth entry caps the grid at B blocks (about one wave of resident warps on the H200's 132
+# SMs), each warp then taking several tiles of output rows and loading the next tile's first
+# chunk during its last: in session 24 it took 0.84-0.94x the launch before at 4 and 7 rows
+# and 0.98-0.99x at 8, in two interleaved runs (evidence/qmv-launch-cuda.md).
 TUNE_LAUNCHES = {
-    1: [(1, 4, 1), (2, 4, 0), (2, 4, 1), (2, 8, 1), (4, 4, 0), (2, 4, 2)],
-    2: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 0, 2), (4, 2, 1), (4, 4, 1), (2, 2, 3)],
-    4: [(2, 2, 0), (2, 2, 1), (2, 4, 1), (2, 4, 1, 2), (2, 4, 0, 4), (4, 1, 1), (4, 2, 1), (4, 2, 1, 2),
-        (4, 2, 3), (2, 2, 3), (2, 4, 3)],
-    8: [(2, 2, 1), (2, 2, 1, 2), (2, 4, 1, 2), (2, 4, 1, 4), (3, 2, 1, 2), (4, 2, 1, 2), (2, 2, 3),
-        (2, 4, 3, 2), (3, 4, 1, 2), (2, 8, 1, 2), (2, 4, 1), (2, 4, 2, 2)],
+    1: [(2, 4, 0), (2, 4, 1), (2, 4, 0, 1, 660), (2, 4, 0, 1, 1320)],
+    2: [(2, 2, 3), (2, 2, 1), (2, 2, 3, 1, 660), (2, 2, 1, 1, 660)],
+    4: [(2, 2, 3), (2, 2, 1), (2, 2, 3, 1, 396), (2, 2, 1, 1, 396)],
+    8: [(4, 2, 1, 2), (3, 2, 1, 2), (2, 2, 1), (4, 2, 1, 2, 264), (3, 2, 1, 2, 264), (4, 2, 1, 2, 528),
+        (3, 4, 1, 2, 264), (2, 2, 1, 1, 264), (4, 2, 3, 2, 264)],
 }
 # R * M / S accumulators of 8 registers each: 16 take about 250 of a thread's 255
 # registers at sm_90 (ptxas -v); 20 spill.
@@ -70,9 +72,11 @@ REPEATS = 15
 def launch_for_rows(launch: tuple, rows: int) -> tuple:
     """A launch chosen for another row count: its split cut to a divisor of `rows`, its output
     rows per warp to what MAX_ACCUMULATORS allows."""
-    rows_per_warp, chunk, prefetch, *split = launch
-    split = max(s for s in range(1, (split or [1])[0] + 1) if rows % s == 0)
+    rows_per_warp, chunk, prefetch, *more = launch
+    split = max(s for s in range(1, (more or [1])[0] + 1) if rows % s == 0)
     rows_per_warp = min(rows_per_warp, max(1, MAX_ACCUMULATORS // (rows // split)))
+    if len(more) > 1:  # the grid's cap on blocks stays
+        return rows_per_warp, chunk, prefetch, split, more[1]
     return (rows_per_warp, chunk, prefetch) if split == 1 else (rows_per_warp, chunk, prefetch, split)
 
 

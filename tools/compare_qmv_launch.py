@@ -1,0 +1,121 @@
+"""The exact packed matmul's GPU time per 27B decode step under two CUDA launch tables, side by side.
+
+    python tools/compare_qmv_launch.py --previous '{"8": [4, 2, 1, 2]}' --out evidence/
+
+CUDA only. For every packed shape of the 27B target (weights rotated past the L2, as
+tools/kernel_parity.py times them) and every row count 2..8, times MLX's single-row call,
+the kernel under the previous launch and under dflash2_kernels.CUDA_LAUNCH, interleaved
+(ABAB, warm-up first, median of the repeats with min and max); each is checked bitwise
+against MLX's single-row calls first. Per row count it sums each arm over the shapes,
+weighted by their calls in a decode step: the figure issue 13 holds the 8-row kernel to
+(at most 1.2x MLX's single row). Writes evidence/qmv-launch-<backend>.json and .md.
+"""
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+
+import kernel_parity  # first: it puts the repository on sys.path
+import dflash2_kernels as dk  # noqa: E402
+import dflash2_policy  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
+
+ROWS = tuple(range(2, dk.MAX_ROWS + 1))
+
+
+def pass_ms(call, x, copies):
+    """ms of one call per weight copy (one pass past the L2), the device's time per call."""
+    def run():
+        mx.synchronize()
+        start = time.perf_counter()
+        mx.eval([call(x, *copy) for copy in copies])
+        mx.synchronize()
+        return 1000 * (time.perf_counter() - start) / len(copies)
+
+    return run
+
+
+def time_shape(n, k, previous: dict, repeats: int, key) -> dict:
+    bench = kernel_parity.Bench(n, k, key)
+    one = bench.x[:1]
+    arms, mismatches = {"mlx single row": pass_ms(dk.stock_quantized_matmul, one, bench.copies)}, {}
+    for rows in ROWS:
+        x = bench.x[:rows]
+        for name, launch in (("previous", previous[rows]), ("current", dk.CUDA_LAUNCH[rows])):
+            call = lambda x, w, s, b, launch=tuple(launch): dk.cuda_matmul(x, w, s, b, launch=launch)
+            got = call(x, *bench.copies[0])
+            mismatches[f"{name} {rows}"] = (got.view(mx.uint16) != bench.want[:rows].view(mx.uint16)).sum().item()
+            arms[f"{name} {rows}"] = pass_ms(call, x, bench.copies)
+    timings = dflash2_policy.interleaved_ms(arms, repeats)
+    print(f"N={n} K={k}: " + ", ".join(f"{name} {t['median'] * 1000:.1f} us" for name, t in timings.items()), flush=True)
+    return {"timings_us": {name: {stat: round(t[stat] * 1000, 2) for stat in ("median", "min", "max")}
+                           for name, t in timings.items()},
+            "mismatches_vs_single_rows": mismatches}
+
+
+def step_sums(shapes: dict) -> dict:
+    """ms per decode step of each arm: its per-shape median x the shape's calls per step."""
+    names = next(iter(shapes.values()))["timings_us"]
+    return {name: round(sum(shapes[f"{n}x{k}"]["timings_us"][name]["median"] * calls
+                            for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
+            for name in names}
+
+
+def summary_markdown(record: dict) -> str:
+    sums = record["step_ms"]
+    single = sums["mlx single row"]
+    lines = [
+        f"# Exact packed matmul per 27B decode step, two launch tables, on {record['backend']} ({record['device']})", "",
+        f"Command: `{record['command']}`; code {record['code']}. Weights rotated past the L2; arms interleaved, "
+        f"{record['repeats']} repeats after a warm-up, median per shape, summed over the 27B shapes by their "
+        f"calls per step. Differing elements against MLX's single-row calls: {record['mismatches']}.", "",
+        f"MLX single row: {single:.3f} ms per step.", "",
+        "| rows | previous launch | ms | / MLX single row | current launch | ms | / MLX single row | current / previous |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rows in record["rows"]:
+        before, after = sums[f"previous {rows}"], sums[f"current {rows}"]
+        lines.append(f"| {rows} | {tuple(record['previous'][str(rows)])} | {before:.3f} | {before / single:.2f} "
+                     f"| {tuple(record['current'][str(rows)])} | {after:.3f} | {after / single:.2f} | {after / before:.2f} |")
+    lines += ["", "Per shape, us (median, min-max):", "", "| shape | arm | median | min | max |", "|---|---|---|---|---|"]
+    for shape, entry in record["shapes"].items():
+        for name, t in entry["timings_us"].items():
+            if name == "mlx single row" or name.endswith(" 8"):
+                lines.append(f"| {shape} | {name} | {t['median']} | {t['min']} | {t['max']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--previous", required=True,
+                        help="JSON: rows -> launch (R, C, prefetch[, S[, B]]); rows not named take CUDA_LAUNCH's")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(kernel_parity.REPO / "evidence"))
+    args = parser.parse_args()
+    if dk.backend_name() != "cuda":
+        parser.error("CUDA only: the launch tables are the CUDA kernel's")
+    previous = {rows: tuple(dk.CUDA_LAUNCH[rows]) for rows in ROWS}
+    previous.update({int(rows): tuple(launch) for rows, launch in json.loads(args.previous).items()})
+    key = mx.random.key(0)
+    shapes = {}
+    for n, k in dk.PACKED_SHAPES_27B:
+        key, shape_key = mx.random.split(key)
+        shapes[f"{n}x{k}"] = time_shape(n, k, previous, args.repeats, shape_key)
+    record = {
+        **run_environment("compare_qmv_launch.py", "27b kernel shapes"),
+        "repeats": args.repeats, "rows": list(ROWS),
+        "previous": {str(rows): list(launch) for rows, launch in previous.items()},
+        "current": {str(rows): list(dk.CUDA_LAUNCH[rows]) for rows in ROWS},
+        "mismatches": sum(sum(entry["mismatches_vs_single_rows"].values()) for entry in shapes.values()),
+        "shapes": shapes,
+    }
+    record["step_ms"] = step_sums(shapes)
+    markdown = summary_markdown(record)
+    write_record(args.out, f"qmv-launch-{record['backend']}", record, markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
