@@ -153,3 +153,47 @@ def test_the_verify_profile_ranks_kernels_by_added_launches():
     record["launches_by_growth"] = growth_order(arms, "verify 8", "launches_by_kernel")
     table = summary_markdown(record).split("by launches added")[1]
     assert table.index("`p @ v` | 0 | 128") < table.index("`norm` | 200 | 210") < table.index("`gemv`")
+
+
+def test_the_verify_profile_counts_overlapping_kernels_once_and_names_the_slow_layers():
+    """Kernels of two streams can overlap: busy time is their intervals' union, not their sum.
+    The summary shows busy ms and the layers whose host build stands out where the record has
+    them, and renders a record from before they were measured without either."""
+    from profile_verify import busy_us, summary_markdown
+
+    assert busy_us([(0, 10), (20, 30)]) == 20
+    assert busy_us([(0, 10), (5, 12), (2, 3), (12, 14)]) == 14  # nested, overlapping, touching
+    assert busy_us([(20, 347), (20, 347), (0, 5)]) == 332  # two kernels side by side count once
+    record = json.loads((EVIDENCE / "profile-verify-cuda.json").read_text())
+    for arm in record["arms"].values():
+        arm.pop("busy_ms", None)
+    record.pop("host_ms_by_layer", None)
+    older = summary_markdown(record)
+    assert "busy ms" not in older and "Host ms" not in older
+    for arm in record["arms"].values():
+        arm["busy_ms"] = 12.5
+    record["host_ms_by_layer"] = [0.5] * 10 + [9.0] + [0.5] * 53
+    summary = summary_markdown(record)
+    assert "| busy ms |" in summary and "| 12.50 |" in summary
+    assert "40.50 in all, median layer 0.500; slowest: layer 10 9.00, layer 0 0.50" in summary
+
+
+def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
+    """compare_qmv_launch: each arm's per-step figure is its per-shape medians times the
+    shapes' calls in a 27B decode step; the committed record's figures are those sums; on a
+    machine without CUDA the tool says so and times nothing."""
+    import dflash2_kernels as dk
+    from compare_qmv_launch import step_sums, summary_markdown
+
+    arms = ("mlx single row", "previous 8", "current 8")
+    shapes = {f"{n}x{k}": {"timings_us": {arm: {"median": 1000.0 * (i + 1)} for i, arm in enumerate(arms)}}
+              for n, k in dk.PACKED_SHAPES_27B}
+    shapes["248320x5120"]["timings_us"]["current 8"]["median"] = 0.0  # the lm_head: one call a step
+    calls = sum(calls for _, calls in dk.PACKED_SHAPES_27B.values())
+    assert step_sums(shapes) == {"mlx single row": calls, "previous 8": 2 * calls, "current 8": 3 * (calls - 1)}
+    record = json.loads((EVIDENCE / "qmv-launch-cuda.json").read_text())
+    assert record["mismatches"] == 0 and step_sums(record["shapes"]) == record["step_ms"]
+    assert summary_markdown(record) == (EVIDENCE / "qmv-launch-cuda.md").read_text()
+    refused = subprocess.run([sys.executable, str(REPO / "tools" / "compare_qmv_launch.py"), "--previous", "{}"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "CUDA only" in refused.stderr

@@ -15,6 +15,7 @@ A diagnostic: which kernels to make faster, not a speed record (see tools/bench.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -32,9 +33,24 @@ from records import run_environment, write_record  # noqa: E402
 NAME_CHARS = 120  # kernel names are long template instantiations: their head says enough
 
 
+def busy_us(intervals) -> float:
+    """Microseconds in which at least one kernel ran: the union of (start, end) intervals.
+    Kernels of two streams can overlap (on the H200 a verify's small kernels sat for hundreds
+    of microseconds beside others), so their summed durations overstate the device's time."""
+    busy, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return busy
+
+
 def kernel_ms_per_step(steps, count: int, settle) -> tuple:
-    """(ms by kernel name, launches by kernel name) per step, over `count` steps under the
-    profiler."""
+    """(ms by kernel name, launches by kernel name, busy ms) per step, over `count` steps
+    under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     steps(1)  # lead-in: the switch from the previous arm stays out of the record
@@ -42,12 +58,36 @@ def kernel_ms_per_step(steps, count: int, settle) -> tuple:
     with profile(activities=[ProfilerActivity.CUDA]) as recorded:
         steps(count)
         settle()
-    by_name, launches = defaultdict(float), defaultdict(float)
+    by_name, launches, intervals = defaultdict(float), defaultdict(float), []
     for event in recorded.events():
         if str(event.device_type).endswith("CUDA"):
             by_name[event.name[:NAME_CHARS]] += event.time_range.elapsed_us() / 1000 / count
             launches[event.name[:NAME_CHARS]] += 1 / count
-    return dict(by_name), dict(launches)
+            intervals.append((event.time_range.start, event.time_range.end))
+    return dict(by_name), dict(launches), busy_us(intervals) / 1000 / count
+
+
+def host_ms_by_layer(steps, count: int) -> list:
+    """Median ms the host spends building each layer of the served verify forward (its hand-off
+    to the device included), over `count` rounds: a layer far above its neighbours is where
+    the host waits (a sync, a graph build) instead of queueing work."""
+    served_layer = dflash2_runtime.ExactVerifier._layer
+    marks = []
+
+    def timed_layer(self, *args):
+        if self._layers_built == 0:
+            marks.append([time.perf_counter()])
+        hidden = served_layer(self, *args)
+        marks[-1].append(time.perf_counter())
+        return hidden
+
+    dflash2_runtime.ExactVerifier._layer = timed_layer
+    try:
+        steps(count)
+    finally:
+        dflash2_runtime.ExactVerifier._layer = served_layer
+    per_round = [[1000 * (b - a) for a, b in zip(times, times[1:])] for times in marks]
+    return [round(statistics.median(layer), 3) for layer in zip(*per_round)]
 
 
 def growth_order(arms: dict, longest: str, key: str) -> list:
@@ -69,11 +109,23 @@ def summary_markdown(record: dict) -> str:
         "Wall: ms per step, timed unprofiled (median of the samples); kernel ms: summed kernel time "
         "per step under PyTorch's profiler (CUPTI). Wall well above kernel time means the host "
         "(building and launching) bounds the step.", "",
-        "| arm | wall ms | kernel ms | kernels per step |",
-        "|---|---|---|---|",
     ]
+    busy = all("busy_ms" in arm for arm in arms.values())  # records before it was measured lack it
+    if busy:
+        lines[-1:-1] = ["Busy ms: the time in which at least one kernel ran (kernels of two streams can "
+                        "overlap, and then their summed time overstates the device's)."]
+    lines += ["| arm | wall ms | kernel ms |" + (" busy ms |" if busy else "") + " kernels per step |",
+              "|---|---|---|" + ("---|" if busy else "") + "---|"]
     for name, arm in arms.items():
-        lines.append(f"| {name} | {arm['wall_ms']:.2f} | {arm['kernel_ms']:.2f} | {arm['kernels']:.0f} |")
+        lines.append(f"| {name} | {arm['wall_ms']:.2f} | {arm['kernel_ms']:.2f} |"
+                     + (f" {arm['busy_ms']:.2f} |" if busy else "") + f" {arm['kernels']:.0f} |")
+    if "host_ms_by_layer" in record:
+        layers = record["host_ms_by_layer"]
+        slowest = sorted(range(len(layers)), key=lambda i: (-layers[i], i))[:5]
+        lines += ["", f"Host ms building each layer of a served {longest} forward (median over the profiled "
+                  f"rounds): {sum(layers):.2f} in all, median layer "
+                  f"{statistics.median(layers):.3f}; slowest: "
+                  + ", ".join(f"layer {i} {layers[i]:.2f}" for i in slowest) + "."]
     def growth_table(what, unit, order, key, rows, digits):
         table = ["", f"Kernels by {what} added from a decode step to a {longest} round ({unit} per step):", "",
                  "| kernel | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
@@ -121,19 +173,21 @@ def main():
         wall = dflash2_policy.interleaved_ms(
             {name: dflash2_policy.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
         for name, steps in arm_steps.items():
-            by_kernel, launches = kernel_ms_per_step(steps, args.steps, settle)
+            by_kernel, launches, busy = kernel_ms_per_step(steps, args.steps, settle)
             arms[name] = {"wall_ms": wall[name]["median"], "wall_ms_samples": wall[name]["samples"],
-                          "kernel_ms": sum(by_kernel.values()), "kernels": sum(launches.values()),
+                          "kernel_ms": sum(by_kernel.values()), "busy_ms": busy, "kernels": sum(launches.values()),
                           "by_kernel": dict(sorted(by_kernel.items(), key=lambda item: -item[1])),
                           "launches_by_kernel": dict(sorted(launches.items(), key=lambda item: -item[1]))}
             print(f"[{time.time() - started:6.1f}s] {name}: wall {arms[name]['wall_ms']:.2f} ms, "
-                  f"kernels {arms[name]['kernel_ms']:.2f} ms in {arms[name]['kernels']:.0f}", flush=True)
+                  f"kernels {arms[name]['kernel_ms']:.2f} ms in {arms[name]['kernels']:.0f}, "
+                  f"busy {busy:.2f} ms", flush=True)
+        host_layers = host_ms_by_layer(arm_steps[f"verify {blocks[-1]}"], args.steps)
     longest = f"verify {blocks[-1]}"
     record = {
         **run_environment("profile_verify.py", f"synthetic {args.size}, seed 0"),
         "context_tokens": args.context, "blocks": blocks, "profiled_steps": args.steps,
         "plain_decode_path": status.decode_path.arm,
-        "arms": arms, "kernels_by_growth": growth_order(arms, longest, "by_kernel"),
+        "arms": arms, "host_ms_by_layer": host_layers, "kernels_by_growth": growth_order(arms, longest, "by_kernel"),
         "launches_by_growth": growth_order(arms, longest, "launches_by_kernel"),
     }
     markdown = summary_markdown(record)
