@@ -197,3 +197,48 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
     refused = subprocess.run([sys.executable, str(REPO / "tools" / "compare_qmv_launch.py"), "--previous", "{}"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "CUDA only" in refused.stderr
+
+
+NCU_DETAILS = """[688] python3.12@127.0.0.1
+  void qmv_kernel<8, 16>(const T6 *, int) (2176, 1, 1)x(32, 8, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Duration                         us        50.98
+    L1/TEX Cache Throughput           %        95.91
+    Section: Launch Statistics
+    Registers Per Thread             register/thread              40
+    Instructions Executed                         inst   15,057,920
+    Instructions Executed                         inst   99
+  custom_kernel_dflash2_qmv_2bit_g128_8_2_4_2_1(const __half *, __half *) (2176, 1, 1)x(32, 4, 1), Context 1, Stream 14, Device 0, CC 9.0
+    Duration                         us        69.09
+    Stall Long Scoreboard           inst         0.84
+"""
+NCU_SASS = """"Kernel Name","void qmv_kernel<8, 16>(const T6 *, int)",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"
+"0x1","      HFMA2 R1, R2, R3, R1","5","30"
+"0x2","@P0   LDG.E.CONSTANT R4, desc[UR4][R2.64]","7","10"
+"0x3","      HFMA2.MMA R1, R2, R3, R1","1","60"
+"""
+
+
+def test_the_ncu_summary_reads_each_kernels_metrics_and_opcode_mix(tmp_path):
+    """ncu_summary on ncu's text formats: each kernel's first value of each metric, its launch
+    shape, its instruction mix and stall samples by opcode (predicated and suffixed opcodes
+    counted as theirs); output without a kernel section is refused."""
+    (tmp_path / "details.txt").write_text(NCU_DETAILS)
+    (tmp_path / "sass.csv").write_text(NCU_SASS)
+    tool = [sys.executable, str(REPO / "tools" / "ncu_summary.py")]
+    done = subprocess.run([*tool, str(tmp_path / "details.txt"), str(tmp_path / "sass.csv"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "ncu-qmv-cuda.json").read_text())
+    mlx, exact = record["kernels"]["qmv_kernel<8, 16>"], record["kernels"]["custom_kernel_dflash2_qmv_2bit_g128_8_2_4_2_1"]
+    assert mlx["grid"] == [2176, 1, 1] and mlx["block"] == [32, 8, 1] and exact["block"] == [32, 4, 1]
+    assert mlx["Duration"] == [50.98, "us"] and mlx["Instructions Executed"] == [15057920.0, "inst"]
+    assert exact["Stall Long Scoreboard"] == [0.84, "inst"] and "Duration" not in record["kernels"].get("", {})
+    assert record["sass"]["qmv_kernel<8, 16>"] == {"instructions": 100, "opcodes": [["HFMA2", 0.9, 6], ["LDG", 0.1, 7]]}
+    assert "| Duration | 50.98 us | 69.09 us |" in (tmp_path / "ncu-qmv-cuda.md").read_text()
+    (tmp_path / "empty.txt").write_text("==PROF== Disconnected from process 688\n")
+    refused = subprocess.run([*tool, str(tmp_path / "empty.txt"), "--out", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "no kernel sections" in refused.stderr and not (tmp_path / "none").exists()

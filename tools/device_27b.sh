@@ -56,6 +56,7 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
 ' 2>&1 | tail -3
     # an exported run prints no results: read them back from the report
     "$ncu" --import "$OUT/ncu-qmv.ncu-rep" --page details --print-details all > "$OUT/ncu-qmv.txt" 2>&1
-    grep -E "custom_kernel|qmv_kernel|Duration|Registers Per|Occupancy|Warp Cycles Per Issued|Issued Ipc" "$OUT/ncu-qmv.txt" ;;
+    "$ncu" --import "$OUT/ncu-qmv.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
+    python3 tools/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|profile|ncu|parity" >&2; exit 2 ;;
 esac
