@@ -561,6 +561,10 @@ def _cuda_launch(rows: int, n: int, launch=None) -> dict:
     rows_per_warp, chunk, prefetch, *more = launch or CUDA_LAUNCH[rows]
     split = more[0] if more else 1
     max_blocks = more[1] if len(more) > 1 else None
+    if max_blocks and CUDA_WARPS_PER_BLOCK % split:
+        # A warp keeps its part of the rows across its tiles only if the grid's warps are a
+        # multiple of S (qmv_split_rows' tile stride).
+        raise ValueError(f"a capped grid needs S ({split}) to divide {CUDA_WARPS_PER_BLOCK} warps a block")
     warps = -(-n // rows_per_warp) * split
     blocks = -(-warps // CUDA_WARPS_PER_BLOCK)
     if max_blocks:

@@ -568,6 +568,11 @@ def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_regi
     assert launch_for_rows((4, 2, 1, 2), 7) == (2, 2, 1)
     assert launch_for_rows((4, 2, 1, 2), 5) == (3, 2, 1)
     assert launch_for_rows((4, 2, 1, 2), 6) == (4, 2, 1, 2)
+    # A capped grid keeps its cap, and a split that divides a block's 4 warps (a warp keeps its
+    # part of the rows across its tiles only then): 6 rows over 4 warps become 2, not 3.
+    assert launch_for_rows((2, 4, 1, 4, 264), 6) == (2, 4, 1, 2, 264)
+    with pytest.raises(ValueError, match="a capped grid needs S"):
+        dk._cuda_launch.__wrapped__(6, 1024, (2, 4, 1, 3, 264))
 
     def accumulators(launch, rows):
         return launch[0] * rows // (launch[3] if len(launch) > 3 else 1)

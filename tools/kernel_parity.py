@@ -70,12 +70,14 @@ REPEATS = 15
 
 
 def launch_for_rows(launch: tuple, rows: int) -> tuple:
-    """A launch chosen for another row count: its split cut to a divisor of `rows`, its output
-    rows per warp to what MAX_ACCUMULATORS allows."""
+    """A launch chosen for another row count: its split cut to a divisor of `rows` (and, for a
+    capped grid, of a block's warps), its output rows per warp to what MAX_ACCUMULATORS allows."""
     rows_per_warp, chunk, prefetch, *more = launch
-    split = max(s for s in range(1, (more or [1])[0] + 1) if rows % s == 0)
+    capped = len(more) > 1  # a capped grid's split also divides a block's warps (_cuda_launch)
+    split = max(s for s in range(1, (more or [1])[0] + 1)
+                if rows % s == 0 and not (capped and dk.CUDA_WARPS_PER_BLOCK % s))
     rows_per_warp = min(rows_per_warp, max(1, MAX_ACCUMULATORS // (rows // split)))
-    if len(more) > 1:  # the grid's cap on blocks stays
+    if capped:  # the grid's cap on blocks stays
         return rows_per_warp, chunk, prefetch, split, more[1]
     return (rows_per_warp, chunk, prefetch) if split == 1 else (rows_per_warp, chunk, prefetch, split)
 
