@@ -369,10 +369,11 @@ struct WeightChunk {
   }
 };
 
-// y[m, first..first+R) for one warp and M activation rows, then (tile_stride > 0: a grid
-// smaller than the tiles) the same for the output rows tile_stride further on, while any
-// are left. C steps of weights are loaded at once; the last chunk's load is the next
-// tile's first, so a warp waits on memory only at its first tile. PREFETCH bit 0: the next
+// y[m, first..first+R) for one warp and M activation rows, then (tile_stride > 0: TILES, the
+// grid capped, possibly below the tiles) the same for the output rows tile_stride further on,
+// while any are left. C steps of weights are loaded at once; the load after a tile's last
+// chunk is the next tile's first, in flight while that chunk is computed (PREFETCH bit 0) or
+// the tail and the sums are (without it), not at the next tile's start. PREFETCH bit 0: the next
 // C steps' loads fly while this chunk is computed (in registers); bit 1: the warp first asks
 // L2 for its tile's whole weight slice (no registers, so more loads in flight where
 // registers limit the resident warps).
@@ -532,11 +533,13 @@ _CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH, TILES>(x, w, scale
 # slice into L2 first)[, warps S the M rows split over, 1 if absent[, blocks B the grid is
 # capped at, each warp then taking several tiles of R output rows: none if absent]]).
 # R * M / S accumulators of 8 registers bound R.
-# Chosen by `tools/kernel_parity.py --tune` on an H200 (evidence/kernel-parity-cuda.md), the
-# capped grids (B: about one wave of resident warps, 132 SMs) kept where two interleaved runs
-# of tools/compare_qmv_launch.py both found them faster than the launch before (4 and 7
-# rows: 0.84-0.94x; 8 rows 0.98-0.99x; evidence/qmv-launch-cuda.md): a warp waits on memory
-# only at its first tile, not at every tile's first chunk.
+# Tuned on an H200 (tools/kernel_parity.py --tune, evidence/kernel-parity-cuda.md), whose
+# last tuning chose capped grids (B: about one wave of resident warps on 132 SMs) for rows
+# 3-8; two interleaved runs of tools/compare_qmv_launch.py against the launches before
+# (evidence/qmv-launch-cuda*.md) kept them at 4 and 7 rows (0.84-0.94x), and at 8 (0.98-0.99x,
+# inside the runs' noise), and the launches before at 3, 5 and 6 rows, where they were not
+# faster in both runs. A capped grid's warp loads its next tile's first chunk while it
+# finishes the one before, instead of waiting on DRAM at every tile's start.
 CUDA_LAUNCH = {
     1: (2, 4, 0), 2: (2, 2, 3), 3: (2, 2, 3), 4: (2, 2, 1, 1, 396),
     5: (3, 2, 1), 6: (4, 2, 1, 2), 7: (2, 2, 1, 1, 264), 8: (2, 2, 1, 1, 264),
@@ -562,8 +565,8 @@ def _cuda_launch(rows: int, n: int, launch=None) -> dict:
     split = more[0] if more else 1
     max_blocks = more[1] if len(more) > 1 else None
     if max_blocks and CUDA_WARPS_PER_BLOCK % split:
-        # A warp keeps its part of the rows across its tiles only if the grid's warps are a
-        # multiple of S (qmv_split_rows' tile stride).
+        # With the grid's warps not a multiple of S, the last warps' tiles (qmv_split_rows'
+        # stride rounds down) would repeat tiles other warps compute: same bits, wasted work.
         raise ValueError(f"a capped grid needs S ({split}) to divide {CUDA_WARPS_PER_BLOCK} warps a block")
     warps = -(-n // rows_per_warp) * split
     blocks = -(-warps // CUDA_WARPS_PER_BLOCK)

@@ -213,7 +213,7 @@ NCU_DETAILS = """[688] python3.12@127.0.0.1
     Duration                         us        69.09
     Stall Long Scoreboard           inst         0.84
 """
-NCU_SASS = """"Kernel Name","void qmv_kernel<8, 16>(const T6 *, int)",
+NCU_SASS = """"Kernel Name","void mlx::core::cu::qmv_kernel<(int)8, (int)16>(const T6 *, int)",
 "Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"
 "0x1","      HFMA2 R1, R2, R3, R1","5","30"
 "0x2","@P0   LDG.E.CONSTANT R4, desc[UR4][R2.64]","7","10"
@@ -236,9 +236,29 @@ def test_the_ncu_summary_reads_each_kernels_metrics_and_opcode_mix(tmp_path):
     assert mlx["grid"] == [2176, 1, 1] and mlx["block"] == [32, 8, 1] and exact["block"] == [32, 4, 1]
     assert mlx["Duration"] == [50.98, "us"] and mlx["Instructions Executed"] == [15057920.0, "inst"]
     assert exact["Stall Long Scoreboard"] == [0.84, "inst"] and "Duration" not in record["kernels"].get("", {})
-    assert record["sass"]["qmv_kernel<8, 16>"] == {"instructions": 100, "opcodes": [["HFMA2", 0.9, 6], ["LDG", 0.1, 7]]}
+    assert record["sass"]["mlx::core::cu::qmv_kernel<(int)8, (int)16>"] == {
+        "instructions": 100, "opcodes": [["HFMA2", 0.9, 6], ["LDG", 0.1, 7]]}
     assert "| Duration | 50.98 us | 69.09 us |" in (tmp_path / "ncu-qmv-cuda.md").read_text()
     (tmp_path / "empty.txt").write_text("==PROF== Disconnected from process 688\n")
     refused = subprocess.run([*tool, str(tmp_path / "empty.txt"), "--out", str(tmp_path / "none")],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "no kernel sections" in refused.stderr and not (tmp_path / "none").exists()
+
+
+def test_the_verify_profile_times_each_layer_the_served_verify_builds():
+    """profile_verify's host time by layer, on the tiny target with the runtime installed: one
+    figure per layer of the served verify forward, and the served forward back as it was."""
+    import bench
+    import dflash2_runtime
+    from make_synthetic_pack import SIZES, build_target_model
+    from profile_verify import host_ms_by_layer
+
+    model = build_target_model("tiny", seed=0)
+    assert dflash2_runtime.install().speculative  # the patches; the model's checks add nothing here
+    lm = model.language_model
+    taps = list(SIZES["tiny"]["drafter"]["target_layer_ids"])
+    cache, _ = bench.prefill(lm, [3, 5, 7, 9], taps)
+    served = dflash2_runtime.ExactVerifier._layer
+    layers = host_ms_by_layer(bench.verify_round_steps(lm, cache, taps, 3), 2)
+    assert len(layers) == len(lm.model.layers) and all(ms >= 0 for ms in layers)
+    assert dflash2_runtime.ExactVerifier._layer is served

@@ -615,6 +615,30 @@ def test_split_and_prefetching_launches_equal_single_row_calls_on_cuda(rows, lau
             assert dk._differing(got, dk.stock_rows(x, weight, scales, biases)) == 0, (launch, n, k, kind)
 
 
+def capped_to_a_block_or_two():
+    """(rows, launch) of every capped launch in the table and the tuning, its cap cut to one
+    or two blocks: on the small test shapes each warp then takes several tiles."""
+    pairs = {(rows, launch) for rows, launches in TUNE_LAUNCHES.items() for launch in launches}
+    pairs |= set(dk.CUDA_LAUNCH.items())
+    return sorted({(rows, (*launch[:4], blocks)) for rows, launch in pairs if len(launch) > 4 for blocks in (1, 2)})
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+@pytest.mark.parametrize("rows, launch", capped_to_a_block_or_two())
+def test_warps_taking_several_tiles_equal_single_row_calls_on_cuda(rows, launch):
+    """A grid capped below its tiles (a warp then loads its next tile's first chunk during its
+    last one) gives every row MLX's single-row bits, with a tail step (K % 512), K under one
+    step, chunks that do not divide the steps and a ragged last tile (n odd)."""
+    key = mx.random.key(11)
+    for n, k in (*dk.DEFAULT_SHAPES, (43, 1152), (37, 2560)):
+        key, weight_key, input_key = mx.random.split(key, 3)
+        weight, scales, biases = dk.make_weights(n, k, weight_key)
+        for kind in dk.INPUT_KINDS:
+            x = dk.make_inputs(kind, rows, k, input_key)
+            got = dk.cuda_matmul(x, weight, scales, biases, launch=launch)
+            assert dk._differing(got, dk.stock_rows(x, weight, scales, biases)) == 0, (launch, n, k, kind)
+
+
 def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch):
     monkeypatch.setattr(dk.tempfile, "gettempdir", lambda: str(tmp_path))
     line = dk.cuda_header("namespace a { int x; }\n")

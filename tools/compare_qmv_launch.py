@@ -79,6 +79,10 @@ def summary_markdown(record: dict) -> str:
         before, after = sums[f"previous {rows}"], sums[f"current {rows}"]
         lines.append(f"| {rows} | {tuple(record['previous'][str(rows)])} | {before:.3f} | {before / single:.2f} "
                      f"| {tuple(record['current'][str(rows)])} | {after:.3f} | {after / single:.2f} | {after / before:.2f} |")
+    same = [str(rows) for rows in record["rows"] if record["previous"][str(rows)] == record["current"][str(rows)]]
+    if same:
+        lines += ["", f"Rows {', '.join(same)}: the same launch in both arms, a control: their current / previous "
+                  "is the comparison's own noise (each current arm runs right after its previous one)."]
     lines += ["", "Per shape, us (median, min-max):", "", "| shape | arm | median | min | max |", "|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():
         for name, t in entry["timings_us"].items():

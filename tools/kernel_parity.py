@@ -46,8 +46,9 @@ BENCH_ROWS = (1, 2, 4, 8)
 # traffic (evidence/qmv-variants-cuda.md; code in commit c33fc80), and they were removed.)
 # A fifth entry caps the grid at B blocks (about one wave of resident warps on the H200's 132
 # SMs), each warp then taking several tiles of output rows and loading the next tile's first
-# chunk during its last: in session 24 it took 0.84-0.94x the launch before at 4 and 7 rows
-# and 0.98-0.99x at 8, in two interleaved runs (evidence/qmv-launch-cuda.md).
+# chunk during its last (with prefetch bit 0): in session 24's two interleaved runs
+# (evidence/qmv-launch-cuda*.md) it took 0.84-0.94x the launch before at 4 and 7 rows, and at 8
+# 0.98-0.99x, inside the runs' noise (identical launches differed by 4%).
 TUNE_LAUNCHES = {
     1: [(2, 4, 0), (2, 4, 1), (2, 4, 0, 1, 660), (2, 4, 0, 1, 1320)],
     2: [(2, 2, 3), (2, 2, 1), (2, 2, 3, 1, 660), (2, 2, 1, 1, 660)],
@@ -56,7 +57,8 @@ TUNE_LAUNCHES = {
         (3, 4, 1, 2, 264), (2, 2, 1, 1, 264), (4, 2, 3, 2, 264)],
 }
 # R * M / S accumulators of 8 registers each: 16 take about 250 of a thread's 255
-# registers at sm_90 (ptxas -v); 20 spill.
+# registers at sm_90 (ptxas -v); 20 spill. A capped grid (B) takes a few more: offline
+# (nvcc 13) (4, 2, 1, 2, 264) spills 32 bytes at 8 rows, (2, 2, 1, 1, 264) fits in 255.
 MAX_ACCUMULATORS = 16
 # Rows not timed take the choice of the nearest timed row count with as many
 # or more rows, split over as many warps as divide their rows, up to the
@@ -256,7 +258,7 @@ def summary_markdown(record):
     if "cuda_launch" in record:
         how = "chosen by this run's tuning (rows 'tuning' below)" if record["tuned"] else "as set in the code"
         lines += [
-            f"CUDA launch per rows (R, C, prefetch[, S]), {how}, used for everything else here: "
+            f"CUDA launch per rows (R, C, prefetch[, S[, B]]), {how}, used for everything else here: "
             + ", ".join(f"{rows}: {tuple(launch)}" for rows, launch in record["cuda_launch"].items()),
             "",
         ]
@@ -290,7 +292,7 @@ def summary_markdown(record):
             "Median per call over weight copies rotated past the L2 (weights from memory);",
             "GB/s counts the packed weights, scales and biases once.",
             "",
-            "| shape (N, K) | what | rows | launch (R, C, prefetch[, S]) | us | GB/s | differing vs single rows |",
+            "| shape (N, K) | what | rows | launch (R, C, prefetch[, S[, B]]) | us | GB/s | differing vs single rows |",
             "|---|---|---|---|---|---|---|",
         ]
         for t in record["timings"]:
@@ -472,6 +474,7 @@ def run_qmv(args, backend):
     if tuned:
         tuning, table = tune_cuda_launch(mx.random.key(args.seed + 2))
         dk.CUDA_LAUNCH.update(table)
+        dk._cuda_launch.cache_clear()  # measure_cuda_builds cached the table before tuning's
         print("tuned CUDA_LAUNCH =", table)
 
     result, seconds = timed_self_test("qmv", shapes, args.seed)

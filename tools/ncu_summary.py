@@ -35,9 +35,17 @@ OPCODES_SHOWN = 10
 
 
 def short_name(signature: str) -> str:
-    """The kernel's name with its template arguments, without the parameter list."""
-    name = signature[: signature.index("(")] if "(" in signature else signature
-    return name.removeprefix("void ").strip()
+    """The kernel's name with its template arguments, without the parameter list: what
+    precedes the parenthesis that the signature's last one closes (template arguments can
+    hold parentheses of their own, as SASS's `qmv_kernel<(int)8, ...>`)."""
+    if signature.endswith(")"):
+        depth = 0
+        for at in range(len(signature) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(signature[at], 0)
+            if depth == 0:
+                signature = signature[:at]
+                break
+    return signature.removeprefix("void ").strip()
 
 
 def read_details(text: str) -> dict:
@@ -83,10 +91,11 @@ def read_sass(rows) -> dict:
 def summary_markdown(record: dict) -> str:
     names = list(record["kernels"])
     lines = [
-        "# Nsight Compute on the 2-bit matmuls at (17408, 5120) (cuda, NVIDIA H200)", "",
+        "# Nsight Compute on the 2-bit matmuls (cuda)", "",
         f"Command: `{record['command']}` on the output of `bash tools/device_27b.sh ncu` (one launch "
-        "each: MLX's single-row call, the exact kernel at 1 and at 8 rows; caches flushed per "
-        "replay, clocks not locked).", "",
+        "each at (17408, 5120): MLX's single-row call, the exact kernel at 1 and at 8 rows; caches "
+        "flushed per replay, clocks not locked). The details page names kernels as ncu prints "
+        "them, the SASS page with their namespaces.", "",
         "| metric | " + " | ".join(f"`{name}`" for name in names) + " |",
         "|---|" + "---|" * len(names),
     ]
