@@ -53,10 +53,12 @@ from records import run_environment, write_record  # noqa: E402
 
 BLOCK = 8
 # Blocks whose verify round is also timed with the forward handed to the device every
-# EVAL_EVERY_ARMS layers (0: evaluated once at its end), beside the runtime's own
-# dflash2_runtime.VERIFY_EVAL_EVERY.
-EARLY_EVAL_BLOCKS = (2, 8)
-EVAL_EVERY_ARMS = (0, 4, 16)
+# EVAL_EVERY_ARMS layers (0 would be: evaluated once at its end), beside the runtime's own
+# dflash2_runtime.VERIFY_EVAL_EVERY. One eval at the end was the slowest at blocks 2 and 8 in
+# sessions 23 and 24 (1.17-1.86 decode steps); every 16 layers beat every 8 at block 2 in
+# both, and lost at block 8: block 4 joins, so a per-block interval can be read off the record.
+EARLY_EVAL_BLOCKS = (2, 4, 8)
+EVAL_EVERY_ARMS = (4, 16)
 # Profiles named by tokens per round at block 8 (seed 003's published figures:
 # chat and prose 2.0, median 2.71, code 4.5) and zero acceptance (a random drafter).
 PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.5}
