@@ -547,6 +547,12 @@ CUDA_LAUNCH = {
 CUDA_WARPS_PER_BLOCK = 4
 
 
+def cuda_qmv_source_digest() -> str:
+    """sha256 (first 12 hex digits) of the CUDA qmv kernel's source: which kernel a record of
+    its parity or timing ran (the records' code digest changes with any file)."""
+    return hashlib.sha256((_CUDA_HEADER + _CUDA_SOURCE).encode()).hexdigest()[:12]
+
+
 @cache
 def _cuda_kernel():
     return mx.fast.cuda_kernel(

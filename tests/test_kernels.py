@@ -182,6 +182,10 @@ def test_every_cuda_launch_in_the_table_ran_bitwise_on_the_h200():
             if all(entry["mismatches_vs_single_rows"][f"{arm} {rows}"] == 0 for entry in compared["shapes"].values()):
                 ran.add((int(rows), tuple(launch)))
     assert {(rows, tuple(launch)) for rows, launch in dk.CUDA_LAUNCH.items()} <= ran
+    # Records written since the kernel's source digest was recorded must have run this source
+    # (session 24's predate it: their kernel is this one, its launch check added after them).
+    for written in (record, compared):
+        assert written.get("cuda_kernel_source", dk.cuda_qmv_source_digest()) == dk.cuda_qmv_source_digest()
 
 
 # ---------------------------------------------------------------------------

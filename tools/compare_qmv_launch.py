@@ -109,7 +109,7 @@ def main():
         shapes[f"{n}x{k}"] = time_shape(n, k, previous, args.repeats, shape_key)
     record = {
         **run_environment("compare_qmv_launch.py", "27b kernel shapes"),
-        "repeats": args.repeats, "rows": list(ROWS),
+        "cuda_kernel_source": dk.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": list(ROWS),
         "previous": {str(rows): list(launch) for rows, launch in previous.items()},
         "current": {str(rows): list(dk.CUDA_LAUNCH[rows]) for rows in ROWS},
         "mismatches": sum(sum(entry["mismatches_vs_single_rows"].values()) for entry in shapes.values()),

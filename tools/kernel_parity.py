@@ -483,6 +483,7 @@ def run_qmv(args, backend):
         "backend": backend,
         **run_environment("kernel_parity.py", f"{args.shapes} kernel shapes"),
         "command": command,
+        "cuda_kernel_source": dk.cuda_qmv_source_digest(),
         "exact_mismatches": result.mismatches,
         "stock_mismatches": result.stock_mismatches,
         "self_test": {"ok": result.ok, "reason": result.reason, "seconds": seconds},
