@@ -1,8 +1,10 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune | profile | ncu | parity
+#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune | profile | ncu | parity | kernels
 # Runs in the repository root on the GPU machine, after ../shared/device's staging (mlx-cuda,
-# mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api). Records go to
+# mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api; the kernels part
+# needs pytest's wheels: EXTRA_WHEELS="pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0
+# packaging==26.2 pygments==2.20.0"). Records go to
 # $OUT (the device tool brings them back); copy them into evidence/ here. Scratch lives in
 # /tmp, which a warm machine keeps between calls: the pack that server and routes build once,
 # and the round-phase record that e2e adds to (carried back in as .gpu/b27/ if the machine
@@ -58,5 +60,7 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     "$ncu" --import "$OUT/ncu-qmv.ncu-rep" --page details --print-details all > "$OUT/ncu-qmv.txt" 2>&1
     "$ncu" --import "$OUT/ncu-qmv.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
     python3 tools/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
-  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|profile|ncu|parity" >&2; exit 2 ;;
+  kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
+    t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
+  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|profile|ncu|parity|kernels" >&2; exit 2 ;;
 esac
