@@ -564,12 +564,17 @@ def _cuda_kernel():
     )
 
 
+def cuda_launch_fields(launch: tuple) -> tuple:
+    """(R, C, prefetch, S, B) of a CUDA_LAUNCH entry, its optional fields filled in (S 1,
+    B None: no cap)."""
+    rows_per_warp, chunk, prefetch, *more = launch
+    return rows_per_warp, chunk, prefetch, more[0] if more else 1, more[1] if len(more) > 1 else None
+
+
 @cache
 def _cuda_launch(rows: int, n: int, launch=None) -> dict:
     """The kernel call's arguments for M rows of N outputs (built once: ~400 calls a verify)."""
-    rows_per_warp, chunk, prefetch, *more = launch or CUDA_LAUNCH[rows]
-    split = more[0] if more else 1
-    max_blocks = more[1] if len(more) > 1 else None
+    rows_per_warp, chunk, prefetch, split, max_blocks = cuda_launch_fields(launch or CUDA_LAUNCH[rows])
     if max_blocks and CUDA_WARPS_PER_BLOCK % split:
         # With the grid's warps not a multiple of S, the last warps' tiles (qmv_split_rows'
         # stride rounds down) would repeat tiles other warps compute: same bits, wasted work.

@@ -545,9 +545,7 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     for rows in range(1, dk.MAX_ROWS + 1):
         assert dk.exact_quantized_matmul(x[:rows], weight, scales, biases).shape == (rows, n)
     for rows, launch in enumerate(kernel.launches, start=1):
-        rows_per_warp, chunk, prefetch, *more = dk.CUDA_LAUNCH[rows]
-        parts = more[0] if more else 1
-        max_blocks = more[1] if len(more) > 1 else None
+        rows_per_warp, chunk, prefetch, parts, max_blocks = dk.cuda_launch_fields(dk.CUDA_LAUNCH[rows])
         assert rows % parts == 0
         assert launch["template"] == {"M": rows, "S": parts, "R": rows_per_warp, "C": chunk,
                                       "PREFETCH": prefetch, "TILES": max_blocks is not None}
@@ -609,8 +607,13 @@ def test_split_and_prefetching_launches_equal_single_row_calls_on_cuda(rows, lau
     serve, for every input kind and shape (K under one step, one step with a tail, several
     steps with a tail; warps past the last output row): a wrong part offset or prefetch
     address would give some row another row's outputs, another step's or none."""
-    key = mx.random.key(7)
-    for n, k in (*dk.DEFAULT_SHAPES, (24, 1152)):
+    assert_single_row_bits(rows, launch, (*dk.DEFAULT_SHAPES, (24, 1152)), mx.random.key(7))
+
+
+def assert_single_row_bits(rows, launch, shapes, key):
+    """The CUDA kernel under `launch` gives every row MLX's single-row bits at each shape,
+    for every input kind."""
+    for n, k in shapes:
         key, weight_key, input_key = mx.random.split(key, 3)
         weight, scales, biases = dk.make_weights(n, k, weight_key)
         for kind in dk.INPUT_KINDS:
@@ -633,14 +636,7 @@ def test_warps_taking_several_tiles_equal_single_row_calls_on_cuda(rows, launch)
     """A grid capped below its tiles (a warp then loads its next tile's first chunk during its
     last one) gives every row MLX's single-row bits, with a tail step (K % 512), K under one
     step, chunks that do not divide the steps and a ragged last tile (n odd)."""
-    key = mx.random.key(11)
-    for n, k in (*dk.DEFAULT_SHAPES, (43, 1152), (37, 2560)):
-        key, weight_key, input_key = mx.random.split(key, 3)
-        weight, scales, biases = dk.make_weights(n, k, weight_key)
-        for kind in dk.INPUT_KINDS:
-            x = dk.make_inputs(kind, rows, k, input_key)
-            got = dk.cuda_matmul(x, weight, scales, biases, launch=launch)
-            assert dk._differing(got, dk.stock_rows(x, weight, scales, biases)) == 0, (launch, n, k, kind)
+    assert_single_row_bits(rows, launch, (*dk.DEFAULT_SHAPES, (43, 1152), (37, 2560)), mx.random.key(11))
 
 
 def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch):

@@ -74,13 +74,13 @@ REPEATS = 15
 def launch_for_rows(launch: tuple, rows: int) -> tuple:
     """A launch chosen for another row count: its split cut to a divisor of `rows` (and, for a
     capped grid, of a block's warps), its output rows per warp to what MAX_ACCUMULATORS allows."""
-    rows_per_warp, chunk, prefetch, *more = launch
-    capped = len(more) > 1  # a capped grid's split also divides a block's warps (_cuda_launch)
-    split = max(s for s in range(1, (more or [1])[0] + 1)
-                if rows % s == 0 and not (capped and dk.CUDA_WARPS_PER_BLOCK % s))
+    rows_per_warp, chunk, prefetch, split, max_blocks = dk.cuda_launch_fields(launch)
+    # a capped grid's split also divides a block's warps (_cuda_launch)
+    split = max(s for s in range(1, split + 1)
+                if rows % s == 0 and not (max_blocks and dk.CUDA_WARPS_PER_BLOCK % s))
     rows_per_warp = min(rows_per_warp, max(1, MAX_ACCUMULATORS // (rows // split)))
-    if capped:  # the grid's cap on blocks stays
-        return rows_per_warp, chunk, prefetch, split, more[1]
+    if max_blocks:  # the grid's cap on blocks stays
+        return rows_per_warp, chunk, prefetch, split, max_blocks
     return (rows_per_warp, chunk, prefetch) if split == 1 else (rows_per_warp, chunk, prefetch, split)
 
 
@@ -124,7 +124,7 @@ class Bench:
         """call(x_rows, weight, scales, biases); checked bitwise, then timed."""
         x = self.x[:rows]
         got = call(x, *self.copies[0])
-        mismatches = (got.view(mx.uint16) != self.want[:rows].view(mx.uint16)).sum().item()
+        mismatches = dk._differing(got, self.want[:rows])
         # One pass over all weight copies, per call; the device's time only.
         seconds = median_seconds(lambda: [call(x, *copy) for copy in self.copies], warmup=1)[1]
         seconds /= len(self.copies)
