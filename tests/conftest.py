@@ -55,6 +55,17 @@ def gpu_like_rounding(monkeypatch):
     swap_row_variant_ops(monkeypatch)
 
 
+@pytest.fixture
+def on_cpu():
+    """The test's arrays on MLX's CPU device, also on a GPU machine: for tests that stand a
+    CPU in for another backend (Metal here), whose stand-ins assume CPU arithmetic
+    (float64; multi-query attention equal to single-query calls)."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
 def png(size=(32, 32), color=(200, 40, 40)) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", size, color).save(buffer, "PNG")

@@ -289,7 +289,7 @@ def test_metal_attention_spans_keep_decode_s_routing():
     assert dk.metal_attention_supports(*dk.ATTENTION_PACK_SHAPE, mx.float16)
 
 
-def test_metal_attention_serves_multi_query_calls_only_where_its_self_test_passed(monkeypatch):
+def test_metal_attention_serves_multi_query_calls_only_where_its_self_test_passed(monkeypatch, on_cpu):
     """On Metal verify takes MLX's multi-query attention once the shape's self-test found it
     decode's per query; where multi-query calls round otherwise (the GPU-like backend) the
     test fails and each query is the stock call."""
@@ -373,7 +373,7 @@ def test_wrong_recurrence_fails_naming_the_case():
     assert dk.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=dk.stock_recurrence).ok
 
 
-def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch):
+def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
     """Where decode runs mlx-vlm's fused Metal kernel (a Metal-like CPU backend: its stand-in
     rounds unlike the ops step), the reference is that kernel a step at a time; the
     with-states kernel serves all steps in one call only while its self-test finds it equal,
