@@ -176,6 +176,20 @@ def test_the_verify_profile_counts_overlapping_kernels_once_and_names_the_slow_l
     summary = summary_markdown(record)
     assert "| busy ms |" in summary and "| 12.50 |" in summary
     assert "40.50 in all, median layer 0.500; slowest: layer 10 9.00, layer 0 0.50" in summary
+    assert "Host CUDA API calls" not in summary  # a record from before they were read
+
+
+def test_the_verify_profile_lists_host_api_calls_by_the_longest_round_s_time():
+    from profile_verify import summary_markdown
+
+    record = json.loads((EVIDENCE / "profile-verify-cuda.json").read_text())
+    longest = f"verify {max(record['blocks'])}"
+    for name, arm in record["arms"].items():
+        arm["api_ms"] = {"cudaGraphLaunch": 1.0, "cudaGraphInstantiateWithFlags": 9.5 if name == longest else 0.5}
+        arm["api_calls"] = {"cudaGraphLaunch": 30, "cudaGraphInstantiateWithFlags": 4 if name == longest else 1}
+    table = summary_markdown(record).split("Host CUDA API calls")[1]
+    assert table.index("`cudaGraphInstantiateWithFlags` | 0.50 (1)") < table.index("`cudaGraphLaunch` | 1.00 (30)")
+    assert "| 9.50 (4) |" in table
 
 
 def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():

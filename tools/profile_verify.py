@@ -48,23 +48,32 @@ def busy_us(intervals) -> float:
     return busy
 
 
-def kernel_ms_per_step(steps, count: int, settle) -> tuple:
-    """(ms by kernel name, launches by kernel name, busy ms) per step, over `count` steps
-    under the profiler."""
+def kernel_ms_per_step(steps, count: int, settle) -> dict:
+    """Per step, over `count` steps under the profiler: ms and launches by kernel name, busy ms,
+    and the host's CUDA API calls (runtime and driver: graph instantiation, updates,
+    launches, captures) by name, ms and calls."""
     from torch.profiler import ProfilerActivity, profile
 
     steps(1)  # lead-in: the switch from the previous arm stays out of the record
     settle()
-    with profile(activities=[ProfilerActivity.CUDA]) as recorded:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
         steps(count)
         settle()
     by_name, launches, intervals = defaultdict(float), defaultdict(float), []
+    api_ms, api_calls = defaultdict(float), defaultdict(float)
     for event in recorded.events():
         if str(event.device_type).endswith("CUDA"):
             by_name[event.name[:NAME_CHARS]] += event.time_range.elapsed_us() / 1000 / count
             launches[event.name[:NAME_CHARS]] += 1 / count
             intervals.append((event.time_range.start, event.time_range.end))
-    return dict(by_name), dict(launches), busy_us(intervals) / 1000 / count
+        elif event.name.startswith("cu"):  # CUPTI's record of a CUDA API call, on the host
+            api_ms[event.name] += event.time_range.elapsed_us() / 1000 / count
+            api_calls[event.name] += 1 / count
+    return {"by_kernel": dict(sorted(by_name.items(), key=lambda item: -item[1])),
+            "launches_by_kernel": dict(sorted(launches.items(), key=lambda item: -item[1])),
+            "kernel_ms": sum(by_name.values()), "kernels": sum(launches.values()),
+            "busy_ms": busy_us(intervals) / 1000 / count,
+            "api_ms": dict(sorted(api_ms.items(), key=lambda item: -item[1])), "api_calls": dict(api_calls)}
 
 
 def host_ms_by_layer(steps, count: int) -> list:
@@ -108,7 +117,8 @@ def summary_markdown(record: dict) -> str:
         f"# Where a verify round's GPU time goes on {record['backend']} ({record['device']})", "",
         f"Command: `{record['command']}`; mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
         f"code {record['code']}. Context {record['context_tokens']} tokens; decode path "
-        f"`{record['plain_decode_path']}`.", "",
+        f"`{record['plain_decode_path']}`"
+        + "".join(f"; {name}={value}" for name, value in record.get("mlx_environment", {}).items()) + ".", "",
         "Wall: ms per step, timed unprofiled (median of the samples); kernel ms: summed kernel time "
         "per step under PyTorch's profiler (CUPTI). Wall well above kernel time means the host "
         "(building and launching) bounds the step.", "",
@@ -125,10 +135,19 @@ def summary_markdown(record: dict) -> str:
     if "host_ms_by_layer" in record:
         layers = record["host_ms_by_layer"]
         slowest = sorted(range(len(layers)), key=lambda i: (-layers[i], i))[:5]
-        lines += ["", f"Host ms building each layer of a served {longest} forward (median over the profiled "
-                  f"rounds): {sum(layers):.2f} in all, median layer "
+        lines += ["", f"Host ms building each layer of a served {longest} forward (median over the "
+                  f"rounds, timed unprofiled): {sum(layers):.2f} in all, median layer "
                   f"{statistics.median(layers):.3f}; slowest: "
                   + ", ".join(f"layer {i} {layers[i]:.2f}" for i in slowest) + "."]
+    if all("api_ms" in arm for arm in arms.values()):  # records before API calls were read lack it
+        calls = sorted(set().union(*(arm["api_ms"] for arm in arms.values())),
+                       key=lambda call: (-arms[longest]["api_ms"].get(call, 0.0), call))[:12]
+        lines += ["", "Host CUDA API calls per step, ms (calls), under the profiler (its own cost per call "
+                  "included): where the host's time goes beside building the graph.", "",
+                  "| call | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+        lines += [f"| `{call}` | " + " | ".join(f"{arm['api_ms'].get(call, 0.0):.2f} ({arm['api_calls'].get(call, 0):.0f})"
+                                              for arm in arms.values()) + " |" for call in calls]
+
     def growth_table(what, unit, order, key, rows, digits):
         table = ["", f"Kernels by {what} added from a decode step to a {longest} round ({unit} per step):", "",
                  "| kernel | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
@@ -176,14 +195,11 @@ def main():
         wall = dflash2_policy.interleaved_ms(
             {name: dflash2_policy.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
         for name, steps in arm_steps.items():
-            by_kernel, launches, busy = kernel_ms_per_step(steps, args.steps, settle)
             arms[name] = {"wall_ms": wall[name]["median"], "wall_ms_samples": wall[name]["samples"],
-                          "kernel_ms": sum(by_kernel.values()), "busy_ms": busy, "kernels": sum(launches.values()),
-                          "by_kernel": dict(sorted(by_kernel.items(), key=lambda item: -item[1])),
-                          "launches_by_kernel": dict(sorted(launches.items(), key=lambda item: -item[1]))}
+                          **kernel_ms_per_step(steps, args.steps, settle)}
             print(f"[{time.time() - started:6.1f}s] {name}: wall {arms[name]['wall_ms']:.2f} ms, "
                   f"kernels {arms[name]['kernel_ms']:.2f} ms in {arms[name]['kernels']:.0f}, "
-                  f"busy {busy:.2f} ms", flush=True)
+                  f"busy {arms[name]['busy_ms']:.2f} ms", flush=True)
         host_layers = host_ms_by_layer(arm_steps[f"verify {blocks[-1]}"], args.steps)
     longest = f"verify {blocks[-1]}"
     record = {

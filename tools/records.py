@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import platform
 import shlex
 import sys
@@ -35,6 +36,9 @@ def run_environment(tool: str, pack: str, argv=None) -> dict:
         "command": "python " + shlex.join([f"tools/{tool}", *(sys.argv[1:] if argv is None else argv)]),
         "pack": pack,
         "code": code_digest(),
+        # MLX reads these from the environment (on CUDA: graph sizes, the graph cache): what
+        # the process ran with, the runtime's own defaults included.
+        "mlx_environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("MLX_")},
     }
 
 
