@@ -166,7 +166,8 @@ def test_the_verify_profile_counts_overlapping_kernels_once_and_names_the_slow_l
     assert busy_us([(20, 347), (20, 347), (0, 5)]) == 332  # two kernels side by side count once
     record = json.loads((EVIDENCE / "profile-verify-cuda.json").read_text())
     for arm in record["arms"].values():
-        arm.pop("busy_ms", None)
+        for key in ("busy_ms", "api_ms", "api_calls"):
+            arm.pop(key, None)
     record.pop("host_ms_by_layer", None)
     older = summary_markdown(record)
     assert "busy ms" not in older and "Host ms" not in older
@@ -276,3 +277,81 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     layers = host_ms_by_layer(bench.verify_round_steps(lm, cache, taps, 3), 2)
     assert len(layers) == len(lm.model.layers) and all(ms >= 0 for ms in layers)
     assert dflash2_runtime.ExactVerifier._layer is served
+
+
+GRAPH_DOT = '''digraph dot {
+subgraph cluster_%(g)d {
+label="graph_%(g)d" graph[style="dashed"];
+"graph_%(g)d_node_0"[style="solid" shape="rectangle" label="0
+KERNEL
+void mlx::core::cu::rms_norm_small<__half, 64>(__half const*, __half*)
+\\{40,1,1\\} | \\{64,1,1\\}"];
+"graph_%(g)d_node_1"[style="solid" shape="rectangle" label="1
+KERNEL
+mlx::core::cu::custom_kernel_dflash2_qmv_2bit_g128_8(__half const*, unsigned int const*)"];
+"graph_%(g)d_node_2"[style="solid" shape="rectangle" label="2
+GRAPH"];
+"graph_%(g)d_node_0" -> "graph_%(g)d_node_1";
+%(extra)s}
+subgraph cluster_%(child)d {
+label="graph_%(child)d" graph[style="dashed"];
+"graph_%(child)d_node_0"[style="solid" shape="rectangle" label="0
+KERNEL
+nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_ptrBatch_NNT"];
+}
+"graph_%(g)d_node_2" -> "graph_%(child)d_node_0"[style="dashed" label="child"];
+}
+'''
+
+
+def test_graph_misses_reads_mlx_s_graph_files_by_topology_across_graph_ids():
+    """graph_misses names nodes by (graph ordinal in the file, index), so one topology written
+    twice under different global graph ids is the same key; an added edge (two buffers that
+    shared an address) is a new key, and the change names both ends by kernel."""
+    from graph_misses import describe_change, kernel_name, parse_graph, topology
+
+    first = parse_graph(GRAPH_DOT % {"g": 3, "child": 4, "extra": ""})
+    again = parse_graph(GRAPH_DOT % {"g": 57, "child": 58, "extra": ""})
+    assert [kind for _, kind, _ in first["nodes"]] == ["KERNEL", "KERNEL", "GRAPH", "KERNEL"]
+    assert first["nodes"][1][2] == "mlx::core::cu::custom_kernel_dflash2_qmv_2bit_g128_8"
+    assert first["nodes"][3] == ((1, 0), "KERNEL", "nvjet_sm90_hsh_64x8_64x16_4x1_v_bz_ptrBatch_NNT")
+    assert first["edges"] == {((0, 0), (0, 1)), ((0, 2), (1, 0))}
+    assert first["nodes"][0][2] == "mlx::core::cu::rms_norm_small<__half, 64>"
+    assert kernel_name("3\\nKERNEL\\nstd::enable_if<!(false), void>::type gemvx::kernel<int>(int const*, float)") == \
+        "std::enable_if<!(false), void>::type gemvx::kernel<int>"
+    assert topology(first) == topology(again) and describe_change(first, again) == []
+    wider = parse_graph(GRAPH_DOT % {"g": 9, "child": 10, "extra": '"graph_9_node_1" -> "graph_9_node_2";\n'})
+    assert topology(wider) != topology(first)
+    assert describe_change(first, wider) == [
+        "edge only after: 0.1 mlx::core::cu::custom_kernel_dflash2_qmv_2bit_g128_8 -> 0.2 GRAPH"]
+
+
+def test_graph_misses_counts_a_step_s_new_topologies_only(tmp_path, monkeypatch):
+    """record_steps reads the graph files each step wrote, in commit order: graphs the warm-up
+    or an earlier step had are hits, a new topology is a miss named by its place and change,
+    and the files written before the warm-up (the build's) are dropped."""
+    import graph_misses
+
+    monkeypatch.setenv(graph_misses.GRAPH_FILES, str(tmp_path / "g"))
+    written = [0]
+
+    def write(extra=""):
+        written[0] += 1
+        (tmp_path / f"g_{written[0]}.dot").write_text(
+            GRAPH_DOT % {"g": 2 * written[0], "child": 2 * written[0] + 1, "extra": extra})
+
+    write()  # the build's graph
+    rounds = iter(range(100))
+
+    def verify(count):  # two graphs a round; the third round's second one has an extra edge
+        for _ in range(count):
+            number = next(rounds)
+            write()
+            g = 2 * (written[0] + 1)
+            write(f'"graph_{g}_node_1" -> "graph_{g}_node_2";\n' if number == 2 else "")
+
+    steps = graph_misses.record_steps({"verify 8": verify}, warm=1, count=3)["verify 8"]
+    assert [len(step["graphs"]) for step in steps] == [2, 2, 2] and not (tmp_path / "g_1.dot").exists()
+    assert [[miss["place"] for miss in step["misses"]] for step in steps] == [[], [1], []]
+    assert steps[1]["misses"][0]["change"] == [
+        "edge only after: 0.1 mlx::core::cu::custom_kernel_dflash2_qmv_2bit_g128_8 -> 0.2 GRAPH"]

@@ -160,6 +160,20 @@ def summary_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prefilled_target(size: str, context: int) -> tuple:
+    """(language model, cache, drafter taps, runtime status): the random-weight target of
+    `size` with the runtime installed (exiting where exact verify is off), a prompt of
+    `context` tokens prefilled."""
+    model = build_target_model(size, seed=0)
+    status = dflash2_runtime.install(model)
+    if not status.speculative:
+        sys.exit(f"exact verify is off on this machine: {status.reason}")
+    lm = model.language_model
+    taps = list(SIZES[size]["drafter"]["target_layer_ids"])
+    cache, _ = bench.prefill(lm, [(17 * i + 3) % 200 + 1 for i in range(context)], taps)
+    return lm, cache, taps, status
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(bench.REPO / "evidence"))
@@ -175,15 +189,8 @@ def main():
     torch.zeros(1, device="cuda")  # CUDA up in torch before its profiler starts
     blocks = sorted({int(block) for block in args.blocks.split(",")})
     started = time.time()
-    model = build_target_model(args.size, seed=0)
-    status = dflash2_runtime.install(model)
-    if not status.speculative:
-        sys.exit(f"exact verify is off on this machine: {status.reason}")
+    lm, cache, taps, status = prefilled_target(args.size, args.context)
     print(f"[{time.time() - started:6.1f}s] runtime installed: {'; '.join(status.log_lines())}", flush=True)
-    lm = model.language_model
-    taps = list(SIZES[args.size]["drafter"]["target_layer_ids"])
-    prompt = [(17 * i + 3) % 200 + 1 for i in range(args.context)]
-    cache, _ = bench.prefill(lm, prompt, taps)
 
     settle = bench.cache_settler(cache)
     arm_steps = {"decode": bench.decode_steps(lm, cache)}
