@@ -180,7 +180,7 @@ def main():
     parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
     parser.add_argument("--block", type=int, default=8, help="verify length")
     parser.add_argument("--warm", type=int, default=4, help="warm-up steps per arm")
-    parser.add_argument("--steps", type=int, default=6, help="recorded steps per arm")
+    parser.add_argument("--steps", type=int, default=12, help="recorded steps per arm (do misses die out?)")
     args = parser.parse_args()
     if dflash2_kernels.backend_name() != "cuda":
         parser.error("CUDA only: MLX builds CUDA graphs on no other backend")
