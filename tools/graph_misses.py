@@ -122,9 +122,10 @@ def take_graphs(last: int) -> tuple:
 def record_steps(arms: dict, warm: int, count: int) -> dict:
     """Per arm: `warm` steps, then `count` steps each timed and read back as the graphs it
     committed. Arms take turns step by step, as served requests would alternate."""
-    _, paths, last = take_graphs(-1)
+    paths = committed_since(-1)
+    last = max([-1] + [file_number(path) for path in paths])
     for path in paths:
-        path.unlink()  # the build's and the self-tests' graphs: not a step's
+        path.unlink()  # the build's and the self-tests' graphs (thousands): not a step's
     for _ in range(warm):
         for steps in arms.values():
             steps(1)
