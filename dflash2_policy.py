@@ -687,7 +687,7 @@ def cache_arrays(cache) -> list:
     return arrays
 
 
-def _settle(decoder: "RequestDecoder") -> None:
+def settle_decoder(decoder: "RequestDecoder") -> None:
     """Evaluate what an arm leaves lazy (a commit's recurrent states, a step's taps), so
     each arm pays for its own work and not for the one before."""
     mx.eval(cache_arrays(decoder.prompt_cache), cache_arrays(decoder.draft_cache or []), decoder.context)
@@ -715,7 +715,7 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
     refill their first step pays, a noisy difference of two arms, is a smaller share of
     them to take out) back to back,
     their host work overlapping the GPU as it does in generation, and the state they leave
-    evaluated (_settle). Samples are interleaved after a warm-up pass (interleaved_ms);
+    evaluated (settle_decoder). Samples are interleaved after a warm-up pass (interleaved_ms);
     each figure is an arm's median ratio to the plain steps of the same pass over `repeats`
     passes, times their median. What the policy uses is a whole round (draft,
     verify, commit); its verify part is that minus the drafter's pass, for the log.
@@ -741,7 +741,7 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
         one_row = hidden[:, -1:]
 
         def steady(steps, count=run):
-            return steady_ms(steps, count, lambda: _settle(decoder))
+            return steady_ms(steps, count, lambda: settle_decoder(decoder))
 
         def rounds(block):
             return lambda count: [decoder.round(block, block) for _ in range(count)]

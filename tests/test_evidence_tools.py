@@ -355,3 +355,14 @@ def test_graph_misses_counts_a_step_s_new_topologies_only(tmp_path, monkeypatch)
     assert [[miss["place"] for miss in step["misses"]] for step in steps] == [[], [1], []]
     assert steps[1]["misses"][0]["change"] == [
         "edge only after: 0.1 mlx::core::cu::custom_kernel_dflash2_qmv_2bit_g128_8 -> 0.2 GRAPH"]
+
+
+def test_the_bench_summary_takes_the_server_s_round_apart_where_the_record_timed_it():
+    from bench import summary_markdown
+
+    record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    assert "served_round_by_part" not in record and "The server's round" not in summary_markdown(record)
+    record["served_round_by_part"] = {"served round": 2.1, "verify on the generation stream": 1.8,
+                                      "verify on the batch stream": 1.3, "draft 4bit": 0.2}
+    assert ("in decode steps: served round 2.10; verify on the generation stream 1.80; "
+            "verify on the batch stream 1.30; draft 4bit 0.20.") in summary_markdown(record)

@@ -6,7 +6,8 @@ Run on a GPU machine (it builds a random-weight 27B-shape target in memory and a
 27B-shape DFlash2 drafter in bf16 and 4-bit on local disk). Everything is measured in
 one process, warm-up first, arms interleaved (ABAB), median of --repeats with min and
 max: the plain decode step; the exact verify round for blocks 2..8 (forward, greedy
-choice, cache commit with rollback) and the drafter, as ratios to the decode step;
+choice, cache commit with rollback) and the drafter, as ratios to the decode step; the
+server's own round at block 8 (draft, verify, walk, commit) beside its verify on the same stream;
 plain decoding with the runtime installed (each decode arm) against stock; the round
 policy's cost table as the server measures it at warm-up; end-to-end tokens per second,
 plain against speculative with the oracle drafter (paying the real drafter's cost each
@@ -120,12 +121,39 @@ def handed_off_every(layers, steps):
     return run
 
 
-def round_arms(lm, cache, taps, drafters, hidden, run=3):
+def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
+    """(steps(count): `count` rounds of `length` as the server runs them, settle()): the
+    request loop's RequestDecoder.round (draft, verify, walk, commit, all on mlx-vlm's
+    generation stream), the drafter in bf16 or promoted. Built before any arm runs, while
+    `hidden` still covers every position `cache` holds."""
+    decoder = dflash2_policy.RequestDecoder(lm, drafter, cache, hidden, 7, lambda logits: mx.argmax(logits, axis=-1),
+                                            mx.int32)
+
+    def steps(count):
+        dflash2_runtime.use_drafter_bf16(bf16)
+        for _ in range(count):
+            decoder.round(length, length)
+
+    return steps, lambda: dflash2_policy.settle_decoder(decoder)
+
+
+def on_generation_stream(steps):
+    def run(count):
+        with mx.stream(dflash2_policy.generation_stream):
+            steps(count)
+
+    return run
+
+
+def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
     """Samples (dflash2_policy.steady_ms: `run` back to back after a lead-in, per step) of:
     a decode step, an exact verify round per block (forward, greedy choice, commit of half
     the block), the same at EARLY_EVAL_BLOCKS handed off every EVAL_EVERY_ARMS layers, a draft
-    of 8 per drafter form, in bf16 and in the dtype its inputs promote to."""
+    of 8 per drafter form, in bf16 and in the dtype its inputs promote to, and at block 8 the
+    server's whole round with `served` (drafter, bf16) beside the verify round on the stream
+    that round runs on: what the server's cost table times, taken apart."""
     settle = cache_settler(cache)
+    served_steps, served_settle = served_round_steps(lm, cache, hidden, *served, BLOCK)
     arms = {"decode": dflash2_policy.steady_ms(decode_steps(lm, cache), run, settle)}
     for length in range(2, BLOCK + 1):
         arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
@@ -139,6 +167,9 @@ def round_arms(lm, cache, taps, drafters, hidden, run=3):
         for name, bf16 in (("bf16", True), ("promoted", False)):
             drafts = dflash2_runtime.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
             arms[f"draft {form}, {name}"] = dflash2_policy.steady_ms(drafts, run, settle)
+    arms[f"verify {BLOCK}, generation stream"] = dflash2_policy.steady_ms(
+        on_generation_stream(verify_round_steps(lm, cache, taps, BLOCK)), run, settle)
+    arms[f"served round {BLOCK}"] = dflash2_policy.steady_ms(served_steps, run, served_settle)
     return arms
 
 
@@ -270,7 +301,9 @@ def main():
     else:
         cache, hidden = prefill(lm, prompt, taps)
         with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
-            rounds = dflash2_policy.interleaved_ms(round_arms(lm, cache, taps, drafters, hidden), args.repeats)
+            arms = round_arms(lm, cache, taps, drafters, hidden,
+                              (cost_drafter, dtypes[drafter_names[id(cost_drafter)]].bf16))
+            rounds = dflash2_policy.interleaved_ms(arms, args.repeats)
         decode_ms = rounds["decode"]["median"]
         verify = {L: dflash2_policy.paired_ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
         by_eval_every = {
@@ -282,7 +315,16 @@ def main():
         served = {form: "bf16" if choice.bf16 else "promoted" for form, choice in dtypes.items()}
         drafter_cost = {form: dflash2_policy.paired_ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"])
                         for form in drafters}
-        log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}")
+        cost_form = drafter_names[id(cost_drafter)]
+        served_round = {  # the server's round at block 8 and its parts, in decode steps
+            "served round": dflash2_policy.paired_ratio(rounds[f"served round {BLOCK}"], rounds["decode"]),
+            "verify on the generation stream": dflash2_policy.paired_ratio(
+                rounds[f"verify {BLOCK}, generation stream"], rounds["decode"]),
+            "verify on the batch stream": verify[BLOCK],
+            f"draft {cost_form}": drafter_cost[cost_form],
+        }
+        log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}; "
+            f"served round {served_round}")
         counts = primitive_counts()
         record = {
             "size": size,
@@ -295,6 +337,7 @@ def main():
             "decode_step_ms": decode_ms,
             "round_ms": rounds,
             "verify_ratio_by_block": verify,
+            "served_round_by_part": served_round,
             # verify round / decode step (paired) by the layers its forward is handed to the
             # device after (0: evaluated once at its end), the served value included
             "verify_eval_every": dflash2_runtime.VERIFY_EVAL_EVERY,
@@ -588,6 +631,12 @@ def summary_markdown(r) -> str:
                   + "; ".join(f"block {L}: " + ", ".join(f"{layers}: {ratio:.2f}"
                                                           for layers, ratio in sorted(ratios.items(), key=lambda kv: int(kv[0])))
                               for L, ratios in by_eval_every.items()) + "."]
+    served_round = r.get("served_round_by_part")  # absent from records before it was timed
+    if served_round:
+        lines += ["", f"The server's round at block {BLOCK} (dflash2_policy.RequestDecoder.round: draft, verify, "
+                  "walk, commit, on mlx-vlm's generation stream) and its parts timed alone, in decode steps: "
+                  + "; ".join(f"{part} {ratio:.2f}" for part, ratio in served_round.items())
+                  + ". The cost table's verify is a round less the drafter's pass."]
     lines += ["", "Drafter dtype as the server chooses it at start-up: "
               + "; ".join(f"{form}: {summary}" for form, summary in r.get("drafter_dtype_by_form", {}).items())]
     lines += [
