@@ -209,9 +209,9 @@ def _single_unpadded_row(cache, batch: int) -> bool:
 # The verify forward hands its hidden state to the device (mx.async_eval) after every
 # VERIFY_EVAL_EVERY layers, so the GPU runs the first layers while Python builds the rest:
 # a round cannot queue behind the one before (its block comes from that round's tokens), and
-# with one eval at the end the GPU idles through the whole graph build (evidence/
-# profile-verify-cuda.md: a round's wall time beside the GPU's busy time, handed off and
-# evaluated once). Same ops in the same order, so the same bits. 0: one eval at the end.
+# with one eval at the end the GPU idles through the whole graph build
+# (evidence/profile-verify-cuda.md: a round's wall time beside the GPU's busy time, handed
+# off and evaluated once). Same ops in the same order, so the same bits. 0: one eval at the end.
 VERIFY_EVAL_EVERY = 8
 
 

@@ -47,7 +47,7 @@ import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
-from make_synthetic_pack import build_target_model, write_drafter  # noqa: E402
+from make_synthetic_pack import SIZES, build_target_model, write_drafter  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from parity import greedy  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -79,6 +79,20 @@ def prefill(lm, tokens, taps):
     return cache, hidden
 
 
+def prefilled_target(size: str, context: int) -> tuple:
+    """(language model, cache, drafter taps, runtime status): the random-weight target of
+    `size` with the runtime installed (exiting where exact verify is off), a prompt of
+    `context` tokens prefilled."""
+    model = build_target_model(size, seed=0)
+    status = dflash2_runtime.install(model)
+    if not status.speculative:
+        sys.exit(f"exact verify is off on this machine: {status.reason}")
+    lm = model.language_model
+    taps = list(SIZES[size]["drafter"]["target_layer_ids"])
+    cache, _ = prefill(lm, [(17 * i + 3) % 200 + 1 for i in range(context)], taps)
+    return lm, cache, taps, status
+
+
 def cache_settler(cache):
     """settle(): evaluate what steps on `cache` left lazy (its KV and recurrent states)."""
     return lambda: mx.eval(dflash2_policy.cache_arrays(cache))
@@ -95,9 +109,9 @@ def decode_steps(lm, cache):
     return steps
 
 
-def verify_round_steps(lm, cache, taps, length):
+def verify_round_steps(lm, cache, taps, length, accepted=None):
     """steps(count): `count` exact verify rounds of `length` positions on `cache` (forward,
-    greedy choice, commit of half the block)."""
+    greedy choice, commit of `accepted` drafts: half the block unless given)."""
     block = mx.array([[11 + i for i in range(length)]])
 
     def steps(count):
@@ -106,7 +120,7 @@ def verify_round_steps(lm, cache, taps, length):
                 lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1)
             )
             mx.eval(tokens, hidden_out)
-            commit_speculative_round(lm, cache, states, length // 2, length)
+            commit_speculative_round(lm, cache, states, length // 2 if accepted is None else accepted, length)
 
     return steps
 
@@ -125,7 +139,9 @@ def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
     """(steps(count): `count` rounds of `length` as the server runs them, settle()): the
     request loop's RequestDecoder.round (draft, verify, walk, commit, all on mlx-vlm's
     generation stream), the drafter in bf16 or promoted. Built before any arm runs, while
-    `hidden` still covers every position `cache` holds."""
+    `hidden` still covers every position `cache` holds; the other arms then grow `cache`
+    past what its drafter has read, which changes the target's key lengths, as a longer
+    request would, and not what a round runs."""
     decoder = dflash2_policy.RequestDecoder(lm, drafter, cache, hidden, 7, lambda logits: mx.argmax(logits, axis=-1),
                                             mx.int32)
 

@@ -35,8 +35,8 @@ mkdir -p "$OUT" /tmp/b27
 case "${1:-}" in
   server) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_server.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
   routes) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_routes.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
-  # rounds: 9 repeats, not 5 (the round phase fits them; sessions 24 and 25 saw decode steps
-  # of 38-150 ms in one run, and five passes could not outvote that)
+  # rounds: 9 repeats, not 5 (sessions 24 and 25 discarded five-repeat runs whose decode
+  # steps spread several-fold; the repeats add about a minute to a call of about five)
   rounds) t=$(left) || exit 124; timeout "$t" "${BENCH[@]}" --repeats 9 --part rounds; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   e2e) [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;

@@ -2,22 +2,28 @@
 
     python tools/graph_misses.py --out /tmp/out
 
-CUDA only (the GPU machine). MLX 0.32.2 records a step's kernels into CUDA graphs of about
-100 nodes and keeps the executable graphs keyed by topology (node kinds and dependency
-edges, the edges found by buffer address); a graph whose key is new pays cudaGraphInstantiate.
-On the H200 a verify round paid one of 6-10 ms per round while decode steps paid none
-(evidence/profile-verify-cuda.md). This tool has MLX write every graph it commits as a DOT
-file (MLX_SAVE_CUDA_GRAPHS_DOT_FILE), builds the 27B-shape target as tools/bench.py does,
-runs decode steps and verify rounds, and reports per step the committed graphs whose
-topology no earlier graph had, each against the graph at the same place in the step
-before: which nodes and dependency edges differ, named by kernel. Writes
-graph-misses-<backend>.json and .md, and the DOT files of the last two steps of each arm
-as graphs.tar.gz. A diagnostic: why a round re-instantiates, not a speed record.
+CUDA only (the GPU machine). MLX 0.32.2 records a step's kernels into CUDA graphs and keeps
+the executable graphs keyed by topology (node kinds and dependency edges, the edges found by
+buffer address, mlx/backend/cuda/device.cpp); a graph whose key is new, or that cannot be
+updated in place, pays cudaGraphInstantiate. Verify rounds paid such instantiations where
+decode steps paid none (evidence/profile-verify-cuda.md). This tool has MLX write every
+graph it commits as a DOT file (MLX_SAVE_CUDA_GRAPHS_DOT_FILE), builds the 27B-shape target
+as tools/bench.py does, and runs decode steps and verify rounds, arms taking turns. Per
+step it counts the instantiations (PyTorch's profiler, as tools/profile_verify.py) and
+finds the committed graphs whose topology no earlier graph had, each against the graph at
+the same place in the arm's step before: which nodes and dependency edges differ, named by
+kernel. More instantiations than new topologies: graphs MLX cannot update (its
+subgraph_to_key) or whose update failed. Writes graph-misses-<backend>.json and .md, and the
+DOT files of each arm's last two steps as graphs.tar.gz. A diagnostic: why a round
+re-instantiates, not a speed record (writing the files slows every step).
 """
 
 import argparse
+import functools
 import os
 import re
+import shutil
+import subprocess
 import tarfile
 import tempfile
 import time
@@ -29,69 +35,83 @@ if __name__ == "__main__":  # MLX reads it once, at its first graph commit: befo
 
 import bench  # noqa: E402  (MLX's CUDA graph cache, as served; the pack on sys.path)
 
+import mlx.core as mx  # noqa: E402
+
 import dflash2_kernels  # noqa: E402
 import dflash2_policy  # noqa: E402
-from profile_verify import prefilled_target  # noqa: E402
+from ncu_summary import short_name  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
-NODE = re.compile(r'"(graph_(\d+)_node_(\d+))"\s*\[((?:[^\]"]|"(?:[^"\\]|\\.)*")*)\]', re.S)
-EDGE = re.compile(r'"(graph_\d+_node_\d+)"\s*->\s*"(graph_\d+_node_\d+)"')
-LABEL = re.compile(r'label="((?:[^"\\]|\\.)*)"', re.S)
-KINDS = ("KERNEL", "MEMSET", "MEMCPY", "GRAPH", "EMPTY", "HOST", "EVENT_RECORD", "WAIT_EVENT",
-         "MEM_ALLOC", "MEM_FREE", "CONDITIONAL")
-
-
-def kernel_name(label: str) -> str:
-    """The function a KERNEL node's label names on the line after its kind, without its
-    parameter list (labels break lines as newlines or as escaped \\n)."""
-    lines = [line.strip() for line in label.replace("\\n", "\n").splitlines()]
-    after = [line for line in lines[next(i for i, line in enumerate(lines) if "KERNEL" in line.upper()) + 1:] if line]
-    if not after:
-        return ""
-    name, depth = after[0], 0
-    for end in range(len(name) - 1, -1, -1) if name.endswith(")") else ():
-        depth += {")": 1, "(": -1}.get(name[end], 0)
-        if depth == 0:
-            name = name[:end]  # the parameter list: the bracket that closes the line, matched
-            break
-    return name.removeprefix("void ").strip()
+# MLX's dump (cudaGraphDebugDotPrint, no flags): a cluster per graph, the committed graph's
+# first, then each child graph (a captured cuBLAS call) it holds. A node's label is its index
+# and, on the next line, its payload: a kernel's mangled symbol (shape octagon) or the name
+# of the child graph it runs (graph_N); other kinds of node carry words of their own.
+EDGE = re.compile(r'"graph_(\d+)_node_(\d+)"\s*->\s*"graph_(\d+)_node_(\d+)"(?:\s*\[[^\]]*\])?')
+NODE = re.compile(r'"graph_(\d+)_node_(\d+)"\s*\[([^\]]*)\]')
+ATTRIBUTE = re.compile(r'(\w+)="([^"]*)"')
+CHILD = re.compile(r"graph_(\d+)$")
 
 
 def parse_graph(text: str) -> dict:
-    """A DOT file of cudaGraphDebugDotPrint as {"nodes": [(name, kind, kernel)], "edges":
-    {(from, to)}}, nodes named (graph ordinal in the file, node index) in creation order:
-    graph ids count up across files, the ordinals and indices are what two commits share."""
-    graphs, by_id, nodes = {}, {}, []
-    for match in NODE.finditer(text):
-        if match.group(1) in by_id or "->" in text[max(0, match.start() - 4):match.start()]:
-            continue  # an edge's far end, or a node declared again
-        label = LABEL.search(match.group(4))
-        label = label.group(1) if label else ""
-        kind = next((kind for kind in KINDS if kind in label.upper()), "?")
-        kernel = kernel_name(label) if kind == "KERNEL" else ""
-        name = (graphs.setdefault(match.group(2), len(graphs)), int(match.group(3)))
-        by_id[match.group(1)] = name
-        nodes.append((name, kind, kernel))
-    edges = {(by_id[a], by_id[b]) for a, b in EDGE.findall(text) if a in by_id and b in by_id}
-    return {"nodes": sorted(nodes), "edges": edges}
+    """One DOT file as {"nodes": [(name, kind, symbol)], "edges": {(from, to)}, "unparsed": n}.
+    Nodes are named (graph ordinal in the file, node index): graph ids count up across files,
+    ordinals and indices are what two commits of one graph share. kind: "kernel", "graph G"
+    (runs child graph G) or the payload's first word; symbol: a kernel's (mangled) name."""
+    graphs, nodes, unparsed = {}, {}, 0
+
+    def ordinal(graph_id: str) -> int:
+        return graphs.setdefault(graph_id, len(graphs))
+
+    edges = EDGE.findall(text)
+    for graph_id, index, attributes in NODE.findall(EDGE.sub("", text)):  # an edge can carry attributes
+        name = (ordinal(graph_id), int(index))
+        if name in nodes:
+            continue
+        fields = dict(ATTRIBUTE.findall(attributes))
+        lines = [line.strip() for line in fields.get("label", "").replace("\\n", "\n").splitlines() if line.strip()]
+        payload = lines[1] if len(lines) > 1 else ""
+        child = CHILD.match(payload)
+        if child:
+            nodes[name] = (f"graph {ordinal(child.group(1))}", "")
+        elif fields.get("shape") == "octagon":
+            nodes[name] = ("kernel", payload)
+        else:
+            unparsed += not payload
+            nodes[name] = (payload.split()[0] if payload else "?", "")
+    pairs = {((ordinal(a), int(i)), (ordinal(b), int(j))) for a, i, b, j in edges if a == b}
+    return {"nodes": sorted((name, *node) for name, node in nodes.items()),
+            "edges": {pair for pair in pairs if pair[0] in nodes and pair[1] in nodes}, "unparsed": unparsed}
 
 
 def topology(graph: dict) -> tuple:
-    """What MLX's graph key holds: node kinds in order and the dependency edges."""
-    return tuple((name, kind) for name, kind, _ in graph["nodes"]), frozenset(graph["edges"])
+    """What MLX's graph key holds, near enough: node kinds in creation order and the
+    dependency edges (MLX keeps them as a string in insertion order). A committed graph's
+    kernel is "K" there whichever kernel it is; a child graph's kernel also carries its
+    cluster shape, which the dump leaves out: the kernel's symbol stands in for it (a captured
+    cuBLAS call may pick a clustered kernel at one shape and not at another)."""
+    return (tuple((name, kind, symbol if name[0] else "") for name, kind, symbol in graph["nodes"]),
+            frozenset(graph["edges"]))
+
+
+@functools.cache
+def readable(symbol: str) -> str:
+    """A kernel's symbol demangled where c++filt is at hand, without its parameter list."""
+    if symbol.startswith("_Z") and shutil.which("c++filt"):
+        symbol = subprocess.run(["c++filt", symbol], capture_output=True, text=True).stdout.strip() or symbol
+    return short_name(symbol)[:80]
 
 
 def describe_change(before: dict, after: dict, limit: int = 12) -> list:
     """Lines naming how `after` differs from `before`: nodes whose kind or kernel differ,
     nodes only in one, edges only in one (each end named by its kernel)."""
-    old = {name: (kind, kernel) for name, kind, kernel in before["nodes"]}
-    new = {name: (kind, kernel) for name, kind, kernel in after["nodes"]}
+    old = {name: (kind, symbol) for name, kind, symbol in before["nodes"]}
+    new = {name: (kind, symbol) for name, kind, symbol in after["nodes"]}
 
     def named(name, nodes):
-        kind, kernel = nodes.get(name, ("?", ""))
-        return f"{name[0]}.{name[1]} {kernel[:60] or kind}"
+        kind, symbol = nodes.get(name, ("?", ""))
+        return f"{name[0]}.{name[1]} {readable(symbol) if symbol else kind}"
 
-    lines = [f"node {named(name, old)} -> {new[name][1][:60] or new[name][0]}"
+    lines = [f"node {named(name, old)} -> {readable(new[name][1]) if new[name][1] else new[name][0]}"
              for name in sorted(old.keys() & new.keys()) if old[name] != new[name]]
     lines += [f"node only before: {named(name, old)}" for name in sorted(old.keys() - new.keys())]
     lines += [f"node only after: {named(name, new)}" for name in sorted(new.keys() - old.keys())]
@@ -119,25 +139,42 @@ def take_graphs(last: int) -> tuple:
     return [parse_graph(path.read_text()) for path in paths], paths, max([last] + [file_number(p) for p in paths])
 
 
-def record_steps(arms: dict, warm: int, count: int) -> dict:
-    """Per arm: `warm` steps, then `count` steps each timed and read back as the graphs it
-    committed. Arms take turns step by step, as served requests would alternate."""
+def instantiations(run) -> int:
+    """cudaGraphInstantiate calls while run() runs, as PyTorch's profiler (CUPTI) sees them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+        run()
+    return sum(event.name.startswith("cudaGraphInstantiate") for event in recorded.events())
+
+
+def record_steps(arms: dict, warm: int, count: int, count_instantiations=instantiations,
+                 context=lambda: None) -> dict:
+    """Per arm (name -> (steps, settle)): `warm` steps, then `count` steps, each settled
+    (what it left lazy evaluated, so no step commits another's work), timed, its
+    instantiations counted and its graphs read back, beside context(): the positions the
+    cache held before it. Arms take turns step by step."""
     paths = committed_since(-1)
     last = max([-1] + [file_number(path) for path in paths])
     for path in paths:
         path.unlink()  # the build's and the self-tests' graphs (thousands): not a step's
     for _ in range(warm):
-        for steps in arms.values():
+        for steps, settle in arms.values():
             steps(1)
+            settle()
     graphs, paths, last = take_graphs(last)
-    seen = {topology(graph) for graph in graphs}  # in MLX's cache by now
+    # The warm-up's topologies are in MLX's graph cache (the bench's 4096 entries, one cache
+    # per stream: every arm runs on one); the build's are left out, and a step graph only a
+    # build graph shared would count as a miss here.
+    seen = {topology(graph) for graph in graphs}
     for path in paths:
         path.unlink()
     result = {name: [] for name in arms}
     for step in range(count):
-        for name, steps in arms.items():
+        for name, (steps, settle) in arms.items():
+            positions = context()
             started = time.perf_counter()
-            steps(1)
+            instantiated = count_instantiations(lambda: (steps(1), settle()))
             wall_ms = 1000 * (time.perf_counter() - started)
             graphs, paths, last = take_graphs(last)
             before = result[name][-1]["graphs"] if result[name] else []
@@ -148,8 +185,9 @@ def record_steps(arms: dict, warm: int, count: int) -> dict:
                                    "change": describe_change(before[place], graph) if place < len(before)
                                    else ["no graph at this place in the step before"]})
                     seen.add(topology(graph))
-            unparsed = sum(1 for graph, path in zip(graphs, paths) if not graph["nodes"] and path.stat().st_size)
-            result[name].append({"step": step, "wall_ms": round(wall_ms, 2), "graphs": graphs, "unparsed": unparsed,
+            result[name].append({"step": step, "context": positions, "wall_ms": round(wall_ms, 2),
+                                 "instantiations": instantiated,
+                                 "graphs": graphs, "unparsed": sum(graph["unparsed"] for graph in graphs),
                                  "files": [path.name for path in paths], "misses": misses})
     return result
 
@@ -157,16 +195,21 @@ def record_steps(arms: dict, warm: int, count: int) -> dict:
 def summary_markdown(record: dict) -> str:
     lines = [f"# CUDA graphs built anew per step on {record['backend']} ({record['device']})", "",
              f"Command: `{record['command']}`; mlx {record['versions']['mlx']}, code {record['code']}. "
-             f"After {record['warm_steps']} warm-up steps per arm, arms taking turns; a miss is a committed "
-             "graph whose topology (node kinds, dependency edges) no earlier graph of the run had: MLX "
-             "instantiates it instead of updating a cached one.", "",
-             "| arm | step | wall ms | graphs | misses (place: nodes/edges) |", "|---|---|---|---|---|"]
+             f"After {record['warm_steps']} warm-up steps per arm, arms taking turns, each step settled. "
+             "Instantiations: cudaGraphInstantiate calls in the step. A miss is a committed graph whose "
+             "topology (node kinds, dependency edges) no earlier graph of the run had; instantiations "
+             "beyond the misses are graphs MLX cannot update in place, or whose update failed. Wall "
+             "times include writing every graph to disk.", "",
+             "| arm | step | context | wall ms | graphs | instantiations | misses (place: nodes/edges) |",
+             "|---|---|---|---|---|---|---|"]
     for name, steps in record["arms"].items():
         for step in steps:
             misses = ", ".join(f"{m['place']}: {m['nodes']}/{m['edges']}" for m in step["misses"]) or "none"
-            unparsed = f" ({step['unparsed']} unparsed)" if step["unparsed"] else ""
-            lines.append(f"| {name} | {step['step']} | {step['wall_ms']:.2f} | {step['graphs']}{unparsed} | {misses} |")
-    lines += ["", "Each miss against the graph at the same place in the arm's step before:"]
+            unparsed = f" ({step['unparsed']} nodes unparsed)" if step["unparsed"] else ""
+            lines.append(f"| {name} | {step['step']} | {step['context']} | {step['wall_ms']:.2f} | {step['graphs']}{unparsed} | "
+                         f"{step['instantiations']} | {misses} |")
+    lines += ["", "The first three misses of each step, against the graph at the same place in the arm's "
+              "step before:"]
     for name, steps in record["arms"].items():
         for step in steps:
             for miss in step["misses"][:3]:
@@ -185,13 +228,22 @@ def main():
     args = parser.parse_args()
     if dflash2_kernels.backend_name() != "cuda":
         parser.error("CUDA only: MLX builds CUDA graphs on no other backend")
+    import torch
+
+    torch.zeros(1, device="cuda")  # CUDA up in torch before its profiler starts
     started = time.time()
-    lm, cache, taps, _ = prefilled_target(args.size, 32)
+    lm, cache, taps, _ = bench.prefilled_target(args.size, 32)
     print(f"[{time.time() - started:6.1f}s] runtime installed", flush=True)
-    arms = {"decode": bench.decode_steps(lm, cache),
-            f"verify {args.block}": bench.verify_round_steps(lm, cache, taps, args.block)}
-    with bench.mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
-        steps = record_steps(arms, args.warm, args.steps)
+    settle = bench.cache_settler(cache)
+    # Rounds that advance the cache by half the block plus one meet every key length modulo 8
+    # in turn; a control that advances by 4 meets two. If misses follow the key lengths
+    # (a cuBLAS call of the attention picking another kernel at some), the control's stop.
+    half = args.block // 2
+    arms = {"decode": (bench.decode_steps(lm, cache), settle),
+            f"verify {args.block}, advancing {half + 1}": (bench.verify_round_steps(lm, cache, taps, args.block), settle),
+            f"verify {args.block}, advancing 4": (bench.verify_round_steps(lm, cache, taps, args.block, 3), settle)}
+    with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
+        steps = record_steps(arms, args.warm, args.steps, context=lambda: dflash2_policy.processed_tokens(cache))
     print(f"[{time.time() - started:6.1f}s] recorded {args.steps} steps per arm", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,6 +252,7 @@ def main():
             for step in arm[-2:]:
                 for file in step["files"]:
                     archive.add(graph_folder() / file, arcname=f"{name.replace(' ', '-')}/step{step['step']}/{file}")
+    shutil.rmtree(graph_folder())
     record = {**run_environment("graph_misses.py", f"synthetic {args.size}, seed 0"),
               "warm_steps": args.warm,
               "arms": {name: [{**step, "graphs": len(step["graphs"])} for step in arm] for name, arm in steps.items()}}

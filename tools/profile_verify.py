@@ -16,7 +16,6 @@ A diagnostic: which kernels to make faster, not a speed record (see tools/bench.
 
 import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
 
@@ -27,7 +26,6 @@ import mlx.core as mx  # noqa: E402
 import dflash2_kernels  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
-from make_synthetic_pack import SIZES, build_target_model  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 NAME_CHARS = 120  # kernel names are long template instantiations: their head says enough
@@ -145,7 +143,7 @@ def summary_markdown(record: dict) -> str:
         lines += ["", "Host CUDA API calls per step, ms (calls), under the profiler (its own cost per call "
                   "included): where the host's time goes beside building the graph.", "",
                   "| call | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
-        lines += [f"| `{call}` | " + " | ".join(f"{arm['api_ms'].get(call, 0.0):.2f} ({arm['api_calls'].get(call, 0):.0f})"
+        lines += [f"| `{call}` | " + " | ".join(f"{arm['api_ms'].get(call, 0.0):.2f} ({arm['api_calls'].get(call, 0):.1f})"
                                               for arm in arms.values()) + " |" for call in calls]
 
     def growth_table(what, unit, order, key, rows, digits):
@@ -158,20 +156,6 @@ def summary_markdown(record: dict) -> str:
     if "launches_by_growth" in record:  # records before launches were counted per kernel lack it
         lines += growth_table("launches", "launches", "launches_by_growth", "launches_by_kernel", 15, 0)
     return "\n".join(lines) + "\n"
-
-
-def prefilled_target(size: str, context: int) -> tuple:
-    """(language model, cache, drafter taps, runtime status): the random-weight target of
-    `size` with the runtime installed (exiting where exact verify is off), a prompt of
-    `context` tokens prefilled."""
-    model = build_target_model(size, seed=0)
-    status = dflash2_runtime.install(model)
-    if not status.speculative:
-        sys.exit(f"exact verify is off on this machine: {status.reason}")
-    lm = model.language_model
-    taps = list(SIZES[size]["drafter"]["target_layer_ids"])
-    cache, _ = bench.prefill(lm, [(17 * i + 3) % 200 + 1 for i in range(context)], taps)
-    return lm, cache, taps, status
 
 
 def main():
@@ -189,7 +173,7 @@ def main():
     torch.zeros(1, device="cuda")  # CUDA up in torch before its profiler starts
     blocks = sorted({int(block) for block in args.blocks.split(",")})
     started = time.time()
-    lm, cache, taps, status = prefilled_target(args.size, args.context)
+    lm, cache, taps, status = bench.prefilled_target(args.size, args.context)
     print(f"[{time.time() - started:6.1f}s] runtime installed: {'; '.join(status.log_lines())}", flush=True)
 
     settle = bench.cache_settler(cache)
