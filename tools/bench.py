@@ -47,7 +47,7 @@ import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
-from make_synthetic_pack import SIZES, build_target_model, write_drafter  # noqa: E402
+from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from parity import greedy  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -89,7 +89,7 @@ def prefilled_target(size: str, context: int) -> tuple:
         sys.exit(f"exact verify is off on this machine: {status.reason}")
     lm = model.language_model
     taps = list(SIZES[size]["drafter"]["target_layer_ids"])
-    cache, _ = prefill(lm, [(17 * i + 3) % 200 + 1 for i in range(context)], taps)
+    cache, _ = prefill(lm, synthetic_prompt(context), taps)
     return lm, cache, taps, status
 
 
@@ -288,7 +288,7 @@ def main():
     cost_drafter = drafters.get("4bit", next(iter(drafters.values())))
     drafter_names = {id(drafter): form for form, drafter in drafters.items()}
     taps = list(cost_drafter.config.target_layer_ids)
-    prompt = [(17 * i + 3) % 200 + 1 for i in range(args.context)]
+    prompt = synthetic_prompt(args.context)
 
     status = dflash2_runtime.install(model)
     chosen_arm = status.decode_path.arm

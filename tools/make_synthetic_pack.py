@@ -851,6 +851,12 @@ def make_pack(
     return {"root": root, "target": root / "target", "drafter": root / "drafter"}
 
 
+def synthetic_prompt(length: int) -> list:
+    """The prompt the tools prefill before timing or comparing: `length` fixed token ids in
+    1..200."""
+    return [(17 * i + 3) % 200 + 1 for i in range(length)]
+
+
 def build_target_model(size="tiny", seed=0, dense_dtype="float16", layers=None):
     """The target model with its random weights loaded in memory, no files written
     (for benchmarks on a GPU machine). Same tensors as make_pack writes."""

@@ -230,9 +230,10 @@ def prefill_snapshots(lm, taps, contexts):
 
     One growing prefill; a deep copy at each length, so every case starts from
     the same cache a plain run would have, buffer capacity included."""
+    from make_synthetic_pack import synthetic_prompt
+
     cache, snapshots = lm.make_cache(), {}
-    prompt = [(17 * i + 3) % 200 + 1 for i in range(max(contexts))]
-    for position, token in enumerate(prompt, start=1):
+    for position, token in enumerate(synthetic_prompt(max(contexts)), start=1):
         mx.eval(lm(mx.array([[token]]), cache=cache, capture_layer_ids=taps).logits)
         if position in contexts:
             snapshots[position] = copy.deepcopy(cache)
