@@ -478,7 +478,7 @@ class RequestDecoder:
                 mx.async_eval(target_tokens, hidden)
                 accepted, tokens = _speculative_walk(draft_tokens, target_tokens, budget)
                 _record_speculative_round(self.draft_model, accepted, block - 1)
-                commit_speculative_round(self.lm, self.prompt_cache, gdn_states, accepted, block)
+                commit_round(self.lm, self.prompt_cache, gdn_states, accepted, block)
             except BaseException:
                 abort_speculative_round(gdn_states)
                 raise
@@ -674,6 +674,17 @@ def paired_ratio(numerator: dict, denominator: dict) -> float:
     """The median over passes of numerator / denominator within a pass (two arms of one
     interleaved_ms): a slow pass slows both sides of its ratio, not one side of a median."""
     return statistics.median(a / b for a, b in zip(numerator["samples"], denominator["samples"]))
+
+
+def commit_round(lm, cache, gdn_states, accepted: int, block: int) -> None:
+    """mlx-vlm's commit of a verified round, queued at once as an evaluation of its own.
+
+    Left lazy, the commit joins the next round's first evaluation, whose CUDA graphs then
+    change shape from round to round: MLX instantiates each new one (4-9 in many rounds,
+    graph_misses' 'commit left lazy' arm in evidence/graph-misses-cuda.md) where a queued
+    commit's rounds repeat their graphs and update them in place. Same ops, same bits."""
+    commit_speculative_round(lm, cache, gdn_states, accepted, block)
+    mx.async_eval(cache_arrays(cache))
 
 
 def cache_arrays(cache) -> list:

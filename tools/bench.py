@@ -109,9 +109,10 @@ def decode_steps(lm, cache):
     return steps
 
 
-def verify_round_steps(lm, cache, taps, length, accepted=None):
+def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_policy.commit_round):
     """steps(count): `count` exact verify rounds of `length` positions on `cache` (forward,
-    greedy choice, commit of `accepted` drafts: half the block unless given)."""
+    greedy choice, commit of `accepted` drafts: half the block unless given), committed as
+    the server commits (or by `commit`)."""
     block = mx.array([[11 + i for i in range(length)]])
 
     def steps(count):
@@ -120,7 +121,7 @@ def verify_round_steps(lm, cache, taps, length, accepted=None):
                 lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1)
             )
             mx.eval(tokens, hidden_out)
-            commit_speculative_round(lm, cache, states, length // 2 if accepted is None else accepted, length)
+            commit(lm, cache, states, length // 2 if accepted is None else accepted, length)
 
     return steps
 
@@ -183,6 +184,10 @@ def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
         for name, bf16 in (("bf16", True), ("promoted", False)):
             drafts = dflash2_runtime.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
             arms[f"draft {form}, {name}"] = dflash2_policy.steady_ms(drafts, run, settle)
+    # The commit as mlx-vlm leaves it, lazy for the next round's first evaluation: its graphs
+    # change shape and MLX instantiates them anew (dflash2_policy.commit_round).
+    arms[f"verify {BLOCK}, commit left lazy"] = dflash2_policy.steady_ms(
+        verify_round_steps(lm, cache, taps, BLOCK, commit=commit_speculative_round), run, settle)
     arms[f"verify {BLOCK}, generation stream"] = dflash2_policy.steady_ms(
         on_generation_stream(verify_round_steps(lm, cache, taps, BLOCK)), run, settle)
     arms[f"served round {BLOCK}"] = dflash2_policy.steady_ms(served_steps, run, served_settle)
@@ -337,6 +342,8 @@ def main():
             "verify on the generation stream": dflash2_policy.paired_ratio(
                 rounds[f"verify {BLOCK}, generation stream"], rounds["decode"]),
             "verify on the batch stream": verify[BLOCK],
+            "verify on the batch stream, commit left lazy": dflash2_policy.paired_ratio(
+                rounds[f"verify {BLOCK}, commit left lazy"], rounds["decode"]),
             f"draft {cost_form}": drafter_cost[cost_form],
         }
         log(f"decode step {decode_ms:.2f} ms; verify / decode {verify}; drafter {drafter_cost}; "

@@ -36,6 +36,7 @@ if __name__ == "__main__":  # MLX reads it once, at its first graph commit: befo
 import bench  # noqa: E402  (MLX's CUDA graph cache, as served; the pack on sys.path)
 
 import mlx.core as mx  # noqa: E402
+from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
 
 import dflash2_kernels  # noqa: E402
 import dflash2_policy  # noqa: E402
@@ -195,7 +196,8 @@ def record_steps(arms: dict, warm: int, count: int, count_instantiations=instant
 def summary_markdown(record: dict) -> str:
     lines = [f"# CUDA graphs built anew per step on {record['backend']} ({record['device']})", "",
              f"Command: `{record['command']}`; mlx {record['versions']['mlx']}, code {record['code']}. "
-             f"After {record['warm_steps']} warm-up steps per arm, arms taking turns, each step settled. "
+             f"After {record['warm_steps']} warm-up steps per arm, decode and the verify arms advancing 5 and 4 "
+             "taking turns, each step settled; then each arm that leaves its commit lazy (or queues it) alone. "
              "Instantiations: cudaGraphInstantiate calls in the step. A miss is a committed graph whose "
              "topology (node kinds, dependency edges) no earlier graph of the run had; instantiations "
              "beyond the misses are graphs MLX cannot update in place, or whose update failed. Wall "
@@ -242,16 +244,28 @@ def main():
     arms = {"decode": (bench.decode_steps(lm, cache), settle),
             f"verify {args.block}, advancing {half + 1}": (bench.verify_round_steps(lm, cache, taps, args.block), settle),
             f"verify {args.block}, advancing 4": (bench.verify_round_steps(lm, cache, taps, args.block, 3), settle)}
-    with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
-        steps = record_steps(arms, args.warm, args.steps, context=lambda: dflash2_policy.processed_tokens(cache))
-    print(f"[{time.time() - started:6.1f}s] recorded {args.steps} steps per arm", flush=True)
+    # Rounds unsettled, as the server runs them: the commit queued as an evaluation of its own
+    # (dflash2_policy.commit_round), and mlx-vlm's commit left lazy for the next round's first
+    # evaluation to take. Each arm runs alone, so that what it leaves stays its own.
+    unsettled = {f"verify {args.block}, commit left lazy": (
+                     bench.verify_round_steps(lm, cache, taps, args.block, commit=commit_speculative_round), lambda: None),
+                 f"verify {args.block}, commit queued": (
+                     bench.verify_round_steps(lm, cache, taps, args.block), lambda: None)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    steps = {}
     with tarfile.open(out / "graphs.tar.gz", "w:gz") as archive:
-        for name, arm in steps.items():
-            for step in arm[-2:]:
-                for file in step["files"]:
-                    archive.add(graph_folder() / file, arcname=f"{name.replace(' ', '-')}/step{step['step']}/{file}")
+        for phase in [arms] + [{name: arm} for name, arm in unsettled.items()]:
+            with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
+                recorded = record_steps(phase, args.warm, args.steps,
+                                        context=lambda: dflash2_policy.processed_tokens(cache))
+            settle()
+            print(f"[{time.time() - started:6.1f}s] recorded {args.steps} steps of {', '.join(phase)}", flush=True)
+            for name, arm in recorded.items():
+                for step in arm[-2:]:
+                    for file in step["files"]:
+                        archive.add(graph_folder() / file, arcname=f"{name.replace(' ', '-')}/step{step['step']}/{file}")
+            steps.update(recorded)
     shutil.rmtree(graph_folder())
     record = {**run_environment("graph_misses.py", f"synthetic {args.size}, seed 0"),
               "warm_steps": args.warm,
