@@ -71,6 +71,13 @@ REPLACED = (
         "bits: the kernel reproduces its head repeat and compiled step).",
     ),
     Audited(
+        "mlx_vlm.models.qwen3_5.language:_qwen3_5_decode_depthwise_conv",
+        "74738066cd31a354aa31fe22082c38b4b713d54925cee16a7f55886ae7cd2bfe",
+        "Decode's convolution of one window (astype, multiply, column sum, astype) on the "
+        "convolution kernel where measured faster: one launch, the same bits. Relied on: "
+        "_causal_conv1d_decode looks it up by this name at every call.",
+    ),
+    Audited(
         "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__",
         "3303ee4843ce5fe54d9668368360cb8a01e90acce70773658cfc0bf0b7b642d4",
         "Decode's one-row packed matmul on the faster exact kernel (same bits), and mirrored "

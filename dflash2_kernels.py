@@ -32,6 +32,10 @@ position alone in plain decode, on this backend:
   all L steps once its self-test found it equal, else the fused kernel a step at a time.
 - `dense_rows(x, weight)`: 1..8 rows of x @ weight.T, each decode's one-row
   `nn.Linear` (MLX's gemv). cuda only.
+- `conv_rows(state, x, weight, silu)`: the GatedDeltaNet's depthwise convolution at
+  each of L positions, decode's per-window arithmetic (fp32 products, summed over the
+  taps in order, rounded to fp16), silu after it with MLX's own functors, and the
+  window the cache keeps, in one launch where decode runs five or six. cuda only.
 - `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
   queries, query j seeing first_length + j keys, each decode's single-query
   `mx.fast.scaled_dot_product_attention`. cuda, where decode runs MLX's unfused
@@ -64,10 +68,12 @@ from functools import cache, partial
 from typing import Callable, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_vlm.models.cache import KVCache
 from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import hadamard_transform
 from mlx_vlm.models.qwen3_5 import gated_delta as gated_delta_module
+from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5.gated_delta import (
     _compute_g_beta,
     _gated_delta_step_ops,
@@ -2164,6 +2170,201 @@ def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 
 
 # ===========================================================================
+# Convolution
+
+# `conv_rows(state, x, weight, silu)`: the GatedDeltaNet's depthwise causal convolution
+# for L positions, each decode's (mlx-vlm 0.7.2 qwen3_5/language.py:71-73,
+# `_qwen3_5_decode_depthwise_conv` on the (B, K, C) window that ends at it), with
+# nn.silu after it where `silu`, and the (B, K - 1 + L, C) concatenation of state and x
+# the cache keeps as its window. On CUDA decode runs that as five kernels a layer (the
+# concatenation's two copies, a compiled astype-multiply, a column reduce, an astype
+# copy) and one more for silu; the kernel below is one launch with their arithmetic:
+# each product float(x) * w rounded to fp32 (a kernel of its own in MLX, so never fused
+# into an FMA), summed over the K taps in tap order from +0 as col_reduce_small's Sum
+# does (reduce/col_reduce.cu:206-244), rounded to fp16 (static_cast, device/cast_op.cuh),
+# then silu as MLX's compiled kernel computes it on __half: Multiply{}(x, Sigmoid{}(x))
+# with MLX's own functors (device/unary_ops.cuh, binary_ops.cuh, included here).
+
+CONV_SHAPES_SMALL = ((1, 96, 4), (2, 40, 4), (1, 24, 3))  # (B, C, K)
+_stock_decode_conv = qwen3_5_language._qwen3_5_decode_depthwise_conv  # before the runtime swaps it
+
+
+def stock_conv_rows(state, x, weight, silu: bool, window: bool = True):
+    """(window or None, out): decode's convolution, one stock call per position."""
+    made = mx.concatenate([state, x], axis=1)
+    taps = weight.shape[0]
+    out = mx.concatenate([_stock_decode_conv(made[:, t : t + taps], weight) for t in range(x.shape[1])], axis=1)
+    return made if window else None, nn.silu(out) if silu else out
+
+
+_CONV_CUDA_HEADER = r"""
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+
+namespace dflash2_conv {
+
+// One thread per element (b, p, c) of the (B, K - 1 + L, C) window: it writes that element
+// (WINDOW) and, for p < L, output position p from window positions p..p+K-1. w: (C, K), the
+// layout of decode's (K, C) weight (the transpose of conv1d.weight[:, :, 0], cast).
+template <int K, bool SILU, bool WINDOW>
+__device__ void conv_rows(const __half* state, const __half* x, const float* w,
+                          __half* window, __half* out, int rows, int channels, int64_t total) {
+  const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= total) {
+    return;
+  }
+  constexpr int kWidth = K - 1;
+  const int c = index % channels;
+  const int p = (index / channels) % (kWidth + rows);
+  const int64_t b = index / channels / (kWidth + rows);
+  auto input = [&](int position) {
+    return position < kWidth ? state[(b * kWidth + position) * channels + c]
+                             : x[(b * rows + position - kWidth) * channels + c];
+  };
+  if (WINDOW) {
+    window[index] = input(p);
+  }
+  if (p < rows) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int t = 0; t < K; ++t) {
+      sum = __fadd_rn(sum, __fmul_rn(static_cast<float>(input(p + t)), w[c * K + t]));
+    }
+    __half y = static_cast<__half>(sum);
+    if (SILU) {
+      y = mlx::core::cu::Multiply{}(y, mlx::core::cu::Sigmoid{}(y));
+    }
+    out[(b * rows + p) * channels + c] = y;
+  }
+}
+
+}  // namespace dflash2_conv
+"""
+_CONV_SOURCE = (
+    "dflash2_conv::conv_rows<K, SILU, WINDOW>(state, x, w, window, out, x_shape[1], x_shape[2], "
+    "int64_t(x_shape[0]) * (K - 1 + x_shape[1]) * x_shape[2]);"
+)
+CONV_THREADS = 256
+
+
+@cache
+def _conv_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_conv_rows",
+        input_names=["state", "x", "w"],
+        output_names=["window", "out"],
+        source=_CONV_SOURCE,
+        header=cuda_header(_CONV_CUDA_HEADER),
+    )
+
+
+def cuda_conv_rows(state, x, weight, silu: bool, window: bool = True):
+    """(window or None, out) through the CUDA kernel; no self-test gate."""
+    batch, rows, channels = x.shape
+    taps = weight.shape[0]
+    total = batch * (taps - 1 + rows) * channels
+    made = _conv_kernel()(
+        inputs=[state, x, weight.T],  # (C, K): decode's weight is that transposed, so a view
+        template=[("K", taps), ("SILU", silu), ("WINDOW", window)],
+        grid=(-(-total // CONV_THREADS) * CONV_THREADS, 1, 1),
+        threadgroup=(CONV_THREADS, 1, 1),
+        output_shapes=[(batch, taps - 1 + rows, channels) if window else (1,), x.shape],
+        output_dtypes=[mx.float16, mx.float16],
+    )
+    return made[0] if window else None, made[1]
+
+
+_conv_serving: dict = {}  # backend -> the variant its self-test verified, or None
+
+
+def conv_kernel_supports(state, x, weight) -> bool:
+    return (state.dtype == x.dtype == mx.float16 and weight.dtype == mx.float32
+            and state.shape[1] == weight.shape[0] - 1 and x.shape[2] == weight.shape[1] == state.shape[2]
+            and state.shape[0] == x.shape[0])
+
+
+def conv_rows(state, x, weight, silu: bool, window: bool = True, variant=None):
+    """Decode's depthwise convolution at each of L positions (and silu after it).
+
+    state: (B, K - 1, C) the window before the block; x: (B, L, C) the block's inputs;
+    weight: (K, C) float32, decode's cached `conv1d.weight[:, :, 0].T` in fp32 (column-major
+    there, so the kernel reads it in place). Returns
+    (the (B, K - 1 + L, C) concatenation, or None without `window`; out (B, L, C)), out
+    bitwise decode's per position. variant: "taps" forces the kernel (no gate)."""
+    if variant is None:
+        backend = backend_name()
+        if backend == "cuda" and backend not in _conv_serving:
+            self_test_conv()
+        variant = _conv_serving.get(backend)
+        if variant is None or not conv_kernel_supports(state, x, weight):
+            return stock_conv_rows(state, x, weight, silu, window)
+    return cuda_conv_rows(state, x, weight, silu, window)
+
+
+def make_conv_case(kind: str, batch: int, channels: int, taps: int, key):
+    """(state (B, K-1, C), x (B, 8, C), weight (K, C) fp32 from fp16 values, laid out as
+    decode's: the transpose of a (C, K) array, cast)."""
+    k_window, k_weight = mx.random.split(key)
+    rows = taps - 1 + MAX_ROWS
+    window = make_inputs(kind, batch * rows, channels, k_window).reshape(batch, rows, channels)
+    weight = (mx.random.normal((channels, taps), key=k_weight) * 0.5).astype(mx.float16).T.astype(mx.float32)
+    return window[:, : taps - 1], window[:, taps - 1 :], weight
+
+
+def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check the convolution bit for bit against decode's per-position calls, rows 1..8,
+    with and without silu, the window too, and without it (decode's call). kernel: (state,
+    x, weight, silu, window) -> (window or None, out), tested as variant "kernel"; default: the CUDA kernel, serving then switched on
+    or off. shapes: (B, C, K) triples, default the small ones. MLX's convolution of the
+    whole block (stock verify's nn.Conv1d call) is counted alongside (the control)."""
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    variants = {"kernel": kernel} if kernel else {"taps": cuda_conv_rows}
+    shapes = [tuple(s) for s in (shapes or CONV_SHAPES_SMALL)]
+    differing = {name: 0 for name in variants}
+    failures, cases = {}, []
+    negative = {"block convolution": 0}
+    key = mx.random.key(seed)
+    for batch, channels, taps in shapes:
+        for kind in INPUT_KINDS:
+            key, case_key = mx.random.split(key)
+            state, x, weight = make_conv_case(kind, batch, channels, taps, case_key)
+            for silu in (False, True):
+                want_window, want = stock_conv_rows(state, x, weight, silu)
+                if silu:
+                    block = mx.conv1d(want_window, weight.T[:, :, None].astype(mx.float16), groups=channels)
+                    negative["block convolution"] += _differing(nn.silu(block), want)
+                for name, conv in variants.items():
+                    for rows in range(1, MAX_ROWS + 1):
+                        try:
+                            got_window, got = conv(state, x[:, :rows], weight, silu, True)
+                            unwindowed, got_alone = conv(state, x[:, :rows], weight, silu, False)
+                            if unwindowed is not None:
+                                raise ValueError("a window was made where none was asked for")
+                            pairs = {"out": (got, want[:, :rows]), "out without the window": (got_alone, want[:, :rows]),
+                                     "window": (got_window, want_window[:, : taps - 1 + rows])}
+                            diffs = {part: _differing(*pair) for part, pair in pairs.items()}
+                        except Exception as error:
+                            failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
+                            differing[name] += 1
+                            continue
+                        diff = sum(diffs.values())
+                        cases.append({"shape": [batch, channels, taps], "rows": rows, "input": kind,
+                                      "silu": silu, "variant": name, "mismatches": diff})
+                        differing[name] += diff
+                        if diff and name not in failures:
+                            part = next(part for part, count in diffs.items() if count)
+                            failures[name] = (f"{name} differs at (B, C, K)={(batch, channels, taps)} rows={rows} "
+                                              f"input={kind} silu={silu}, {part}: "
+                                              + _first_difference(*pairs[part])[0])
+    result = _variants_result(backend, differing, failures, negative, cases)
+    if kernel is None:
+        _conv_serving[backend] = result.variant
+    return result
+
+
+# ===========================================================================
 # Decode attention
 
 # `decode_attention_rows(queries, keys, values, scale, first_length)`: query j of
@@ -3226,6 +3427,7 @@ SELF_TESTS = {
     "gdn": ("gdn", self_test_gdn),
     "dense": ("dense", self_test_dense),
     "attention": ("attention", self_test_attention),
+    "conv": ("conv", self_test_conv),
 }
 
 
@@ -3233,7 +3435,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
     """Self-test every kernel at the pack's shapes, rows / steps / queries 1..8.
 
     shapes: {"packed": [(N, K)], "rotations": [(K, block)], "gdn": [(B, Hk, Hv,
-    Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)]}; a missing or
+    Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
     serves only where its test passed. Returns {kernel name: SelfTestResult};
     off the kernels' backends the results say NO_KERNEL and take no time.

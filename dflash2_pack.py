@@ -404,7 +404,7 @@ def kernel_shapes(model) -> dict:
     from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 
     text = model.language_model.model
-    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention")}
+    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv")}
     for _, module in model.language_model.named_modules():
         if isinstance(module, HadamardQuantizedLinear):
             width = dflash2_kernels.packed_width(module.weight)
@@ -417,6 +417,7 @@ def kernel_shapes(model) -> dict:
             shapes["gdn"].add((1, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))
             gates = gdn.in_proj_b.weight.shape[0] + gdn.in_proj_a.weight.shape[0]
             shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
+            shapes["conv"].add((1, gdn.conv_dim, gdn.conv_kernel_size))
         else:
             attention = layer.self_attn
             shapes["attention"].add(

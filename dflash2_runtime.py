@@ -165,6 +165,7 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
 
 _stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
 _stock_gated_delta_ops = gated_delta_module.gated_delta_ops
+_stock_decode_depthwise_conv = qwen3_5_language._qwen3_5_decode_depthwise_conv
 
 # Plain decode's replacements in use, chosen by choose_decode_path from an
 # end-to-end measurement on this machine. Each is bitwise decode's own result
@@ -173,6 +174,7 @@ DECODE_ARMS = {
     "mlx": frozenset(),
     "rotation": frozenset({"rotation"}),
     "rotation+recurrence": frozenset({"rotation", "recurrence"}),
+    "rotation+recurrence+convolution": frozenset({"rotation", "recurrence", "convolution"}),
     "rotation+recurrence+matmul": frozenset({"rotation", "recurrence", "matmul"}),
 }
 _decode_path: frozenset = frozenset()
@@ -199,6 +201,15 @@ def _gated_delta_ops_call(q, k, v, g, beta, state=None, mask=None):
         return _stock_gated_delta_ops(q, k, v, g, beta, state, mask)
     y, states = dflash2_kernels.gdn_recurrence(q, k, v, g, beta, state)
     return y, states[:, -1]
+
+
+def _decode_depthwise_conv_call(conv_input, weight):
+    """_qwen3_5_decode_depthwise_conv on the convolution kernel: one launch for its three."""
+    if "convolution" not in _decode_path:
+        return _stock_decode_depthwise_conv(conv_input, weight)
+    width = weight.shape[0] - 1
+    return dflash2_kernels.conv_rows(conv_input[:, :width], conv_input[:, width:], weight, silu=False,
+                                     window=False)[1]
 
 
 def _single_unpadded_row(cache, batch: int) -> bool:
@@ -312,10 +323,9 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         conv_state = cache[0]
         if conv_state is None or conv_state.shape[0] != batch:
             conv_state = mx.zeros((batch, width, layer.conv_dim), dtype=inputs.dtype)
-        conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
+        conv_input, conv_out = _verify_convolution(layer, conv_state, mixed_qkv)
         # One window update records every position's window for rollback.
         cache.update_window(0, conv_input, width, lengths=cache.lengths)
-        conv_out = nn.silu(_decode_convolution(layer, conv_input, length))
         q, k, v = [
             value.reshape(batch, length, heads, head_width)
             for value, heads, head_width in zip(
@@ -358,26 +368,26 @@ def _gate_projections(layer, x):
     return out[..., : b_weight.shape[0]], out[..., b_weight.shape[0] :]
 
 
-def _decode_convolution(layer, conv_input, length):
-    """Decode's depthwise convolution for each of the last `length` positions.
+def _verify_convolution(layer, conv_state, mixed_qkv):
+    """(the window the cache keeps, silu of decode's convolution at each position).
 
-    Decode convolves one (B, K, C) window; here every position's window is a
-    strided view of the block's input and one call reduces them all (the
-    reduction keeps each output's order, whatever the number of outputs).
-    """
-    batch, total, channels = conv_input.shape
-    taps = layer.conv_kernel_size
+    Decode convolves the (B, K, C) window that ends at its position; with fp16 or bf16
+    weights it runs `_qwen3_5_decode_depthwise_conv` on fp32 weights, which
+    dflash2_kernels.conv_rows takes for every position at once (one launch on CUDA)."""
     if layer.conv1d.weight.dtype not in (mx.bfloat16, mx.float16):
         # fp32 convolution weights: decode runs nn.Conv1d on the window.
-        return mx.concatenate(
-            [layer.conv1d(conv_input[:, t : t + taps]) for t in range(length)], axis=1
-        )
-    windows = mx.as_strided(
-        conv_input,
-        (batch, length, taps, channels),
-        (total * channels, channels, channels, 1),
-    ).reshape(batch * length, taps, channels)
-    return layer._causal_conv1d_decode(windows).reshape(batch, length, channels)
+        conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
+        taps = layer.conv_kernel_size
+        windows = [layer.conv1d(conv_input[:, t : t + taps]) for t in range(mixed_qkv.shape[1])]
+        return conv_input, nn.silu(mx.concatenate(windows, axis=1))
+    weight = layer.conv1d.weight
+    cached = getattr(layer, "_dflash2_conv_weight", None)
+    if cached is None or cached[0] is not weight:
+        # Decode's own, as mlx-vlm's _causal_conv1d_decode casts it once.
+        cached = (weight, weight[:, :, 0].T.astype(mx.float32))
+        mx.eval(cached[1])
+        layer._dflash2_conv_weight = cached
+    return dflash2_kernels.conv_rows(conv_state, mixed_qkv, cached[1], silu=True)
 
 
 def greedy_tokens_like_decode(logits: mx.array) -> mx.array:
@@ -572,6 +582,7 @@ REPLACEMENTS = {
         _embed_input_tokens_bf16,
     "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__": _drafter_attention_call,
     "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops": _gated_delta_ops_call,
+    "mlx_vlm.models.qwen3_5.language:_qwen3_5_decode_depthwise_conv": _decode_depthwise_conv_call,
     "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
         _hadamard_linear_call,
     "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_policy.policy_rounds,

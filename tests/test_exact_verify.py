@@ -43,6 +43,19 @@ def test_verify_logits_and_hidden_equal_sequential_decode(target, raw_plain):
     assert [c for c in cases if c["logits"] or c["hidden"]] == []
 
 
+def test_every_decode_arm_gives_plain_decoding_s_tokens(target, raw_plain):
+    """Plain greedy decoding under each of DECODE_ARMS (on CPU each replacement makes its
+    stock calls, so this holds the plumbing: which window, which rows, which weights)."""
+    model, processor, _ = target
+    ids = raw_ids(processor, PROMPTS[0])
+    try:
+        for arm in dflash2_runtime.DECODE_ARMS:
+            dflash2_runtime.use_decode_arm(arm)
+            assert greedy(model, ids, GENERATED) == raw_plain[0], arm
+    finally:
+        dflash2_runtime.use_decode_arm("mlx")
+
+
 def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target, raw_plain):
     model, processor, drafter = target
     lm = model.language_model

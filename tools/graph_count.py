@@ -52,6 +52,7 @@ ONE_LAUNCH = (
     (dflash2_kernels, "rotate", lambda *args, **kwargs: 1),
     (dflash2_kernels, "gdn_recurrence", lambda *args, **kwargs: 1),
     (dflash2_kernels, "dense_rows", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "conv_rows", lambda *args, **kwargs: 1),
     # Scores, softmax and gather kernels, then decode's own p @ v call per query.
     (dflash2_kernels, "decode_attention_rows", lambda queries, *args, **kwargs: 3 + queries.shape[2]),
 )
@@ -116,7 +117,7 @@ def one_launch_calls():
 def call_primitives(function, args, kwargs) -> int:
     """Non-view primitives CPU builds one such call from, on evaluated placeholders."""
     output = function(*placeholder(args), **placeholder(kwargs))
-    outputs = list(output) if isinstance(output, tuple) else [output]
+    outputs = [out for out in (output if isinstance(output, tuple) else (output,)) if out is not None]
     return sum(primitive_kinds(outputs).values())
 
 
