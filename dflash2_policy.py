@@ -688,11 +688,14 @@ def commit_round(lm, cache, gdn_states, accepted: int, block: int) -> None:
 
 
 def cache_arrays(cache) -> list:
-    """The state a cache carries forward: KV up to its offset, recurrent states."""
+    """The state a cache carries forward: KV up to its offset (a batch cache's offsets are
+    per row: its buffers whole), recurrent states."""
     arrays = []
     for layer in cache:
-        if getattr(layer, "keys", None) is not None:
+        if getattr(layer, "keys", None) is not None and isinstance(layer.offset, int):
             arrays += [layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]]
+        elif getattr(layer, "keys", None) is not None:
+            arrays += [layer.keys, layer.values]
         elif hasattr(layer, "cache"):
             arrays += [state for state in layer.cache if state is not None]
     return arrays
