@@ -2278,7 +2278,10 @@ _conv_serving: dict = {}  # backend -> the variant its self-test verified, or No
 
 
 def conv_kernel_supports(state, x, weight) -> bool:
-    return (state.dtype == x.dtype == mx.float16 and weight.dtype == mx.float32
+    # Decode's column sum is col_reduce_small (taps in order) only for up to 32 taps and
+    # C % 4 == 0 (reduce/col_reduce.cu:484-486); elsewhere MLX sums in another order.
+    return (weight.shape[0] <= 32 and weight.shape[1] % 4 == 0
+            and state.dtype == x.dtype == mx.float16 and weight.dtype == mx.float32
             and state.shape[1] == weight.shape[0] - 1 and x.shape[2] == weight.shape[1] == state.shape[2]
             and state.shape[0] == x.shape[0])
 

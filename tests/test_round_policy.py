@@ -644,3 +644,17 @@ def test_passes_rotate_the_arms_and_ratios_pair_samples_of_one_pass():
     assert stats["b"]["samples"] == [20.0, 100.0, 30.0] and stats["a"]["samples"] == [10.0, 50.0, 10.0]
     assert stats["b"]["median"] / stats["a"]["median"] == 3.0  # medians of different passes
     assert dflash2_policy.paired_ratio(stats["b"], stats["a"]) == 2.0
+
+
+def test_a_batch_cache_s_state_is_its_whole_buffers():
+    """The server's batch caches keep per-row offsets (an array): cache_arrays (what
+    commit_round queues after every round) takes their buffers whole, where a slice to the
+    offset raised and every served round fell back to plain."""
+    from mlx_vlm.models.cache import ArraysCache, BatchKVCache
+
+    attention = BatchKVCache([0])
+    attention.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
+    recurrent = ArraysCache(size=2)
+    recurrent[0] = mx.zeros((1, 3, 8))
+    arrays = dflash2_policy.cache_arrays([attention, recurrent])
+    assert [a.shape for a in arrays] == [attention.keys.shape, attention.values.shape, (1, 3, 8)]
