@@ -2186,14 +2186,14 @@ def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 # with MLX's own functors (device/unary_ops.cuh, binary_ops.cuh, included here).
 
 CONV_SHAPES_SMALL = ((1, 96, 4), (2, 40, 4), (1, 24, 3))  # (B, C, K)
-_stock_decode_conv = qwen3_5_language._qwen3_5_decode_depthwise_conv  # before the runtime swaps it
+stock_decode_conv = qwen3_5_language._qwen3_5_decode_depthwise_conv  # before the runtime swaps it
 
 
 def stock_conv_rows(state, x, weight, silu: bool, window: bool = True):
     """(window or None, out): decode's convolution, one stock call per position."""
     made = mx.concatenate([state, x], axis=1)
     taps = weight.shape[0]
-    out = mx.concatenate([_stock_decode_conv(made[:, t : t + taps], weight) for t in range(x.shape[1])], axis=1)
+    out = mx.concatenate([stock_decode_conv(made[:, t : t + taps], weight) for t in range(x.shape[1])], axis=1)
     return made if window else None, nn.silu(out) if silu else out
 
 

@@ -165,7 +165,6 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
 
 _stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
 _stock_gated_delta_ops = gated_delta_module.gated_delta_ops
-_stock_decode_depthwise_conv = qwen3_5_language._qwen3_5_decode_depthwise_conv
 
 # Plain decode's replacements in use, chosen by choose_decode_path from an
 # end-to-end measurement on this machine. Each is bitwise decode's own result
@@ -206,7 +205,7 @@ def _gated_delta_ops_call(q, k, v, g, beta, state=None, mask=None):
 def _decode_depthwise_conv_call(conv_input, weight):
     """_qwen3_5_decode_depthwise_conv on the convolution kernel: one launch for its three."""
     if "convolution" not in _decode_path:
-        return _stock_decode_depthwise_conv(conv_input, weight)
+        return dflash2_kernels.stock_decode_conv(conv_input, weight)
     width = weight.shape[0] - 1
     return dflash2_kernels.conv_rows(conv_input[:, :width], conv_input[:, width:], weight, silu=False,
                                      window=False)[1]
@@ -359,13 +358,21 @@ def _gate_projections(layer, x):
     b_weight, a_weight = layer.in_proj_b.weight, layer.in_proj_a.weight
     if "bias" in layer.in_proj_b or "bias" in layer.in_proj_a:
         raise ExactnessError("GatedDeltaNet gate projections with a bias are not covered")
-    cached = getattr(layer, "_dflash2_gate_weight", None)
-    if cached is None or cached[0] is not b_weight or cached[1] is not a_weight:
-        cached = (b_weight, a_weight, mx.concatenate([b_weight, a_weight]))
-        mx.eval(cached[2])  # once, as mlx-vlm prepares decode's convolution weight
-        layer._dflash2_gate_weight = cached
-    out = dflash2_kernels.dense_rows(x, cached[2])
+    weight = _derived_weight(layer, "_dflash2_gate_weight", (b_weight, a_weight),
+                             lambda b, a: mx.concatenate([b, a]))
+    out = dflash2_kernels.dense_rows(x, weight)
     return out[..., : b_weight.shape[0]], out[..., b_weight.shape[0] :]
+
+
+def _derived_weight(layer, name: str, sources: tuple, derive):
+    """derive(*sources), evaluated once and kept on the layer as `name` until one of the
+    source arrays is replaced (as mlx-vlm keeps decode's convolution weight)."""
+    cached = getattr(layer, name, None)
+    if cached is None or any(kept is not source for kept, source in zip(cached[0], sources)):
+        cached = (sources, derive(*sources))
+        mx.eval(cached[1])
+        setattr(layer, name, cached)
+    return cached[1]
 
 
 def _verify_convolution(layer, conv_state, mixed_qkv):
@@ -380,14 +387,10 @@ def _verify_convolution(layer, conv_state, mixed_qkv):
         taps = layer.conv_kernel_size
         windows = [layer.conv1d(conv_input[:, t : t + taps]) for t in range(mixed_qkv.shape[1])]
         return conv_input, nn.silu(mx.concatenate(windows, axis=1))
-    weight = layer.conv1d.weight
-    cached = getattr(layer, "_dflash2_conv_weight", None)
-    if cached is None or cached[0] is not weight:
-        # Decode's own, as mlx-vlm's _causal_conv1d_decode casts it once.
-        cached = (weight, weight[:, :, 0].T.astype(mx.float32))
-        mx.eval(cached[1])
-        layer._dflash2_conv_weight = cached
-    return dflash2_kernels.conv_rows(conv_state, mixed_qkv, cached[1], silu=True)
+    # Decode's own weight, as mlx-vlm's _causal_conv1d_decode casts it.
+    weight = _derived_weight(layer, "_dflash2_conv_weight", (layer.conv1d.weight,),
+                             lambda w: w[:, :, 0].T.astype(mx.float32))
+    return dflash2_kernels.conv_rows(conv_state, mixed_qkv, weight, silu=True)
 
 
 def greedy_tokens_like_decode(logits: mx.array) -> mx.array:

@@ -245,10 +245,10 @@ def test_dense_rows_equals_one_row_linears():
 def test_conv_rows_equals_decode_per_window():
     """Each position: decode's convolution of the window that ends there (silu after it or
     not), and the concatenated window the cache keeps."""
-    assert dk._stock_decode_conv.__name__ == "_qwen3_5_decode_depthwise_conv"  # mlx-vlm's own
+    assert dk.stock_decode_conv.__name__ == "_qwen3_5_decode_depthwise_conv"  # mlx-vlm's own
     state, x, weight = dk.make_conv_case("normal", 2, 40, 4, mx.random.key(1))
     window = mx.concatenate([state, x[:, :5]], axis=1)
-    want = mx.concatenate([dk._stock_decode_conv(window[:, t : t + 4], weight) for t in range(5)], axis=1)
+    want = mx.concatenate([dk.stock_decode_conv(window[:, t : t + 4], weight) for t in range(5)], axis=1)
     kernel = "taps" if dk.backend_name() == "cuda" else None  # on CUDA the kernel itself, ungated
     for silu in (False, True):
         got_window, got = dk.conv_rows(state, x[:, :5], weight, silu, variant=kernel)
