@@ -71,11 +71,12 @@ REPLACED = (
         "bits: the kernel reproduces its head repeat and compiled step).",
     ),
     Audited(
-        "mlx_vlm.models.qwen3_5.language:_qwen3_5_decode_depthwise_conv",
-        "74738066cd31a354aa31fe22082c38b4b713d54925cee16a7f55886ae7cd2bfe",
-        "Decode's convolution of one window (astype, multiply, column sum, astype) on the "
-        "convolution kernel where measured faster: one launch, the same bits. Relied on: "
-        "_causal_conv1d_decode looks it up by this name at every call.",
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__",
+        "0ab0be71156568f50a248f898d431b657b36b399166e29e25c16c7a45f6cc81b",
+        "Decode's step, where measured faster (the convolution arm), for one unpadded row: "
+        "the layer as verify runs it at one position (dflash2_runtime.gated_delta_positions), "
+        "its concatenated window, convolution and silu in one kernel launch and both gates in "
+        "one; every other call runs it as is. Mirrored per verify position.",
     ),
     Audited(
         "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__",
@@ -288,9 +289,11 @@ AUDITED = (
         "Called per verify position: norms, rotary, KV cache append.",
     ),
     Audited(
-        "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__",
-        "0ab0be71156568f50a248f898d431b657b36b399166e29e25c16c7a45f6cc81b",
-        "Mirrored: decode GatedDeltaNet step, reproduced per verify position.",
+        "mlx_vlm.models.qwen3_5.language:_qwen3_5_decode_depthwise_conv",
+        "74738066cd31a354aa31fe22082c38b4b713d54925cee16a7f55886ae7cd2bfe",
+        "Decode's convolution of one window (astype, multiply, column sum, astype): the "
+        "convolution kernel reproduces it, and its self-test compares with it "
+        "(dflash2_kernels.stock_decode_conv).",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._causal_conv1d_decode",

@@ -2186,7 +2186,7 @@ def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 # with MLX's own functors (device/unary_ops.cuh, binary_ops.cuh, included here).
 
 CONV_SHAPES_SMALL = ((1, 96, 4), (2, 40, 4), (1, 24, 3))  # (B, C, K)
-stock_decode_conv = qwen3_5_language._qwen3_5_decode_depthwise_conv  # before the runtime swaps it
+stock_decode_conv = qwen3_5_language._qwen3_5_decode_depthwise_conv  # mlx-vlm's own (dflash2_audit.AUDITED)
 
 
 def stock_conv_rows(state, x, weight, silu: bool, window: bool = True):

@@ -14,6 +14,7 @@ table: if its source differs from the audited one, `install` refuses and names i
 """
 
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -165,6 +166,7 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
 
 _stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
 _stock_gated_delta_ops = gated_delta_module.gated_delta_ops
+_stock_gated_delta_net_call = qwen3_5_language.Qwen3_5GatedDeltaNet.__call__
 
 # Plain decode's replacements in use, chosen by choose_decode_path from an
 # end-to-end measurement on this machine. Each is bitwise decode's own result
@@ -202,13 +204,20 @@ def _gated_delta_ops_call(q, k, v, g, beta, state=None, mask=None):
     return y, states[:, -1]
 
 
-def _decode_depthwise_conv_call(conv_input, weight):
-    """_qwen3_5_decode_depthwise_conv on the convolution kernel: one launch for its three."""
-    if "convolution" not in _decode_path:
-        return dflash2_kernels.stock_decode_conv(conv_input, weight)
-    width = weight.shape[0] - 1
-    return dflash2_kernels.conv_rows(conv_input[:, :width], conv_input[:, width:], weight, silu=False,
-                                     window=False)[1]
+def _gated_delta_net_call(self, inputs, mask=None, cache=None):
+    """Qwen3_5GatedDeltaNet.__call__; with the convolution, decode's one unpadded fp16 row
+    runs the layer as verify does at one position (gated_delta_positions): the window,
+    convolution and silu in one launch instead of four (dflash2_kernels.conv_rows), both
+    gates in one (dense_rows). Each kernel is bitwise decode's (its self-test), and
+    choose_decode_path compares a step of the arm with stock's before it can serve."""
+    if ("convolution" not in _decode_path or self.training or mask is not None or cache is None
+            or inputs.shape[:2] != (1, 1) or inputs.dtype != mx.float16):
+        return _stock_gated_delta_net_call(self, inputs, mask, cache)
+    return gated_delta_positions(self, inputs, cache, _module_call)
+
+
+def _module_call(module, x):
+    return module(x)
 
 
 def _single_unpadded_row(cache, batch: int) -> bool:
@@ -314,42 +323,48 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
     def _gated_delta(self, layer, inputs, mask, cache):
         if mask is not None or cache is None:
             raise ExactnessError("padded or cache-less GatedDeltaNet verify is not exact")
-        batch, length, _ = inputs.shape
-        mixed_qkv, z = self._linears((layer.in_proj_qkv, layer.in_proj_z), inputs)
-        b, a = _gate_projections(layer, inputs)
-        z = z.reshape(batch, length, -1, layer.head_v_dim)
-        width = layer.conv_kernel_size - 1
-        conv_state = cache[0]
-        if conv_state is None or conv_state.shape[0] != batch:
-            conv_state = mx.zeros((batch, width, layer.conv_dim), dtype=inputs.dtype)
-        conv_input, conv_out = _verify_convolution(layer, conv_state, mixed_qkv)
-        # One window update records every position's window for rollback.
-        cache.update_window(0, conv_input, width, lengths=cache.lengths)
-        q, k, v = [
-            value.reshape(batch, length, heads, head_width)
-            for value, heads, head_width in zip(
-                mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
-                [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
-                [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
-            )
-        ]
-        q, k = layer._normalize_qk(q, k)
-        g, beta = _compute_g_beta(layer.A_log, a, b, layer.dt_bias)
-        initial = cache[1]
-        if initial is None or initial.shape[0] != batch:
-            initial = mx.zeros((batch, *v.shape[2:], k.shape[-1]), dtype=mx.float32)
-        output, states = dflash2_kernels.gdn_recurrence(q, k, v, g, beta, initial)
-        # Every position's state is recorded in one call so rollback can keep
-        # any prefix without copying states per position.
-        final = states[:, -1]
-        cache.record_speculative_states(1, states[:, :-1] if length > 1 else None, final)
-        cache[1] = final
-        cache.advance(length)
-        helpers = self._helpers()
-        helpers._qwen3_5_advance_left_padding_info(cache, length)
-        helpers._qwen3_5_advance_lengths_info(cache, length)
-        output = layer.norm(output, z)
-        return self._linear(layer.out_proj, output.reshape(batch, length, -1))
+        return gated_delta_positions(layer, inputs, cache, self._linear)
+
+
+def gated_delta_positions(layer, inputs, cache, linear):
+    """The GatedDeltaNet layer at each of the (B, L) positions of `inputs`, every one as
+    decode's step computes it (unmasked, with a cache). linear(module, x) runs its packed
+    projections: verify's exact multi-row matmul, or the module's own call in decode."""
+    batch, length, _ = inputs.shape
+    mixed_qkv, z = linear(layer.in_proj_qkv, inputs), linear(layer.in_proj_z, inputs)
+    b, a = _gate_projections(layer, inputs)
+    z = z.reshape(batch, length, -1, layer.head_v_dim)
+    width = layer.conv_kernel_size - 1
+    conv_state = cache[0]
+    if conv_state is None or conv_state.shape[0] != batch:
+        conv_state = mx.zeros((batch, width, layer.conv_dim), dtype=inputs.dtype)
+    conv_input, conv_out = _verify_convolution(layer, conv_state, mixed_qkv)
+    # One window update records every position's window for rollback.
+    cache.update_window(0, conv_input, width, lengths=cache.lengths)
+    q, k, v = [
+        value.reshape(batch, length, heads, head_width)
+        for value, heads, head_width in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+        )
+    ]
+    q, k = layer._normalize_qk(q, k)
+    g, beta = _compute_g_beta(layer.A_log, a, b, layer.dt_bias)
+    initial = cache[1]
+    if initial is None or initial.shape[0] != batch:
+        initial = mx.zeros((batch, *v.shape[2:], k.shape[-1]), dtype=mx.float32)
+    output, states = dflash2_kernels.gdn_recurrence(q, k, v, g, beta, initial)
+    # Every position's state is recorded in one call so rollback can keep any prefix
+    # without copying states per position (a no-op outside a speculative round).
+    final = states[:, -1]
+    cache.record_speculative_states(1, states[:, :-1] if length > 1 else None, final)
+    cache[1] = final
+    cache.advance(length)
+    qwen3_5_language._qwen3_5_advance_left_padding_info(cache, length)
+    qwen3_5_language._qwen3_5_advance_lengths_info(cache, length)
+    output = layer.norm(output, z)
+    return linear(layer.out_proj, output.reshape(batch, length, -1))
 
 
 def _gate_projections(layer, x):
@@ -585,7 +600,7 @@ REPLACEMENTS = {
         _embed_input_tokens_bf16,
     "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__": _drafter_attention_call,
     "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops": _gated_delta_ops_call,
-    "mlx_vlm.models.qwen3_5.language:_qwen3_5_decode_depthwise_conv": _decode_depthwise_conv_call,
+    "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__": _gated_delta_net_call,
     "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
         _hadamard_linear_call,
     "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_policy.policy_rounds,
@@ -700,8 +715,6 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
     not). Its seconds are logged by part: the prompt and 8 decode steps it compares
     against, the 7 exact rounds, the stock round (first use compiles on GPUs).
     """
-    import copy
-
     from mlx_vlm.speculative.cache_state import commit_speculative_round
 
     if len(block) < STOCK_CONTROL_BLOCK:
@@ -797,16 +810,39 @@ def use_decode_arm(arm: str) -> None:
     _decode_path = DECODE_ARMS[arm]
 
 
+def decode_arm_differences(language_model, arms) -> dict:
+    """Elements of one plain decode step, its logits and every cache array, that differ
+    as bits from stock's (the "mlx" arm) under each arm, from the same prompt."""
+    global _decode_path
+    cache = language_model.make_cache()
+    mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
+    served = _decode_path
+    try:
+        steps = {}
+        for arm in ("mlx", *arms):
+            use_decode_arm(arm)
+            trial = copy.deepcopy(cache)
+            logits = language_model(mx.array([[5]]), cache=trial).logits
+            steps[arm] = [logits, *dflash2_policy.cache_arrays(trial)]
+            mx.eval(steps[arm])
+    finally:
+        _decode_path = served
+    stock = steps.pop("mlx")
+    return {arm: sum(_differing_bits(zip(step, stock))) for arm, step in steps.items()}
+
+
 def choose_decode_path(model) -> DecodePathChoice:
     """Give plain decode the replacements that make it fastest end to end here.
 
-    Each arm is timed on this machine, interleaved after warm-up; the tokens are
-    the same under every arm. Off CUDA no arm has a kernel to use, so decode
-    stays MLX's own."""
+    Each arm is timed on this machine, interleaved after warm-up, among the arms whose
+    decode step gives stock's bits here (decode_arm_differences: the tokens are the same
+    under every arm that serves). Off CUDA no arm has a kernel to use, so decode stays
+    MLX's own."""
     if dflash2_kernels.backend_name() != "cuda":
         use_decode_arm("mlx")
         return DecodePathChoice("mlx", "no decode kernel on this backend")
-    arms = {arm: (lambda arm=arm: use_decode_arm(arm)) for arm in DECODE_ARMS}
+    differing = decode_arm_differences(model.language_model, [arm for arm in DECODE_ARMS if arm != "mlx"])
+    arms = {arm: (lambda arm=arm: use_decode_arm(arm)) for arm in DECODE_ARMS if not differing.get(arm)}
     repeats = 7
     timings = time_decode_steps(model.language_model, arms, repeats=repeats, steps=4)
     # By each arm's fastest sample: the noise is one-sided (on the H200 a switch between arms
@@ -815,6 +851,10 @@ def choose_decode_path(model) -> DecodePathChoice:
     fastest = min(timings, key=lambda arm: timings[arm]["min"])
     use_decode_arm(fastest)
     why = f"fastest decode step of the arms (fastest of {repeats} interleaved samples)"
+    left_out = {arm: n for arm, n in differing.items() if n}
+    if left_out:
+        why += "; left out, their step differing from stock's: " + ", ".join(
+            f"{arm} ({n} elements)" for arm, n in left_out.items())
     return DecodePathChoice(fastest, why, timings)
 
 

@@ -56,6 +56,27 @@ def test_every_decode_arm_gives_plain_decoding_s_tokens(target, raw_plain):
         dflash2_runtime.use_decode_arm("mlx")
 
 
+def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch):
+    """decode_arm_differences, which choose_decode_path runs before timing the arms (an arm
+    that differs is never chosen): every arm's step is stock's bits here, and an arm whose
+    kernel rounds differently (the convolution one bit off) is named."""
+    lm = target[0].language_model
+    arms = [arm for arm in dflash2_runtime.DECODE_ARMS if arm != "mlx"]
+    assert dflash2_runtime.decode_arm_differences(lm, arms) == {arm: 0 for arm in arms}
+    conv_rows = dflash2_kernels.conv_rows
+
+    def conv_rows_a_bit_off(state, x, weight, silu, window=True):
+        made, out = conv_rows(state, x, weight, silu, window)
+        bits = dflash2_kernels.raw_bits(out)
+        return made, (bits ^ mx.array(1, bits.dtype)).view(out.dtype)
+
+    monkeypatch.setattr(dflash2_kernels, "conv_rows", conv_rows_a_bit_off)
+    differing = dflash2_runtime.decode_arm_differences(lm, arms)
+    assert differing.pop("rotation+recurrence+convolution") > 0
+    assert differing == {arm: 0 for arm in arms if arm != "rotation+recurrence+convolution"}
+    assert dflash2_runtime._decode_path == dflash2_runtime.DECODE_ARMS["mlx"]  # the served arm kept
+
+
 def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target, raw_plain):
     model, processor, drafter = target
     lm = model.language_model

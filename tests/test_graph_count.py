@@ -41,8 +41,8 @@ def counts():
 
 
 def test_counts_see_the_whole_step(counts):
-    # 64 layers, over 30 launches each: a count that missed layers would be far lower.
-    assert counts["decode"] > 64 * 30 and counts["verify"][8] > 64 * 30
+    # 64 layers, about 30 launches each: a count that missed layers would be far lower.
+    assert counts["decode"] > 64 * 25 and counts["verify"][8] > 64 * 25
 
 
 def test_exact_verify_of_eight_launches_at_most_1_3_decode_steps(counts):
