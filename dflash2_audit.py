@@ -79,6 +79,13 @@ REPLACED = (
         "one; every other call runs it as is. Mirrored per verify position.",
     ),
     Audited(
+        "mlx_vlm.models.qwen3_5.language:apply_multimodal_rotary_pos_emb",
+        "b4de4f82007876e50d49827fc649864ec17606b719801262357e17d475c581bf",
+        "Decode's rotary of queries and keys, where measured faster (the rope arm), in one "
+        "kernel launch instead of twelve (dflash2_kernels.rope_rows, the same bits); verify "
+        "runs it for all positions through its own copy of _prepare_projected_qkv.",
+    ),
+    Audited(
         "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__",
         "3303ee4843ce5fe54d9668368360cb8a01e90acce70773658cfc0bf0b7b642d4",
         "Decode's one-row packed matmul on the faster exact kernel (same bits), and mirrored "
@@ -299,6 +306,22 @@ AUDITED = (
         "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._causal_conv1d_decode",
         "77f9695692b994b6204f8df1ae58178dadb5ec91dd6194337a6e282c2e4bf17f",
         "Called per verify position: decode's depthwise convolution.",
+    ),
+    Audited(
+        "mlx_vlm.models.rope_utils:apply_multimodal_rotary_pos_emb",
+        "1ed432ed6f20e9e77917b813e2d554724199e4c53ebc3572be961815379c791f",
+        "Relied on: Qwen3.5's interleaved rotary (unsqueeze 1, cast) goes to "
+        "_apply_interleaved_rotary_pos_emb_axis1, which dflash2_kernels.rope_rows reproduces.",
+    ),
+    Audited(
+        "mlx_vlm.models.rope_utils:_apply_interleaved_rotary_pos_emb_axis1",
+        "1b337064c534c3943e53405a920c0f2c4baf67484845bf59b563563b2de2801a",
+        "Mirrored by dflash2_kernels.rope_rows, whose self-test compares with it.",
+    ),
+    Audited(
+        "mlx_vlm.models.rope_utils:rotate_half",
+        "da22a0e9cc801352f613fbda8f0a478859c7fa27fcca8219bfa990f9e6985d94",
+        "Mirrored by dflash2_kernels.rope_rows (the halves swapped, the second negated).",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5Model.__call__",

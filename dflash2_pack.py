@@ -404,7 +404,7 @@ def kernel_shapes(model) -> dict:
     from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 
     text = model.language_model.model
-    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv")}
+    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv", "rope")}
     for _, module in model.language_model.named_modules():
         if isinstance(module, HadamardQuantizedLinear):
             width = dflash2_kernels.packed_width(module.weight)
@@ -423,6 +423,8 @@ def kernel_shapes(model) -> dict:
             shapes["attention"].add(
                 (1, attention.num_attention_heads, attention.num_key_value_heads, attention.head_dim)
             )
+            shapes["rope"].add((1, attention.num_attention_heads, attention.num_key_value_heads,
+                                attention.head_dim, attention.rotary_emb.dim))
     return {key: sorted(value) for key, value in shapes.items()}
 
 

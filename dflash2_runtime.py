@@ -167,6 +167,7 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
 _stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
 _stock_gated_delta_ops = gated_delta_module.gated_delta_ops
 _stock_gated_delta_net_call = qwen3_5_language.Qwen3_5GatedDeltaNet.__call__
+_stock_rotary_call = qwen3_5_language.apply_multimodal_rotary_pos_emb
 
 # Plain decode's replacements in use, chosen by choose_decode_path from an
 # end-to-end measurement on this machine. Each is bitwise decode's own result
@@ -176,6 +177,7 @@ DECODE_ARMS = {
     "rotation": frozenset({"rotation"}),
     "rotation+recurrence": frozenset({"rotation", "recurrence"}),
     "rotation+recurrence+convolution": frozenset({"rotation", "recurrence", "convolution"}),
+    "rotation+recurrence+convolution+rope": frozenset({"rotation", "recurrence", "convolution", "rope"}),
     "rotation+recurrence+matmul": frozenset({"rotation", "recurrence", "matmul"}),
 }
 _decode_path: frozenset = frozenset()
@@ -214,6 +216,15 @@ def _gated_delta_net_call(self, inputs, mask=None, cache=None):
             or inputs.shape[:2] != (1, 1) or inputs.dtype != mx.float16):
         return _stock_gated_delta_net_call(self, inputs, mask, cache)
     return gated_delta_positions(self, inputs, cache, _module_call)
+
+
+def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
+    """language.apply_multimodal_rotary_pos_emb; with the rope, decode's queries and keys
+    rotated in one launch instead of twelve (dflash2_kernels.rope_rows, bitwise mlx-vlm's
+    compiled rotary: its self-test)."""
+    if "rope" not in _decode_path or unqueeze_dim != 1 or q.shape[2] != 1:
+        return _stock_rotary_call(q, k, cos, sin, unqueeze_dim)
+    return dflash2_kernels.rope_rows(q, k, cos, sin)
 
 
 def _module_call(module, x):
@@ -309,8 +320,8 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         )
         # Norms, rotary tables and their application are row-wise; one KV
         # update appends every position, as decode's would one by one.
-        queries, keys, values, gate, _ = attention._prepare_projected_qkv(
-            queries, keys, values, cache, position_ids, position_embeddings, None
+        queries, keys, values, gate, _ = _verify_prepare_projected_qkv(
+            attention, queries, keys, values, cache, position_ids, position_embeddings, None
         )
         if not isinstance(keys, mx.array):
             raise ExactnessError("quantized KV caches are not verified exactly")
@@ -571,6 +582,14 @@ def _with_globals(function, **names):
 
 _drafter_attention_call = _with_globals(DFlashAttention.__call__, mx=_DrafterMlx())
 
+# Verify's copy of decode's norms, rotary and KV append (audited), its rotary in one launch
+# for all positions (dflash2_kernels.rope_rows, looked up at each call: element-wise, so
+# any number of rows).
+_verify_prepare_projected_qkv = _with_globals(
+    qwen3_5_language.Qwen3_5Attention._prepare_projected_qkv,
+    apply_multimodal_rotary_pos_emb=lambda q, k, cos, sin: dflash2_kernels.rope_rows(q, k, cos, sin),
+)
+
 PREFILL_CHUNKED_TARGET = "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_chunked"
 
 
@@ -601,6 +620,7 @@ REPLACEMENTS = {
     "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__": _drafter_attention_call,
     "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops": _gated_delta_ops_call,
     "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__": _gated_delta_net_call,
+    "mlx_vlm.models.qwen3_5.language:apply_multimodal_rotary_pos_emb": _rotary_call,
     "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
         _hadamard_linear_call,
     "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_policy.policy_rounds,

@@ -72,9 +72,39 @@ def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch
 
     monkeypatch.setattr(dflash2_kernels, "conv_rows", conv_rows_a_bit_off)
     differing = dflash2_runtime.decode_arm_differences(lm, arms)
-    assert differing.pop("rotation+recurrence+convolution") > 0
-    assert differing == {arm: 0 for arm in arms if arm != "rotation+recurrence+convolution"}
+    with_convolution = [arm for arm in arms if "convolution" in dflash2_runtime.DECODE_ARMS[arm]]
+    assert with_convolution and all(differing.pop(arm) > 0 for arm in with_convolution)
+    assert differing == {arm: 0 for arm in arms if arm not in with_convolution}
     assert dflash2_runtime._decode_path == dflash2_runtime.DECODE_ARMS["mlx"]  # the served arm kept
+
+
+def test_rotary_kernel_takes_the_shapes_decode_and_verify_hand_it(target, monkeypatch):
+    """Under the rope arm a decode step, and any verify round, rotate through rope_rows with
+    arguments its kernel takes (rope_kernel_supports): on a GPU none falls back to the stock
+    launches unseen, and graph_count's one launch for it is what CUDA runs."""
+    model, processor, drafter = target
+    lm, taps = model.language_model, drafter.config.target_layer_ids
+    rope_rows, taken = dflash2_kernels.rope_rows, []
+
+    def recorded(q, k, cos, sin, variant=None):
+        taken.append((q.shape[2], dflash2_kernels.rope_kernel_supports(q, k, cos, sin)))
+        return rope_rows(q, k, cos, sin, variant)
+
+    monkeypatch.setattr(dflash2_kernels, "rope_rows", recorded)
+    cache = lm.make_cache()
+    mx.eval(lm(raw_ids(processor, PROMPTS[0]), cache=cache).logits)
+    assert taken == []  # the prefill keeps mlx-vlm's rotary
+    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution+rope")
+    try:
+        mx.eval(lm(mx.array([[5]]), cache=cache).logits)
+    finally:
+        dflash2_runtime.use_decode_arm("mlx")
+    hidden, transaction, tokens = dflash_rounds._dflash_verify_greedy(
+        lm, mx.array([[7, 8, 9]]), cache, taps, lambda logits: mx.argmax(logits, axis=-1))
+    mx.eval(tokens)
+    abort_speculative_round(transaction)
+    layers = sum(not layer.is_linear for layer in lm.model.layers)
+    assert taken == [(1, True)] * layers + [(3, True)] * layers
 
 
 def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target, raw_plain):

@@ -33,7 +33,7 @@ def counts():
     change no count."""
     model, taps = load_target(None)
     dflash2_runtime.apply_patches()
-    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution")
+    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution+rope")
     try:
         return count_steps(model.language_model, taps, lengths=(8,))
     finally:

@@ -256,6 +256,28 @@ def test_conv_rows_equals_decode_per_window():
     assert dk.conv_rows(state, x[:, :1], weight, False, window=False, variant=kernel)[0] is None
 
 
+def test_rope_rows_equals_mlx_vlm_rotary():
+    """Queries and keys (transposed views, as the model hands them over) rotated in their
+    first R features, the rest passed through, as arrays of their shapes; on
+    CUDA through the variant the kernel's self-test chose."""
+    from mlx_vlm.models.rope_utils import rotate_half
+
+    q, k, cos, sin = dk.make_rope_case("normal", 2, 3, 1, 32, 16, 5, mx.random.key(1))
+    variant = None
+    if dk.backend_name() == "cuda":
+        dk.self_test_rope()
+        variant = dk._rope_serving["cuda"]
+        assert variant in dk.ROPE_VARIANTS
+    got = dk.rope_rows(q, k, cos, sin, variant=variant)
+    for x, rotated in zip((q, k), got):
+        head, tail = x[..., :16], x[..., 16:]
+        want = mx.concatenate([head * cos[:, None] + rotate_half(head) * sin[:, None], tail], axis=-1)
+        assert rotated.shape == x.shape
+        if variant is None:  # MLX's ops one at a time; a GPU contracts one product (rope_rows)
+            assert same_bits(rotated, want)
+        assert same_bits(rotated, dk.stock_rope_rows(q, k, cos, sin)[x is k])
+
+
 def test_decode_attention_rows_equals_single_query_calls():
     queries, keys, values, _, _ = dk._make_case((1, 4, 2, 64), 5, 3, "normal", mx.random.key(1))
     got = dk.decode_attention_rows(queries, keys, values, 0.125, 5)
@@ -689,6 +711,17 @@ def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
 
 
+def test_wrong_rope_fails_naming_the_case():
+    def wrong(q, k, cos, sin):  # the keys' first element one bit off at 8 positions
+        q_out, k_out = dk.stock_rope_rows(q, k, cos, sin)
+        return q_out, flip_first_bit(k_out) if q.shape[2] == 8 else k_out
+
+    result = dk.self_test_rope([(1, 2, 1, 32, 16)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert "(B, Hq, Hk, D, R)=(1, 2, 1, 32, 16) rows=8 input=normal, k" in result.reason
+    assert dk.self_test_rope([(1, 2, 1, 32, 16)], kernel=dk.stock_rope_rows).ok
+
+
 def test_packed_weights_must_hold_whole_groups():
     """K = 64: scales of K // 128 = 0 columns match their shape check, so K itself is checked
     (the verify forward's matmuls rely on install's check_packed_weights alone)."""
@@ -704,3 +737,12 @@ def test_convolution_kernel_equals_decode_at_the_27b_shape_on_cuda():
     rows 1..8, silu or not, the window too: the kernel serves."""
     result = dk.self_test_conv([(1, 10240, 4), *dk.CONV_SHAPES_SMALL])
     assert result.ok and result.variant == "taps", result.reason
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_rope_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
+    """The 27B's attention rotary (24 query and 4 key heads of 256, the first 64 rotated)
+    and the small shapes, 1..8 positions and a prefill's: a variant serves."""
+    result = dk.self_test_rope([(1, 24, 4, 256, 64), *dk.ROPE_SHAPES_SMALL])
+    assert result.ok and result.variant in dk.ROPE_VARIANTS, result.reason
+    print("rope variants, differing elements:", result.variants)
