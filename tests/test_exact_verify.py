@@ -56,6 +56,37 @@ def test_every_decode_arm_gives_plain_decoding_s_tokens(target, raw_plain):
         dflash2_runtime.use_decode_arm("mlx")
 
 
+def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypatch):
+    """Through mlx-vlm's BatchGenerator, as the servers' worker runs requests (batch caches,
+    their padding and length metadata): one request, and three sharing a batch whose rows
+    join and leave, answer under every arm as under stock's, and the lone request's steps
+    take the arm's one-row GatedDeltaNet layer."""
+    from test_first_token import PROMPTS as BATCH_PROMPTS, run
+
+    one_row_layers = []
+    positions = dflash2_runtime.gated_delta_positions
+
+    def counted(layer, inputs, cache, linear):
+        one_row_layers.append(inputs.shape[:2])
+        return positions(layer, inputs, cache, linear)
+
+    monkeypatch.setattr(dflash2_runtime, "gated_delta_positions", counted)
+    alone = dict(greedy_sampling=True, top_logprobs_k=2)
+    shared = dict(greedy_sampling=True, max_tokens=[4, 2, 6], completion_batch_size=3, prefill_batch_size=1)
+    stock = run(target, BATCH_PROMPTS[:1], **alone)[0], run(target, BATCH_PROMPTS, **shared)[0]
+    assert one_row_layers == []
+    try:
+        for arm in dflash2_runtime.DECODE_ARMS:
+            dflash2_runtime.use_decode_arm(arm)
+            one_row_layers.clear()
+            assert run(target, BATCH_PROMPTS[:1], **alone)[0] == stock[0], arm
+            took_layer = "convolution" in dflash2_runtime.DECODE_ARMS[arm]
+            assert bool(one_row_layers) == took_layer and set(one_row_layers) <= {(1, 1)}, arm
+            assert run(target, BATCH_PROMPTS, **shared)[0] == stock[1], arm
+    finally:
+        dflash2_runtime.use_decode_arm("mlx")
+
+
 def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch):
     """decode_arm_differences, which choose_decode_path runs before timing the arms (an arm
     that differs is never chosen): every arm's step is stock's bits here, and an arm whose
