@@ -367,6 +367,11 @@ AUDITED = (
         "Mirrored: dflash2_kernels.metal_recurrence launches the with-states kernel as it does.",
     ),
     Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._normalize_qk",
+        "7e59605b8fabf61f8d799e75cd31667f48d5f0bb6dc6d4d6115e5057c4eebb3a",
+        "Mirrored by dflash2_runtime._normalize_qk (each scale as its norm's weight).",
+    ),
+    Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:_compute_g_beta",
         "55e3a2984cc2e3ac92b7fe9cb3c1214d8360b774a426ff7906556a23d5c71429",
         "Called once for all verify positions (element-wise).",

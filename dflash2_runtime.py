@@ -360,7 +360,7 @@ def gated_delta_positions(layer, inputs, cache, linear):
             [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
         )
     ]
-    q, k = layer._normalize_qk(q, k)
+    q, k = _normalize_qk(q, k)
     g, beta = _compute_g_beta(layer.A_log, a, b, layer.dt_bias)
     initial = cache[1]
     if initial is None or initial.shape[0] != batch:
@@ -376,6 +376,25 @@ def gated_delta_positions(layer, inputs, cache, linear):
     qwen3_5_language._qwen3_5_advance_lengths_info(cache, length)
     output = layer.norm(output, z)
     return linear(layer.out_proj, output.reshape(batch, length, -1))
+
+
+def _normalize_qk(q, k):
+    """Qwen3_5GatedDeltaNet._normalize_qk in two launches instead of four: each scale
+    multiplies inside its norm, as the norm's weight. Either way an element is the fp16 (or
+    the activations' dtype) product of the scale, converted as MLX converts a Python
+    scalar, and the weight-less norm's output, rounded once: the norm kernels multiply by
+    their weight in the output dtype (CUDA rms_norm.cu:121, Metal rms_norm.metal:71, CPU's
+    fallback an fp16 multiply), by 1 without one."""
+    scale = k.shape[-1] ** -0.5
+    return (mx.fast.rms_norm(q, _scale_weight(q.shape[-1], scale**2, q.dtype), 1e-6),
+            mx.fast.rms_norm(k, _scale_weight(k.shape[-1], scale, k.dtype), 1e-6))
+
+
+@functools.cache
+def _scale_weight(width: int, scale: float, dtype) -> mx.array:
+    weight = scale * mx.ones((width,), dtype)  # the scalar converted as stock's multiply converts it
+    mx.eval(weight)
+    return weight
 
 
 def _gate_projections(layer, x):

@@ -87,6 +87,22 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         dflash2_runtime.use_decode_arm("mlx")
 
 
+def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
+    """gated_delta_positions' q and k norms (each scale the norm's weight: two launches, not
+    four) against the layer's own _normalize_qk, as bits, fp16 and fp32 activations of every
+    kind, at one position and eight (a copy of the rows, as the convolution's split makes)."""
+    layer = next(layer.linear_attn for layer in target[0].language_model.model.layers if layer.is_linear)
+    for dtype in (mx.float16, mx.float32):
+        for kind in dflash2_kernels.INPUT_KINDS:
+            for rows in (1, 8):
+                x = dflash2_kernels.make_inputs(kind, rows, 2 * layer.key_dim, mx.random.key(rows))
+                x = x.astype(dtype).reshape(1, rows, 2, layer.num_k_heads, layer.head_k_dim)
+                q, k = x[:, :, 0], x[:, :, 1]
+                for got, want in zip(dflash2_runtime._normalize_qk(q, k), layer._normalize_qk(q, k)):
+                    assert got.dtype == want.dtype and mx.array_equal(
+                        dflash2_kernels.raw_bits(got), dflash2_kernels.raw_bits(want)).item(), (dtype, kind, rows)
+
+
 def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch):
     """decode_arm_differences, which choose_decode_path runs before timing the arms (an arm
     that differs is never chosen): every arm's step is stock's bits here, and an arm whose
