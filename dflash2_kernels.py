@@ -2474,8 +2474,10 @@ _rope_serving: dict = {}  # backend -> the variant its self-test verified, or No
 
 
 def rope_kernel_supports(q, k, cos, sin) -> bool:
+    if not q.ndim == k.ndim == 4:
+        return False
     batch, _, rows, width = q.shape
-    return (q.ndim == k.ndim == 4 and cos.shape == sin.shape == (batch, rows, cos.shape[-1])
+    return (cos.shape == sin.shape == (batch, rows, cos.shape[-1])
             and k.shape[0] == batch and k.shape[2:] == q.shape[2:]
             and 0 < cos.shape[-1] <= width and cos.shape[-1] % 2 == 0
             and q.dtype == k.dtype == cos.dtype == sin.dtype == mx.float16)

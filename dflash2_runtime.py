@@ -212,7 +212,8 @@ def _gated_delta_net_call(self, inputs, mask=None, cache=None):
     convolution and silu in one launch instead of four (dflash2_kernels.conv_rows), both
     gates in one (dense_rows). Each kernel is bitwise decode's (its self-test), and
     choose_decode_path compares a step of the arm with stock's before it can serve."""
-    if ("convolution" not in _decode_path or self.training or mask is not None or cache is None
+    if ("convolution" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5GatedDeltaNet
+            or self.training or mask is not None or cache is None
             or inputs.shape[:2] != (1, 1) or inputs.dtype != mx.float16):
         return _stock_gated_delta_net_call(self, inputs, mask, cache)
     return gated_delta_positions(self, inputs, cache, _module_call)
@@ -360,7 +361,9 @@ def gated_delta_positions(layer, inputs, cache, linear):
             [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
         )
     ]
-    q, k = _normalize_qk(q, k)
+    # A subclass's own norms (mlx-vlm's qwen4_exp has others) are its to compute.
+    own_norms = type(layer)._normalize_qk is not qwen3_5_language.Qwen3_5GatedDeltaNet._normalize_qk
+    q, k = layer._normalize_qk(q, k) if own_norms else _normalize_qk(q, k)
     g, beta = _compute_g_beta(layer.A_log, a, b, layer.dt_bias)
     initial = cache[1]
     if initial is None or initial.shape[0] != batch:
@@ -851,23 +854,34 @@ def use_decode_arm(arm: str) -> None:
 
 def decode_arm_differences(language_model, arms) -> dict:
     """Elements of one plain decode step, its logits and every cache array, that differ
-    as bits from stock's (the "mlx" arm) under each arm, from the same prompt."""
+    as bits from stock's (the "mlx" arm) under each arm, from the same prompt; an arm
+    whose step raised maps to what it raised."""
     global _decode_path
     cache = language_model.make_cache()
     mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
     served = _decode_path
+
+    def step(arm):
+        use_decode_arm(arm)
+        trial = copy.deepcopy(cache)
+        arrays = [language_model(mx.array([[5]]), cache=trial).logits, *dflash2_policy.cache_arrays(trial)]
+        mx.eval(arrays)
+        return arrays
+
     try:
-        steps = {}
-        for arm in ("mlx", *arms):
-            use_decode_arm(arm)
-            trial = copy.deepcopy(cache)
-            logits = language_model(mx.array([[5]]), cache=trial).logits
-            steps[arm] = [logits, *dflash2_policy.cache_arrays(trial)]
-            mx.eval(steps[arm])
+        stock = step("mlx")
+        differing = {}
+        for arm in arms:
+            try:
+                arrays = step(arm)
+            except Exception as error:  # a kernel that failed to build, say: the arm is left out
+                differing[arm] = f"raised {type(error).__name__}: {error}"
+                continue
+            counts = _differing_bits(zip(arrays, stock))
+            differing[arm] = sum(counts) if len(arrays) == len(stock) else "another number of cache arrays"
     finally:
         _decode_path = served
-    stock = steps.pop("mlx")
-    return {arm: sum(_differing_bits(zip(step, stock))) for arm, step in steps.items()}
+    return differing
 
 
 def choose_decode_path(model) -> DecodePathChoice:
@@ -893,7 +907,7 @@ def choose_decode_path(model) -> DecodePathChoice:
     left_out = {arm: n for arm, n in differing.items() if n}
     if left_out:
         why += "; left out, their step differing from stock's: " + ", ".join(
-            f"{arm} ({n} elements)" for arm, n in left_out.items())
+            f"{arm} ({n} elements)" if isinstance(n, int) else f"{arm} ({n})" for arm, n in left_out.items())
     return DecodePathChoice(fastest, why, timings)
 
 

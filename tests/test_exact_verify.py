@@ -124,6 +124,33 @@ def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch
     assert differing == {arm: 0 for arm in arms if arm not in with_convolution}
     assert dflash2_runtime._decode_path == dflash2_runtime.DECODE_ARMS["mlx"]  # the served arm kept
 
+    def rope_rows_unbuilt(*args, **kwargs):
+        raise RuntimeError("the kernel did not build")
+
+    monkeypatch.setattr(dflash2_kernels, "rope_rows", rope_rows_unbuilt)
+    differing = dflash2_runtime.decode_arm_differences(lm, ["rotation+recurrence+convolution+rope"])
+    assert differing == {"rotation+recurrence+convolution+rope": "raised RuntimeError: the kernel did not build"}
+
+
+def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatch):
+    """mlx-vlm subclasses Qwen3_5GatedDeltaNet with other norms and gates (qwen4_exp): the
+    convolution arm's one-row layer is Qwen3.5's own, so a subclass's step stays stock."""
+    lm = target[0].language_model
+    layer = next(layer.linear_attn for layer in lm.model.layers if layer.is_linear)
+    taken = []
+    positions = dflash2_runtime.gated_delta_positions
+    monkeypatch.setattr(dflash2_runtime, "gated_delta_positions",
+                        lambda *args: taken.append(type(args[0])) or positions(*args))
+    monkeypatch.setattr(layer, "__class__", type("Subclass", (type(layer),), {}))
+    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution")
+    try:
+        cache = lm.make_cache()
+        mx.eval(lm(mx.array([[1, 2, 3]]), cache=cache).logits, lm(mx.array([[5]]), cache=cache).logits)
+    finally:
+        dflash2_runtime.use_decode_arm("mlx")
+    linear_layers = sum(layer.is_linear for layer in lm.model.layers)
+    assert len(taken) == linear_layers - 1 and type(layer) not in taken
+
 
 def test_rotary_kernel_takes_the_shapes_decode_and_verify_hand_it(target, monkeypatch):
     """Under the rope arm a decode step, and any verify round, rotate through rope_rows with
