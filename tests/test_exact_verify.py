@@ -60,17 +60,22 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
     """Through mlx-vlm's BatchGenerator, as the servers' worker runs requests (batch caches,
     their padding and length metadata): one request, and three sharing a batch whose rows
     join and leave, answer under every arm as under stock's, and the lone request's steps
-    take the arm's one-row GatedDeltaNet layer."""
+    take the arm's one-row GatedDeltaNet layer and its rotary kernel call."""
     from test_first_token import PROMPTS as BATCH_PROMPTS, run
 
-    one_row_layers = []
-    positions = dflash2_runtime.gated_delta_positions
+    one_row_layers, rotary_calls = [], []
+    positions, rope_rows = dflash2_runtime.gated_delta_positions, dflash2_kernels.rope_rows
 
     def counted(layer, inputs, cache, linear):
         one_row_layers.append(inputs.shape[:2])
         return positions(layer, inputs, cache, linear)
 
+    def counted_rope(q, k, cos, sin, variant=None):
+        rotary_calls.append(dflash2_kernels.rope_kernel_supports(q, k, cos, sin))
+        return rope_rows(q, k, cos, sin, variant)
+
     monkeypatch.setattr(dflash2_runtime, "gated_delta_positions", counted)
+    monkeypatch.setattr(dflash2_kernels, "rope_rows", counted_rope)
     alone = dict(greedy_sampling=True, top_logprobs_k=2)
     shared = dict(greedy_sampling=True, max_tokens=[4, 2, 6], completion_batch_size=3, prefill_batch_size=1)
     stock = run(target, BATCH_PROMPTS[:1], **alone)[0], run(target, BATCH_PROMPTS, **shared)[0]
@@ -79,9 +84,12 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         for arm in dflash2_runtime.DECODE_ARMS:
             dflash2_runtime.use_decode_arm(arm)
             one_row_layers.clear()
+            rotary_calls.clear()
             assert run(target, BATCH_PROMPTS[:1], **alone)[0] == stock[0], arm
             took_layer = "convolution" in dflash2_runtime.DECODE_ARMS[arm]
             assert bool(one_row_layers) == took_layer and set(one_row_layers) <= {(1, 1)}, arm
+            assert rotary_calls == [True] * len(rotary_calls) and bool(rotary_calls) == (
+                "rope" in dflash2_runtime.DECODE_ARMS[arm]), arm
             assert run(target, BATCH_PROMPTS, **shared)[0] == stock[1], arm
     finally:
         dflash2_runtime.use_decode_arm("mlx")
