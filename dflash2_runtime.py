@@ -209,7 +209,7 @@ def _gated_delta_ops_call(q, k, v, g, beta, state=None, mask=None):
 def _gated_delta_net_call(self, inputs, mask=None, cache=None):
     """Qwen3_5GatedDeltaNet.__call__; with the convolution, decode's one unpadded fp16 row
     runs the layer as verify does at one position (gated_delta_positions): the window,
-    convolution and silu in one launch instead of four (dflash2_kernels.conv_rows), both
+    convolution and silu in one launch instead of six (dflash2_kernels.conv_rows), both
     gates in one (dense_rows). Each kernel is bitwise decode's (its self-test), and
     choose_decode_path compares a step of the arm with stock's before it can serve."""
     if ("convolution" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5GatedDeltaNet
@@ -350,7 +350,7 @@ def gated_delta_positions(layer, inputs, cache, linear):
     conv_state = cache[0]
     if conv_state is None or conv_state.shape[0] != batch:
         conv_state = mx.zeros((batch, width, layer.conv_dim), dtype=inputs.dtype)
-    conv_input, conv_out = _verify_convolution(layer, conv_state, mixed_qkv)
+    conv_input, conv_out = _convolve_positions(layer, conv_state, mixed_qkv)
     # One window update records every position's window for rollback.
     cache.update_window(0, conv_input, width, lengths=cache.lengths)
     q, k, v = [
@@ -423,7 +423,7 @@ def _derived_weight(layer, name: str, sources: tuple, derive):
     return cached[1]
 
 
-def _verify_convolution(layer, conv_state, mixed_qkv):
+def _convolve_positions(layer, conv_state, mixed_qkv):
     """(the window the cache keeps, silu of decode's convolution at each position).
 
     Decode convolves the (B, K, C) window that ends at its position; with fp16 or bf16
