@@ -32,10 +32,10 @@ position alone in plain decode, on this backend:
   all L steps once its self-test found it equal, else the fused kernel a step at a time.
 - `dense_rows(x, weight)`: 1..8 rows of x @ weight.T, each decode's one-row
   `nn.Linear` (MLX's gemv). cuda only.
-- `conv_rows(state, x, weight, silu)`: the GatedDeltaNet's depthwise convolution at
-  each of L positions, decode's per-window arithmetic (fp32 products, summed over the
-  taps in order, rounded to fp16), silu after it with MLX's own functors, and the
-  window the cache keeps, in one launch where decode runs five or six. cuda only.
+- `conv_rows(state, x, weight)`: the GatedDeltaNet's depthwise convolution at each
+  of L positions, decode's per-window arithmetic (fp32 products, summed over the taps
+  in order, rounded to fp16), silu after it with MLX's own functors, and the window
+  the cache keeps, in one launch where decode runs six. cuda only.
 - `rope_rows(q, k, cos, sin)`: queries and keys rotated as mlx-vlm's compiled rotary
   rotates them (fp16 products, one contracted into the sum as ptxas compiles MLX's
   fused kernel), at any number of positions, in one launch where decode runs twelve.
@@ -2178,10 +2178,10 @@ def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 # ===========================================================================
 # Convolution
 
-# `conv_rows(state, x, weight, silu)`: the GatedDeltaNet's depthwise causal convolution
-# for L positions, each decode's (mlx-vlm 0.7.2 qwen3_5/language.py:71-73,
+# `conv_rows(state, x, weight)`: the GatedDeltaNet's depthwise causal convolution for L
+# positions, each decode's (mlx-vlm 0.7.2 qwen3_5/language.py:71-73,
 # `_qwen3_5_decode_depthwise_conv` on the (B, K, C) window that ends at it), with
-# nn.silu after it where `silu`, and the (B, K - 1 + L, C) concatenation of state and x
+# nn.silu after it, and the (B, K - 1 + L, C) concatenation of state and x
 # the cache keeps as its window. On CUDA decode runs that as five kernels a layer (the
 # concatenation's two copies, a compiled astype-multiply, a column reduce, an astype
 # copy) and one more for silu; the kernel below is one launch with their arithmetic:
@@ -2195,12 +2195,12 @@ CONV_SHAPES_SMALL = ((1, 96, 4), (2, 40, 4), (1, 24, 3))  # (B, C, K)
 stock_decode_conv = qwen3_5_language._qwen3_5_decode_depthwise_conv  # mlx-vlm's own (dflash2_audit.AUDITED)
 
 
-def stock_conv_rows(state, x, weight, silu: bool, window: bool = True):
-    """(window or None, out): decode's convolution, one stock call per position."""
+def stock_conv_rows(state, x, weight):
+    """(window, silu(out)): decode's convolution, one stock call per position."""
     made = mx.concatenate([state, x], axis=1)
     taps = weight.shape[0]
     out = mx.concatenate([stock_decode_conv(made[:, t : t + taps], weight) for t in range(x.shape[1])], axis=1)
-    return made if window else None, nn.silu(out) if silu else out
+    return made, nn.silu(out)
 
 
 _CONV_CUDA_HEADER = r"""
@@ -2210,9 +2210,9 @@ _CONV_CUDA_HEADER = r"""
 namespace dflash2_conv {
 
 // One thread per element (b, p, c) of the (B, K - 1 + L, C) window: it writes that element
-// (WINDOW) and, for p < L, output position p from window positions p..p+K-1. w: (C, K), the
-// layout of decode's (K, C) weight (the transpose of conv1d.weight[:, :, 0], cast).
-template <int K, bool SILU, bool WINDOW>
+// and, for p < L, output position p from window positions p..p+K-1, silu after it. w: (C, K),
+// the layout of decode's (K, C) weight (the transpose of conv1d.weight[:, :, 0], cast).
+template <int K>
 __device__ void conv_rows(const __half* state, const __half* x, const float* w,
                           __half* window, __half* out, int rows, int channels, int64_t total) {
   const int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -2227,27 +2227,22 @@ __device__ void conv_rows(const __half* state, const __half* x, const float* w,
     return position < kWidth ? state[(b * kWidth + position) * channels + c]
                              : x[(b * rows + position - kWidth) * channels + c];
   };
-  if (WINDOW) {
-    window[index] = input(p);
-  }
+  window[index] = input(p);
   if (p < rows) {
     float sum = 0.0f;
 #pragma unroll
     for (int t = 0; t < K; ++t) {
       sum = __fadd_rn(sum, __fmul_rn(static_cast<float>(input(p + t)), w[c * K + t]));
     }
-    __half y = static_cast<__half>(sum);
-    if (SILU) {
-      y = mlx::core::cu::Multiply{}(y, mlx::core::cu::Sigmoid{}(y));
-    }
-    out[(b * rows + p) * channels + c] = y;
+    const __half y = static_cast<__half>(sum);
+    out[(b * rows + p) * channels + c] = mlx::core::cu::Multiply{}(y, mlx::core::cu::Sigmoid{}(y));
   }
 }
 
 }  // namespace dflash2_conv
 """
 _CONV_SOURCE = (
-    "dflash2_conv::conv_rows<K, SILU, WINDOW>(state, x, w, window, out, x_shape[1], x_shape[2], "
+    "dflash2_conv::conv_rows<K>(state, x, w, window, out, x_shape[1], x_shape[2], "
     "int64_t(x_shape[0]) * (K - 1 + x_shape[1]) * x_shape[2]);"
 )
 CONV_THREADS = 256
@@ -2264,20 +2259,20 @@ def _conv_kernel():
     )
 
 
-def cuda_conv_rows(state, x, weight, silu: bool, window: bool = True):
-    """(window or None, out) through the CUDA kernel; no self-test gate."""
+def cuda_conv_rows(state, x, weight):
+    """(window, silu(out)) through the CUDA kernel; no self-test gate."""
     batch, rows, channels = x.shape
     taps = weight.shape[0]
     total = batch * (taps - 1 + rows) * channels
     made = _conv_kernel()(
         inputs=[state, x, weight.T],  # (C, K): decode's weight is that transposed, so a view
-        template=[("K", taps), ("SILU", silu), ("WINDOW", window)],
+        template=[("K", taps)],
         grid=(-(-total // CONV_THREADS) * CONV_THREADS, 1, 1),
         threadgroup=(CONV_THREADS, 1, 1),
-        output_shapes=[(batch, taps - 1 + rows, channels) if window else (1,), x.shape],
+        output_shapes=[(batch, taps - 1 + rows, channels), x.shape],
         output_dtypes=[mx.float16, mx.float16],
     )
-    return made[0] if window else None, made[1]
+    return made[0], made[1]
 
 
 _conv_serving: dict = {}  # backend -> the variant its self-test verified, or None
@@ -2292,22 +2287,22 @@ def conv_kernel_supports(state, x, weight) -> bool:
             and state.shape[0] == x.shape[0])
 
 
-def conv_rows(state, x, weight, silu: bool, window: bool = True, variant=None):
-    """Decode's depthwise convolution at each of L positions (and silu after it).
+def conv_rows(state, x, weight, variant=None):
+    """Decode's depthwise convolution at each of L positions, silu after it.
 
     state: (B, K - 1, C) the window before the block; x: (B, L, C) the block's inputs;
     weight: (K, C) float32, decode's cached `conv1d.weight[:, :, 0].T` in fp32 (column-major
     there, so the kernel reads it in place). Returns
-    (the (B, K - 1 + L, C) concatenation, or None without `window`; out (B, L, C)), out
-    bitwise decode's per position. variant: "taps" forces the kernel (no gate)."""
+    (the (B, K - 1 + L, C) concatenation, silu(out) (B, L, C)), out bitwise decode's per
+    position. variant: "taps" forces the kernel (no gate)."""
     if variant is None:
         backend = backend_name()
         if backend == "cuda" and backend not in _conv_serving:
             self_test_conv()
         variant = _conv_serving.get(backend)
         if variant is None or not conv_kernel_supports(state, x, weight):
-            return stock_conv_rows(state, x, weight, silu, window)
-    return cuda_conv_rows(state, x, weight, silu, window)
+            return stock_conv_rows(state, x, weight)
+    return cuda_conv_rows(state, x, weight)
 
 
 def make_conv_case(kind: str, batch: int, channels: int, taps: int, key):
@@ -2322,9 +2317,8 @@ def make_conv_case(kind: str, batch: int, channels: int, taps: int, key):
 
 def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check the convolution bit for bit against decode's per-position calls, rows 1..8,
-    with and without silu, the window too, and without it (decode's call). kernel: (state,
-    x, weight, silu, window) -> (window or None, out), tested as variant "kernel"; default: the CUDA kernel, serving then switched on
-    or off. shapes: (B, C, K) triples, default the small ones. MLX's convolution of the
+    silu after it, and the window. kernel: (state, x, weight) -> (window, silu(out)),
+    tested as variant "kernel"; default: the CUDA kernel, serving then switched on or off. shapes: (B, C, K) triples, default the small ones. MLX's convolution of the
     whole block (stock verify's nn.Conv1d call) is counted alongside (the control)."""
     backend = backend_name()
     if kernel is None and backend != "cuda":
@@ -2339,34 +2333,27 @@ def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
         for kind in INPUT_KINDS:
             key, case_key = mx.random.split(key)
             state, x, weight = make_conv_case(kind, batch, channels, taps, case_key)
-            for silu in (False, True):
-                want_window, want = stock_conv_rows(state, x, weight, silu)
-                if silu:
-                    block = mx.conv1d(want_window, weight.T[:, :, None].astype(mx.float16), groups=channels)
-                    negative["block convolution"] += _differing(nn.silu(block), want)
-                for name, conv in variants.items():
-                    for rows in range(1, MAX_ROWS + 1):
-                        try:
-                            got_window, got = conv(state, x[:, :rows], weight, silu, True)
-                            unwindowed, got_alone = conv(state, x[:, :rows], weight, silu, False)
-                            if unwindowed is not None:
-                                raise ValueError("a window was made where none was asked for")
-                            pairs = {"out": (got, want[:, :rows]), "out without the window": (got_alone, want[:, :rows]),
-                                     "window": (got_window, want_window[:, : taps - 1 + rows])}
-                            diffs = {part: _differing(*pair) for part, pair in pairs.items()}
-                        except Exception as error:
-                            failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
-                            differing[name] += 1
-                            continue
-                        diff = sum(diffs.values())
-                        cases.append({"shape": [batch, channels, taps], "rows": rows, "input": kind,
-                                      "silu": silu, "variant": name, "mismatches": diff})
-                        differing[name] += diff
-                        if diff and name not in failures:
-                            part = next(part for part, count in diffs.items() if count)
-                            failures[name] = (f"{name} differs at (B, C, K)={(batch, channels, taps)} rows={rows} "
-                                              f"input={kind} silu={silu}, {part}: "
-                                              + _first_difference(*pairs[part])[0])
+            want_window, want = stock_conv_rows(state, x, weight)
+            block = mx.conv1d(want_window, weight.T[:, :, None].astype(mx.float16), groups=channels)
+            negative["block convolution"] += _differing(nn.silu(block), want)
+            for name, conv in variants.items():
+                for rows in range(1, MAX_ROWS + 1):
+                    try:
+                        got_window, got = conv(state, x[:, :rows], weight)
+                        pairs = {"out": (got, want[:, :rows]), "window": (got_window, want_window[:, : taps - 1 + rows])}
+                        diffs = {part: _differing(*pair) for part, pair in pairs.items()}
+                    except Exception as error:
+                        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
+                        differing[name] += 1
+                        continue
+                    diff = sum(diffs.values())
+                    cases.append({"shape": [batch, channels, taps], "rows": rows, "input": kind,
+                                  "variant": name, "mismatches": diff})
+                    differing[name] += diff
+                    if diff and name not in failures:
+                        part = next(part for part, count in diffs.items() if count)
+                        failures[name] = (f"{name} differs at (B, C, K)={(batch, channels, taps)} rows={rows} "
+                                          f"input={kind}, {part}: " + _first_difference(*pairs[part])[0])
     result = _variants_result(backend, differing, failures, negative, cases)
     if kernel is None:
         _conv_serving[backend] = result.variant
@@ -2536,7 +2523,8 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                 for name, rope in variants.items():
                     try:
                         got = rope(q, k, cos, sin)
-                        diffs = {part: _differing(g, w) for part, g, w in zip(("q", "k"), got, want)}
+                        pairs = {"q": (got[0], want[0]), "k": (got[1], want[1])}
+                        diffs = {part: _differing(*pair) for part, pair in pairs.items()}
                     except Exception as error:
                         failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
                         differing[name] += 1
@@ -2547,9 +2535,8 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                     differing[name] += diff
                     if diff and name not in failures:
                         part = next(part for part, count in diffs.items() if count)
-                        g, w = dict(zip(("q", "k"), zip(got, want)))[part]
                         failures[name] = (f"{name} differs at (B, Hq, Hk, D, R)={(batch, q_heads, k_heads, width, rotary)} "
-                                          f"rows={rows} input={kind}, {part}: " + _first_difference(g, w)[0])
+                                          f"rows={rows} input={kind}, {part}: " + _first_difference(*pairs[part])[0])
     controls = {name: count for name, count in differing.items() if count}
     result = _variants_result(backend, differing, failures, controls, cases)
     if kernel is None:

@@ -438,7 +438,7 @@ def _convolve_positions(layer, conv_state, mixed_qkv):
     # Decode's own weight, as mlx-vlm's _causal_conv1d_decode casts it.
     weight = _derived_weight(layer, "_dflash2_conv_weight", (layer.conv1d.weight,),
                              lambda w: w[:, :, 0].T.astype(mx.float32))
-    return dflash2_kernels.conv_rows(conv_state, mixed_qkv, weight, silu=True)
+    return dflash2_kernels.conv_rows(conv_state, mixed_qkv, weight)
 
 
 def greedy_tokens_like_decode(logits: mx.array) -> mx.array:

@@ -243,17 +243,15 @@ def test_dense_rows_equals_one_row_linears():
 
 
 def test_conv_rows_equals_decode_per_window():
-    """Each position: decode's convolution of the window that ends there (silu after it or
-    not), and the concatenated window the cache keeps."""
+    """Each position: decode's convolution of the window that ends there, silu after it,
+    and the concatenated window the cache keeps."""
     assert dk.stock_decode_conv.__name__ == "_qwen3_5_decode_depthwise_conv"  # mlx-vlm's own
     state, x, weight = dk.make_conv_case("normal", 2, 40, 4, mx.random.key(1))
     window = mx.concatenate([state, x[:, :5]], axis=1)
     want = mx.concatenate([dk.stock_decode_conv(window[:, t : t + 4], weight) for t in range(5)], axis=1)
     kernel = "taps" if dk.backend_name() == "cuda" else None  # on CUDA the kernel itself, ungated
-    for silu in (False, True):
-        got_window, got = dk.conv_rows(state, x[:, :5], weight, silu, variant=kernel)
-        assert same_bits(got_window, window) and same_bits(got, nn.silu(want) if silu else want)
-    assert dk.conv_rows(state, x[:, :1], weight, False, window=False, variant=kernel)[0] is None
+    got_window, got = dk.conv_rows(state, x[:, :5], weight, variant=kernel)
+    assert same_bits(got_window, window) and same_bits(got, nn.silu(want))
 
 
 def test_rope_rows_equals_mlx_vlm_rotary():
@@ -450,13 +448,13 @@ def test_wrong_dense_rows_fails_naming_the_case():
 
 
 def test_wrong_convolution_fails_naming_the_case():
-    def wrong(state, x, weight, silu, window):  # the first output's last bit off at 8 rows, unwindowed
-        made, out = dk.stock_conv_rows(state, x, weight, silu, window)
-        return made, flip_first_bit(out) if x.shape[1] == 8 and not window else out
+    def wrong(state, x, weight):  # the first output's last bit off at 8 rows
+        made, out = dk.stock_conv_rows(state, x, weight)
+        return made, flip_first_bit(out) if x.shape[1] == 8 else out
 
     result = dk.self_test_conv([(1, 24, 3)], kernel=wrong)
-    assert not result.ok and result.mismatches == 2 * len(dk.INPUT_KINDS)  # with and without silu
-    assert "(B, C, K)=(1, 24, 3) rows=8 input=normal silu=False, out without the window" in result.reason
+    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert "(B, C, K)=(1, 24, 3) rows=8 input=normal, out" in result.reason
     assert dk.self_test_conv([(1, 24, 3)], kernel=dk.stock_conv_rows).ok
 
 
@@ -734,7 +732,7 @@ def test_packed_weights_must_hold_whole_groups():
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
 def test_convolution_kernel_equals_decode_at_the_27b_shape_on_cuda():
     """The 27B's GatedDeltaNet convolution (10240 channels, 4 taps) and the small shapes,
-    rows 1..8, silu or not, the window too: the kernel serves."""
+    rows 1..8, silu after it, the window too: the kernel serves."""
     result = dk.self_test_conv([(1, 10240, 4), *dk.CONV_SHAPES_SMALL])
     assert result.ok and result.variant == "taps", result.reason
 
