@@ -2315,6 +2315,25 @@ def make_conv_case(kind: str, batch: int, channels: int, taps: int, key):
     return window[:, : taps - 1], window[:, taps - 1 :], weight
 
 
+def _run_case(name, compare, case: dict, where: str, differing: dict, failures: dict, cases: list) -> None:
+    """One variant on one self-test case: compare() -> {part: (got, want)}. Adds its differing
+    elements to differing[name] (a raise counts one), records the case, and keeps the
+    variant's first failure, named by `where` and the part."""
+    try:
+        pairs = compare()
+        diffs = {part: _differing(*pair) for part, pair in pairs.items()}
+    except Exception as error:  # a kernel that fails to build or run fails
+        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
+        differing[name] += 1
+        return
+    diff = sum(diffs.values())
+    cases.append({**case, "variant": name, "mismatches": diff})
+    differing[name] += diff
+    if diff and name not in failures:
+        part = next(part for part, count in diffs.items() if count)
+        failures[name] = f"{name} differs at {where}, {part}: " + _first_difference(*pairs[part])[0]
+
+
 def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check the convolution bit for bit against decode's per-position calls, rows 1..8,
     silu after it, and the window. kernel: (state, x, weight) -> (window, silu(out)),
@@ -2338,22 +2357,12 @@ def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
             negative["block convolution"] += _differing(nn.silu(block), want)
             for name, conv in variants.items():
                 for rows in range(1, MAX_ROWS + 1):
-                    try:
+                    def compare(conv=conv, rows=rows):
                         got_window, got = conv(state, x[:, :rows], weight)
-                        pairs = {"out": (got, want[:, :rows]), "window": (got_window, want_window[:, : taps - 1 + rows])}
-                        diffs = {part: _differing(*pair) for part, pair in pairs.items()}
-                    except Exception as error:
-                        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
-                        differing[name] += 1
-                        continue
-                    diff = sum(diffs.values())
-                    cases.append({"shape": [batch, channels, taps], "rows": rows, "input": kind,
-                                  "variant": name, "mismatches": diff})
-                    differing[name] += diff
-                    if diff and name not in failures:
-                        part = next(part for part, count in diffs.items() if count)
-                        failures[name] = (f"{name} differs at (B, C, K)={(batch, channels, taps)} rows={rows} "
-                                          f"input={kind}, {part}: " + _first_difference(*pairs[part])[0])
+                        return {"out": (got, want[:, :rows]), "window": (got_window, want_window[:, : taps - 1 + rows])}
+
+                    _run_case(name, compare, {"shape": [batch, channels, taps], "rows": rows, "input": kind},
+                              f"(B, C, K)={(batch, channels, taps)} rows={rows} input={kind}", differing, failures, cases)
     result = _variants_result(backend, differing, failures, negative, cases)
     if kernel is None:
         _conv_serving[backend] = result.variant
@@ -2521,22 +2530,13 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                 q, k, cos, sin = make_rope_case(kind, batch, q_heads, k_heads, width, rotary, rows, case_key)
                 want = stock_rope_rows(q, k, cos, sin)
                 for name, rope in variants.items():
-                    try:
+                    def compare(rope=rope):
                         got = rope(q, k, cos, sin)
-                        pairs = {"q": (got[0], want[0]), "k": (got[1], want[1])}
-                        diffs = {part: _differing(*pair) for part, pair in pairs.items()}
-                    except Exception as error:
-                        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
-                        differing[name] += 1
-                        continue
-                    diff = sum(diffs.values())
-                    cases.append({"shape": [batch, q_heads, k_heads, width, rotary], "rows": rows,
-                                  "input": kind, "variant": name, "mismatches": diff})
-                    differing[name] += diff
-                    if diff and name not in failures:
-                        part = next(part for part, count in diffs.items() if count)
-                        failures[name] = (f"{name} differs at (B, Hq, Hk, D, R)={(batch, q_heads, k_heads, width, rotary)} "
-                                          f"rows={rows} input={kind}, {part}: " + _first_difference(*pairs[part])[0])
+                        return {"q": (got[0], want[0]), "k": (got[1], want[1])}
+
+                    shape = (batch, q_heads, k_heads, width, rotary)
+                    _run_case(name, compare, {"shape": list(shape), "rows": rows, "input": kind},
+                              f"(B, Hq, Hk, D, R)={shape} rows={rows} input={kind}", differing, failures, cases)
     controls = {name: count for name, count in differing.items() if count}
     result = _variants_result(backend, differing, failures, controls, cases)
     if kernel is None:
