@@ -54,8 +54,7 @@ step / query at a time: exact by construction, only slower. A kernel serves only
 after its self-test passed on this machine: `verify_kernel_self_tests(shapes)`
 runs them at the pack's shapes at start-up; a kernel not yet tested there tests
 itself on first use. The Metal kernels are written from MLX's source and were
-never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200, except
-`rope_rows`, not yet run on a GPU (its self-test decides there).
+never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200.
 
 Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 """
