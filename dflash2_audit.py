@@ -34,7 +34,8 @@ REPLACED = (
         "The verify forward: batched quantized matmuls, batched dense GDN gates, L==2 batched "
         "attention, full-block convolution and the with-states recurrence all round differently "
         "from decode on GPUs. Its class, Qwen3_5BatchInvariantForward, is ExactVerifier's base "
-        "(layer, model and head plumbing kept from stock; each layer's output is handed to the "
+        "(model and head plumbing kept from stock; its _layer mirrored with the residual add and "
+        "the norm after it in one launch; each layer's output is handed to the "
         "device every VERIFY_EVAL_EVERY layers). Its quantized_linear also serves the "
         "drafter's greedy head (speculative_argmax_from_hidden) over a draft's rows in one call.",
     ),
@@ -102,8 +103,10 @@ REPLACED = (
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__",
         "9feda6407e1129df917a478e5687d2bc7f53ea21c7986f641468b5749a90e10a",
-        "Unchanged arithmetic; during a policy plain step the drafter's tap layers also keep "
-        "their outputs, which the next round hands to the drafter.",
+        "During a policy plain step the drafter's tap layers also keep their outputs, which the "
+        "next round hands to the drafter. Where measured faster (the residual arm), decode's "
+        "residual add and post-attention norm in one kernel launch (dflash2_kernels.add_rms_norm, "
+        "the same bits); verify's _layer does the same for all positions.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_chunked",

@@ -40,6 +40,9 @@ position alone in plain decode, on this backend:
   rotates them (fp16 products, one contracted into the sum as ptxas compiles MLX's
   fused kernel), at any number of positions, in one launch where decode runs twelve.
   cuda only.
+- `add_rms_norm(x, residual, weight, eps)`: the decoder layer's residual add and the
+  RMSNorm after it (MLX's Add and rms_norm_small copied), both outputs, in one launch
+  where decode runs two. cuda only.
 - `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
   queries, query j seeing first_length + j keys, each decode's single-query
   `mx.fast.scaled_dot_product_attention`. cuda, where decode runs MLX's unfused
@@ -54,7 +57,9 @@ step / query at a time: exact by construction, only slower. A kernel serves only
 after its self-test passed on this machine: `verify_kernel_self_tests(shapes)`
 runs them at the pack's shapes at start-up; a kernel not yet tested there tests
 itself on first use. The Metal kernels are written from MLX's source and were
-never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200.
+never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200
+(`add_rms_norm` with an explicit fused multiply-add where it now writes MLX's own
+`+= t * t`: the same arithmetic for fp16, whose squares are exact in fp32).
 
 Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 """
@@ -2544,6 +2549,206 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 
 
 # ===========================================================================
+# Residual add and RMSNorm
+
+# `add_rms_norm(x, residual, weight, eps)`: the decoder layer's `h = x + r` and its
+# post-attention norm `mx.fast.rms_norm(h, weight, eps)` (mlx-vlm 0.7.2
+# qwen3_5/language.py, Qwen3_5DecoderLayer.__call__; nn.RMSNorm) in one launch instead of
+# two, both outputs bit for bit. The add is MLX's Add functor on __half (one rounding, as
+# the binary kernel does it). The norm copies MLX's rms_norm_small
+# (backend/cuda/rms_norm.cu:53-125, its launch from :525-536 and :584-616): one block of
+# BLOCK threads per row, thread i loading the 8-element vectors BLOCK * c + i, c < CHUNKS,
+# with MLX's own load_vector (zeros past the row: the same values aligned or not), its
+# square sum in fp32 over them in that order, BlockBroadcastReduce's sum (each warp's
+# cg::reduce, the warps' sums through shared memory, one more cg::reduce), rsqrt of
+# sum / D + eps, then each output `w * half(float(h) * that)`. The square of an fp16 value
+# is exact in fp32, so whether a compiler fuses it into the running sum (MLX's build does:
+# FFMA) cannot change a bit. MLX picks rms_norm_small for rows of up to 8192 fp16.
+
+ADD_NORM_WIDTHS_SMALL = ((512,), (1000,), (2560,), (4096,))  # (D,): blocks 64/128, 1-5 chunks, a ragged row
+ADD_NORM_MAX_WIDTH = 8 * 128 * 8  # N_READS * 128 * 8 for fp16 (rms_norm.cu:585)
+
+
+def stock_add_rms_norm(x, residual, weight, eps: float):
+    """(x + residual, rms_norm of it) as decode's two calls compute them."""
+    h = x + residual
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+def rms_norm_launch(width: int) -> tuple:
+    """(BLOCK, CHUNKS) of MLX's rms_norm_small for an fp16 row of `width`
+    (dispatch_num_chunks and dispatch_chunks, rms_norm.cu:502-536, N_READS 8)."""
+    vectors = -(-width // 8)
+    if width <= 8 * 64:
+        return 64, 1
+    if vectors % 128 == 0 and vectors // 128 <= 8:
+        return 128, vectors // 128
+    if vectors % 64 == 0 and vectors // 64 <= 8:
+        return 64, vectors // 64
+    return 128, min(-(-vectors // 128), 8)
+
+
+_ADD_NORM_CUDA_HEADER = r"""
+#include <cooperative_groups/reduce.h>
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+
+namespace dflash2_add_norm {
+
+namespace cg = cooperative_groups;
+using mlx::core::cu::AlignedVector;
+using mlx::core::cu::load_vector;
+using mlx::core::cu::store_vector;
+
+template <int BLOCK, int CHUNKS>
+__device__ void add_rms_norm(const __half* x, const __half* r, const __half* w, const float* eps,
+                             __half* h, __half* out, uint32_t axis) {
+  constexpr int N = 8;
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  __shared__ float temp[BLOCK / 32 > 1 ? BLOCK / 32 : 1];
+  const int64_t row = blockIdx.x;
+  x += row * axis;
+  r += row * axis;
+  h += row * axis;
+  out += row * axis;
+  const int index = threadIdx.x;
+  AlignedVector<__half, N> hn[CHUNKS];
+  float normalizer = 0.0f;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int offset = BLOCK * c + index;
+    const auto xn = load_vector<N>(x, offset, axis, __float2half(0.0f));
+    const auto rn = load_vector<N>(r, offset, axis, __float2half(0.0f));
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      hn[c][j] = mlx::core::cu::Add{}(xn[j], rn[j]);
+      const float t = static_cast<float>(hn[c][j]);
+      normalizer += t * t;
+    }
+    store_vector<N>(h, offset, hn[c], axis);
+  }
+  normalizer = cg::reduce(warp, normalizer, cg::plus<float>{});
+  if constexpr (BLOCK > 32) {
+    if (warp.thread_rank() == 0) {
+      temp[warp.meta_group_rank()] = normalizer;
+    }
+    block.sync();
+    normalizer = warp.thread_rank() < warp.meta_group_size() ? temp[warp.thread_rank()] : 0.0f;
+    normalizer = cg::reduce(warp, normalizer, cg::plus<float>{});
+  }
+  normalizer = rsqrt(normalizer / axis + eps[0]);
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int offset = BLOCK * c + index;
+    const auto wn = load_vector<N>(w, offset, axis, __float2half(0.0f));
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float y = static_cast<float>(hn[c][j]) * normalizer;
+      hn[c][j] = wn[j] * static_cast<__half>(y);
+    }
+    store_vector<N>(out, offset, hn[c], axis);
+  }
+}
+
+}  // namespace dflash2_add_norm
+"""
+_ADD_NORM_SOURCE = "dflash2_add_norm::add_rms_norm<BLOCK, CHUNKS>(x, r, w, eps, h, out, x_shape[x_ndim - 1]);"
+
+
+@cache
+def _add_norm_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_add_rms_norm",
+        input_names=["x", "r", "w", "eps"],
+        output_names=["h", "out"],
+        source=_ADD_NORM_SOURCE,
+        header=cuda_header(_ADD_NORM_CUDA_HEADER),
+    )
+
+
+@cache
+def _eps_array(eps: float) -> mx.array:
+    value = mx.array([eps], mx.float32)  # a Python float rounded to fp32, as rms_norm's eps_
+    mx.eval(value)
+    return value
+
+
+def cuda_add_rms_norm(x, residual, weight, eps: float):
+    """(h, norm) through the CUDA kernel; no self-test gate."""
+    block, chunks = rms_norm_launch(x.shape[-1])
+    rows = x.size // x.shape[-1]
+    return tuple(_add_norm_kernel()(
+        inputs=[x, residual, weight, _eps_array(eps)],
+        template=[("BLOCK", block), ("CHUNKS", chunks)],
+        grid=(rows * block, 1, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[x.shape, x.shape],
+        output_dtypes=[mx.float16, mx.float16],
+    ))
+
+
+_add_norm_serving: dict = {}  # backend -> the variant its self-test verified, or None
+
+
+def add_norm_kernel_supports(x, residual, weight) -> bool:
+    return (x.shape == residual.shape and x.ndim >= 1 and weight.shape == (x.shape[-1],)
+            and 0 < x.shape[-1] <= ADD_NORM_MAX_WIDTH and x.size > 0
+            and x.dtype == residual.dtype == weight.dtype == mx.float16)
+
+
+def add_rms_norm(x, residual, weight, eps: float, variant=None):
+    """(x + residual, mx.fast.rms_norm(x + residual, weight, eps)), each bit for bit as
+    decode's own Add and rms_norm compute it, in one launch where the kernel serves.
+    variant: "fused" forces the kernel (no gate); default: as its self-test decided."""
+    if variant is None:
+        backend = backend_name()
+        if backend == "cuda" and backend not in _add_norm_serving:
+            self_test_add_norm()
+        variant = _add_norm_serving.get(backend)
+        if variant is None or not add_norm_kernel_supports(x, residual, weight):
+            return stock_add_rms_norm(x, residual, weight, eps)
+    return cuda_add_rms_norm(x, residual, weight, eps)
+
+
+def self_test_add_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check the residual add and norm bit for bit against decode's Add and mx.fast.rms_norm,
+    rows 1..8 (and two batch rows of 3), every input kind. kernel: (x, residual, weight, eps)
+    -> (h, norm), tested as variant "kernel"; default: the CUDA kernel ("fused"), serving
+    then switched on or off. shapes: (D,) widths. No control: MLX's norm of many rows is
+    its norm of each (one block a row), which is what lets verify batch it."""
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    variants = {"kernel": kernel} if kernel else {"fused": cuda_add_rms_norm}
+    shapes = [tuple(s) for s in (shapes or ADD_NORM_WIDTHS_SMALL)]
+    differing = {name: 0 for name in variants}
+    failures, cases = {}, []
+    key = mx.random.key(seed)
+    eps = 1e-6
+    for (width,) in shapes:
+        for kind in INPUT_KINDS:
+            key, k_x, k_r, k_w = mx.random.split(key, 4)
+            x = make_inputs(kind, MAX_ROWS, width, k_x)
+            residual = make_inputs(kind, MAX_ROWS, width, k_r)
+            weight = (1 + 0.25 * mx.random.normal((width,), key=k_w)).astype(mx.float16)
+            for batch, rows in [(1, rows) for rows in range(1, MAX_ROWS + 1)] + [(2, 3)]:
+                x_case = x[: batch * rows].reshape(batch, rows, width)
+                r_case = residual[: batch * rows].reshape(batch, rows, width)
+                want = stock_add_rms_norm(x_case, r_case, weight, eps)
+                for name, add_norm in variants.items():
+                    def compare(add_norm=add_norm):
+                        got = add_norm(x_case, r_case, weight, eps)
+                        return {"h": (got[0], want[0]), "norm": (got[1], want[1])}
+
+                    _run_case(name, compare, {"shape": [width], "batch": batch, "rows": rows, "input": kind},
+                              f"D={width} (B, L)={(batch, rows)} input={kind}", differing, failures, cases)
+    result = _variants_result(backend, differing, failures, {}, cases)
+    if kernel is None:
+        _add_norm_serving[backend] = result.variant
+    return result
+
+
+# ===========================================================================
 # Decode attention
 
 # `decode_attention_rows(queries, keys, values, scale, first_length)`: query j of
@@ -3608,6 +3813,7 @@ SELF_TESTS = {
     "attention": ("attention", self_test_attention),
     "conv": ("conv", self_test_conv),
     "rope": ("rope", self_test_rope),
+    "add_norm": ("norms", self_test_add_norm),
 }
 
 
@@ -3616,7 +3822,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
 
     shapes: {"packed": [(N, K)], "rotations": [(K, block)], "gdn": [(B, Hk, Hv,
     Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "rope":
-    [(B, Hq, Hk, D, R)]}; a missing or
+    [(B, Hq, Hk, D, R)], "norms": [(D,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
     serves only where its test passed. Returns {kernel name: SelfTestResult};
     off the kernels' backends the results say NO_KERNEL and take no time.

@@ -404,7 +404,7 @@ def kernel_shapes(model) -> dict:
     from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 
     text = model.language_model.model
-    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv", "rope")}
+    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv", "rope", "norms")}
     for _, module in model.language_model.named_modules():
         if isinstance(module, HadamardQuantizedLinear):
             width = dflash2_kernels.packed_width(module.weight)
@@ -412,6 +412,7 @@ def kernel_shapes(model) -> dict:
             if module.block:
                 shapes["rotations"].add((width, module.block))
     for layer in text.layers:
+        shapes["norms"].add(tuple(layer.post_attention_layernorm.weight.shape))
         if layer.is_linear:
             gdn = layer.linear_attn
             shapes["gdn"].add((1, gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim))

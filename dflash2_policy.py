@@ -11,7 +11,7 @@ share of the request (PROBE_BUDGET).
 
 `policy_rounds` replaces mlx-vlm's greedy DFlash round loop (dflash2_audit.REPLACED). Plain
 steps are decode's own call and greedy rule; the drafter still needs the target's tap hidden
-states of the tokens they produce, which `_decoder_layer_call` records during a plain step.
+states of the tokens they produce, which `keep_tap_output` records during a plain step.
 """
 
 import math
@@ -22,7 +22,6 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_vlm.generate.common import generation_stream as batch_stream
-from mlx_vlm.models.qwen3_5.language import Qwen3_5DecoderLayer
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round, commit_speculative_round
 from mlx_vlm.speculative.common import (
@@ -380,16 +379,14 @@ class RoundPolicy:
 # ---------------------------------------------------------------------------
 # Plain steps record the drafter's tap hidden states
 
-_stock_decoder_layer_call = Qwen3_5DecoderLayer.__call__
 _tap_recorder = None  # (ids of the tap layers, their outputs) while a plain step builds
 
 
-def _decoder_layer_call(self, *args, **kwargs):
-    """Qwen3_5DecoderLayer.__call__, keeping tap layers' outputs during a plain step."""
-    output = _stock_decoder_layer_call(self, *args, **kwargs)
-    if _tap_recorder is not None and id(self) in _tap_recorder[0]:
+def keep_tap_output(layer, output) -> None:
+    """During a plain step, keep a tap layer's output (the decoder layer's replacement,
+    dflash2_runtime._decoder_layer_call, hands over each layer's)."""
+    if _tap_recorder is not None and id(layer) in _tap_recorder[0]:
         _tap_recorder[1].append(output)
-    return output
 
 
 # ---------------------------------------------------------------------------

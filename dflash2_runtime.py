@@ -168,6 +168,7 @@ _stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
 _stock_gated_delta_ops = gated_delta_module.gated_delta_ops
 _stock_gated_delta_net_call = qwen3_5_language.Qwen3_5GatedDeltaNet.__call__
 _stock_rotary_call = qwen3_5_language.apply_multimodal_rotary_pos_emb
+_stock_decoder_layer_call = qwen3_5_language.Qwen3_5DecoderLayer.__call__
 
 # Plain decode's replacements in use, chosen by choose_decode_path from an
 # end-to-end measurement on this machine. Each is bitwise decode's own result
@@ -178,6 +179,8 @@ DECODE_ARMS = {
     "rotation+recurrence": frozenset({"rotation", "recurrence"}),
     "rotation+recurrence+convolution": frozenset({"rotation", "recurrence", "convolution"}),
     "rotation+recurrence+convolution+rope": frozenset({"rotation", "recurrence", "convolution", "rope"}),
+    "rotation+recurrence+convolution+rope+residual":
+        frozenset({"rotation", "recurrence", "convolution", "rope", "residual"}),
     "rotation+recurrence+matmul": frozenset({"rotation", "recurrence", "matmul"}),
 }
 _decode_path: frozenset = frozenset()
@@ -226,6 +229,34 @@ def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
     if "rope" not in _decode_path or unqueeze_dim != 1 or q.shape[2] != 1:
         return _stock_rotary_call(q, k, cos, sin, unqueeze_dim)
     return dflash2_kernels.rope_rows(q, k, cos, sin)
+
+
+def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
+    """Qwen3_5DecoderLayer.__call__; with the residual, decode's residual add and the norm
+    after it in one launch instead of two (_add_and_norm, the same bits). During a plain
+    step the drafter's tap layers keep their outputs (dflash2_policy.keep_tap_output)."""
+    if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
+        output = _stock_decoder_layer_call(self, x, mask, cache, position_ids, position_embeddings)
+    else:
+        normed = self.input_layernorm(x)
+        if self.is_linear:
+            residual = self.linear_attn(normed, mask, cache)
+        else:
+            residual = self.self_attn(normed, mask=mask, cache=cache, position_ids=position_ids,
+                                      position_embeddings=position_embeddings)
+        hidden, normed = _add_and_norm(x, residual, self.post_attention_layernorm)
+        output = hidden + self.mlp(normed)
+    dflash2_policy.keep_tap_output(self, output)
+    return output
+
+
+def _add_and_norm(x, residual, norm):
+    """(x + residual, norm(x + residual)); an nn.RMSNorm's in one launch
+    (dflash2_kernels.add_rms_norm: bitwise the Add and the mx.fast.rms_norm it calls)."""
+    if type(norm) is not nn.RMSNorm:
+        hidden = x + residual
+        return hidden, norm(hidden)
+    return dflash2_kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 def _module_call(module, x):
@@ -280,8 +311,15 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         self._layers_built = 0
         return super().verify(language_model, inputs, cache=cache, **kwargs)
 
-    def _layer(self, layer, hidden, *args):
-        hidden = super()._layer(layer, hidden, *args)
+    def _layer(self, layer, hidden, mask, cache, position_ids, position_embeddings):
+        # The base class's, with the residual add and the norm after it in one launch.
+        normed = layer.input_layernorm(hidden)
+        if layer.is_linear:
+            residual = self._gated_delta(layer.linear_attn, normed, mask, cache)
+        else:
+            residual = self._attention(layer.self_attn, normed, mask, cache, position_ids, position_embeddings)
+        hidden, normed = _add_and_norm(hidden, residual, layer.post_attention_layernorm)
+        hidden = hidden + self._feed_forward(layer.mlp, normed)
         self._layers_built += 1
         if VERIFY_EVAL_EVERY and self._layers_built % VERIFY_EVAL_EVERY == 0:
             mx.async_eval(hidden)
@@ -646,7 +684,7 @@ REPLACEMENTS = {
     "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
         _hadamard_linear_call,
     "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_policy.policy_rounds,
-    "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__": dflash2_policy._decoder_layer_call,
+    "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__": _decoder_layer_call,
 }
 
 

@@ -60,11 +60,13 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
     """Through mlx-vlm's BatchGenerator, as the servers' worker runs requests (batch caches,
     their padding and length metadata): one request, and three sharing a batch whose rows
     join and leave, answer under every arm as under stock's, and the lone request's steps
-    take the arm's one-row GatedDeltaNet layer and its rotary kernel call."""
+    take the arm's one-row GatedDeltaNet layer, its rotary kernel call and its residual add
+    and norm kernel call."""
     from test_first_token import PROMPTS as BATCH_PROMPTS, run
 
-    one_row_layers, rotary_calls = [], []
+    one_row_layers, rotary_calls, norm_calls = [], [], []
     positions, rope_rows = dflash2_runtime.gated_delta_positions, dflash2_kernels.rope_rows
+    add_rms_norm = dflash2_kernels.add_rms_norm
 
     def counted(layer, inputs, cache, linear):
         one_row_layers.append(inputs.shape[:2])
@@ -75,7 +77,12 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         return rope_rows(q, k, cos, sin, variant)
 
     monkeypatch.setattr(dflash2_runtime, "gated_delta_positions", counted)
+    def counted_norm(x, residual, weight, eps, variant=None):
+        norm_calls.append(dflash2_kernels.add_norm_kernel_supports(x, residual, weight))
+        return add_rms_norm(x, residual, weight, eps, variant)
+
     monkeypatch.setattr(dflash2_kernels, "rope_rows", counted_rope)
+    monkeypatch.setattr(dflash2_kernels, "add_rms_norm", counted_norm)
     alone = dict(greedy_sampling=True, top_logprobs_k=2)
     shared = dict(greedy_sampling=True, max_tokens=[4, 2, 6], completion_batch_size=3, prefill_batch_size=1)
     stock = run(target, BATCH_PROMPTS[:1], **alone)[0], run(target, BATCH_PROMPTS, **shared)[0]
@@ -85,11 +92,14 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
             dflash2_runtime.use_decode_arm(arm)
             one_row_layers.clear()
             rotary_calls.clear()
+            norm_calls.clear()
             assert run(target, BATCH_PROMPTS[:1], **alone)[0] == stock[0], arm
             took_layer = "convolution" in dflash2_runtime.DECODE_ARMS[arm]
             assert bool(one_row_layers) == took_layer and set(one_row_layers) <= {(1, 1)}, arm
             assert rotary_calls == [True] * len(rotary_calls) and bool(rotary_calls) == (
                 "rope" in dflash2_runtime.DECODE_ARMS[arm]), arm
+            assert norm_calls == [True] * len(norm_calls) and bool(norm_calls) == (
+                "residual" in dflash2_runtime.DECODE_ARMS[arm]), arm
             assert run(target, BATCH_PROMPTS, **shared)[0] == stock[1], arm
     finally:
         dflash2_runtime.use_decode_arm("mlx")
@@ -111,25 +121,30 @@ def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
                         dflash2_kernels.raw_bits(got), dflash2_kernels.raw_bits(want)).item(), (dtype, kind, rows)
 
 
+def second_output_a_bit_off(function):
+    """function with the last bit of each element of its second output flipped."""
+    def wrapped(*args):
+        first, second = function(*args)
+        bits = dflash2_kernels.raw_bits(second)
+        return first, (bits ^ mx.array(1, bits.dtype)).view(second.dtype)
+    return wrapped
+
+
 def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch):
     """decode_arm_differences, which choose_decode_path runs before timing the arms (an arm
-    that differs is never chosen): every arm's step is stock's bits here, and an arm whose
-    kernel rounds differently (the convolution one bit off) is named."""
+    that differs is never chosen): every arm's step is stock's bits here, and the arms whose
+    kernel rounds differently (the convolution's, or the residual norm's, one bit off) are
+    named."""
     lm = target[0].language_model
     arms = [arm for arm in dflash2_runtime.DECODE_ARMS if arm != "mlx"]
     assert dflash2_runtime.decode_arm_differences(lm, arms) == {arm: 0 for arm in arms}
-    conv_rows = dflash2_kernels.conv_rows
-
-    def conv_rows_a_bit_off(state, x, weight):
-        made, out = conv_rows(state, x, weight)
-        bits = dflash2_kernels.raw_bits(out)
-        return made, (bits ^ mx.array(1, bits.dtype)).view(out.dtype)
-
-    monkeypatch.setattr(dflash2_kernels, "conv_rows", conv_rows_a_bit_off)
-    differing = dflash2_runtime.decode_arm_differences(lm, arms)
-    with_convolution = [arm for arm in arms if "convolution" in dflash2_runtime.DECODE_ARMS[arm]]
-    assert with_convolution and all(differing.pop(arm) > 0 for arm in with_convolution)
-    assert differing == {arm: 0 for arm in arms if arm not in with_convolution}
+    for name, feature in (("conv_rows", "convolution"), ("add_rms_norm", "residual")):
+        with monkeypatch.context() as patch:
+            patch.setattr(dflash2_kernels, name, second_output_a_bit_off(getattr(dflash2_kernels, name)))
+            differing = dflash2_runtime.decode_arm_differences(lm, arms)
+        taking = [arm for arm in arms if feature in dflash2_runtime.DECODE_ARMS[arm]]
+        assert taking and all(differing.pop(arm) > 0 for arm in taking), name
+        assert differing == {arm: 0 for arm in arms if arm not in taking}, name
     assert dflash2_runtime._decode_path == dflash2_runtime.DECODE_ARMS["mlx"]  # the served arm kept
 
     def rope_rows_unbuilt(*args, **kwargs):
@@ -160,24 +175,33 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
     assert len(taken) == linear_layers - 1 and type(layer) not in taken
 
 
-def test_rotary_kernel_takes_the_shapes_decode_and_verify_hand_it(target, monkeypatch):
-    """Under the rope arm a decode step, and any verify round, rotate through rope_rows with
-    arguments its kernel takes (rope_kernel_supports): on a GPU none falls back to the stock
-    launches unseen, and graph_count's one launch for it is what CUDA runs."""
+@pytest.mark.parametrize("name, arm, call_shape, serving", [
+    ("rope_rows", "rotation+recurrence+convolution+rope",
+     lambda q, k, cos, sin: (q.shape[2], dflash2_kernels.rope_kernel_supports(q, k, cos, sin)),
+     lambda layer: not layer.is_linear),
+    ("add_rms_norm", "rotation+recurrence+convolution+rope+residual",
+     lambda x, residual, weight, eps: (x.shape[1], dflash2_kernels.add_norm_kernel_supports(x, residual, weight)),
+     lambda layer: True),
+])
+def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch, name, arm, call_shape, serving):
+    """Under its arm a decode step, and any verify round, call the kernel (the rotary: each
+    attention layer; the residual add and norm: every layer) with arguments it takes: on a
+    GPU none falls back to the stock launches unseen, and graph_count's one launch for it is
+    what CUDA runs. The prefill keeps mlx-vlm's own calls."""
     model, processor, drafter = target
     lm, taps = model.language_model, drafter.config.target_layer_ids
-    rope_rows, taken = dflash2_kernels.rope_rows, []
+    kernel, taken = getattr(dflash2_kernels, name), []
 
-    def recorded(q, k, cos, sin, variant=None):
-        taken.append((q.shape[2], dflash2_kernels.rope_kernel_supports(q, k, cos, sin)))
-        return rope_rows(q, k, cos, sin, variant)
+    def recorded(*args, variant=None):
+        taken.append(call_shape(*args))
+        return kernel(*args, variant=variant)
 
-    monkeypatch.setattr(dflash2_kernels, "rope_rows", recorded)
-    cache = lm.make_cache()
-    mx.eval(lm(raw_ids(processor, PROMPTS[0]), cache=cache).logits)
-    assert taken == []  # the prefill keeps mlx-vlm's rotary
-    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution+rope")
+    monkeypatch.setattr(dflash2_kernels, name, recorded)
+    dflash2_runtime.use_decode_arm(arm)
     try:
+        cache = lm.make_cache()
+        mx.eval(lm(raw_ids(processor, PROMPTS[0]), cache=cache).logits)
+        assert taken == []
         mx.eval(lm(mx.array([[5]]), cache=cache).logits)
     finally:
         dflash2_runtime.use_decode_arm("mlx")
@@ -185,7 +209,7 @@ def test_rotary_kernel_takes_the_shapes_decode_and_verify_hand_it(target, monkey
         lm, mx.array([[7, 8, 9]]), cache, taps, lambda logits: mx.argmax(logits, axis=-1))
     mx.eval(tokens)
     abort_speculative_round(transaction)
-    layers = sum(not layer.is_linear for layer in lm.model.layers)
+    layers = sum(map(serving, lm.model.layers))
     assert taken == [(1, True)] * layers + [(3, True)] * layers
 
 

@@ -23,6 +23,8 @@ def test_views_are_free_and_one_launch_calls_count_once():
     assert count(lambda: [dk.exact_quantized_matmul(x, *packed)]) == 1
     assert count(lambda: [dk.stock_rows(x, *packed)]) == 9  # eight calls and a concatenate
     assert count(lambda: [mx.exp(x) + 1]) == 2
+    # add_rms_norm's stock form calls rms_norm, itself one launch: counted once in all.
+    assert count(lambda: list(dk.add_rms_norm(x, x, weight, 1e-6))) == 1
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def counts():
     change no count."""
     model, taps = load_target(None)
     dflash2_runtime.apply_patches()
-    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution+rope")
+    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution+rope+residual")
     try:
         return count_steps(model.language_model, taps, lengths=(8,))
     finally:

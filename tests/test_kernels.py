@@ -699,6 +699,41 @@ def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch)
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
 
 
+def test_add_rms_norm_equals_decode_s_add_and_norm():
+    """The residual add and the RMSNorm after it, both outputs, at 1 and 5 rows of a ragged
+    width; on CUDA through the variant the kernel's self-test chose."""
+    x, residual = (dk.make_inputs("normal", 5, 1000, mx.random.key(seed)).reshape(1, 5, 1000) for seed in (1, 2))
+    weight = dk.make_inputs("normal", 1, 1000, mx.random.key(3))[0]
+    variant = None
+    if dk.backend_name() == "cuda":
+        dk.self_test_add_norm()
+        variant = dk._add_norm_serving["cuda"]
+        assert variant == "fused"
+    for rows in (1, 5):
+        h, normed = dk.add_rms_norm(x[:, :rows], residual[:, :rows], weight, 1e-6, variant=variant)
+        want = x[:, :rows] + residual[:, :rows]
+        assert same_bits(h, want) and same_bits(normed, mx.fast.rms_norm(want, weight, 1e-6))
+
+
+def test_rms_norm_launch_is_mlx_s_for_each_width():
+    """MLX's (block, chunks) for an fp16 row (rms_norm.cu dispatch_num_chunks): 64 threads
+    up to 512 features, 128 where the 8-wide vectors split evenly over 128, else 64, else
+    128 with the chunks rounded up."""
+    assert [dk.rms_norm_launch(width) for width in (100, 512, 1000, 1024, 2560, 4096, 5120, 5128, 8192)] == [
+        (64, 1), (64, 1), (128, 1), (128, 1), (64, 5), (128, 4), (128, 5), (128, 6), (128, 8)]
+
+
+def test_wrong_add_norm_fails_naming_the_case():
+    def wrong(x, residual, weight, eps):  # the norm's first element one bit off at 8 rows
+        h, normed = dk.stock_add_rms_norm(x, residual, weight, eps)
+        return h, flip_first_bit(normed) if x.shape[1] == 8 else normed
+
+    result = dk.self_test_add_norm([(512,)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert "D=512 (B, L)=(1, 8) input=normal, norm" in result.reason
+    assert dk.self_test_add_norm([(512,)], kernel=dk.stock_add_rms_norm).ok
+
+
 def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
     monkeypatch.setattr(dk.tempfile, "gettempdir", lambda: str(tmp_path))
     shared = tmp_path / f"dflash2-cuda-{os.getuid()}"
@@ -744,3 +779,11 @@ def test_rope_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
     result = dk.self_test_rope([(1, 24, 4, 256, 64), *dk.ROPE_SHAPES_SMALL])
     assert result.ok and result.variant in dk.ROPE_VARIANTS, result.reason
     print("rope variants, differing elements:", result.variants)
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_add_norm_kernel_equals_mlx_at_the_27b_shape_on_cuda():
+    """The 27B's residual add and post-attention norm (5120 features) and the small widths,
+    rows 1..8: the kernel serves."""
+    result = dk.self_test_add_norm([(5120,), *dk.ADD_NORM_WIDTHS_SMALL])
+    assert result.ok and result.variant == "fused", result.reason

@@ -54,6 +54,7 @@ ONE_LAUNCH = (
     (dflash2_kernels, "dense_rows", lambda *args, **kwargs: 1),
     (dflash2_kernels, "conv_rows", lambda *args, **kwargs: 1),
     (dflash2_kernels, "rope_rows", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "add_rms_norm", lambda *args, **kwargs: 1),
     # Scores, softmax and gather kernels, then decode's own p @ v call per query.
     (dflash2_kernels, "decode_attention_rows", lambda queries, *args, **kwargs: 3 + queries.shape[2]),
 )
@@ -97,14 +98,20 @@ def placeholder(sig):
 @contextmanager
 def one_launch_calls():
     """While active, records each call of a ONE_LAUNCH function: yields a Counter of
-    (function, argument signatures)."""
-    calls, swapped = Counter(), []
+    (function, argument signatures). A call made inside another (add_rms_norm's rms_norm
+    on CPU) is part of the outer call's launch, so it is not recorded again."""
+    calls, swapped, inside = Counter(), [], []
     for owner, name, launches in ONE_LAUNCH:
         stock = getattr(owner, name)
 
         def counted(*args, stock=stock, launches=launches, **kwargs):
-            calls[stock, signature(args), signature(kwargs), launches(*args, **kwargs)] += 1
-            return stock(*args, **kwargs)
+            if not inside:
+                calls[stock, signature(args), signature(kwargs), launches(*args, **kwargs)] += 1
+            inside.append(name)
+            try:
+                return stock(*args, **kwargs)
+            finally:
+                inside.pop()
 
         swapped.append((owner, name, stock))
         setattr(owner, name, counted)
