@@ -299,6 +299,18 @@ AUDITED = (
         "Called per verify position: norms, rotary, KV cache append.",
     ),
     Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5RMSNormGated.__call__",
+        "8dda172bb129bad4efb880d3b262212918d7ce30f9fe2d03824093e45be4b148",
+        "Mirrored with a gate by dflash2_kernels.gated_rms_norm (mx.fast.rms_norm, then "
+        "_precise_swiglu), whose self-test compares with them.",
+    ),
+    Audited(
+        "mlx_vlm.models.qwen3_5.language:_precise_swiglu",
+        "728612a72c9e2c31f3e517f3167d32b8a78bd709c0573822e1e5ab783c6d03dc",
+        "Mirrored by dflash2_kernels.gated_rms_norm (silu of the gate and the product in "
+        "fp32, one rounding to the input's dtype); its self-test calls it as the reference.",
+    ),
+    Audited(
         "mlx_vlm.models.qwen3_5.language:_qwen3_5_decode_depthwise_conv",
         "74738066cd31a354aa31fe22082c38b4b713d54925cee16a7f55886ae7cd2bfe",
         "Decode's convolution of one window (astype, multiply, column sum, astype): the "

@@ -42,7 +42,8 @@ position alone in plain decode, on this backend:
   cuda only.
 - `add_rms_norm(x, residual, weight, eps)`: the decoder layer's residual add and the
   RMSNorm after it (MLX's Add and rms_norm_small copied), both outputs, in one launch
-  where decode runs two. cuda only.
+  where decode runs two; `gated_rms_norm(x, weight, eps, gate)`: the GatedDeltaNet's
+  output norm and its fp32 swiglu gate, one launch where decode runs two. cuda only.
 - `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
   queries, query j seeing first_length + j keys, each decode's single-query
   `mx.fast.scaled_dot_product_attention`. cuda, where decode runs MLX's unfused
@@ -57,9 +58,9 @@ step / query at a time: exact by construction, only slower. A kernel serves only
 after its self-test passed on this machine: `verify_kernel_self_tests(shapes)`
 runs them at the pack's shapes at start-up; a kernel not yet tested there tests
 itself on first use. The Metal kernels are written from MLX's source and were
-never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200
-(`add_rms_norm` with an explicit fused multiply-add where it now writes MLX's own
-`+= t * t`: the same arithmetic for fp16, whose squares are exact in fp32).
+never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200, except
+`gated_rms_norm`, not yet run on a GPU, and `add_rms_norm`, which passed there in an
+earlier text of the same arithmetic (their self-tests decide there).
 
 Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 """
@@ -2549,30 +2550,42 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 
 
 # ===========================================================================
-# Residual add and RMSNorm
+# RMSNorm with a residual add before it or a gate after it
 
 # `add_rms_norm(x, residual, weight, eps)`: the decoder layer's `h = x + r` and its
 # post-attention norm `mx.fast.rms_norm(h, weight, eps)` (mlx-vlm 0.7.2
 # qwen3_5/language.py, Qwen3_5DecoderLayer.__call__; nn.RMSNorm) in one launch instead of
 # two, both outputs bit for bit. The add is MLX's Add functor on __half (one rounding, as
-# the binary kernel does it). The norm copies MLX's rms_norm_small
-# (backend/cuda/rms_norm.cu:53-125, its launch from :525-536 and :584-616): one block of
-# BLOCK threads per row, thread i loading the 8-element vectors BLOCK * c + i, c < CHUNKS,
-# with MLX's own load_vector (zeros past the row: the same values aligned or not), its
-# square sum in fp32 over them in that order, BlockBroadcastReduce's sum (each warp's
-# cg::reduce, the warps' sums through shared memory, one more cg::reduce), rsqrt of
-# sum / D + eps, then each output `w * half(float(h) * that)`. The square of an fp16 value
-# is exact in fp32, so whether a compiler fuses it into the running sum (MLX's build does:
-# FFMA) cannot change a bit. MLX picks rms_norm_small for rows of up to 8192 fp16.
+# the binary kernel does it).
+# `gated_rms_norm(x, weight, eps, gate)`: the GatedDeltaNet's output norm,
+# Qwen3_5RMSNormGated.__call__ with a gate: `mx.fast.rms_norm(x, weight, eps)`, then the
+# compiled `_precise_swiglu`, gate and norm in fp32, `fp16(silu(gate) * norm)` with
+# silu(g) = g * sigmoid(g) through MLX's Sigmoid and Multiply functors (one fused kernel on
+# CUDA, no product there followed by an add), in one launch instead of two.
+# The norm copies MLX's rms_norm_small (backend/cuda/rms_norm.cu:53-125, its launch from
+# :525-536 and :584-616): one block of BLOCK threads per row, thread i loading the
+# 8-element vectors BLOCK * c + i, c < CHUNKS, with MLX's own load_vector (zeros past the
+# row: the same values aligned or not), its square sum in fp32 over them in that order,
+# BlockBroadcastReduce's sum (each warp's cg::reduce, the warps' sums through shared
+# memory, one more cg::reduce), rsqrt of sum / D + eps, then each output
+# `w * half(float(x) * that)`. The square of an fp16 value is exact in fp32, so whether a
+# compiler fuses it into the running sum (MLX's build does: FFMA) cannot change a bit.
+# MLX picks rms_norm_small for rows of up to 8192 fp16.
 
-ADD_NORM_WIDTHS_SMALL = ((512,), (1000,), (2560,), (4096,))  # (D,): blocks 64/128, 1-5 chunks, a ragged row
-ADD_NORM_MAX_WIDTH = 8 * 128 * 8  # N_READS * 128 * 8 for fp16 (rms_norm.cu:585)
+NORM_WIDTHS_SMALL = ((512,), (1000,), (2560,), (4096,))  # (D,): blocks 64/128, 1-5 chunks, a ragged row
+GATED_NORM_SHAPES_SMALL = ((4, 128), (3, 64), (2, 100))  # (heads, D): rows of heads at each position
+NORM_MAX_WIDTH = 8 * 128 * 8  # N_READS * 128 * 8 for fp16 (rms_norm.cu:585)
 
 
 def stock_add_rms_norm(x, residual, weight, eps: float):
     """(x + residual, rms_norm of it) as decode's two calls compute them."""
     h = x + residual
     return h, mx.fast.rms_norm(h, weight, eps)
+
+
+def stock_gated_rms_norm(x, weight, eps: float, gate):
+    """Qwen3_5RMSNormGated's output with a gate, as decode's two calls compute it."""
+    return qwen3_5_language._precise_swiglu(x, gate, mx.fast.rms_norm(x, weight, eps))
 
 
 def rms_norm_launch(width: int) -> tuple:
@@ -2588,44 +2601,33 @@ def rms_norm_launch(width: int) -> tuple:
     return 128, min(-(-vectors // 128), 8)
 
 
-_ADD_NORM_CUDA_HEADER = r"""
+_NORM_CUDA_HEADER = r"""
 #include <cooperative_groups/reduce.h>
 #include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
 
-namespace dflash2_add_norm {
+namespace dflash2_norm {
 
 namespace cg = cooperative_groups;
 using mlx::core::cu::AlignedVector;
 using mlx::core::cu::load_vector;
 using mlx::core::cu::store_vector;
+constexpr int N = 8;  // N_READS for __half
 
+// rms_norm_small's factor for the row whose thread-owned vectors are xn.
 template <int BLOCK, int CHUNKS>
-__device__ void add_rms_norm(const __half* x, const __half* r, const __half* w, const float* eps,
-                             __half* h, __half* out, uint32_t axis) {
-  constexpr int N = 8;
+__device__ float inverse_rms(const AlignedVector<__half, N> (&xn)[CHUNKS], const float* eps, uint32_t axis) {
   auto block = cg::this_thread_block();
   auto warp = cg::tiled_partition<32>(block);
   __shared__ float temp[BLOCK / 32 > 1 ? BLOCK / 32 : 1];
-  const int64_t row = blockIdx.x;
-  x += row * axis;
-  r += row * axis;
-  h += row * axis;
-  out += row * axis;
-  const int index = threadIdx.x;
-  AlignedVector<__half, N> hn[CHUNKS];
   float normalizer = 0.0f;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
-    const int offset = BLOCK * c + index;
-    const auto xn = load_vector<N>(x, offset, axis, __float2half(0.0f));
-    const auto rn = load_vector<N>(r, offset, axis, __float2half(0.0f));
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      hn[c][j] = mlx::core::cu::Add{}(xn[j], rn[j]);
-      const float t = static_cast<float>(hn[c][j]);
+      const float t = static_cast<float>(xn[c][j]);
       normalizer += t * t;
     }
-    store_vector<N>(h, offset, hn[c], axis);
   }
   normalizer = cg::reduce(warp, normalizer, cg::plus<float>{});
   if constexpr (BLOCK > 32) {
@@ -2636,23 +2638,81 @@ __device__ void add_rms_norm(const __half* x, const __half* r, const __half* w, 
     normalizer = warp.thread_rank() < warp.meta_group_size() ? temp[warp.thread_rank()] : 0.0f;
     normalizer = cg::reduce(warp, normalizer, cg::plus<float>{});
   }
-  normalizer = rsqrt(normalizer / axis + eps[0]);
+  return rsqrt(normalizer / axis + eps[0]);
+}
+
+// One norm output as rms_norm_small writes it.
+__device__ __forceinline__ __half normed(__half x, float normalizer, __half w) {
+  const float y = static_cast<float>(x) * normalizer;
+  return w * static_cast<__half>(y);
+}
+
+template <int BLOCK, int CHUNKS>
+__device__ void add_rms_norm(const __half* x, const __half* r, const __half* w, const float* eps,
+                             __half* h, __half* out, uint32_t axis) {
+  const int64_t row = blockIdx.x;
+  x += row * axis;
+  r += row * axis;
+  h += row * axis;
+  out += row * axis;
+  AlignedVector<__half, N> hn[CHUNKS];
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
-    const int offset = BLOCK * c + index;
+    const int offset = BLOCK * c + threadIdx.x;
+    const auto xn = load_vector<N>(x, offset, axis, __float2half(0.0f));
+    const auto rn = load_vector<N>(r, offset, axis, __float2half(0.0f));
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      hn[c][j] = mlx::core::cu::Add{}(xn[j], rn[j]);
+    }
+    store_vector<N>(h, offset, hn[c], axis);
+  }
+  const float normalizer = inverse_rms<BLOCK, CHUNKS>(hn, eps, axis);
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int offset = BLOCK * c + threadIdx.x;
     const auto wn = load_vector<N>(w, offset, axis, __float2half(0.0f));
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const float y = static_cast<float>(hn[c][j]) * normalizer;
-      hn[c][j] = wn[j] * static_cast<__half>(y);
+      hn[c][j] = normed(hn[c][j], normalizer, wn[j]);
     }
     store_vector<N>(out, offset, hn[c], axis);
   }
 }
 
-}  // namespace dflash2_add_norm
+template <int BLOCK, int CHUNKS>
+__device__ void gated_rms_norm(const __half* x, const __half* w, const float* eps, const __half* gate,
+                               __half* out, uint32_t axis) {
+  const int64_t row = blockIdx.x;
+  x += row * axis;
+  gate += row * axis;
+  out += row * axis;
+  AlignedVector<__half, N> xn[CHUNKS];
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    xn[c] = load_vector<N>(x, BLOCK * c + threadIdx.x, axis, __float2half(0.0f));
+  }
+  const float normalizer = inverse_rms<BLOCK, CHUNKS>(xn, eps, axis);
+  mlx::core::cu::Multiply multiply;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int offset = BLOCK * c + threadIdx.x;
+    const auto wn = load_vector<N>(w, offset, axis, __float2half(0.0f));
+    const auto gn = load_vector<N>(gate, offset, axis, __float2half(0.0f));
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float g = static_cast<float>(gn[j]);
+      const float silu = multiply(g, mlx::core::cu::Sigmoid{}(g));
+      xn[c][j] = static_cast<__half>(multiply(silu, static_cast<float>(normed(xn[c][j], normalizer, wn[j]))));
+    }
+    store_vector<N>(out, offset, xn[c], axis);
+  }
+}
+
+}  // namespace dflash2_norm
 """
-_ADD_NORM_SOURCE = "dflash2_add_norm::add_rms_norm<BLOCK, CHUNKS>(x, r, w, eps, h, out, x_shape[x_ndim - 1]);"
+_ADD_NORM_SOURCE = "dflash2_norm::add_rms_norm<BLOCK, CHUNKS>(x, r, w, eps, h, out, x_shape[x_ndim - 1]);"
+_GATED_NORM_SOURCE = "dflash2_norm::gated_rms_norm<BLOCK, CHUNKS>(x, w, eps, gate, out, x_shape[x_ndim - 1]);"
 
 
 @cache
@@ -2662,7 +2722,18 @@ def _add_norm_kernel():
         input_names=["x", "r", "w", "eps"],
         output_names=["h", "out"],
         source=_ADD_NORM_SOURCE,
-        header=cuda_header(_ADD_NORM_CUDA_HEADER),
+        header=cuda_header(_NORM_CUDA_HEADER),
+    )
+
+
+@cache
+def _gated_norm_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_gated_rms_norm",
+        input_names=["x", "w", "eps", "gate"],
+        output_names=["out"],
+        source=_GATED_NORM_SOURCE,
+        header=cuda_header(_NORM_CUDA_HEADER),
     )
 
 
@@ -2673,79 +2744,137 @@ def _eps_array(eps: float) -> mx.array:
     return value
 
 
+def _norm_launch(x) -> dict:
+    block, chunks = rms_norm_launch(x.shape[-1])
+    return dict(template=[("BLOCK", block), ("CHUNKS", chunks)],
+                grid=(x.size // x.shape[-1] * block, 1, 1), threadgroup=(block, 1, 1))
+
+
 def cuda_add_rms_norm(x, residual, weight, eps: float):
     """(h, norm) through the CUDA kernel; no self-test gate."""
-    block, chunks = rms_norm_launch(x.shape[-1])
-    rows = x.size // x.shape[-1]
     return tuple(_add_norm_kernel()(
-        inputs=[x, residual, weight, _eps_array(eps)],
-        template=[("BLOCK", block), ("CHUNKS", chunks)],
-        grid=(rows * block, 1, 1),
-        threadgroup=(block, 1, 1),
-        output_shapes=[x.shape, x.shape],
-        output_dtypes=[mx.float16, mx.float16],
+        inputs=[x, residual, weight, _eps_array(eps)], **_norm_launch(x),
+        output_shapes=[x.shape, x.shape], output_dtypes=[mx.float16, mx.float16],
     ))
 
 
-_add_norm_serving: dict = {}  # backend -> the variant its self-test verified, or None
+def cuda_gated_rms_norm(x, weight, eps: float, gate):
+    """The gated norm through the CUDA kernel; no self-test gate."""
+    return _gated_norm_kernel()(
+        inputs=[x, weight, _eps_array(eps), gate], **_norm_launch(x),
+        output_shapes=[x.shape], output_dtypes=[mx.float16],
+    )[0]
 
 
-def add_norm_kernel_supports(x, residual, weight) -> bool:
-    return (x.shape == residual.shape and x.ndim >= 1 and weight.shape == (x.shape[-1],)
-            and 0 < x.shape[-1] <= ADD_NORM_MAX_WIDTH and x.size > 0
-            and x.dtype == residual.dtype == weight.dtype == mx.float16)
+_add_norm_serving: dict = {}  # backend -> "fused" where its self-test passed, else None
+_gated_norm_serving: dict = {}
+
+
+def norm_kernel_supports(x, weight, *same) -> bool:
+    """Whether the norm kernels take x (the residual or the gate beside it: `same`)."""
+    return (x.ndim >= 1 and x.size > 0 and 0 < x.shape[-1] <= NORM_MAX_WIDTH
+            and weight.shape == (x.shape[-1],) and all(other.shape == x.shape for other in same)
+            and all(a.dtype == mx.float16 for a in (x, weight, *same)))
+
+
+def _norm_variant(serving: dict, self_test_function):
+    backend = backend_name()
+    if backend == "cuda" and backend not in serving:
+        self_test_function()
+    return serving.get(backend)
 
 
 def add_rms_norm(x, residual, weight, eps: float, variant=None):
     """(x + residual, mx.fast.rms_norm(x + residual, weight, eps)), each bit for bit as
     decode's own Add and rms_norm compute it, in one launch where the kernel serves.
     variant: "fused" forces the kernel (no gate); default: as its self-test decided."""
-    if variant is None:
-        backend = backend_name()
-        if backend == "cuda" and backend not in _add_norm_serving:
-            self_test_add_norm()
-        variant = _add_norm_serving.get(backend)
-        if variant is None or not add_norm_kernel_supports(x, residual, weight):
-            return stock_add_rms_norm(x, residual, weight, eps)
+    variant = variant or _norm_variant(_add_norm_serving, self_test_add_norm)
+    if variant is None or not norm_kernel_supports(x, weight, residual):
+        return stock_add_rms_norm(x, residual, weight, eps)
     return cuda_add_rms_norm(x, residual, weight, eps)
 
 
-def self_test_add_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
-    """Check the residual add and norm bit for bit against decode's Add and mx.fast.rms_norm,
-    rows 1..8 (and two batch rows of 3), every input kind. kernel: (x, residual, weight, eps)
-    -> (h, norm), tested as variant "kernel"; default: the CUDA kernel ("fused"), serving
-    then switched on or off. shapes: (D,) widths. No control: MLX's norm of many rows is
-    its norm of each (one block a row), which is what lets verify batch it."""
+def gated_rms_norm(x, weight, eps: float, gate, variant=None):
+    """Qwen3_5RMSNormGated's output for x and its gate, bit for bit as decode's rms_norm and
+    compiled swiglu compute it, in one launch where the kernel serves. variant: "fused"
+    forces the kernel (no gate); default: as its self-test decided."""
+    variant = variant or _norm_variant(_gated_norm_serving, self_test_gated_norm)
+    if variant is None or not norm_kernel_supports(x, weight, gate):
+        return stock_gated_rms_norm(x, weight, eps, gate)
+    return cuda_gated_rms_norm(x, weight, eps, gate)
+
+
+def _self_test_norm(kernel, fused, serving: dict, shapes, seed, make_case, stock) -> SelfTestResult:
+    """A norm kernel against decode's calls, as bits, rows 1..8 and every input kind:
+    make_case(kind, rows, shape, key) -> (arguments, where); kernel / fused / stock take
+    the arguments and return {part: array}. No control: MLX's norm of many rows is its norm
+    of each (one block a row), which is what lets verify batch it."""
     backend = backend_name()
     if kernel is None and backend != "cuda":
         return _no_kernel_result(backend)
-    variants = {"kernel": kernel} if kernel else {"fused": cuda_add_rms_norm}
-    shapes = [tuple(s) for s in (shapes or ADD_NORM_WIDTHS_SMALL)]
+    variants = {"kernel": kernel} if kernel else {"fused": fused}
     differing = {name: 0 for name in variants}
     failures, cases = {}, []
     key = mx.random.key(seed)
-    eps = 1e-6
-    for (width,) in shapes:
+    for shape in shapes:
         for kind in INPUT_KINDS:
-            key, k_x, k_r, k_w = mx.random.split(key, 4)
-            x = make_inputs(kind, MAX_ROWS, width, k_x)
-            residual = make_inputs(kind, MAX_ROWS, width, k_r)
-            weight = (1 + 0.25 * mx.random.normal((width,), key=k_w)).astype(mx.float16)
-            for batch, rows in [(1, rows) for rows in range(1, MAX_ROWS + 1)] + [(2, 3)]:
-                x_case = x[: batch * rows].reshape(batch, rows, width)
-                r_case = residual[: batch * rows].reshape(batch, rows, width)
-                want = stock_add_rms_norm(x_case, r_case, weight, eps)
-                for name, add_norm in variants.items():
-                    def compare(add_norm=add_norm):
-                        got = add_norm(x_case, r_case, weight, eps)
-                        return {"h": (got[0], want[0]), "norm": (got[1], want[1])}
+            key, case_key = mx.random.split(key)
+            for rows in range(1, MAX_ROWS + 1):
+                arguments, where = make_case(kind, rows, shape, case_key)
+                want = stock(*arguments)
+                for name, function in variants.items():
+                    def compare(function=function):
+                        return {part: (got, want[part]) for part, got in function(*arguments).items()}
 
-                    _run_case(name, compare, {"shape": [width], "batch": batch, "rows": rows, "input": kind},
-                              f"D={width} (B, L)={(batch, rows)} input={kind}", differing, failures, cases)
+                    _run_case(name, compare, {"shape": list(shape), "rows": rows, "input": kind},
+                              f"{where} input={kind}", differing, failures, cases)
     result = _variants_result(backend, differing, failures, {}, cases)
     if kernel is None:
-        _add_norm_serving[backend] = result.variant
+        serving[backend] = result.variant
     return result
+
+
+def _norm_weight(width: int, key) -> mx.array:
+    return (1 + 0.25 * mx.random.normal((width,), key=key)).astype(mx.float16)
+
+
+def self_test_add_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check the residual add and norm bit for bit against decode's Add and
+    mx.fast.rms_norm, at 1..8 positions (the first two of them also as 2 batch rows).
+    kernel: (x, residual, weight, eps) -> (h, norm), tested as variant "kernel"; default:
+    the CUDA kernel ("fused"), serving then switched on or off. shapes: (D,) widths."""
+    def make_case(kind, rows, shape, key):
+        k_x, k_r, k_w = mx.random.split(key, 3)
+        (width,) = shape
+        batch = 2 if rows == 2 else 1  # (2, 1, D): rows of a batch, as the servers' batches make
+        x, residual = (make_inputs(kind, rows, width, k).reshape(batch, rows // batch, width) for k in (k_x, k_r))
+        return (x, residual, _norm_weight(width, k_w), 1e-6), f"D={width} (B, L)={x.shape[:2]}"
+
+    def parts(function):
+        return lambda *arguments: dict(zip(("h", "norm"), function(*arguments)))
+
+    return _self_test_norm(kernel and parts(kernel), parts(cuda_add_rms_norm), _add_norm_serving,
+                           [tuple(s) for s in (shapes or NORM_WIDTHS_SMALL)], seed, make_case,
+                           parts(stock_add_rms_norm))
+
+
+def self_test_gated_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check the gated norm bit for bit against decode's rms_norm and compiled swiglu, at
+    1..8 positions of every head. kernel: (x, weight, eps, gate) -> out, tested as variant
+    "kernel"; default: the CUDA kernel ("fused"), serving then switched on or off.
+    shapes: (heads, D)."""
+    def make_case(kind, rows, shape, key):
+        k_x, k_g, k_w = mx.random.split(key, 3)
+        heads, width = shape
+        x, gate = (make_inputs(kind, rows * heads, width, k).reshape(1, rows, heads, width) for k in (k_x, k_g))
+        return (x, _norm_weight(width, k_w), 1e-6, gate), f"(heads, D)={shape} L={rows}"
+
+    def parts(function):
+        return lambda *arguments: {"out": function(*arguments)}
+
+    return _self_test_norm(kernel and parts(kernel), parts(cuda_gated_rms_norm), _gated_norm_serving,
+                           [tuple(s) for s in (shapes or GATED_NORM_SHAPES_SMALL)], seed, make_case,
+                           parts(stock_gated_rms_norm))
 
 
 # ===========================================================================
@@ -3814,6 +3943,7 @@ SELF_TESTS = {
     "conv": ("conv", self_test_conv),
     "rope": ("rope", self_test_rope),
     "add_norm": ("norms", self_test_add_norm),
+    "gated_norm": ("gated_norms", self_test_gated_norm),
 }
 
 
@@ -3822,7 +3952,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
 
     shapes: {"packed": [(N, K)], "rotations": [(K, block)], "gdn": [(B, Hk, Hv,
     Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "rope":
-    [(B, Hq, Hk, D, R)], "norms": [(D,)]}; a missing or
+    [(B, Hq, Hk, D, R)], "norms": [(D,)], "gated_norms": [(heads, D)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
     serves only where its test passed. Returns {kernel name: SelfTestResult};
     off the kernels' backends the results say NO_KERNEL and take no time.

@@ -404,7 +404,8 @@ def kernel_shapes(model) -> dict:
     from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 
     text = model.language_model.model
-    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv", "rope", "norms")}
+    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv", "rope", "norms",
+                                     "gated_norms")}
     for _, module in model.language_model.named_modules():
         if isinstance(module, HadamardQuantizedLinear):
             width = dflash2_kernels.packed_width(module.weight)
@@ -419,6 +420,7 @@ def kernel_shapes(model) -> dict:
             gates = gdn.in_proj_b.weight.shape[0] + gdn.in_proj_a.weight.shape[0]
             shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
             shapes["conv"].add((1, gdn.conv_dim, gdn.conv_kernel_size))
+            shapes["gated_norms"].add((gdn.num_v_heads, gdn.head_v_dim))
         else:
             attention = layer.self_attn
             shapes["attention"].add(

@@ -415,8 +415,16 @@ def gated_delta_positions(layer, inputs, cache, linear):
     cache.advance(length)
     qwen3_5_language._qwen3_5_advance_left_padding_info(cache, length)
     qwen3_5_language._qwen3_5_advance_lengths_info(cache, length)
-    output = layer.norm(output, z)
+    output = _gated_norm(layer.norm, output, z)
     return linear(layer.out_proj, output.reshape(batch, length, -1))
+
+
+def _gated_norm(norm, x, gate):
+    """norm(x, gate); Qwen3.5's gated RMSNorm in one launch (dflash2_kernels.gated_rms_norm:
+    bitwise its mx.fast.rms_norm and compiled _precise_swiglu)."""
+    if type(norm) is not qwen3_5_language.Qwen3_5RMSNormGated:
+        return norm(x, gate)
+    return dflash2_kernels.gated_rms_norm(x, norm.weight, norm.eps, gate)
 
 
 def _normalize_qk(q, k):

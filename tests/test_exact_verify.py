@@ -78,7 +78,7 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
 
     monkeypatch.setattr(dflash2_runtime, "gated_delta_positions", counted)
     def counted_norm(x, residual, weight, eps, variant=None):
-        norm_calls.append(dflash2_kernels.add_norm_kernel_supports(x, residual, weight))
+        norm_calls.append(dflash2_kernels.norm_kernel_supports(x, weight, residual))
         return add_rms_norm(x, residual, weight, eps, variant)
 
     monkeypatch.setattr(dflash2_kernels, "rope_rows", counted_rope)
@@ -180,12 +180,16 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
      lambda q, k, cos, sin: (q.shape[2], dflash2_kernels.rope_kernel_supports(q, k, cos, sin)),
      lambda layer: not layer.is_linear),
     ("add_rms_norm", "rotation+recurrence+convolution+rope+residual",
-     lambda x, residual, weight, eps: (x.shape[1], dflash2_kernels.add_norm_kernel_supports(x, residual, weight)),
+     lambda x, residual, weight, eps: (x.shape[1], dflash2_kernels.norm_kernel_supports(x, weight, residual)),
      lambda layer: True),
+    ("gated_rms_norm", "rotation+recurrence+convolution",
+     lambda x, weight, eps, gate: (x.shape[1], dflash2_kernels.norm_kernel_supports(x, weight, gate)),
+     lambda layer: layer.is_linear),
 ])
 def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch, name, arm, call_shape, serving):
     """Under its arm a decode step, and any verify round, call the kernel (the rotary: each
-    attention layer; the residual add and norm: every layer) with arguments it takes: on a
+    attention layer; the residual add and norm: every layer; the gated norm: each
+    GatedDeltaNet layer) with arguments it takes: on a
     GPU none falls back to the stock launches unseen, and graph_count's one launch for it is
     what CUDA runs. The prefill keeps mlx-vlm's own calls."""
     model, processor, drafter = target

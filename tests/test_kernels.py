@@ -715,6 +715,22 @@ def test_add_rms_norm_equals_decode_s_add_and_norm():
         assert same_bits(h, want) and same_bits(normed, mx.fast.rms_norm(want, weight, 1e-6))
 
 
+def test_gated_rms_norm_equals_mlx_vlm_s_gated_norm(target):
+    """The GatedDeltaNet's output norm with its gate (Qwen3_5RMSNormGated, the pack's own
+    module) at 1 and 5 positions of 3 heads; on CUDA through the kernel its self-test passed."""
+    norm = next(layer.linear_attn.norm for layer in target[0].language_model.model.layers if layer.is_linear)
+    width = norm.weight.shape[0]
+    x, gate = (dk.make_inputs("normal", 15, width, mx.random.key(seed)).reshape(1, 5, 3, width) for seed in (1, 2))
+    variant = None
+    if dk.backend_name() == "cuda":
+        dk.self_test_gated_norm()
+        variant = dk._gated_norm_serving["cuda"]
+        assert variant == "fused"
+    for rows in (1, 5):
+        got = dk.gated_rms_norm(x[:, :rows], norm.weight, norm.eps, gate[:, :rows], variant=variant)
+        assert same_bits(got, norm(x[:, :rows], gate[:, :rows]))
+
+
 def test_rms_norm_launch_is_mlx_s_for_each_width():
     """MLX's (block, chunks) for an fp16 row (rms_norm.cu dispatch_num_chunks): 64 threads
     up to 512 features, 128 where the 8-wide vectors split evenly over 128, else 64, else
@@ -732,6 +748,17 @@ def test_wrong_add_norm_fails_naming_the_case():
     assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
     assert "D=512 (B, L)=(1, 8) input=normal, norm" in result.reason
     assert dk.self_test_add_norm([(512,)], kernel=dk.stock_add_rms_norm).ok
+
+
+def test_wrong_gated_norm_fails_naming_the_case():
+    def wrong(x, weight, eps, gate):  # the first element one bit off at 3 positions
+        out = dk.stock_gated_rms_norm(x, weight, eps, gate)
+        return flip_first_bit(out) if x.shape[1] == 3 else out
+
+    result = dk.self_test_gated_norm([(2, 64)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert "(heads, D)=(2, 64) L=3 input=normal, out" in result.reason
+    assert dk.self_test_gated_norm([(2, 64)], kernel=dk.stock_gated_rms_norm).ok
 
 
 def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
@@ -785,5 +812,13 @@ def test_rope_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
 def test_add_norm_kernel_equals_mlx_at_the_27b_shape_on_cuda():
     """The 27B's residual add and post-attention norm (5120 features) and the small widths,
     rows 1..8: the kernel serves."""
-    result = dk.self_test_add_norm([(5120,), *dk.ADD_NORM_WIDTHS_SMALL])
+    result = dk.self_test_add_norm([(5120,), *dk.NORM_WIDTHS_SMALL])
+    assert result.ok and result.variant == "fused", result.reason
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_gated_norm_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
+    """The 27B's GatedDeltaNet output norm (48 heads of 128) and the small shapes, 1..8
+    positions: the kernel serves."""
+    result = dk.self_test_gated_norm([(48, 128), *dk.GATED_NORM_SHAPES_SMALL])
     assert result.ok and result.variant == "fused", result.reason

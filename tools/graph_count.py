@@ -55,6 +55,7 @@ ONE_LAUNCH = (
     (dflash2_kernels, "conv_rows", lambda *args, **kwargs: 1),
     (dflash2_kernels, "rope_rows", lambda *args, **kwargs: 1),
     (dflash2_kernels, "add_rms_norm", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "gated_rms_norm", lambda *args, **kwargs: 1),
     # Scores, softmax and gather kernels, then decode's own p @ v call per query.
     (dflash2_kernels, "decode_attention_rows", lambda queries, *args, **kwargs: 3 + queries.shape[2]),
 )
@@ -98,8 +99,8 @@ def placeholder(sig):
 @contextmanager
 def one_launch_calls():
     """While active, records each call of a ONE_LAUNCH function: yields a Counter of
-    (function, argument signatures). A call made inside another (add_rms_norm's rms_norm
-    on CPU) is part of the outer call's launch, so it is not recorded again."""
+    (function, argument signatures). A call made inside another (the norms' rms_norm on
+    CPU) is part of the outer call's launch, so it is not recorded again."""
     calls, swapped, inside = Counter(), [], []
     for owner, name, launches in ONE_LAUNCH:
         stock = getattr(owner, name)
