@@ -76,8 +76,9 @@ REPLACED = (
         "0ab0be71156568f50a248f898d431b657b36b399166e29e25c16c7a45f6cc81b",
         "Decode's step, where measured faster (the convolution arm), for one unpadded row: "
         "the layer as verify runs it at one position (dflash2_runtime.gated_delta_positions), "
-        "its concatenated window, convolution and silu in one kernel launch and both gates in "
-        "one; every other call runs it as is. Mirrored per verify position.",
+        "its concatenated window, convolution and silu in one kernel launch, both gates in "
+        "one and its gated output norm in one; every other call runs it as is. Mirrored per "
+        "verify position.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:apply_multimodal_rotary_pos_emb",

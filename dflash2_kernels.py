@@ -2572,7 +2572,9 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 # compiler fuses it into the running sum (MLX's build does: FFMA) cannot change a bit.
 # MLX picks rms_norm_small for rows of up to 8192 fp16.
 
-NORM_WIDTHS_SMALL = ((512,), (1000,), (2560,), (4096,))  # (D,): blocks 64/128, 1-5 chunks, a ragged row
+# (D,): blocks 64 and 128, 1 to 5 chunks, rows that end inside an 8-wide vector (1003; odd
+# rows then start unaligned, where load_vector reads element by element)
+NORM_WIDTHS_SMALL = ((512,), (1003,), (2560,), (4096,))
 GATED_NORM_SHAPES_SMALL = ((4, 128), (3, 64), (2, 100))  # (heads, D): rows of heads at each position
 NORM_MAX_WIDTH = 8 * 128 * 8  # N_READS * 128 * 8 for fp16 (rms_norm.cu:585)
 

@@ -121,26 +121,30 @@ def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
                         dflash2_kernels.raw_bits(got), dflash2_kernels.raw_bits(want)).item(), (dtype, kind, rows)
 
 
-def second_output_a_bit_off(function):
-    """function with the last bit of each element of its second output flipped."""
+def last_output_a_bit_off(function):
+    """function with the last bit of each element of its (last) output flipped."""
+    def flipped(out):
+        bits = dflash2_kernels.raw_bits(out)
+        return (bits ^ mx.array(1, bits.dtype)).view(out.dtype)
+
     def wrapped(*args):
-        first, second = function(*args)
-        bits = dflash2_kernels.raw_bits(second)
-        return first, (bits ^ mx.array(1, bits.dtype)).view(second.dtype)
+        out = function(*args)
+        return (*out[:-1], flipped(out[-1])) if isinstance(out, tuple) else flipped(out)
     return wrapped
 
 
 def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch):
     """decode_arm_differences, which choose_decode_path runs before timing the arms (an arm
     that differs is never chosen): every arm's step is stock's bits here, and the arms whose
-    kernel rounds differently (the convolution's, or the residual norm's, one bit off) are
-    named."""
+    kernel rounds differently (the convolution's, the gated norm's or the residual norm's,
+    one bit off) are named."""
     lm = target[0].language_model
     arms = [arm for arm in dflash2_runtime.DECODE_ARMS if arm != "mlx"]
     assert dflash2_runtime.decode_arm_differences(lm, arms) == {arm: 0 for arm in arms}
-    for name, feature in (("conv_rows", "convolution"), ("add_rms_norm", "residual")):
+    for name, feature in (("conv_rows", "convolution"), ("gated_rms_norm", "convolution"),
+                          ("add_rms_norm", "residual")):
         with monkeypatch.context() as patch:
-            patch.setattr(dflash2_kernels, name, second_output_a_bit_off(getattr(dflash2_kernels, name)))
+            patch.setattr(dflash2_kernels, name, last_output_a_bit_off(getattr(dflash2_kernels, name)))
             differing = dflash2_runtime.decode_arm_differences(lm, arms)
         taking = [arm for arm in arms if feature in dflash2_runtime.DECODE_ARMS[arm]]
         assert taking and all(differing.pop(arm) > 0 for arm in taking), name

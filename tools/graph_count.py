@@ -108,7 +108,7 @@ def one_launch_calls():
         def counted(*args, stock=stock, launches=launches, **kwargs):
             if not inside:
                 calls[stock, signature(args), signature(kwargs), launches(*args, **kwargs)] += 1
-            inside.append(name)
+            inside.append(stock)
             try:
                 return stock(*args, **kwargs)
             finally:
