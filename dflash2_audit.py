@@ -388,9 +388,15 @@ AUDITED = (
         "Mirrored by dflash2_runtime._normalize_qk (each scale as its norm's weight).",
     ),
     Audited(
+        "mlx_vlm.models.qwen3_5.gated_delta:compute_g",
+        "2557432693f6ac3904a34a185766e986d5f5e5c45b336b718b379fe2a8f0a1c9",
+        "Mirrored by dflash2_kernels.gdn_gates (its fused kernel's functors, in order).",
+    ),
+    Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:_compute_g_beta",
         "55e3a2984cc2e3ac92b7fe9cb3c1214d8360b774a426ff7906556a23d5c71429",
-        "Called once for all verify positions (element-wise).",
+        "Mirrored by dflash2_kernels.gdn_gates (g and beta in one launch, for all verify "
+        "positions and decode's one-row layer), whose self-test compares with it.",
     ),
     Audited(
         "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:hadamard_transform",

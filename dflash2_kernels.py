@@ -44,6 +44,8 @@ position alone in plain decode, on this backend:
   RMSNorm after it (MLX's Add and rms_norm_small copied), both outputs, in one launch
   where decode runs two; `gated_rms_norm(x, weight, eps, gate)`: the GatedDeltaNet's
   output norm and its fp32 swiglu gate, one launch where decode runs two. cuda only.
+- `gdn_gates(A_log, a, b, dt_bias)`: the GatedDeltaNet's g and beta (`_compute_g_beta`),
+  one launch where decode runs two. cuda only.
 - `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
   queries, query j seeing first_length + j keys, each decode's single-query
   `mx.fast.scaled_dot_product_attention`. cuda, where decode runs MLX's unfused
@@ -59,7 +61,7 @@ after its self-test passed on this machine: `verify_kernel_self_tests(shapes)`
 runs them at the pack's shapes at start-up; a kernel not yet tested there tests
 itself on first use. The Metal kernels are written from MLX's source and were
 never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200, except
-`gated_rms_norm`, not yet run on a GPU, and `add_rms_norm`, which passed there in an
+`gated_rms_norm` and `gdn_gates`, not yet run on a GPU, and `add_rms_norm`, which passed there in an
 earlier text of the same arithmetic (their self-tests decide there).
 
 Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
@@ -2880,6 +2882,138 @@ def self_test_gated_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestRes
 
 
 # ===========================================================================
+# GatedDeltaNet gates
+
+# `gdn_gates(A_log, a, b, dt_bias)`: mlx-vlm's `_compute_g_beta` (qwen3_5/gated_delta.py),
+# g = exp(-exp(A_log) * softplus(a + dt_bias)) in fp32 and beta = sigmoid(b) in fp16, in one
+# launch where decode runs two. g is mx.compile's fused kernel, whose generated code
+# (backend/cuda/compiled.cpp:145-182) is MLX's functors in the graph's dtypes:
+# Exp, Negative on fp32; Add, LogAddExp (with a constant fp16 0) on __half; the cast to fp32;
+# Multiply, Exp on fp32. This kernel calls the same functors in the same order. beta is
+# MLX's unary Sigmoid kernel on __half, built with MLX itself rather than by NVRTC, so two
+# variants: "half" runs the functor on __half as that kernel does, "float" in fp32 with one
+# rounding. The self-test decides which serves.
+
+GATE_SHAPES_SMALL = ((4,), (48,), (7,))  # (Hv,): value heads
+GATE_VARIANTS = ("half", "float")
+
+_GATES_CUDA_HEADER = r"""
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+"""
+# One thread per (b, l, h); a and b are read in place through their strides (the gate
+# projections hand over slices of one output).
+_GATES_SOURCE = """
+  const int H = a_shape[2], L = a_shape[1];
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(a_shape[0]) * L * H) {
+    return;
+  }
+  const int h = i % H;
+  const int l = (i / H) % L;
+  const int64_t n = i / (int64_t(H) * L);
+  const __half a_value = a[n * a_strides[0] + l * a_strides[1] + h * a_strides[2]];
+  const __half b_value = b[n * b_strides[0] + l * b_strides[1] + h * b_strides[2]];
+  const float decay = Negative{}(Exp{}(A_log[h * A_log_strides[0]]));
+  const __half softplus = LogAddExp{}(Add{}(a_value, dt_bias[h * dt_bias_strides[0]]), static_cast<__half>(0));
+  g[i] = Exp{}(Multiply{}(decay, static_cast<float>(softplus)));
+  beta[i] = HALF ? Sigmoid{}(b_value) : static_cast<__half>(Sigmoid{}(static_cast<float>(b_value)));
+"""
+GATES_THREADS = 256
+
+
+@cache
+def _gates_kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash2_gdn_gates",
+        input_names=["A_log", "a", "b", "dt_bias"],
+        output_names=["g", "beta"],
+        source=_GATES_SOURCE,
+        header=cuda_header(_GATES_CUDA_HEADER),
+        ensure_row_contiguous=False,
+    )
+
+
+def cuda_gdn_gates(A_log, a, b, dt_bias, variant: str):
+    """(g, beta) through the CUDA kernel in one of GATE_VARIANTS; no self-test gate."""
+    total = a.size
+    return tuple(_gates_kernel()(
+        inputs=[A_log, a, b, dt_bias],
+        template=[("HALF", variant == "half")],
+        grid=(-(-total // GATES_THREADS) * GATES_THREADS, 1, 1),
+        threadgroup=(GATES_THREADS, 1, 1),
+        output_shapes=[a.shape, a.shape],
+        output_dtypes=[mx.float32, mx.float16],
+    ))
+
+
+_gates_serving: dict = {}  # backend -> the variant its self-test verified, or None
+
+
+def gates_kernel_supports(A_log, a, b, dt_bias) -> bool:
+    return (a.ndim == 3 and a.shape == b.shape and a.size > 0
+            and A_log.shape == dt_bias.shape == (a.shape[2],)
+            and A_log.dtype == mx.float32 and a.dtype == b.dtype == dt_bias.dtype == mx.float16)
+
+
+def gdn_gates(A_log, a, b, dt_bias, variant=None):
+    """`_compute_g_beta(A_log, a, b, dt_bias)` bit for bit, in one launch where the kernel
+    serves. variant: one of GATE_VARIANTS forces the kernel (no gate); default: the
+    self-test's."""
+    if variant is None:
+        backend = backend_name()
+        if backend == "cuda" and backend not in _gates_serving:
+            self_test_gates()
+        variant = _gates_serving.get(backend)
+        if variant is None or not gates_kernel_supports(A_log, a, b, dt_bias):
+            return _compute_g_beta(A_log, a, b, dt_bias)
+    return cuda_gdn_gates(A_log, a, b, dt_bias, variant)
+
+
+def make_gates_case(kind: str, rows: int, heads: int, key):
+    """(A_log, a, b, dt_bias) as the model hands them over: a and b slices of one
+    (1, rows, 2 * heads) fp16 output of `kind`, A_log fp32 and dt_bias fp16 per head."""
+    k_x, k_A, k_dt = mx.random.split(key, 3)
+    gates = make_inputs(kind, rows, 2 * heads, k_x).reshape(1, rows, 2 * heads)
+    A_log = mx.log(mx.random.uniform(0.5, 16.0, (heads,), key=k_A))
+    dt_bias = (1.0 + 0.1 * mx.random.normal((heads,), key=k_dt)).astype(mx.float16)
+    return A_log, gates[..., heads:], gates[..., :heads], dt_bias
+
+
+def self_test_gates(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check the gates bit for bit against `_compute_g_beta`, at 1..8 positions, every input
+    kind. kernel: (A_log, a, b, dt_bias) -> (g, beta), tested as variant "kernel"; default:
+    each of GATE_VARIANTS, serving then switched to the first that passed (None: the stock
+    calls). shapes: (Hv,). The variants that did not pass are the controls of the one that did."""
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    variants = ({"kernel": kernel} if kernel
+                else {name: partial(cuda_gdn_gates, variant=name) for name in GATE_VARIANTS})
+    differing = {name: 0 for name in variants}
+    failures, cases = {}, []
+    key = mx.random.key(seed)
+    for (heads,) in [tuple(s) for s in (shapes or GATE_SHAPES_SMALL)]:
+        for kind in INPUT_KINDS:
+            for rows in range(1, MAX_ROWS + 1):
+                key, case_key = mx.random.split(key)
+                arguments = make_gates_case(kind, rows, heads, case_key)
+                want = _compute_g_beta(*arguments)
+                for name, gates in variants.items():
+                    def compare(gates=gates):
+                        got = gates(*arguments)
+                        return {"g": (got[0], want[0]), "beta": (got[1], want[1])}
+
+                    _run_case(name, compare, {"shape": [heads], "rows": rows, "input": kind},
+                              f"Hv={heads} L={rows} input={kind}", differing, failures, cases)
+    controls = {name: count for name, count in differing.items() if count}
+    result = _variants_result(backend, differing, failures, controls, cases)
+    if kernel is None:
+        _gates_serving[backend] = result.variant
+    return result
+
+
+# ===========================================================================
 # Decode attention
 
 # `decode_attention_rows(queries, keys, values, scale, first_length)`: query j of
@@ -3946,6 +4080,7 @@ SELF_TESTS = {
     "rope": ("rope", self_test_rope),
     "add_norm": ("norms", self_test_add_norm),
     "gated_norm": ("gated_norms", self_test_gated_norm),
+    "gates": ("gates", self_test_gates),
 }
 
 
@@ -3954,7 +4089,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
 
     shapes: {"packed": [(N, K)], "rotations": [(K, block)], "gdn": [(B, Hk, Hv,
     Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "rope":
-    [(B, Hq, Hk, D, R)], "norms": [(D,)], "gated_norms": [(heads, D)]}; a missing or
+    [(B, Hq, Hk, D, R)], "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
     serves only where its test passed. Returns {kernel name: SelfTestResult};
     off the kernels' backends the results say NO_KERNEL and take no time.

@@ -405,7 +405,7 @@ def kernel_shapes(model) -> dict:
 
     text = model.language_model.model
     shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv", "rope", "norms",
-                                     "gated_norms")}
+                                     "gated_norms", "gates")}
     for _, module in model.language_model.named_modules():
         if isinstance(module, HadamardQuantizedLinear):
             width = dflash2_kernels.packed_width(module.weight)
@@ -421,6 +421,7 @@ def kernel_shapes(model) -> dict:
             shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
             shapes["conv"].add((1, gdn.conv_dim, gdn.conv_kernel_size))
             shapes["gated_norms"].add((gdn.num_v_heads, gdn.head_v_dim))
+            shapes["gates"].add((gdn.num_v_heads,))
         else:
             attention = layer.self_attn
             shapes["attention"].add(

@@ -36,7 +36,6 @@ import mlx.nn as nn  # noqa: E402
 from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5 import gated_delta as gated_delta_module
-from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 from mlx_vlm.models.qwen3_5.speculative_verifier import Qwen3_5BatchInvariantForward
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
@@ -402,7 +401,7 @@ def gated_delta_positions(layer, inputs, cache, linear):
     # A subclass's own norms (mlx-vlm's qwen4_exp has others) are its to compute.
     own_norms = type(layer)._normalize_qk is not qwen3_5_language.Qwen3_5GatedDeltaNet._normalize_qk
     q, k = layer._normalize_qk(q, k) if own_norms else _normalize_qk(q, k)
-    g, beta = _compute_g_beta(layer.A_log, a, b, layer.dt_bias)
+    g, beta = dflash2_kernels.gdn_gates(layer.A_log, a, b, layer.dt_bias)
     initial = cache[1]
     if initial is None or initial.shape[0] != batch:
         initial = mx.zeros((batch, *v.shape[2:], k.shape[-1]), dtype=mx.float32)

@@ -136,13 +136,13 @@ def last_output_a_bit_off(function):
 def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch):
     """decode_arm_differences, which choose_decode_path runs before timing the arms (an arm
     that differs is never chosen): every arm's step is stock's bits here, and the arms whose
-    kernel rounds differently (the convolution's, the gated norm's or the residual norm's,
-    one bit off) are named."""
+    kernel rounds differently (the convolution's, the gated norm's, the gates' or the
+    residual norm's, one bit off) are named."""
     lm = target[0].language_model
     arms = [arm for arm in dflash2_runtime.DECODE_ARMS if arm != "mlx"]
     assert dflash2_runtime.decode_arm_differences(lm, arms) == {arm: 0 for arm in arms}
     for name, feature in (("conv_rows", "convolution"), ("gated_rms_norm", "convolution"),
-                          ("add_rms_norm", "residual")):
+                          ("gdn_gates", "convolution"), ("add_rms_norm", "residual")):
         with monkeypatch.context() as patch:
             patch.setattr(dflash2_kernels, name, last_output_a_bit_off(getattr(dflash2_kernels, name)))
             differing = dflash2_runtime.decode_arm_differences(lm, arms)
@@ -189,11 +189,14 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
     ("gated_rms_norm", "rotation+recurrence+convolution",
      lambda x, weight, eps, gate: (x.shape[1], dflash2_kernels.norm_kernel_supports(x, weight, gate)),
      lambda layer: layer.is_linear),
+    ("gdn_gates", "rotation+recurrence+convolution",
+     lambda A_log, a, b, dt_bias: (a.shape[1], dflash2_kernels.gates_kernel_supports(A_log, a, b, dt_bias)),
+     lambda layer: layer.is_linear),
 ])
 def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch, name, arm, call_shape, serving):
     """Under its arm a decode step, and any verify round, call the kernel (the rotary: each
-    attention layer; the residual add and norm: every layer; the gated norm: each
-    GatedDeltaNet layer) with arguments it takes: on a
+    attention layer; the residual add and norm: every layer; the gated norm and the gates:
+    each GatedDeltaNet layer) with arguments it takes: on a
     GPU none falls back to the stock launches unseen, and graph_count's one launch for it is
     what CUDA runs. The prefill keeps mlx-vlm's own calls."""
     model, processor, drafter = target

@@ -731,6 +731,21 @@ def test_gated_rms_norm_equals_mlx_vlm_s_gated_norm(target):
         assert same_bits(got, norm(x[:, :rows], gate[:, :rows]))
 
 
+def test_gdn_gates_equal_mlx_vlm_s_compute_g_beta():
+    """g and beta of slices of one projection (as the model hands them over), at 1 and 5
+    positions; on CUDA through the variant the kernel's self-test chose."""
+    A_log, a, b, dt_bias = dk.make_gates_case("normal", 5, 6, mx.random.key(1))
+    variant = None
+    if dk.backend_name() == "cuda":
+        dk.self_test_gates()
+        variant = dk._gates_serving["cuda"]
+        assert variant in dk.GATE_VARIANTS
+    for rows in (1, 5):
+        got = dk.gdn_gates(A_log, a[:, :rows], b[:, :rows], dt_bias, variant=variant)
+        want = mx.exp(-mx.exp(A_log) * nn.softplus(a[:, :rows] + dt_bias)), mx.sigmoid(b[:, :rows])
+        assert all(same_bits(x, y) for x, y in zip(got, want))
+
+
 def test_rms_norm_launch_is_mlx_s_for_each_width():
     """MLX's (block, chunks) for an fp16 row (rms_norm.cu dispatch_num_chunks): 64 threads
     up to 512 features, 128 where the 8-wide vectors split evenly over 128, else 64, else
@@ -759,6 +774,17 @@ def test_wrong_gated_norm_fails_naming_the_case():
     assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
     assert "(heads, D)=(2, 64) L=3 input=normal, out" in result.reason
     assert dk.self_test_gated_norm([(2, 64)], kernel=dk.stock_gated_rms_norm).ok
+
+
+def test_wrong_gates_fail_naming_the_case():
+    def wrong(A_log, a, b, dt_bias):  # beta's first element one bit off at 4 positions
+        g, beta = dk._compute_g_beta(A_log, a, b, dt_bias)
+        return g, flip_first_bit(beta) if a.shape[1] == 4 else beta
+
+    result = dk.self_test_gates([(4,)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert "Hv=4 L=4 input=normal, beta" in result.reason
+    assert dk.self_test_gates([(4,)], kernel=dk._compute_g_beta).ok
 
 
 def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
@@ -814,6 +840,15 @@ def test_add_norm_kernel_equals_mlx_at_the_27b_shape_on_cuda():
     rows 1..8: the kernel serves."""
     result = dk.self_test_add_norm([(5120,), *dk.NORM_WIDTHS_SMALL])
     assert result.ok and result.variant == "fused", result.reason
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_gates_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
+    """The 27B's GatedDeltaNet gates (48 value heads) and the small shapes, 1..8 positions:
+    a variant serves."""
+    result = dk.self_test_gates([(48,), *dk.GATE_SHAPES_SMALL])
+    assert result.ok and result.variant in dk.GATE_VARIANTS, result.reason
+    print("gates variants, differing elements:", result.variants)
 
 
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")

@@ -56,6 +56,7 @@ ONE_LAUNCH = (
     (dflash2_kernels, "rope_rows", lambda *args, **kwargs: 1),
     (dflash2_kernels, "add_rms_norm", lambda *args, **kwargs: 1),
     (dflash2_kernels, "gated_rms_norm", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "gdn_gates", lambda *args, **kwargs: 1),
     # Scores, softmax and gather kernels, then decode's own p @ v call per query.
     (dflash2_kernels, "decode_attention_rows", lambda queries, *args, **kwargs: 3 + queries.shape[2]),
 )
