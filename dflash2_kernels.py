@@ -2341,6 +2341,40 @@ def _run_case(name, compare, case: dict, where: str, differing: dict, failures: 
         failures[name] = f"{name} differs at {where}, {part}: " + _first_difference(*pairs[part])[0]
 
 
+def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_case, stock,
+                     failed_are_controls=False) -> SelfTestResult:
+    """A kernel's variants against decode's calls, as bits, rows 1..8 and every input kind:
+    make_case(kind, rows, shape, key) -> (arguments, where); kernel, each variant and stock
+    take the arguments and return {part: array}. kernel: tested alone as variant "kernel",
+    serving untouched; else serving[backend] becomes the first variant that passed (None: the
+    stock calls). failed_are_controls: the variants that differ are the passing one's
+    negative controls."""
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    variants = {"kernel": kernel} if kernel else variants
+    differing = {name: 0 for name in variants}
+    failures, cases = {}, []
+    key = mx.random.key(seed)
+    for shape in shapes:
+        for kind in INPUT_KINDS:
+            key, case_key = mx.random.split(key)
+            for rows in range(1, MAX_ROWS + 1):
+                arguments, where = make_case(kind, rows, shape, case_key)
+                want = stock(*arguments)
+                for name, function in variants.items():
+                    def compare(function=function):
+                        return {part: (got, want[part]) for part, got in function(*arguments).items()}
+
+                    _run_case(name, compare, {"shape": list(shape), "rows": rows, "input": kind},
+                              f"{where} input={kind}", differing, failures, cases)
+    controls = {name: count for name, count in differing.items() if count} if failed_are_controls else {}
+    result = _variants_result(backend, differing, failures, controls, cases)
+    if kernel is None:
+        serving[backend] = result.variant
+    return result
+
+
 def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check the convolution bit for bit against decode's per-position calls, rows 1..8,
     silu after it, and the window. kernel: (state, x, weight) -> (window, silu(out)),
@@ -2808,36 +2842,6 @@ def gated_rms_norm(x, weight, eps: float, gate, variant=None):
     return cuda_gated_rms_norm(x, weight, eps, gate)
 
 
-def _self_test_norm(kernel, fused, serving: dict, shapes, seed, make_case, stock) -> SelfTestResult:
-    """A norm kernel against decode's calls, as bits, rows 1..8 and every input kind:
-    make_case(kind, rows, shape, key) -> (arguments, where); kernel / fused / stock take
-    the arguments and return {part: array}. No control: MLX's norm of many rows is its norm
-    of each (one block a row), which is what lets verify batch it."""
-    backend = backend_name()
-    if kernel is None and backend != "cuda":
-        return _no_kernel_result(backend)
-    variants = {"kernel": kernel} if kernel else {"fused": fused}
-    differing = {name: 0 for name in variants}
-    failures, cases = {}, []
-    key = mx.random.key(seed)
-    for shape in shapes:
-        for kind in INPUT_KINDS:
-            key, case_key = mx.random.split(key)
-            for rows in range(1, MAX_ROWS + 1):
-                arguments, where = make_case(kind, rows, shape, case_key)
-                want = stock(*arguments)
-                for name, function in variants.items():
-                    def compare(function=function):
-                        return {part: (got, want[part]) for part, got in function(*arguments).items()}
-
-                    _run_case(name, compare, {"shape": list(shape), "rows": rows, "input": kind},
-                              f"{where} input={kind}", differing, failures, cases)
-    result = _variants_result(backend, differing, failures, {}, cases)
-    if kernel is None:
-        serving[backend] = result.variant
-    return result
-
-
 def _norm_weight(width: int, key) -> mx.array:
     return (1 + 0.25 * mx.random.normal((width,), key=key)).astype(mx.float16)
 
@@ -2857,9 +2861,11 @@ def self_test_add_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResul
     def parts(function):
         return lambda *arguments: dict(zip(("h", "norm"), function(*arguments)))
 
-    return _self_test_norm(kernel and parts(kernel), parts(cuda_add_rms_norm), _add_norm_serving,
-                           [tuple(s) for s in (shapes or NORM_WIDTHS_SMALL)], seed, make_case,
-                           parts(stock_add_rms_norm))
+    # No control: MLX's norm of many rows is its norm of each (one block a row), which is
+    # what lets verify batch it.
+    return _self_test_cases(kernel and parts(kernel), {"fused": parts(cuda_add_rms_norm)}, _add_norm_serving,
+                            [tuple(s) for s in (shapes or NORM_WIDTHS_SMALL)], seed, make_case,
+                            parts(stock_add_rms_norm))
 
 
 def self_test_gated_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
@@ -2876,9 +2882,9 @@ def self_test_gated_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestRes
     def parts(function):
         return lambda *arguments: {"out": function(*arguments)}
 
-    return _self_test_norm(kernel and parts(kernel), parts(cuda_gated_rms_norm), _gated_norm_serving,
-                           [tuple(s) for s in (shapes or GATED_NORM_SHAPES_SMALL)], seed, make_case,
-                           parts(stock_gated_rms_norm))
+    return _self_test_cases(kernel and parts(kernel), {"fused": parts(cuda_gated_rms_norm)}, _gated_norm_serving,
+                            [tuple(s) for s in (shapes or GATED_NORM_SHAPES_SMALL)], seed, make_case,
+                            parts(stock_gated_rms_norm))
 
 
 # ===========================================================================
@@ -2985,32 +2991,16 @@ def self_test_gates(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     kind. kernel: (A_log, a, b, dt_bias) -> (g, beta), tested as variant "kernel"; default:
     each of GATE_VARIANTS, serving then switched to the first that passed (None: the stock
     calls). shapes: (Hv,). The variants that did not pass are the controls of the one that did."""
-    backend = backend_name()
-    if kernel is None and backend != "cuda":
-        return _no_kernel_result(backend)
-    variants = ({"kernel": kernel} if kernel
-                else {name: partial(cuda_gdn_gates, variant=name) for name in GATE_VARIANTS})
-    differing = {name: 0 for name in variants}
-    failures, cases = {}, []
-    key = mx.random.key(seed)
-    for (heads,) in [tuple(s) for s in (shapes or GATE_SHAPES_SMALL)]:
-        for kind in INPUT_KINDS:
-            for rows in range(1, MAX_ROWS + 1):
-                key, case_key = mx.random.split(key)
-                arguments = make_gates_case(kind, rows, heads, case_key)
-                want = _compute_g_beta(*arguments)
-                for name, gates in variants.items():
-                    def compare(gates=gates):
-                        got = gates(*arguments)
-                        return {"g": (got[0], want[0]), "beta": (got[1], want[1])}
+    def make_case(kind, rows, shape, key):
+        return make_gates_case(kind, rows, shape[0], key), f"Hv={shape[0]} L={rows}"
 
-                    _run_case(name, compare, {"shape": [heads], "rows": rows, "input": kind},
-                              f"Hv={heads} L={rows} input={kind}", differing, failures, cases)
-    controls = {name: count for name, count in differing.items() if count}
-    result = _variants_result(backend, differing, failures, controls, cases)
-    if kernel is None:
-        _gates_serving[backend] = result.variant
-    return result
+    def parts(function):
+        return lambda *arguments: dict(zip(("g", "beta"), function(*arguments)))
+
+    variants = {name: parts(partial(cuda_gdn_gates, variant=name)) for name in GATE_VARIANTS}
+    return _self_test_cases(kernel and parts(kernel), variants, _gates_serving,
+                            [tuple(s) for s in (shapes or GATE_SHAPES_SMALL)], seed, make_case,
+                            parts(_compute_g_beta), failed_are_controls=True)
 
 
 # ===========================================================================

@@ -787,6 +787,30 @@ def test_wrong_gates_fail_naming_the_case():
     assert dk.self_test_gates([(4,)], kernel=dk._compute_g_beta).ok
 
 
+def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypatch):
+    """The self-test's default path (CUDA's, here with a stand-in kernel whose "half"
+    variant is one bit off in every case): "float" serves, "half" is counted as its control,
+    and gdn_gates then calls the kernel with "float"."""
+    calls = []
+
+    def stand_in(A_log, a, b, dt_bias, variant):
+        calls.append(variant)
+        g, beta = dk._compute_g_beta(A_log, a, b, dt_bias)
+        return g, flip_first_bit(beta) if variant == "half" else beta
+
+    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dk, "cuda_gdn_gates", stand_in)
+    monkeypatch.setattr(dk, "_gates_serving", {})
+    result = dk.self_test_gates([(4,)])
+    cases = len(dk.INPUT_KINDS) * dk.MAX_ROWS
+    assert result.ok and result.variant == "float" and dk._gates_serving == {"cuda": "float"}
+    assert result.controls == {"half": cases} and "half differs at Hv=4 L=1 input=normal, beta" in result.reason
+    calls.clear()
+    A_log, a, b, dt_bias = dk.make_gates_case("normal", 3, 4, mx.random.key(2))
+    assert all(same_bits(x, y) for x, y in zip(dk.gdn_gates(A_log, a, b, dt_bias), dk._compute_g_beta(A_log, a, b, dt_bias)))
+    assert calls == ["float"]
+
+
 def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
     monkeypatch.setattr(dk.tempfile, "gettempdir", lambda: str(tmp_path))
     shared = tmp_path / f"dflash2-cuda-{os.getuid()}"
