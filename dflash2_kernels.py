@@ -2342,8 +2342,8 @@ def _run_case(name, compare, case: dict, where: str, differing: dict, failures: 
 
 
 def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_case, stock,
-                     failed_are_controls=False) -> SelfTestResult:
-    """A kernel's variants against decode's calls, as bits, rows 1..8 and every input kind:
+                     failed_are_controls=False, rows=range(1, MAX_ROWS + 1)) -> SelfTestResult:
+    """A kernel's variants against decode's calls, as bits, at each of `rows` and every input kind:
     make_case(kind, rows, shape, key) -> (arguments, where); kernel, each variant and stock
     take the arguments and return {part: array}. kernel: tested alone as variant "kernel",
     serving untouched; else serving[backend] becomes the first variant that passed (None: the
@@ -2359,14 +2359,14 @@ def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_c
     for shape in shapes:
         for kind in INPUT_KINDS:
             key, case_key = mx.random.split(key)
-            for rows in range(1, MAX_ROWS + 1):
-                arguments, where = make_case(kind, rows, shape, case_key)
+            for count in rows:
+                arguments, where = make_case(kind, count, shape, case_key)
                 want = stock(*arguments)
                 for name, function in variants.items():
                     def compare(function=function):
                         return {part: (got, want[part]) for part, got in function(*arguments).items()}
 
-                    _run_case(name, compare, {"shape": list(shape), "rows": rows, "input": kind},
+                    _run_case(name, compare, {"shape": list(shape), "rows": count, "input": kind},
                               f"{where} input={kind}", differing, failures, cases)
     controls = {name: count for name, count in differing.items() if count} if failed_are_controls else {}
     result = _variants_result(backend, differing, failures, controls, cases)
@@ -2555,34 +2555,17 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     (q, k), tested as variant "kernel"; default: each of ROPE_VARIANTS, serving then
     switched to the first that passed (None: the stock call). shapes: (B, Hq, Hk, D, R).
     The variants that did not pass are the controls of the one that did."""
-    backend = backend_name()
-    if kernel is None and backend != "cuda":
-        return _no_kernel_result(backend)
-    variants = ({"kernel": kernel} if kernel
-                else {name: partial(cuda_rope_rows, variant=name) for name in ROPE_VARIANTS})
-    shapes = [tuple(s) for s in (shapes or ROPE_SHAPES_SMALL)]
-    differing = {name: 0 for name in variants}
-    failures, cases = {}, []
-    key = mx.random.key(seed)
-    for batch, q_heads, k_heads, width, rotary in shapes:
-        for kind in INPUT_KINDS:
-            for rows in (*range(1, MAX_ROWS + 1), ROPE_LONG_ROWS):
-                key, case_key = mx.random.split(key)
-                q, k, cos, sin = make_rope_case(kind, batch, q_heads, k_heads, width, rotary, rows, case_key)
-                want = stock_rope_rows(q, k, cos, sin)
-                for name, rope in variants.items():
-                    def compare(rope=rope):
-                        got = rope(q, k, cos, sin)
-                        return {"q": (got[0], want[0]), "k": (got[1], want[1])}
+    def make_case(kind, rows, shape, key):
+        return make_rope_case(kind, *shape, rows, key), f"(B, Hq, Hk, D, R)={shape} rows={rows}"
 
-                    shape = (batch, q_heads, k_heads, width, rotary)
-                    _run_case(name, compare, {"shape": list(shape), "rows": rows, "input": kind},
-                              f"(B, Hq, Hk, D, R)={shape} rows={rows} input={kind}", differing, failures, cases)
-    controls = {name: count for name, count in differing.items() if count}
-    result = _variants_result(backend, differing, failures, controls, cases)
-    if kernel is None:
-        _rope_serving[backend] = result.variant
-    return result
+    def parts(function):
+        return lambda *arguments: dict(zip(("q", "k"), function(*arguments)))
+
+    variants = {name: parts(partial(cuda_rope_rows, variant=name)) for name in ROPE_VARIANTS}
+    return _self_test_cases(kernel and parts(kernel), variants, _rope_serving,
+                            [tuple(s) for s in (shapes or ROPE_SHAPES_SMALL)], seed, make_case,
+                            parts(stock_rope_rows), failed_are_controls=True,
+                            rows=(*range(1, MAX_ROWS + 1), ROPE_LONG_ROWS))
 
 
 # ===========================================================================
