@@ -1902,6 +1902,15 @@ _dense_serving: dict = {}
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
+def cuda_serving_variant(serving: dict, self_test_function):
+    """The variant a CUDA-only kernel serves here (serving: backend -> variant or None),
+    its self-test run first on this backend's first call; None: the stock calls."""
+    backend = backend_name()
+    if backend == "cuda" and backend not in serving:
+        self_test_function()
+    return serving.get(backend)
+
+
 def gdn_kernel_supports(backend, q, k, v, g, beta, state) -> bool:
     B, L, Hk, Dk = q.shape
     if backend == "metal":  # mlx-vlm's kernel (Dk / 32 elements a lane, scalar gates) as tested
@@ -1969,10 +1978,7 @@ def dense_rows(x, weight, variant=None):
     if weight.ndim != 2 or weight.shape[1] != k or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"dense_rows: x {x.shape} and weight {weight.shape} need 1..8 rows of K")
     if variant is None:
-        backend = backend_name()
-        if backend == "cuda" and backend not in _dense_serving:
-            self_test_dense()
-        variant = _dense_serving.get(backend)
+        variant = cuda_serving_variant(_dense_serving, self_test_dense)
         if variant is None or not dense_kernel_supports(x, weight):
             return stock_dense_rows(x, weight)
     out = cuda_dense_rows(x.reshape(rows, k), weight)
@@ -2303,10 +2309,7 @@ def conv_rows(state, x, weight, variant=None):
     (the (B, K - 1 + L, C) concatenation, silu(out) (B, L, C)), out bitwise decode's per
     position. variant: "taps" forces the kernel (no gate)."""
     if variant is None:
-        backend = backend_name()
-        if backend == "cuda" and backend not in _conv_serving:
-            self_test_conv()
-        variant = _conv_serving.get(backend)
+        variant = cuda_serving_variant(_conv_serving, self_test_conv)
         if variant is None or not conv_kernel_supports(state, x, weight):
             return stock_conv_rows(state, x, weight)
     return cuda_conv_rows(state, x, weight)
@@ -2526,10 +2529,7 @@ def rope_rows(q, k, cos, sin, variant=None):
     (cos, sin: (B, L, R)), bit for bit, as two row-contiguous arrays of q's and k's shapes.
     variant: one of ROPE_VARIANTS forces the kernel (no gate); default: the self-test's."""
     if variant is None:
-        backend = backend_name()
-        if backend == "cuda" and backend not in _rope_serving:
-            self_test_rope()
-        variant = _rope_serving.get(backend)
+        variant = cuda_serving_variant(_rope_serving, self_test_rope)
         if variant is None or not rope_kernel_supports(q, k, cos, sin):
             return stock_rope_rows(q, k, cos, sin)
     return cuda_rope_rows(q, k, cos, sin, variant)
@@ -2798,20 +2798,14 @@ def norm_kernel_supports(x, weight, *same) -> bool:
             and all(a.dtype == mx.float16 for a in (x, weight, *same)))
 
 
-def _norm_variant(serving: dict, self_test_function):
-    backend = backend_name()
-    if backend == "cuda" and backend not in serving:
-        self_test_function()
-    return serving.get(backend)
-
-
 def add_rms_norm(x, residual, weight, eps: float, variant=None):
     """(x + residual, mx.fast.rms_norm(x + residual, weight, eps)), each bit for bit as
     decode's own Add and rms_norm compute it, in one launch where the kernel serves.
     variant: "fused" forces the kernel (no gate); default: as its self-test decided."""
-    variant = variant or _norm_variant(_add_norm_serving, self_test_add_norm)
-    if variant is None or not norm_kernel_supports(x, weight, residual):
-        return stock_add_rms_norm(x, residual, weight, eps)
+    if variant is None:
+        variant = cuda_serving_variant(_add_norm_serving, self_test_add_norm)
+        if variant is None or not norm_kernel_supports(x, weight, residual):
+            return stock_add_rms_norm(x, residual, weight, eps)
     return cuda_add_rms_norm(x, residual, weight, eps)
 
 
@@ -2819,9 +2813,10 @@ def gated_rms_norm(x, weight, eps: float, gate, variant=None):
     """Qwen3_5RMSNormGated's output for x and its gate, bit for bit as decode's rms_norm and
     compiled swiglu compute it, in one launch where the kernel serves. variant: "fused"
     forces the kernel (no gate); default: as its self-test decided."""
-    variant = variant or _norm_variant(_gated_norm_serving, self_test_gated_norm)
-    if variant is None or not norm_kernel_supports(x, weight, gate):
-        return stock_gated_rms_norm(x, weight, eps, gate)
+    if variant is None:
+        variant = cuda_serving_variant(_gated_norm_serving, self_test_gated_norm)
+        if variant is None or not norm_kernel_supports(x, weight, gate):
+            return stock_gated_rms_norm(x, weight, eps, gate)
     return cuda_gated_rms_norm(x, weight, eps, gate)
 
 
@@ -2950,10 +2945,7 @@ def gdn_gates(A_log, a, b, dt_bias, variant=None):
     serves. variant: one of GATE_VARIANTS forces the kernel (no gate); default: the
     self-test's."""
     if variant is None:
-        backend = backend_name()
-        if backend == "cuda" and backend not in _gates_serving:
-            self_test_gates()
-        variant = _gates_serving.get(backend)
+        variant = cuda_serving_variant(_gates_serving, self_test_gates)
         if variant is None or not gates_kernel_supports(A_log, a, b, dt_bias):
             return _compute_g_beta(A_log, a, b, dt_bias)
     return cuda_gdn_gates(A_log, a, b, dt_bias, variant)
