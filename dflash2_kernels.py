@@ -60,9 +60,8 @@ step / query at a time: exact by construction, only slower. A kernel serves only
 after its self-test passed on this machine: `verify_kernel_self_tests(shapes)`
 runs them at the pack's shapes at start-up; a kernel not yet tested there tests
 itself on first use. The Metal kernels are written from MLX's source and were
-never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200, except
-`gated_rms_norm` and `gdn_gates`, not yet run on a GPU, and `add_rms_norm`, which passed there in an
-earlier text of the same arithmetic (their self-tests decide there).
+never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200 (`gdn_gates` in
+its "half" variant: MLX's Sigmoid on fp16, as the stock beta).
 
 Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 """
@@ -154,8 +153,8 @@ def make_inputs(kind: str, rows: int, k: int, key) -> mx.array:
         keep = mx.random.bernoulli(1 / 16, (rows, k), key=k1) & (mx.arange(rows)[:, None] >= 2)
         x = mx.where(keep, normal, 0.0 * sign)
     elif kind == "cancellation":  # (a, -a) pairs: 4-value sums and dot products cancel
-        a = normal[:, ::2] * 100.0
-        x = mx.stack([a, -a], axis=-1).reshape(rows, k)
+        a = normal[:, ::2] * 100.0  # an odd width ends on an a without its -a
+        x = mx.stack([a, -a], axis=-1).reshape(rows, -1)[:, :k]
     else:
         raise ValueError(f"unknown input kind {kind!r}")
     return x.astype(mx.float16)

@@ -159,6 +159,8 @@ def test_input_kinds_are_what_they_say():
     assert ((zeros[1] == 0) | (zeros[1] == 0x8000)).all().item()
     cancel = dk.make_inputs("cancellation", 8, 512, key)
     assert mx.array_equal(cancel[:, ::2], -cancel[:, 1::2]).item()
+    for kind in dk.INPUT_KINDS:  # odd widths too (the norms' self-test runs one, 1003)
+        assert dk.make_inputs(kind, 3, 1003, key).shape == (3, 1003), kind
     large = dk.make_inputs("large", 8, 512, key)
     assert mx.isfinite(large).all().item() and mx.abs(large).max().item() > 2048
 
