@@ -639,8 +639,8 @@ def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = Non
     """Median, min and max ms of each arm, measured side by side, and its samples by pass.
 
     arms: name -> function that runs one sample and returns its ms. One warm-up
-    pass first, then the arms interleaved (ABAB...) `repeats` times, each pass starting
-    one arm later than the one before (no arm always follows the same one). deadline (a
+    pass first, then the arms interleaved (ABAB...) `repeats` times, in pass_order: each
+    arm first in turn, and no arm always after the same one. deadline (a
     time.monotonic() value): after each timed pass, raises TimeoutError at once if the
     passes left, each as long as that one, would end past it (the warm-up pass compiles,
     so it says little of how long a timed one takes).
@@ -649,8 +649,7 @@ def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = Non
     samples = {name: [] for name in names}
     for repeat in range(repeats + 1):
         started = time.monotonic()
-        first = repeat % len(names)
-        for name in names[first:] + names[:first]:
+        for name in pass_order(names, repeat):
             ms = arms[name]()
             if repeat:  # the first pass is the warm-up
                 samples[name].append(ms)
@@ -665,6 +664,20 @@ def interleaved_ms(arms: dict, repeats: int = 5, deadline: Optional[float] = Non
         name: {"median": statistics.median(s), "min": min(s), "max": max(s), "samples": s}
         for name, s in samples.items()
     }
+
+
+def pass_order(names: list, index: int) -> list:
+    """The arms' order in pass `index`: the next arm in turn first, then every arm by a step
+    through the list that changes from pass to pass (each step prime to the count, so each
+    pass runs every arm once), so an arm has a different one before it in each pass, up to
+    as many passes as there are such steps. A rotation alone keeps each arm behind the same
+    one in nearly every pass, and an arm may slow the one after it: on the H200 (two
+    sessions), bench.py's plain arm, behind stock mlx's in nearly every pass, ran 15-21%
+    slower than the same plain requests in the arm behind it."""
+    count = len(names)
+    steps = [step for step in range(1, count) if math.gcd(step, count) == 1] or [1]
+    step = steps[index % len(steps)]
+    return [names[(index + k * step) % count] for k in range(count)]
 
 
 def paired_ratio(numerator: dict, denominator: dict) -> float:

@@ -460,9 +460,10 @@ def main():
         """A sample: a short untimed run of the same arm, then the timed one. A server runs
         one configuration request after request; without the lead-in each sample would
         follow another arm's (decode path, block or drafter), which leaves MLX's CUDA graph
-        cache and buffer cache in states no server sees. (On the H200 zero acceptance lost
-        about a fifth to plain here, with and without the lead-in, and a probe of those two
-        arms alone did not show it: e2e_token_gaps_ms is kept to find where.)"""
+        cache and buffer cache in states no server sees. (On the H200 zero acceptance once
+        lost about a fifth to plain here, with and without the lead-in; later, routed plain,
+        it ran 15-21% faster than the plain arm, which then always came right after stock
+        mlx's: dflash2_policy.pass_order now changes what comes before each arm.)"""
         def sample():
             if args.lead_in_tokens:
                 run(args.lead_in_tokens)
