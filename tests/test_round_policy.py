@@ -647,7 +647,7 @@ def test_passes_take_each_arm_first_in_turn_and_ratios_pair_samples_of_one_pass(
     assert dflash2_policy.paired_ratio(stats["b"], stats["a"]) == 2.0
 
 
-def test_no_arm_runs_behind_the_same_arm_in_most_passes():
+def test_each_arm_runs_behind_a_different_arm_in_each_pass():
     """An arm can slow the one after it (on the H200 stock mlx's plain decoding seemed to slow
     the plain arm behind it), so over bench.py's passes (a warm-up and five) each arm has a
     different one before it every time: a rotation alone put each arm behind the same one in
