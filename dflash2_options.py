@@ -10,6 +10,8 @@ import json
 import os
 import re
 import sys
+import tempfile
+from importlib import metadata
 from pathlib import Path
 
 from dflash2_http import PackLimits
@@ -56,6 +58,30 @@ def exit_if_environment_refused():
             "error: these inherited environment variables change generation, caching or "
             "batching and are not accepted; unset them and start again: " + ", ".join(names)
         )
+
+
+def use_private_kernel_cache(environ=os.environ) -> None:
+    """Point MLX's CUDA kernel cache (MLX_PTX_CACHE_DIR, unless set) at a folder only this
+    user can write, kept across reboots: ~/.cache/dflash2/mlx-VERSION-ptx.
+
+    MLX loads the kernels it compiled from <tmp>/mlx/VERSION/ptx by default, a folder that
+    whoever creates it first owns: on a shared machine another user could leave kernels
+    there, under the names MLX looks for, that the server would run. A folder that is not
+    this user's alone (or cannot be made) gives way to a fresh private one for this run."""
+    if environ.get("MLX_PTX_CACHE_DIR") or not hasattr(os, "getuid"):
+        return
+    try:
+        version = metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    folder = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash2" / f"mlx-{version}-ptx"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        status = folder.stat()
+        private = status.st_uid == os.getuid() and not status.st_mode & 0o077
+    except OSError:
+        private = False
+    environ["MLX_PTX_CACHE_DIR"] = str(folder if private else tempfile.mkdtemp(prefix="dflash2-mlx-ptx-"))
 
 
 # ---------------------------------------------------------------------------------------

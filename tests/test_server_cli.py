@@ -122,6 +122,39 @@ def test_apc_disabled_is_accepted(script, tmp_path):
     assert result.returncode == 1 and "config.json: file is missing" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_kernel_cache_is_a_folder_of_this_user_alone(script, tmp_path):
+    """MLX's CUDA kernel cache defaults to a shared temp folder whoever makes it first owns;
+    each server points it at ~/.cache/dflash2/mlx-VERSION-ptx, made 0700 at start-up (the
+    run then stops at the empty pack folder)."""
+    env = clean_env(HOME=str(tmp_path / "home"))
+    env.pop("XDG_CACHE_HOME", None)
+    env.pop("MLX_PTX_CACHE_DIR", None)
+    result = run(script, "--pack", str(tmp_path), env=env)
+    assert result.returncode == 1 and "config.json: file is missing" in result.stderr, result.stderr
+    [folder] = (tmp_path / "home" / ".cache" / "dflash2").iterdir()
+    assert folder.name.startswith("mlx-") and folder.name.endswith("-ptx")
+    assert folder.stat().st_mode & 0o777 == 0o700
+
+
+def test_kernel_cache_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path):
+    from dflash2_options import use_private_kernel_cache
+
+    environ = {"XDG_CACHE_HOME": str(tmp_path)}
+    use_private_kernel_cache(environ)
+    kept = Path(environ["MLX_PTX_CACHE_DIR"])
+    assert kept.parent == tmp_path / "dflash2" and kept.stat().st_mode & 0o777 == 0o700
+    kept.chmod(0o777)  # as a folder another user could write to
+    environ = {"XDG_CACHE_HOME": str(tmp_path)}
+    use_private_kernel_cache(environ)
+    fresh = Path(environ["MLX_PTX_CACHE_DIR"])
+    assert fresh != kept and fresh.stat().st_mode & 0o777 == 0o700 and fresh.stat().st_uid == os.getuid()
+    environ = {"XDG_CACHE_HOME": str(tmp_path), "MLX_PTX_CACHE_DIR": "/chosen/by/the/user"}
+    use_private_kernel_cache(environ)
+    assert environ["MLX_PTX_CACHE_DIR"] == "/chosen/by/the/user"
+    fresh.rmdir()
+
+
 def test_demo_without_the_fixture_says_so(tmp_path):
     for script in REPO.glob("*.py"):  # the files a pack folder ships, without fixtures/
         shutil.copy(script, tmp_path / script.name)
