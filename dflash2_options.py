@@ -11,7 +11,6 @@ import os
 import re
 import sys
 import tempfile
-from importlib import metadata
 from pathlib import Path
 
 from dflash2_http import PackLimits
@@ -60,28 +59,28 @@ def exit_if_environment_refused():
         )
 
 
-def use_private_kernel_cache(environ=os.environ) -> None:
-    """Point MLX's CUDA kernel cache (MLX_PTX_CACHE_DIR, unless set) at a folder only this
-    user can write, kept across reboots: ~/.cache/dflash2/mlx-VERSION-ptx.
+def use_private_temp_folder(environ=os.environ) -> None:
+    """Make this process's temp folder (TMPDIR) one only this user can write: <tmp>/dflash2-UID,
+    0700, inside the temp folder it had.
 
-    MLX loads the kernels it compiled from <tmp>/mlx/VERSION/ptx by default, a folder that
-    whoever creates it first owns: on a shared machine another user could leave kernels
-    there, under the names MLX looks for, that the server would run. A folder that is not
-    this user's alone (or cannot be made) gives way to a fresh private one for this run."""
-    if environ.get("MLX_PTX_CACHE_DIR") or not hasattr(os, "getuid"):
+    MLX compiles kernels into <tmp>/mlx/VERSION and loads what it finds there under the names
+    it looks for: shared libraries it dlopens (cpu/) and CUDA kernels (ptx/). That folder is
+    owned by whoever creates it first, so on a shared machine another user could leave code
+    there for the server to run. A folder that is not this user's alone gives way to a fresh
+    private one for this run."""
+    if not hasattr(os, "getuid"):
         return
+    base = tempfile.gettempdir()
+    folder = os.path.join(base, f"dflash2-{os.getuid()}")
     try:
-        version = metadata.version("mlx")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    folder = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash2" / f"mlx-{version}-ptx"
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        status = folder.stat()
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        status = os.stat(folder)
         private = status.st_uid == os.getuid() and not status.st_mode & 0o077
     except OSError:
         private = False
-    environ["MLX_PTX_CACHE_DIR"] = str(folder if private else tempfile.mkdtemp(prefix="dflash2-mlx-ptx-"))
+    if not private:
+        folder = tempfile.mkdtemp(prefix="dflash2-", dir=base)
+    environ["TMPDIR"] = tempfile.tempdir = folder
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dflash2_options import (
     pass_options_to_mlx_vlm,
     prefix_cache_gb,
     public_model_id,
-    use_private_kernel_cache,
+    use_private_temp_folder,
 )
 
 
@@ -29,7 +29,7 @@ def main(argv=None):
     parser = make_parser("serve.py", "Serve the pack's model plain (no drafter) with mlx-vlm.")
     args = parse_args(parser, argv)
     exit_if_environment_refused()
-    use_private_kernel_cache()
+    use_private_temp_folder()
     from dflash2_pack import find_pack
 
     pack_dir = (args.pack or Path(__file__).resolve().parent).absolute()

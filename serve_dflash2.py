@@ -43,7 +43,7 @@ from dflash2_options import (
     pass_options_to_mlx_vlm,
     prefix_cache_gb,
     public_model_id,
-    use_private_kernel_cache,
+    use_private_temp_folder,
 )
 
 logger = logging.getLogger("dflash2.server")
@@ -111,7 +111,7 @@ def main(argv=None):
     parser = make_dflash2_parser()
     args = parse_args(parser, argv)
     exit_if_environment_refused()
-    use_private_kernel_cache()
+    use_private_temp_folder()
     if args.demo and args.pack:
         parser.error("--demo serves the trained tiny pair; leave out --pack")
     if args.demo and args.dflash2_block_size is None:

@@ -129,9 +129,10 @@ def start_server(tmp_path_factory):
     already started gets that one (started again if it was stopped), so give equal servers
     equal commands. All stop at the end."""
     started = {}
-    # MLX's CPU backend compiles fused kernels into a shared folder (/tmp/mlx/...) and writes
-    # each library in place: a process that finds one half written fails to load it ("file
-    # too short"), so servers starting at once on a fresh machine can crash each other. The
+    # MLX's CPU backend compiles fused kernels into a folder all of a user's servers share
+    # (<tmp>/dflash2-UID/mlx/...) and writes each library in place: a process that finds one
+    # half written fails to load it ("file too short"), so servers starting at once on a fresh
+    # machine can crash each other. The
     # run's first server start (across xdist workers) is awaited alone, so its start-up fills
     # that folder before others compile. Under xdist the workers' temp folders share a parent
     # of this run's own.

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -123,36 +124,40 @@ def test_apc_disabled_is_accepted(script, tmp_path):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_kernel_cache_is_a_folder_of_this_user_alone(script, tmp_path):
-    """MLX's CUDA kernel cache defaults to a shared temp folder whoever makes it first owns;
-    each server points it at ~/.cache/dflash2/mlx-VERSION-ptx, made 0700 at start-up (the
-    run then stops at the empty pack folder)."""
-    env = clean_env(HOME=str(tmp_path / "home"))
-    env.pop("XDG_CACHE_HOME", None)
-    env.pop("MLX_PTX_CACHE_DIR", None)
-    result = run(script, "--pack", str(tmp_path), env=env)
+def test_temp_folder_is_this_user_s_alone(script, tmp_path):
+    """MLX compiles kernels into <tmp>/mlx and loads what it finds there: each server makes its
+    temp folder <tmp>/dflash2-UID, 0700, at start-up (the run then stops at the empty pack)."""
+    result = run(script, "--pack", str(tmp_path), env=clean_env(TMPDIR=str(tmp_path)))
     assert result.returncode == 1 and "config.json: file is missing" in result.stderr, result.stderr
-    [folder] = (tmp_path / "home" / ".cache" / "dflash2").iterdir()
-    assert folder.name.startswith("mlx-") and folder.name.endswith("-ptx")
-    assert folder.stat().st_mode & 0o777 == 0o700
+    folder = tmp_path / f"dflash2-{os.getuid()}"
+    assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
 
 
-def test_kernel_cache_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path):
-    from dflash2_options import use_private_kernel_cache
+def test_mlx_compiles_into_the_private_temp_folder(tmp_path):
+    """What MLX compiles after the switch (here a CPU shared library it will dlopen) lands in
+    the private folder, not in the shared <tmp>/mlx."""
+    probe = ("from dflash2_options import use_private_temp_folder\nuse_private_temp_folder()\n"
+             "import mlx.core as mx\nmx.set_default_device(mx.cpu)\n"
+             "twice_plus = mx.compile(lambda x: x * 2.5 + 1.25)\nmx.eval(twice_plus(mx.arange(7.0)))\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                            env=clean_env(TMPDIR=str(tmp_path)), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / f"dflash2-{os.getuid()}" / "mlx").glob("*/cpu/*.so"))
+    assert not (tmp_path / "mlx").exists()
 
-    environ = {"XDG_CACHE_HOME": str(tmp_path)}
-    use_private_kernel_cache(environ)
-    kept = Path(environ["MLX_PTX_CACHE_DIR"])
-    assert kept.parent == tmp_path / "dflash2" and kept.stat().st_mode & 0o777 == 0o700
-    kept.chmod(0o777)  # as a folder another user could write to
-    environ = {"XDG_CACHE_HOME": str(tmp_path)}
-    use_private_kernel_cache(environ)
-    fresh = Path(environ["MLX_PTX_CACHE_DIR"])
-    assert fresh != kept and fresh.stat().st_mode & 0o777 == 0o700 and fresh.stat().st_uid == os.getuid()
-    environ = {"XDG_CACHE_HOME": str(tmp_path), "MLX_PTX_CACHE_DIR": "/chosen/by/the/user"}
-    use_private_kernel_cache(environ)
-    assert environ["MLX_PTX_CACHE_DIR"] == "/chosen/by/the/user"
-    fresh.rmdir()
+
+def test_temp_folder_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path, monkeypatch):
+    from dflash2_options import use_private_temp_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # restored after the test
+    shared = tmp_path / f"dflash2-{os.getuid()}"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o777)  # as a folder another user could write to
+    environ = {}
+    use_private_temp_folder(environ)
+    fresh = Path(environ["TMPDIR"])
+    assert fresh.parent == tmp_path and fresh != shared and tempfile.gettempdir() == str(fresh)
+    assert fresh.stat().st_mode & 0o777 == 0o700 and fresh.stat().st_uid == os.getuid()
 
 
 def test_demo_without_the_fixture_says_so(tmp_path):
