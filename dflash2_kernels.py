@@ -70,6 +70,7 @@ import bisect
 import hashlib
 import math
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -201,9 +202,13 @@ def cuda_header(text: str) -> str:
     verify makes ~1,000 calls. NVRTC reads the file only when it compiles; the content
     hash in the name keeps MLX's PTX cache from serving an old header's build."""
     folder = os.path.join(tempfile.gettempdir(), f"dflash2-cuda-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    owner = os.stat(folder)
-    if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # another user could swap the text
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        owner = os.lstat(folder)  # another user could swap the text, or repoint a link they made
+        shared = not stat.S_ISDIR(owner.st_mode) or owner.st_uid != os.getuid() or owner.st_mode & 0o022
+    except OSError:  # a file, or a link to one, in the folder's place
+        shared = True
+    if shared:
         folder = _private_header_folder()
     path = os.path.join(folder, hashlib.sha256(text.encode()).hexdigest()[:32] + ".cuh")
     try:

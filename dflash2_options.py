@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -74,8 +75,8 @@ def use_private_temp_folder(environ=os.environ) -> None:
     folder = os.path.join(base, f"dflash2-{os.getuid()}")
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        status = os.stat(folder)
-        private = status.st_uid == os.getuid() and not status.st_mode & 0o077
+        status = os.lstat(folder)  # a link another user made could be pointed elsewhere later
+        private = stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o077
     except OSError:
         private = False
     if not private:

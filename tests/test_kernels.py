@@ -3,6 +3,8 @@ case, every public function equals its stock reference bit for bit, and the
 launch helpers follow MLX's source rules."""
 
 import os
+import shutil
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -821,6 +823,17 @@ def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
     path = dk.cuda_header("namespace c {}\n").split('"')[1]
     assert os.path.dirname(path) != str(shared) and open(path).read() == "namespace c {}\n"
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    # A link in the folder's place (to a folder of ours, or to a file) is left alone too.
+    for target in (tmp_path / "ours", tmp_path / "a-file"):
+        shutil.rmtree(shared, ignore_errors=True)
+        shared.unlink(missing_ok=True)
+        if target.name == "ours":
+            target.mkdir(mode=0o700)
+        else:
+            target.write_text("")
+        shared.symlink_to(target)
+        path = dk.cuda_header("namespace d {}\n").split('"')[1]
+        assert os.path.dirname(path) not in (str(shared), str(target)) and open(path).read() == "namespace d {}\n"
 
 
 def test_wrong_rope_fails_naming_the_case():

@@ -158,6 +158,12 @@ def test_temp_folder_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path, 
     fresh = Path(environ["TMPDIR"])
     assert fresh.parent == tmp_path and fresh != shared and tempfile.gettempdir() == str(fresh)
     assert fresh.stat().st_mode & 0o777 == 0o700 and fresh.stat().st_uid == os.getuid()
+    shared.rmdir()
+    shared.symlink_to(fresh)  # a link, even to a folder of ours, could be repointed later
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    environ = {}
+    use_private_temp_folder(environ)
+    assert Path(environ["TMPDIR"]).parent == tmp_path and environ["TMPDIR"] not in (str(shared), str(fresh))
 
 
 def test_demo_without_the_fixture_says_so(tmp_path):
