@@ -673,9 +673,11 @@ def pass_order(names: list, index: int) -> list:
     as many passes as there are such steps. A rotation alone keeps each arm behind the same
     one in nearly every pass, and an arm may slow the one after it: on the H200 (two
     sessions), bench.py's plain arm, behind stock mlx's in nearly every pass, ran 15-21%
-    slower than the same plain requests in the arm behind it."""
+    slower than the same plain requests in the arm behind it. The step count - 1 (the list
+    backwards) is left out: its pass ends on the next pass's first arm, which would then run
+    twice in a row, its second sample spared the switch every other one pays."""
     count = len(names)
-    steps = [step for step in range(1, count) if math.gcd(step, count) == 1] or [1]
+    steps = [step for step in range(1, max(2, count - 1)) if math.gcd(step, count) == 1]
     step = steps[index % len(steps)]
     return [names[(index + k * step) % count] for k in range(count)]
 
