@@ -6,9 +6,11 @@ server (mlx_vlm.server reads them at import); the options are checked against th
 """
 
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import stat
 import sys
 import tempfile
@@ -67,8 +69,8 @@ def use_private_temp_folder(environ=os.environ) -> None:
     MLX compiles kernels into <tmp>/mlx/VERSION and loads what it finds there under the names
     it looks for: shared libraries it dlopens (cpu/) and CUDA kernels (ptx/). That folder is
     owned by whoever creates it first, so on a shared machine another user could leave code
-    there for the server to run. A folder that is not this user's alone gives way to a fresh
-    private one for this run."""
+    there for the server to run. A folder that is not this user's alone gives way, with a
+    warning, to a fresh private one for this run."""
     if not hasattr(os, "getuid"):
         return
     base = tempfile.gettempdir()
@@ -80,7 +82,11 @@ def use_private_temp_folder(environ=os.environ) -> None:
     except OSError:
         private = False
     if not private:
-        folder = tempfile.mkdtemp(prefix="dflash2-", dir=base)
+        fresh = tempfile.mkdtemp(prefix="dflash2-", dir=base)
+        print(f"warning: {folder} is not this user's alone; kernels compile into {fresh} for this run "
+              "(removed at exit)", file=sys.stderr)
+        atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+        folder = fresh
     environ["TMPDIR"] = tempfile.tempdir = folder
 
 

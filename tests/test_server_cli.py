@@ -146,10 +146,13 @@ def test_mlx_compiles_into_the_private_temp_folder(tmp_path):
     assert not (tmp_path / "mlx").exists()
 
 
-def test_temp_folder_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path, monkeypatch):
+def test_temp_folder_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path, monkeypatch, capsys):
+    import dflash2_options
     from dflash2_options import use_private_temp_folder
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # restored after the test
+    removed_at_exit = []
+    monkeypatch.setattr(dflash2_options.atexit, "register", lambda *call, **kwargs: removed_at_exit.append(call[1]))
     shared = tmp_path / f"dflash2-{os.getuid()}"
     shared.mkdir(mode=0o700)
     shared.chmod(0o777)  # as a folder another user could write to
@@ -158,6 +161,7 @@ def test_temp_folder_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path, 
     fresh = Path(environ["TMPDIR"])
     assert fresh.parent == tmp_path and fresh != shared and tempfile.gettempdir() == str(fresh)
     assert fresh.stat().st_mode & 0o777 == 0o700 and fresh.stat().st_uid == os.getuid()
+    assert f"{shared} is not this user's alone" in capsys.readouterr().err and removed_at_exit == [str(fresh)]
     shared.rmdir()
     shared.symlink_to(fresh)  # a link, even to a folder of ours, could be repointed later
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
