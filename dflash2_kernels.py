@@ -1525,9 +1525,8 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 # metal: "with_states", mlx-vlm's with-states kernel (stock verify's on Metal), whose loop
 # body is decode's fused kernel's statement for statement, but which is its own pipeline.
 GDN_VARIANTS = {"cuda": ("fma", "mul_add"), "metal": ("with_states",)}
-# The gemv replica has no open choice: fp16 products are exact in fp32, so its
-# lane sums are the same whether or not nvcc fused them.
-DENSE_VARIANTS = ("gemv",)
+# The gemv replica ("gemv", CUDA only) has one variant, no open choice: fp16 products are
+# exact in fp32, so its lane sums are the same whether or not nvcc fused them.
 MAX_DK = 512  # one 32-thread block in row_reduce_simple up to here
 GDN_INPUT_KINDS = ("normal", "large", "tiny", "extreme_gates", "signed_zero")
 
@@ -2141,8 +2140,8 @@ def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check dense rows bit for bit against decode's one-row calls, rows 1..8.
 
     kernel: (x (R, K), weight) -> (R, N), tested as variant "kernel"; default:
-    this backend's DENSE_VARIANTS, serving then switched on or off (off CUDA there
-    is no kernel to test). shapes: (N, K) pairs, default the 27B and the small
+    the CUDA gemv replica, serving then switched on or off (off CUDA there is no
+    kernel to test). shapes: (N, K) pairs, default the 27B and the small
     shapes. MLX's own multi-row `x @ weight.T` is counted alongside (the control).
     """
     backend = backend_name()
