@@ -237,16 +237,24 @@ def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, posit
     if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
         output = _stock_decoder_layer_call(self, x, mask, cache, position_ids, position_embeddings)
     else:
-        normed = self.input_layernorm(x)
         if self.is_linear:
-            residual = self.linear_attn(normed, mask, cache)
+            def mixer(normed):
+                return self.linear_attn(normed, mask, cache)
         else:
-            residual = self.self_attn(normed, mask=mask, cache=cache, position_ids=position_ids,
+            def mixer(normed):
+                return self.self_attn(normed, mask=mask, cache=cache, position_ids=position_ids,
                                       position_embeddings=position_embeddings)
-        hidden, normed = _add_and_norm(x, residual, self.post_attention_layernorm)
-        output = hidden + self.mlp(normed)
+        output = _fused_residual_layer(self, x, mixer, _module_call)
     dflash2_policy.keep_tap_output(self, output)
     return output
+
+
+def _fused_residual_layer(layer, x, mixer, feed_forward):
+    """A Qwen3.5 decoder layer's body (input norm, mixer(normed): its attention or
+    GatedDeltaNet, residual add, post-attention norm, feed_forward(layer.mlp, normed), the
+    second residual add) with the first add and the norm after it in one launch."""
+    hidden, normed = _add_and_norm(x, mixer(layer.input_layernorm(x)), layer.post_attention_layernorm)
+    return hidden + feed_forward(layer.mlp, normed)
 
 
 def _add_and_norm(x, residual, norm):
@@ -312,13 +320,13 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
 
     def _layer(self, layer, hidden, mask, cache, position_ids, position_embeddings):
         # The base class's, with the residual add and the norm after it in one launch.
-        normed = layer.input_layernorm(hidden)
         if layer.is_linear:
-            residual = self._gated_delta(layer.linear_attn, normed, mask, cache)
+            def mixer(normed):
+                return self._gated_delta(layer.linear_attn, normed, mask, cache)
         else:
-            residual = self._attention(layer.self_attn, normed, mask, cache, position_ids, position_embeddings)
-        hidden, normed = _add_and_norm(hidden, residual, layer.post_attention_layernorm)
-        hidden = hidden + self._feed_forward(layer.mlp, normed)
+            def mixer(normed):
+                return self._attention(layer.self_attn, normed, mask, cache, position_ids, position_embeddings)
+        hidden = _fused_residual_layer(layer, hidden, mixer, self._feed_forward)
         self._layers_built += 1
         if VERIFY_EVAL_EVERY and self._layers_built % VERIFY_EVAL_EVERY == 0:
             mx.async_eval(hidden)
