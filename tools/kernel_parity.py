@@ -43,7 +43,14 @@ BENCH_ROWS = (1, 2, 4, 8)
 # more, each bitwise: a lane's slots split over a warp pair (half the registers), L1 cache
 # hints, and the weight words through a shared-memory cp.async ring 2 or 6 steps ahead; none
 # was faster beyond the noise, whatever its registers, loads in flight or activation
-# traffic (evidence/qmv-variants-cuda.md; code in commit c33fc80), and they were removed.)
+# traffic (evidence/qmv-variants-cuda.md; code in commit c33fc80), and they were removed.
+# Session 30 timed a fourth against the kernel as it is, in one process: the final butterfly
+# sharing its sums out over the lanes (R * M / 2 shuffles and adds a level while the count
+# is even, not R * M: the 8-row tile loop's SASS went from 1780 to 1603 instructions, about
+# 5% of those a K = 5120 tile runs). Bitwise, and no faster: 8 rows at 1.30x MLX's single row
+# per 27B step against 1.27x (a one-off script's log; no record kept). The time is not in the
+# instruction count: ncu had the 8-row kernel issuing about every 3.5 cycles a warp with two
+# warps a scheduler (evidence/ncu-qmv-cuda.md).)
 # A fifth entry caps the grid at B blocks (about one wave of resident warps on the H200's 132
 # SMs), each warp then taking several tiles of output rows and loading the next tile's first
 # chunk during its last (with prefetch bit 0): in session 24's two interleaved runs
