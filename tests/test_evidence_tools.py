@@ -214,6 +214,30 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
     assert refused.returncode == 2 and "CUDA only" in refused.stderr
 
 
+def test_the_launch_comparison_can_time_another_revisions_kernel(tmp_path):
+    """--previous-kernels: another revision's dflash2_kernels.py loads as a module of its own
+    (its kernel source, not this one's), and a record whose previous arm ran it says so in
+    place of the same-launch control sentence."""
+    import dflash2_kernels as dk
+    from compare_qmv_launch import load_kernels, summary_markdown
+
+    before = tmp_path / "before.py"
+    source = (REPO / "dflash2_kernels.py").read_text()
+    before.write_text(source.replace('_CUDA_HEADER = r"""', '_CUDA_HEADER = r"""// an earlier kernel\n', 1))
+    previous = load_kernels(before)
+    assert previous is not dk and previous.CUDA_LAUNCH == dk.CUDA_LAUNCH
+    assert previous.cuda_qmv_source_digest() != dk.cuda_qmv_source_digest()
+
+    record = json.loads((EVIDENCE / "qmv-launch-cuda.json").read_text())
+    record["previous"] = dict(record["current"])  # the same launches: one kernel against itself
+    control = "a control: their current / previous is the comparison's own noise"
+    assert control in summary_markdown(record)
+    record.update(previous_kernel_source=previous.cuda_qmv_source_digest(), previous_kernels=before.name)
+    summary = summary_markdown(record)
+    assert control not in summary
+    assert f"another kernel: source {previous.cuda_qmv_source_digest()} (before.py)" in summary
+
+
 NCU_DETAILS = """[688] python3.12@127.0.0.1
   void qmv_kernel<8, 16>(const T6 *, int) (2176, 1, 1)x(32, 8, 1), Context 1, Stream 14, Device 0, CC 9.0
     Section: GPU Speed Of Light Throughput

@@ -1,19 +1,25 @@
 """The exact packed matmul's GPU time per 27B decode step under two CUDA launch tables, side by side.
 
     python tools/compare_qmv_launch.py --previous '{"8": [4, 2, 1, 2]}' --out evidence/
+    git show REV:dflash2_kernels.py > /tmp/before.py    # another revision's kernel as well
+    python tools/compare_qmv_launch.py --previous '{}' --previous-kernels /tmp/before.py --out /tmp/
 
 CUDA only. For every packed shape of the 27B target (weights rotated past the L2, as
 tools/kernel_parity.py times them) and every row count 2..8, times MLX's single-row call,
 the kernel under the previous launch and under dflash2_kernels.CUDA_LAUNCH, interleaved
 (ABAB, warm-up first, median of the repeats with min and max); each is checked bitwise
-against MLX's single-row calls first. Per row count it sums each arm over the shapes,
+against MLX's single-row calls first. With --previous-kernels the previous arm runs that
+file's CUDA kernel (its own launch table for rows --previous leaves out): a kernel change
+timed against the kernel before it in one process. Per row count it sums each arm over the shapes,
 weighted by their calls in a decode step: the figure issue 13 holds the 8-row kernel to
 (at most 1.2x MLX's single row). Writes evidence/qmv-launch-<backend>.json and .md.
 """
 
 import argparse
+import importlib.util
 import json
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -37,14 +43,26 @@ def pass_ms(call, x, copies):
     return run
 
 
-def time_shape(n, k, previous: dict, repeats: int, key) -> dict:
+def load_kernels(path: Path):
+    """Another revision's dflash2_kernels.py as a module of its own (MLX names a custom
+    kernel's module by a hash of its source, so both kernels build side by side)."""
+    spec = importlib.util.spec_from_file_location("previous_dflash2_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk) -> dict:
     bench = kernel_parity.Bench(n, k, key)
     one = bench.x[:1]
     arms, mismatches = {"mlx single row": pass_ms(dk.stock_quantized_matmul, one, bench.copies)}, {}
     for rows in ROWS:
         x = bench.x[:rows]
-        for name, launch in (("previous", previous[rows]), ("current", dk.CUDA_LAUNCH[rows])):
-            call = lambda x, w, s, b, launch=tuple(launch): dk.cuda_matmul(x, w, s, b, launch=launch)
+        for name, kernels, launch in (("previous", previous_kernels, previous[rows]),
+                                      ("current", dk, dk.CUDA_LAUNCH[rows])):
+            def call(x, w, s, b, kernels=kernels, launch=tuple(launch)):
+                return kernels.cuda_matmul(x, w, s, b, launch=launch)
+
             got = call(x, *bench.copies[0])
             mismatches[f"{name} {rows}"] = dk._differing(got, bench.want[:rows])
             arms[f"{name} {rows}"] = pass_ms(call, x, bench.copies)
@@ -80,9 +98,14 @@ def summary_markdown(record: dict) -> str:
         lines.append(f"| {rows} | {tuple(record['previous'][str(rows)])} | {before:.3f} | {before / single:.2f} "
                      f"| {tuple(record['current'][str(rows)])} | {after:.3f} | {after / single:.2f} | {after / before:.2f} |")
     same = [str(rows) for rows in record["rows"] if record["previous"][str(rows)] == record["current"][str(rows)]]
-    if same:
+    previous_source = record.get("previous_kernel_source", record["cuda_kernel_source"])
+    if previous_source != record["cuda_kernel_source"]:
+        lines += ["", f"The previous arm ran another kernel: source {previous_source} ({record['previous_kernels']}), the "
+                  f"current arm {record['cuda_kernel_source']}. Rows with the same launch in both arms compare "
+                  "the two kernels alone."]
+    elif same:
         lines += ["", f"Rows {', '.join(same)}: the same launch in both arms, a control: their current / previous "
-                  "is the comparison's own noise (each current arm runs right after its previous one)."]
+                  "is the comparison's own noise."]
     lines += ["", "Per shape, us (median, min-max):", "", "| shape | arm | median | min | max |", "|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():
         for name, t in entry["timings_us"].items():
@@ -94,22 +117,28 @@ def summary_markdown(record: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--previous", required=True,
-                        help="JSON: rows -> launch (R, C, prefetch[, S[, B]]); rows not named take CUDA_LAUNCH's")
+                        help="JSON: rows -> launch (R, C, prefetch[, S[, B]]); rows not named take the previous "
+                             "kernel's CUDA_LAUNCH")
+    parser.add_argument("--previous-kernels", type=Path,
+                        help="another revision's dflash2_kernels.py: the previous arm runs its CUDA kernel")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(kernel_parity.REPO / "evidence"))
     args = parser.parse_args()
     if dk.backend_name() != "cuda":
         parser.error("CUDA only: the launch tables are the CUDA kernel's")
-    previous = {rows: tuple(dk.CUDA_LAUNCH[rows]) for rows in ROWS}
+    previous_kernels = load_kernels(args.previous_kernels) if args.previous_kernels else dk
+    previous = {rows: tuple(previous_kernels.CUDA_LAUNCH[rows]) for rows in ROWS}
     previous.update({int(rows): tuple(launch) for rows, launch in json.loads(args.previous).items()})
     key = mx.random.key(0)
     shapes = {}
     for n, k in dk.PACKED_SHAPES_27B:
         key, shape_key = mx.random.split(key)
-        shapes[f"{n}x{k}"] = time_shape(n, k, previous, args.repeats, shape_key)
+        shapes[f"{n}x{k}"] = time_shape(n, k, previous, args.repeats, shape_key, previous_kernels)
     record = {
         **run_environment("compare_qmv_launch.py", "27b kernel shapes"),
         "cuda_kernel_source": dk.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": list(ROWS),
+        "previous_kernel_source": previous_kernels.cuda_qmv_source_digest(),
+        "previous_kernels": args.previous_kernels.name if args.previous_kernels else None,
         "previous": {str(rows): list(launch) for rows, launch in previous.items()},
         "current": {str(rows): list(dk.CUDA_LAUNCH[rows]) for rows in ROWS},
         "mismatches": sum(sum(entry["mismatches_vs_single_rows"].values()) for entry in shapes.values()),

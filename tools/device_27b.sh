@@ -42,9 +42,13 @@ case "${1:-}" in
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   # compare: the code's launch table against PREVIOUS (default: the last tune's 8-row pick),
-  # interleaved; issue 13 item 3 holds the 8-row kernel to 1.2x MLX's single row
-  compare) [ -n "${PREVIOUS:-}" ] || PREVIOUS='{"8": [3, 2, 1, 2, 264]}'
-           t=$(left) || exit 124; timeout "$t" python3 tools/compare_qmv_launch.py --previous "$PREVIOUS" --repeats 5 --out "$OUT" ;;
+  # interleaved; issue 13 item 3 holds the 8-row kernel to 1.2x MLX's single row. With
+  # PREVIOUS_KERNELS (another revision's dflash2_kernels.py, carried in) the previous arm runs
+  # that kernel, under its own table where PREVIOUS (then default '{}') names no launch
+  compare) [ -n "${PREVIOUS:-}" ] || PREVIOUS=${PREVIOUS_KERNELS:+'{}'}
+           [ -n "$PREVIOUS" ] || PREVIOUS='{"8": [3, 2, 1, 2, 264]}'
+           t=$(left) || exit 124; timeout "$t" python3 tools/compare_qmv_launch.py --previous "$PREVIOUS" \
+             ${PREVIOUS_KERNELS:+--previous-kernels "$PREVIOUS_KERNELS"} --repeats 5 --out "$OUT" ;;
   profile) t=$(left) || exit 124; timeout "$t" python3 tools/profile_verify.py --out "$OUT" ;;
   graphs) t=$(left) || exit 124; timeout "$t" python3 tools/graph_misses.py --out "$OUT" ;;
   parity) t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
