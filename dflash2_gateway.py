@@ -35,12 +35,18 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 # model's context length in dflash2_engine.start_engine).
 MLX_VLM_CONTEXT_BUDGET = re.compile(
     r"Request needs (\d+) context tokens \((\d+) prompt \+ (\d+) max generation\), but MAX_KV_SIZE is (\d+)\.")
-LOOPBACK_HOST_HEADER = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?")
+LOOPBACK_HOST_HEADER = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?", re.IGNORECASE)  # host names ignore case
 LOOPBACK_ORIGIN = r"https?://(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?"
 
 
 # ---------------------------------------------------------------------------------------
 # Local paths out of headers, errors and logs
+
+
+def one_line(text: str) -> str:
+    """text with control characters escaped (\\n, \\x1b, ...): a request path is percent-decoded,
+    so %0A would otherwise start a forged line in the log."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def local_paths(pack_dirs, model_id: str) -> list:
@@ -153,7 +159,7 @@ class RequestRecord:
         mlx-vlm rejects is not first logged as speculative)."""
         if not self.announced:
             self.announced = True
-            logger.info("request %d %s %s: %s", self.id, self.method, self.path, self.header_value())
+            logger.info("request %d %s %s: %s", self.id, self.method, one_line(self.path), self.header_value())
 
     def cancel(self, reason: str):
         """Stops the request's generation within a token or two (safe from any thread)."""
@@ -239,11 +245,12 @@ def inner_error_message(body: bytes) -> str:
 def with_loopback_cors(app):
     """Cross-origin use from pages served on loopback only, without credentials. Chat
     requests also need Content-Type: application/json, which no page can send to another
-    origin without a preflight that this refuses."""
+    origin without a preflight that this refuses. A loopback page may send any header: the
+    OpenAI SDKs add their own (X-Stainless-*), and no header changes what the server does."""
     from starlette.middleware.cors import CORSMiddleware
 
     return CORSMiddleware(app, allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "HEAD", "POST"],
-                          allow_headers=["authorization", "content-type"], expose_headers=["x-dflash2"])
+                          allow_headers=["*"], expose_headers=["x-dflash2"])
 
 
 class Gateway:

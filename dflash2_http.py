@@ -4,6 +4,7 @@ against the pack, each request's route, and the OpenAPI description of the serve
 import base64
 import binascii
 import io
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ class InvalidRequest(Refusal):
 def context_refusal(detail: str) -> Refusal:
     return Refusal(400, "context-length-exceeded",
                    f"messages: {detail}; shorten the messages or lower max_tokens", "messages")
+
+
+FLOAT16_MAX = 65504.0
 
 
 @dataclass(frozen=True)
@@ -329,8 +333,23 @@ def check_tools(request: ChatRequest):
                       f"{request.tool_choice.function.name!r} is not one of the request's tools")
 
 
+def lowest_temperature(vocab_size: int) -> float:
+    """The least positive temperature whose sampling stays finite, rounded up to two digits.
+    mlx-vlm scales the log-probabilities by 1 / temperature in their dtype (float16 in this
+    pack; server/generation.py:196). The likeliest token's is never below -log(vocab), so
+    from here (1% to spare for float16's rounding) it and 1 / temperature stay finite. Below
+    it every token can overflow to -inf: the softmax is NaN and the sampler picks token 0
+    each step."""
+    bound = 1.01 * max(1.0, math.log(vocab_size)) / FLOAT16_MAX
+    scale = 10.0 ** (1 - math.floor(math.log10(bound)))
+    return math.ceil(bound * scale) / scale
+
+
 def check_sampling(request: ChatRequest, limits: PackLimits):
     """Values that index the vocabulary, against the pack."""
+    if request.temperature and request.temperature < lowest_temperature(limits.vocab_size):
+        raise InvalidRequest("temperature", f"must be 0 (greedy) or at least {lowest_temperature(limits.vocab_size):g}: "
+                                            "sampling below that overflows the model's float16 log-probabilities")
     if request.top_k is not None and request.top_k >= limits.vocab_size:
         raise InvalidRequest("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
     for key in request.logit_bias or {}:
@@ -418,8 +437,22 @@ class Decision:
     body: dict = None
 
 
+def refuse_unsupported(body: dict) -> dict:
+    """Refuses what neither server serves (mlx-vlm's structured output runs on Metal only,
+    and it has no thinking budget); returns the body without a text response_format."""
+    if "thinking_budget" in body:
+        raise Refusal(400, "thinking-budget", "thinking budgets are not supported; use "
+                                              "\"enable_thinking\" and max_tokens", "thinking_budget")
+    if body.get("response_format", {}).get("type", "text") != "text":
+        raise Refusal(400, "structured-output",
+                      "structured output (response_format) is not supported", "response_format")
+    body.pop("response_format", None)
+    return body
+
+
 def plain_decision(body: dict) -> Decision:
-    return Decision("plain", None, body)
+    """serve.py's route: plain, after the refusals both servers make."""
+    return Decision("plain", None, refuse_unsupported(body))
 
 
 # Penalty values that change nothing; a client sending them still gets speculation.
@@ -435,13 +468,7 @@ def route_chat(body: dict, *, server_reason=None, multimodal_plain=False, rounds
     plain.
     The refusals hold with --no-dflash2 too, so the baseline answers the same requests.
     """
-    if "thinking_budget" in body:
-        raise Refusal(400, "thinking-budget", "thinking budgets are not supported; use "
-                                              "\"enable_thinking\" and max_tokens", "thinking_budget")
-    if body.get("response_format", {}).get("type", "text") != "text":
-        raise Refusal(400, "structured-output",
-                      "structured output (response_format) is not supported", "response_format")
-    body.pop("response_format", None)
+    refuse_unsupported(body)
     for name, neutral in NEUTRAL_PENALTIES.items():
         if body.get(name) == neutral:
             del body[name]

@@ -9,6 +9,7 @@ is in test_server.py.
 
 import asyncio
 import json
+import math
 import os
 
 import pytest
@@ -16,7 +17,7 @@ from starlette.testclient import TestClient
 
 from conftest import data_url, png
 from dflash2_gateway import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
-from dflash2_http import PackLimits, check_chat_request, openapi_schema, route_chat
+from dflash2_http import PackLimits, check_chat_request, lowest_temperature, openapi_schema, plain_decision, route_chat
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
@@ -66,9 +67,12 @@ def image_dir(tmp_path_factory):
 
 def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
                 rounds_pay=lambda: True):
+    """serve_dflash2.py's gateway; server_reason "serve.py" decides as serve.py does."""
     limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
 
     def decide(body):
+        if server_reason == "serve.py":
+            return plain_decision(check_chat_request(body, limits))
         return route_chat(check_chat_request(body, limits), server_reason=server_reason,
                           multimodal_plain=multimodal_plain, rounds_pay=rounds_pay)
 
@@ -132,9 +136,9 @@ def image_body(url):
     ("GET", "/v1/chat/completions", None, 405, "method-not-allowed"),
     ("DELETE", "/v1/models", None, 405, "method-not-allowed"),
 ], ids=lambda v: v if isinstance(v, str) else None)
-@pytest.mark.parametrize("server_reason", [None, "no-dflash2"])
+@pytest.mark.parametrize("server_reason", [None, "no-dflash2", "serve.py"])
 def test_refused_rows(server_reason, method, path, body, status, reason):
-    """The same refusals with the drafter and without it (--no-dflash2)."""
+    """The same refusals with the drafter, without it (--no-dflash2) and from serve.py."""
     client = make_client(server_reason=server_reason)
     response = client.request(method, path, content=None if body is None else json.dumps(body),
                               headers={"content-type": "application/json"})
@@ -219,6 +223,32 @@ def test_unknown_fields(client, body, param):
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_out_of_range_values_name_the_field(client, fields, param):
     assert_refused(post(client, {"messages": MESSAGES, **fields}), 400, "invalid-request", param)
+
+
+@pytest.mark.parametrize("server_reason", [None, "serve.py"])
+def test_a_temperature_too_small_to_sample_is_refused(server_reason):
+    client = make_client(server_reason=server_reason)
+    lowest = lowest_temperature(VOCAB)
+    error = assert_refused(post(client, {"messages": MESSAGES, "temperature": lowest * 0.99}),
+                           400, "invalid-request", "temperature")
+    assert f"at least {lowest:g}" in error["message"]
+    response = post(client, {"messages": MESSAGES, "temperature": lowest})
+    assert response.status_code == 200 and response.json()["forwarded"]["temperature"] == lowest
+
+
+def test_the_lowest_temperature_is_where_mlx_vlms_sampler_overflows():
+    """mlx-vlm's server sampler (0.7.2's _PositionedTargetSampler, with and without top_p) on
+    float16 log-probabilities whose likeliest is -log(vocab), the least it can be: at
+    lowest_temperature it samples the whole vocabulary; 5% below it, only token 0."""
+    import mlx.core as mx
+    from mlx_vlm.server.generation import _PositionedTargetSampler
+
+    logprobs = mx.full((1, VOCAB), -math.log(VOCAB), dtype=mx.float16)
+    for temperature, distinct in ((lowest_temperature(VOCAB), 10), (lowest_temperature(VOCAB) / 1.05, 1)):
+        for top_p in (1.0, 0.9):
+            sampler = _PositionedTargetSampler(temperature=temperature, top_p=top_p, seed=0)
+            tokens = {sampler.sample_target(logprobs, row_ids=[0], positions=[p]).item() for p in range(24)}
+            assert (len(tokens) >= distinct) if distinct > 1 else tokens == {0}, (temperature, top_p, tokens)
 
 
 def test_values_at_the_limits_pass(client):
@@ -391,12 +421,30 @@ def test_cross_origin_preflight(client):
     foreign = client.options("/v1/chat/completions", headers={
         "origin": "https://attacker.example", "access-control-request-method": "POST"})
     assert foreign.status_code == 400 and "access-control-allow-origin" not in foreign.headers
+    # The headers OpenAI's JavaScript SDK sends from a browser page, its own among them.
+    sdk_headers = "authorization, content-type, x-stainless-lang, x-stainless-os, x-stainless-retry-count"
     local = client.options("/v1/chat/completions", headers={
         "origin": "http://localhost:3000", "access-control-request-method": "POST",
-        "access-control-request-headers": "content-type"})
-    assert local.status_code == 200
+        "access-control-request-headers": sdk_headers})
+    assert local.status_code == 200, local.text
     assert local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "x-stainless-lang" in local.headers["access-control-allow-headers"].lower()
     assert "access-control-allow-credentials" not in local.headers
+
+
+def test_host_names_are_matched_whatever_their_case(client):
+    assert client.get("/health", headers={"host": "LocalHost:8080"}).status_code == 200
+    assert_refused(client.get("/health", headers={"host": "LocalHost.evil:8080"}), 421, "invalid-host")
+
+
+def test_a_decoded_newline_in_the_path_cannot_start_a_log_line(client, caplog):
+    forged = "2026-12-03 18:00:00,000 INFO dflash2.server: request 999 finished in 0.01s: status=200"
+    with caplog.at_level("INFO", logger="dflash2.server"):
+        response = client.get("/x%0A" + forged.replace(" ", "%20"))
+    assert_refused(response, 404, "unsupported-endpoint")
+    arrivals = [record.getMessage() for record in caplog.records if "GET /x" in record.getMessage()]
+    assert arrivals and all("\n" not in line for line in arrivals), arrivals
+    assert "/x\\n2026-12-03" in arrivals[0]
 
 
 # ---------------------------------------------------------------------------------------

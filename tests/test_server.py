@@ -383,6 +383,19 @@ def test_stop_sequences_end_the_answer_on_every_route(servers, answers):
 
 
 @pytest.mark.parametrize("name", ["spec", "plain"])
+def test_what_no_server_answers_right_is_refused_on_both(servers, name):
+    """serve.py answered structured output with a 500 (mlx-vlm runs it on Metal only), and
+    both servers answered a temperature of 1e-7 with token 0 at every step (float16 overflow)."""
+    server = servers[name]
+    for fields, reason, param in (({"response_format": {"type": "json_object"}}, "structured-output", "response_format"),
+                                  ({"thinking_budget": 8}, "thinking-budget", "thinking_budget"),
+                                  ({"temperature": 1e-7}, "invalid-request", "temperature")):
+        response = chat(server, MESSAGES, max_tokens=2, **fields)
+        assert response.status == 400, response.body
+        assert (response.json()["error"]["code"], response.json()["error"]["param"]) == (reason, param)
+
+
+@pytest.mark.parametrize("name", ["spec", "plain"])
 def test_values_that_crashed_the_server_are_refused(servers, name):
     server = servers[name]
     cases = [
