@@ -92,6 +92,11 @@ def field_probes(quick):
         {"type": "image_url", "image_url": {"url": url}}]}]}) for url in IMAGE_URLS]
     probes += [chat_probe(f"logit_bias key {key!r}", {**TINY, "logit_bias": {key: 1}})
                for key in ("511", "512", "999999999", "-1", "\u0661", "1e3", " 1", "01")]
+    # Well-formed values the servers do not serve (serve.py once answered the first two with a 500).
+    probes += [chat_probe(f"served nowhere: {name}", {**TINY, **fields}) for name, fields in (
+        ("json_object", {"response_format": {"type": "json_object"}}),
+        ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+        ("thinking_budget", {"thinking_budget": 4}), ("temperature 1e-7", {"temperature": 1e-7}))]
     return probes
 
 
