@@ -27,7 +27,8 @@ import dflash2_audit
 import dflash2_kernels
 import dflash2_runtime
 from conftest import GENERATED, raw_ids
-from parity import PROMPTS, greedy, oracle_token_case, rollback_cases, verify_cases
+from parity import (PROMPTS, differing, greedy, oracle_token_case, prefill_route_cases, rollback_cases,
+                    served_prefill_logits, verify_cases)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,6 +42,20 @@ def test_verify_logits_and_hidden_equal_sequential_decode(target, raw_plain):
     cases = verify_cases(lm, ids, drafter.config.target_layer_ids, raw_plain[0][:8])
     assert [c["length"] for c in cases] == list(range(2, 9))
     assert [c for c in cases if c["logits"] or c["hidden"]] == []
+
+
+def test_both_routes_prefill_to_the_same_first_token_logits(target):
+    """tools/parity.py's prefill-routes check: the speculative route's prefill
+    (capture_layer_ids: mlx-vlm's batch path) gives the plain route's first-token logits bit
+    for bit, at contexts of one to eight chunks; and the check sees other chunks (which round
+    differently) as differing."""
+    from make_synthetic_pack import synthetic_prompt
+
+    model, _, drafter = target
+    cases = prefill_route_cases(model, list(drafter.config.target_layer_ids), (5, 12, 30), step=4)
+    assert [(c["context"], c["logits"]) for c in cases] == [(5, 0), (12, 0), (30, 0)]
+    ids = mx.array([synthetic_prompt(30)])
+    assert differing(served_prefill_logits(model, ids, 4), served_prefill_logits(model, ids, 6)) > 0
 
 
 def test_every_decode_arm_gives_plain_decoding_s_tokens(target, raw_plain):

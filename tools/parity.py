@@ -251,6 +251,48 @@ def context_cases(lm, taps, snapshots, block, lengths=range(2, 9), rollback_cont
     ]
 
 
+def served_prefill_logits(model, ids, step, **route):
+    """First-token logits of a server's prompt batch prefilling ids on a fresh one-row batch
+    cache (mlx-vlm's _make_cache), in chunks of step with the last token alone, as
+    PromptProcessingBatch runs it; route: capture_layer_ids on the speculative route."""
+    from mlx_vlm.generate.ar import _make_cache
+
+    lm = model.language_model
+    lm._position_ids = lm._rope_deltas = None  # the model keeps a prompt's rotary positions
+    cache = _make_cache(lm, [0])
+    embedded = model.get_input_embeddings(ids, None).to_dict()
+    embeds, positions, deltas = (embedded[k] for k in ("inputs_embeds", "position_ids", "rope_deltas"))
+
+    def forward(start, end, **kwargs):
+        return model(ids[:, start:end], cache=cache, inputs_embeds=embeds[:, start:end],
+                     position_ids=positions[..., start:end], rope_deltas=deltas, **kwargs, **route)
+
+    done = 0
+    while done < ids.shape[1] - 1:
+        end = min(done + step, ids.shape[1] - 1)
+        forward(done, end)
+        mx.eval([layer.state for layer in cache])
+        done = end
+    return forward(done, ids.shape[1], logits_to_keep=1).logits[:, -1]
+
+
+def prefill_route_cases(model, taps, contexts, step):
+    """The speculative route's prefill (capture_layer_ids: mlx-vlm's batch path, a
+    BatchKVCache and an array mask) against the plain route's (its one-row shortcut onto
+    row caches): every token the request gets reads what its prefill left, so their
+    first-token logits must be the same bits."""
+    from make_synthetic_pack import synthetic_prompt
+
+    cases = []
+    for context in contexts:
+        ids = mx.array([synthetic_prompt(context)])
+        plain = served_prefill_logits(model, ids, step)
+        speculative = served_prefill_logits(model, ids, step, capture_layer_ids=taps)
+        cases.append({"check": "prefill routes", "context": context, "step": step,
+                      "logits": differing(speculative, plain)})
+    return cases
+
+
 def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
     """Every (prompt, thinking, block, error rate): the full matrix of the GPU run."""
     return [
@@ -369,6 +411,8 @@ def main():
     exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
     log("exact verify and rollback")
     exact += context_cases(lm, taps, snapshots, continuation, rollback_contexts=(contexts[1], contexts[-1]))
+    log("prefill routes")
+    exact += prefill_route_cases(model, taps, contexts, step=256 if contexts[-1] > 256 else 4)
     log("greedy token runs")
     if processor is None:
         exact += raw_token_cases(model, ids, args.max_tokens)
@@ -442,10 +486,13 @@ def summary_markdown(record) -> str:
     ]
     for check, label in (
         ("plain decode", "plain decode after install vs stock"),
+        ("prefill routes", "first-token logits, speculative route's prefill vs plain route's"),
         ("verify", "exact verify vs decode (L=2..8; contexts " + contexts + ")"),
         ("rollback", "rollback at every accepted count vs never-speculated cache"),
     ):
         cases = [c for c in record["cases"] if c["check"] == check]
+        if not cases and check == "prefill routes":
+            continue  # records from before the check
         lines.append(f"| {label} | {len(cases)} | {sum(map(case_mismatches, cases))} |")
     lines.append(
         f"| greedy tokens, oracle drafter | {len(tokens)} | "
