@@ -346,10 +346,12 @@ def lowest_temperature(vocab_size: int) -> float:
 
 
 def check_sampling(request: ChatRequest, limits: PackLimits):
-    """Values that index the vocabulary, against the pack."""
-    if request.temperature and request.temperature < lowest_temperature(limits.vocab_size):
-        raise InvalidRequest("temperature", f"must be 0 (greedy) or at least {lowest_temperature(limits.vocab_size):g}: "
-                                            "sampling below that overflows the model's float16 log-probabilities")
+    """Sampling values against the pack: a temperature its sampler can take, and values
+    that index the vocabulary."""
+    lowest = lowest_temperature(limits.vocab_size)
+    if request.temperature and request.temperature < lowest:
+        raise InvalidRequest("temperature", f"must be 0 (greedy) or at least {lowest:g}: sampling below that "
+                                            "overflows the model's float16 log-probabilities")
     if request.top_k is not None and request.top_k >= limits.vocab_size:
         raise InvalidRequest("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
     for key in request.logit_bias or {}:
