@@ -50,7 +50,20 @@ BENCH_ROWS = (1, 2, 4, 8)
 # 5% of those a K = 5120 tile runs). Bitwise, and no faster: 8 rows at 1.30x MLX's single row
 # per 27B step against 1.27x (a one-off script's log; no record kept). The time is not in the
 # instruction count: ncu had the 8-row kernel issuing about every 3.5 cycles a warp with two
-# warps a scheduler (evidence/ncu-qmv-cuda.md).)
+# warps a scheduler (evidence/ncu-qmv-cuda.md).
+# Session 31 timed three more with compare_qmv_launch.py on the H200 (one-off variant files
+# as --previous-kernels or the current arm; records not kept, each arm bitwise at every
+# shape), per 27B step against the kernel as it is: the activation rows copied once per
+# block into dynamic shared memory by cp.async where a capped grid gives a block several
+# tiles (4, 7 and 8 rows at K 5120 and 6144; one kernel object per shared size, since
+# cuda_kernel fixes shared_memory when made): 1.03x at 8 and 4 rows, 0.99 at 7; a register
+# cap, __launch_bounds__(128, 3) through a header that redefines __global__, with 396 blocks
+# (168 registers, 350 bytes of spills at 8 rows): 1.42x at 8 rows, 1.28 at 7; and at 8 rows
+# the launches (1, 2, 1, 1, 396) and (1, 4, 1, 1, 528) (about 128 registers, twice the
+# resident warps) 1.42-1.46x, (2, 2, 1, 2, 396) 1.01x. Neither shared activations nor
+# occupancy is the limit; an output row's epilogue (16 half-to-float conversions and adds,
+# then 5 shuffles and adds, each (output, activation) row pair) costs about half as many
+# instructions as its K / 64 = 80 HFMA2s at K 5120.)
 # A fifth entry caps the grid at B blocks (about one wave of resident warps on the H200's 132
 # SMs), each warp then taking several tiles of output rows and loading the next tile's first
 # chunk during its last (with prefetch bit 0): in session 24's two interleaved runs
