@@ -14,7 +14,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import dflash2_audit
@@ -28,7 +28,7 @@ class DrafterSetup:
     """What the speculative server asks of the drafter's start-up."""
 
     drafter_dir: Path
-    options: dict  # dflash2_runtime.RuntimeOptions' fields
+    options: dict = field(default_factory=dict)  # dflash2_runtime.RuntimeOptions' fields; none: the pack's
     round_costs: object = None  # dflash2_policy.RoundCosts given on the command line; None: measure
 
 

@@ -55,9 +55,8 @@ def start_engine(pack: Path):
     target_dir, drafter_dir = find_pack(pack)
     limits = pack_limits(target_dir, "bench-routes", args)
     pass_options_to_mlx_vlm(args)
-    options = dict(block_size=None, block_cap=None, candidate_selector=False, sliding_window=False)
     generator, _ = start_engine(target_dir, "bench-routes", limits.context_length,
-                                drafter=DrafterSetup(drafter_dir or pack / "drafter", options, None))
+                                drafter=DrafterSetup(drafter_dir or pack / "drafter"))
     if generator.speculation.reason:
         sys.exit(f"error: the engine serves every request plain ({generator.speculation.reason})")
     warm_up(generator, "speculative")
