@@ -561,11 +561,14 @@ _CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH, TILES>(x, w, scale
 # 3-8; two interleaved runs of tools/compare_qmv_launch.py against the launches before
 # (evidence/qmv-launch-cuda*.md) kept them at 4 and 7 rows (0.84-0.94x), and at 8 (0.98-0.99x,
 # inside the runs' noise), and the launches before at 3, 5 and 6 rows, where they were not
-# faster in both runs. A capped grid's warp loads its next tile's first chunk while it
-# finishes the one before, instead of waiting on DRAM at every tile's start.
+# faster in both runs. Session 32 capped 5 and 6 rows too: tools/tune_qmv_shapes.py's sweep
+# (evidence/qmv-shapes-cuda.md) found the capped grid the fastest single launch there, and
+# compare_qmv_launch against the uncapped ones put them at 0.94x and 0.91x. A capped grid's
+# warp loads its next tile's first chunk while it finishes the one before, instead of waiting
+# on DRAM at every tile's start.
 CUDA_LAUNCH = {
     1: (2, 4, 0), 2: (2, 2, 3), 3: (2, 2, 3), 4: (2, 2, 1, 1, 396),
-    5: (3, 2, 1), 6: (4, 2, 1, 2), 7: (2, 2, 1, 1, 264), 8: (2, 2, 1, 1, 264),
+    5: (3, 2, 1, 1, 264), 6: (4, 2, 1, 2, 264), 7: (2, 2, 1, 1, 264), 8: (2, 2, 1, 1, 264),
 }
 CUDA_WARPS_PER_BLOCK = 4
 

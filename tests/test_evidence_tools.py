@@ -260,6 +260,48 @@ NCU_SASS = """"Kernel Name","void mlx::core::cu::qmv_kernel<(int)8, (int)16>(con
 """
 
 
+def test_the_shape_tuning_sums_its_check_pass_and_refuses_off_cuda():
+    """tune_qmv_shapes: per row count, the table's launch everywhere against each shape's pick,
+    both from the check pass's medians times the shapes' calls in a 27B decode step; the
+    committed record's figures are those sums, its picks bitwise; off CUDA it times nothing."""
+    import dflash2_kernels as dk
+    from tune_qmv_shapes import step_sums, summary_markdown
+
+    table = f"8 {list(dk.CUDA_LAUNCH[8])}"
+    shapes = {f"{n}x{k}": {"check_us": {"mlx single row": {"median": 1000.0}, table: {"median": 2000.0},
+                                        "8 [9, 9, 9]": {"median": 500.0}},
+                           "picks": {"8": list(dk.CUDA_LAUNCH[8])}}
+              for n, k in dk.PACKED_SHAPES_27B}
+    shapes["1024x5120"]["picks"]["8"] = [9, 9, 9]  # one shape picks another launch
+    calls = sum(calls for _, calls in dk.PACKED_SHAPES_27B.values())
+    kv_calls = dk.PACKED_SHAPES_27B[1024, 5120][1]
+    assert step_sums(shapes, {"8": list(dk.CUDA_LAUNCH[8])}) == {"mlx single row": calls, "8 table": 2 * calls,
+                                      "8 picks": 2 * calls - 1.5 * kv_calls}
+    record = json.loads((EVIDENCE / "qmv-shapes-cuda.json").read_text())
+    assert record["pick_differing"] == 0 and step_sums(record["shapes"], record["table"]) == record["step_ms"]
+    assert summary_markdown(record) == (EVIDENCE / "qmv-shapes-cuda.md").read_text()
+    refused = subprocess.run([sys.executable, str(REPO / "tools" / "tune_qmv_shapes.py")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "CUDA only" in refused.stderr
+
+
+def test_the_launch_cost_record_times_mlx_calls_everywhere_and_kernels_on_cuda(tmp_path):
+    """launch_cost on this CPU: MLX's own arms only (no custom kernels here), each with build
+    and eval times; the committed H200 record has the kernels' arms too, and its summary is
+    the one the tool writes from it."""
+    from launch_cost import summary_markdown
+
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "launch_cost.py"), "--calls", "3", "--repeats", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "launch-cost-cpu.json").read_text())
+    assert record["calls"] == 3 and all(name.startswith("mlx ") for name in record["arms"])
+    assert all(arm["build_us"]["median"] > 0 and arm["eval_us"]["median"] > 0 for arm in record["arms"].values())
+    committed = json.loads((EVIDENCE / "launch-cost-cuda.json").read_text())
+    assert {"exact qmv kernel, 1 row", "rotation kernel"} <= set(committed["arms"])
+    assert summary_markdown(committed) == (EVIDENCE / "launch-cost-cuda.md").read_text()
+
+
 def test_the_ncu_summary_reads_each_kernels_metrics_and_opcode_mix(tmp_path):
     """ncu_summary on ncu's text formats: each kernel's first value of each metric, its launch
     shape, its instruction mix and stall samples by opcode (predicated and suffixed opcodes

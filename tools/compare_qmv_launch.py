@@ -18,6 +18,7 @@ weighted by their calls in a decode step: the figure issue 13 holds the 8-row ke
 import argparse
 import importlib.util
 import json
+import math
 import time
 from pathlib import Path
 
@@ -76,8 +77,10 @@ def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk) -> 
 def step_sums(shapes: dict) -> dict:
     """ms per decode step of each arm: its per-shape median x the shape's calls per step."""
     names = next(iter(shapes.values()))["timings_us"]
-    return {name: round(sum(shapes[f"{n}x{k}"]["timings_us"][name]["median"] * calls
-                            for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
+    # fsum: exact, so the figure does not depend on the Python (3.12's sum compensates, 3.11's
+    # does not, and a total on a rounding boundary came out 0.001 apart)
+    return {name: round(math.fsum(shapes[f"{n}x{k}"]["timings_us"][name]["median"] * calls
+                                  for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
             for name in names}
 
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune | compare | profile | ncu | parity | kernels | graphs
+#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune | tune-shapes | compare | launch-cost | profile | ncu | parity | kernels | graphs
 # Runs in the repository root on the GPU machine, after ../shared/device's staging (mlx-cuda,
 # mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api; the kernels part
 # needs pytest's wheels: EXTRA_WHEELS="pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0
@@ -41,6 +41,8 @@ case "${1:-}" in
   e2e) [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
+  # tune-shapes: the fastest launch per 27B shape and row count, then a fresh check against the table's
+  tune-shapes) t=$(left) || exit 124; timeout "$t" python3 tools/tune_qmv_shapes.py --out "$OUT" ;;
   # compare: the code's launch table against PREVIOUS (default: the last tune's 8-row pick),
   # interleaved; issue 13 item 3 holds the 8-row kernel to 1.2x MLX's single row. With
   # PREVIOUS_KERNELS (another revision's dflash2_kernels.py, carried in) the previous arm runs
@@ -51,6 +53,7 @@ case "${1:-}" in
            [ -n "$PREVIOUS" ] || PREVIOUS='{"8": [3, 2, 1, 2, 264]}'
            t=$(left) || exit 124; timeout "$t" python3 tools/compare_qmv_launch.py --previous "$PREVIOUS" \
              ${PREVIOUS_KERNELS:+--previous-kernels "$PREVIOUS_KERNELS"} --repeats 15 --out "$OUT" ;;
+  launch-cost) t=$(left) || exit 124; timeout "$t" python3 tools/launch_cost.py --out "$OUT" ;;
   profile) t=$(left) || exit 124; timeout "$t" python3 tools/profile_verify.py --out "$OUT" ;;
   graphs) t=$(left) || exit 124; timeout "$t" python3 tools/graph_misses.py --out "$OUT" ;;
   parity) t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
@@ -75,5 +78,5 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|compare|profile|ncu|parity|kernels|graphs" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|tune-shapes|compare|launch-cost|profile|ncu|parity|kernels|graphs" >&2; exit 2 ;;
 esac

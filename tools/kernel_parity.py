@@ -63,7 +63,10 @@ BENCH_ROWS = (1, 2, 4, 8)
 # resident warps) 1.42-1.46x, (2, 2, 1, 2, 396) 1.01x. Neither shared activations nor
 # occupancy is the limit; an output row's epilogue (16 half-to-float conversions and adds,
 # then 5 shuffles and adds, each (output, activation) row pair) costs about half as many
-# instructions as its K / 64 = 80 HFMA2s at K 5120.)
+# instructions as its K / 64 = 80 HFMA2s at K 5120. Session 32 tried a launch per 27B shape
+# (tools/tune_qmv_shapes.py, evidence/qmv-shapes-cuda.md; at 8 rows the table's launch leaves
+# the 5120-row shapes 2.4 tiles a warp): at 8 rows five of the eight shapes kept the table's
+# launch, and the fresh pass put the picks' sum at the table's time (1.00x).)
 # A fifth entry caps the grid at B blocks (about one wave of resident warps on the H200's 132
 # SMs), each warp then taking several tiles of output rows and loading the next tile's first
 # chunk during its last (with prefetch bit 0): in session 24's two interleaved runs
