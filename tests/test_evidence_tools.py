@@ -332,7 +332,7 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     import bench
     import dflash2_runtime
     from make_synthetic_pack import SIZES, build_target_model
-    from profile_verify import host_ms_by_layer
+    from profile_verify import host_ms_by_layer, host_split_ms, split_steps
 
     model = build_target_model("tiny", seed=0)
     assert dflash2_runtime.install().speculative  # the patches; the model's checks add nothing here
@@ -343,6 +343,18 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     layers = host_ms_by_layer(bench.verify_round_steps(lm, cache, taps, 3), 2)
     assert len(layers) == len(lm.model.layers) and all(ms >= 0 for ms in layers)
     assert dflash2_runtime.ExactVerifier._layer is served
+
+    # The host split: each step's parts timed, and a verify step commits its round (the cache
+    # advances by its accepted half plus the bonus token, as bench's verify rounds do).
+    settle = bench.cache_settler(cache)
+    steps = split_steps(lm, cache, taps, [4])
+    assert list(steps) == ["decode", "verify 4", "verify 4, one eval"]
+    before = cache[lm.model.fa_idx].offset
+    split = host_split_ms(steps["verify 4, one eval"], settle, 2)
+    assert cache[lm.model.fa_idx].offset == before + 3 * 3
+    assert all(split[part] >= 0 and split[f"{part}_min_max"][0] <= split[part] <= split[f"{part}_min_max"][1]
+               for part in ("build", "launch", "wait"))
+    assert dflash2_runtime.VERIFY_EVAL_EVERY == 8  # the served interval is back
 
 
 # MLX's dump of one commit (cudaGraphDebugDotPrint): the committed graph's cluster, then its

@@ -100,6 +100,52 @@ def host_ms_by_layer(steps, count: int) -> list:
     return [round(statistics.median(layer), 3) for layer in zip(*per_round)]
 
 
+def host_split_ms(step, settle, count: int) -> dict:
+    """Median ms of a step's parts, unprofiled, over `count` steps (after one untimed): Python
+    building its graph (the served verify's hand-offs to the device included), MLX's async_eval
+    of the rest (encoding and launching it), then waiting for the device to finish.
+    step() -> (outputs to evaluate, what to run after them: a round's commit, or nothing)."""
+    parts = {"build": [], "launch": [], "wait": []}
+    for index in range(count + 1):
+        settle()
+        start = time.perf_counter()
+        outputs, after = step()
+        built = time.perf_counter()
+        mx.async_eval(outputs)
+        launched = time.perf_counter()
+        mx.eval(outputs)
+        done = time.perf_counter()
+        after()
+        if index:
+            for part, ms in zip(parts, (built - start, launched - built, done - launched)):
+                parts[part].append(1000 * ms)
+    return {part: round(statistics.median(samples), 3) for part, samples in parts.items()} | {
+        f"{part}_min_max": [round(min(samples), 3), round(max(samples), 3)] for part, samples in parts.items()}
+
+
+def split_steps(lm, cache, taps, blocks) -> dict:
+    """name -> step() for host_split_ms: a decode step, and per block a verify round as served
+    (handed off every dflash2_runtime.VERIFY_EVAL_EVERY layers) and built whole (one eval)."""
+    token = mx.array([[7]])
+    steps = {"decode": lambda: ([lm(token, cache=cache).logits], lambda: None)}
+
+    def verify(length, every):
+        block = mx.array([[11 + i for i in range(length)]])
+
+        def step():
+            with dflash2_runtime.verify_eval_every(every):
+                hidden_out, states, tokens = bench.dflash_rounds._dflash_verify_greedy(
+                    lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1))
+            return [tokens, hidden_out], lambda: dflash2_policy.commit_round(lm, cache, states, length // 2, length)
+
+        return step
+
+    for length in blocks:
+        steps[f"verify {length}"] = verify(length, dflash2_runtime.VERIFY_EVAL_EVERY)
+        steps[f"verify {length}, one eval"] = verify(length, 0)
+    return steps
+
+
 def growth_order(arms: dict, longest: str, key: str) -> list:
     """Kernel names by how much arms[longest][key] exceeds the decode step's, most first
     (ties by name, so a table's cut is the same from run to run)."""
@@ -137,6 +183,13 @@ def summary_markdown(record: dict) -> str:
                   f"rounds, timed unprofiled): {sum(layers):.2f} in all, median layer "
                   f"{statistics.median(layers):.3f}; slowest: "
                   + ", ".join(f"layer {i} {layers[i]:.2f}" for i in slowest) + "."]
+    if "host_split_ms" in record:  # records before it was measured lack it
+        lines += ["", "One step's parts, ms (median (min-max), unprofiled, before the profiler; steps not pipelined): Python building the graph "
+                  "(a served verify's hand-offs included), MLX's async_eval of the rest (encoding, launching), "
+                  "waiting for the device.", "", "| step | build | launch | wait |", "|---|---|---|---|"]
+        lines += [f"| {name} | " + " | ".join(f"{split[part]:.2f} ({split[part + '_min_max'][0]:.2f}-"
+                                             f"{split[part + '_min_max'][1]:.2f})" for part in ("build", "launch", "wait"))
+                  + " |" for name, split in record["host_split_ms"].items()]
     if all("api_ms" in arm for arm in arms.values()):  # records before API calls were read lack it
         calls = sorted(set().union(*(arm["api_ms"] for arm in arms.values())),
                        key=lambda call: (-arms[longest]["api_ms"].get(call, 0.0), call))[:12]
@@ -185,6 +238,9 @@ def main():
     with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
         wall = dflash2_policy.interleaved_ms(
             {name: dflash2_policy.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
+        # before the profiler: CUPTI, once attached, may slow the host's CUDA calls after it
+        host_split = {name: host_split_ms(step, settle, 2 * args.steps)
+                      for name, step in split_steps(lm, cache, taps, blocks).items()}
         for name, steps in arm_steps.items():
             arms[name] = {"wall_ms": wall[name]["median"], "wall_ms_samples": wall[name]["samples"],
                           **kernel_ms_per_step(steps, args.steps, settle)}
@@ -197,7 +253,7 @@ def main():
         **run_environment("profile_verify.py", f"synthetic {args.size}, seed 0"),
         "context_tokens": args.context, "blocks": blocks, "profiled_steps": args.steps,
         "plain_decode_path": status.decode_path.arm,
-        "arms": arms, "host_ms_by_layer": host_layers, "kernels_by_growth": growth_order(arms, longest, "by_kernel"),
+        "arms": arms, "host_ms_by_layer": host_layers, "host_split_ms": host_split, "kernels_by_growth": growth_order(arms, longest, "by_kernel"),
         "launches_by_growth": growth_order(arms, longest, "launches_by_kernel"),
     }
     markdown = summary_markdown(record)
