@@ -46,8 +46,28 @@ def arms(backend: str) -> dict:
             "exact qmv kernel, 1 row": (1, lambda y: dk.cuda_matmul(y, weight, scales, biases)),
             "exact qmv kernel, 8 rows": (1, lambda y: dk.cuda_matmul(y, weight, scales, biases)),
             "rotation kernel": (1, lambda y: rotate(y, signs)),
+            **qmv_call_arms(weight, scales, biases),
         })
     return table
+
+
+def qmv_call_arms(weight, scales, biases) -> dict:
+    """The exact qmv's 1-row call without dflash2_kernels.cuda_matmul around it, and the same
+    kernel made with its template's constants written into its source (MLX writes the same
+    `constexpr` lines from the template at every call): where a custom call's host time goes."""
+    call = dk._cuda_launch(1, WIDTH)
+    kernel = dk._cuda_kernel()
+    constants = "".join(f"  constexpr {'bool' if isinstance(value, bool) else 'int'} {name} = {str(value).lower()};\n"
+                        for name, value in call["template"])
+    baked = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128_constants", input_names=["x", "w", "scales", "biases"],
+                                output_names=["y"], source=constants + dk._CUDA_SOURCE,
+                                header=dk.cuda_header(dk._CUDA_HEADER))
+    untemplated = {key: value for key, value in call.items() if key != "template"}
+    return {
+        "exact qmv kernel, 1 row, called directly": (1, lambda y: kernel(inputs=[y, weight, scales, biases], **call)[0]),
+        "exact qmv kernel, 1 row, constants in its source":
+            (1, lambda y: baked(inputs=[y, weight, scales, biases], **untemplated)[0]),
+    }
 
 
 def timed_pass(step, rows: int, calls: int) -> tuple:
