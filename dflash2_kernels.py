@@ -224,6 +224,49 @@ def cuda_header(text: str) -> str:
     return f'#include "{path}"\n'
 
 
+class BakedCudaKernel:
+    """mx.fast.cuda_kernel made once per template, with the template's constants written into
+    its source as MLX writes them at every call (build_kernel in
+    mlx/backend/cuda/custom_kernel.cpp: `constexpr` lines, then a blank line) and MLX's template
+    suffix in its name: MLX compiles the same source under the same kernel name, but a call no
+    longer hands MLX a template to convert and format again (on the H200 about 2 us of a
+    13 us call: evidence/launch-cost-cuda.md; a verify round makes about 450 calls).
+    Called as the kernel it wraps: template=[(name, int or bool), ...] and the launch."""
+
+    def __init__(self, name: str, source: str, **made):
+        self._name, self._source, self._made = name, source, made
+        self._by_template = {}
+
+    def __call__(self, *, template=(), **launch):
+        key = tuple(template)
+        kernel = self._by_template.get(key)
+        if kernel is None:
+            source = _template_lines(key) + self._source  # first: it refuses what MLX's suffix cannot name
+            kernel = self._by_template[key] = mx.fast.cuda_kernel(
+                name=self._name + _template_suffix(key), source=source, **self._made)
+        return kernel(**launch)
+
+
+def _template_suffix(template) -> str:
+    """MLX's template_arguments_hash: "_<int>" or "_t" / "_f" per argument."""
+    return "".join(f"_{'t' if value else 'f'}" if isinstance(value, (bool, np.bool_)) else f"_{int(value)}"
+                   for _, value in template)
+
+
+def _template_lines(template) -> str:
+    """The lines build_kernel writes for a template: none for an empty one."""
+    lines = []
+    for name, value in template:
+        if isinstance(value, (bool, np.bool_)):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
+        elif isinstance(value, (int, np.integer)):
+            lines.append(f"  constexpr int {name} = {int(value)};\n")
+        else:  # MLX's Dtype arguments: none of these kernels takes one
+            raise TypeError(f"template argument {name} must be an int or a bool, got {value!r}")
+    lines = "".join(lines)
+    return lines + "\n" if lines else ""
+
+
 # ===========================================================================
 # Exact 2-bit matmul (qmv)
 
@@ -581,7 +624,7 @@ def cuda_qmv_source_digest() -> str:
 
 @cache
 def _cuda_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_qmv_2bit_g128",
         input_names=["x", "w", "scales", "biases"],
         output_names=["y"],
@@ -1168,7 +1211,7 @@ _CUDA_ROTATE_SOURCE = "dflash2::rotate_block<N, BLOCKS, SCALE_BITS>(x, signs, y)
 
 @cache
 def _cuda_rotate_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_hadamard_rotate",
         input_names=["x", "signs"],
         output_names=["y"],
@@ -1828,7 +1871,7 @@ GEMV_ROWS_PER_BLOCK = 8  # MLX's rows_per_block (gemv.cu:14)
 
 @cache
 def _gdn_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_gated_delta_steps",
         input_names=["q", "k", "v", "g", "beta", "state"],
         output_names=["y", "states"],
@@ -1839,7 +1882,7 @@ def _gdn_kernel():
 
 @cache
 def _dense_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_gemv_rows",
         input_names=["x", "w"],
         output_names=["out"],
@@ -2269,7 +2312,7 @@ CONV_THREADS = 256
 
 @cache
 def _conv_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_conv_rows",
         input_names=["state", "x", "w"],
         output_names=["window", "out"],
@@ -2493,7 +2536,7 @@ ROPE_THREADS = 256
 
 @cache
 def _rope_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_rope_rows",
         input_names=["q", "k", "cos", "sin"],
         output_names=["q_out", "k_out"],
@@ -2744,7 +2787,7 @@ _GATED_NORM_SOURCE = "dflash2_norm::gated_rms_norm<BLOCK, CHUNKS>(x, w, eps, gat
 
 @cache
 def _add_norm_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_add_rms_norm",
         input_names=["x", "r", "w", "eps"],
         output_names=["h", "out"],
@@ -2755,7 +2798,7 @@ def _add_norm_kernel():
 
 @cache
 def _gated_norm_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_gated_rms_norm",
         input_names=["x", "w", "eps", "gate"],
         output_names=["out"],
@@ -2914,7 +2957,7 @@ GATES_THREADS = 256
 
 @cache
 def _gates_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_gdn_gates",
         input_names=["A_log", "a", "b", "dt_bias"],
         output_names=["g", "beta"],
@@ -3315,7 +3358,7 @@ _GATHER_SOURCE = f"""
 
 @cache
 def _scores_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_attention_scores",
         input_names=["q", "k", "scale"],
         output_names=["scores"],
@@ -3327,7 +3370,7 @@ def _scores_kernel():
 
 @cache
 def _softmax_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_attention_softmax",
         input_names=["scores"],
         output_names=[f"p{i}" for i in range(QUERY_SLOTS)],
@@ -3339,7 +3382,7 @@ def _softmax_kernel():
 
 @cache
 def _gather_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_attention_gather",
         input_names=["scores"] + [f"o{i}" for i in range(QUERY_SLOTS)],
         output_names=["y"],
@@ -3787,7 +3830,7 @@ _APPEND_ROW_SOURCE = """
 
 @cache
 def _append_row_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_append_identity_row",
         input_names=["done", "product"],
         output_names=["out"],
@@ -3893,7 +3936,7 @@ _FUSED_INVERSE_SOURCE = """
 
 @cache
 def _fused_inverse_kernel():
-    return mx.fast.cuda_kernel(
+    return BakedCudaKernel(
         name="dflash2_unit_lower_inverse",
         input_names=["Tmat", "Xstock", "plan"],
         output_names=["out"],

@@ -7,6 +7,7 @@ import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 import dflash2_kernels as dk
@@ -547,6 +548,34 @@ def test_kernel_that_failed_its_self_test_never_serves(monkeypatch, backend):
     monkeypatch.setattr(dk, "_warned", set())
     with pytest.warns(UserWarning, match=f"{backend} kernel failed its self-test"):
         assert dk._serving_kernel(backend, 16, 512, 4) is None
+
+
+def test_a_baked_kernel_is_made_once_per_template_under_mlx_s_name_and_source(monkeypatch):
+    """BakedCudaKernel: per template one mx.fast.cuda_kernel, named with MLX's template suffix
+    (the 8-row qmv's name in the H200 profiles) and with the lines MLX writes for a template
+    ahead of the source; calls pass the launch on without the template."""
+    made, calls = [], []
+
+    def cuda_kernel(**kwargs):
+        made.append(kwargs)
+        return lambda **launch: calls.append((kwargs["name"], launch)) or ["y"]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    kernel = dk.BakedCudaKernel(name="dflash2_qmv_2bit_g128", input_names=["x"], output_names=["y"],
+                                source="body();", header="#include <h>\n")
+    template = [("M", 8), ("S", 1), ("R", 2), ("C", 2), ("PREFETCH", 1), ("TILES", True)]
+    assert kernel(template=template, grid=(1, 1, 1)) == ["y"]
+    assert kernel(template=list(template), grid=(2, 1, 1)) == ["y"]
+    assert kernel(grid=(3, 1, 1)) == ["y"]  # no template: MLX's name and source as given
+    assert [m["name"] for m in made] == ["dflash2_qmv_2bit_g128_8_1_2_2_1_t", "dflash2_qmv_2bit_g128"]
+    assert made[0]["source"] == ("  constexpr int M = 8;\n  constexpr int S = 1;\n  constexpr int R = 2;\n"
+                                 "  constexpr int C = 2;\n  constexpr int PREFETCH = 1;\n  constexpr bool TILES = true;\n"
+                                 "\nbody();")
+    assert made[1]["source"] == "body();" and made[0]["header"] == "#include <h>\n"
+    assert [launch for _, launch in calls] == [{"grid": (1, 1, 1)}, {"grid": (2, 1, 1)}, {"grid": (3, 1, 1)}]
+    assert dk._template_suffix([("FMA", False), ("D", np.int64(256))]) == "_f_256"
+    with pytest.raises(TypeError, match="T must be an int or a bool"):
+        kernel(template=[("T", mx.float16)])
 
 
 class RecordingKernel:
