@@ -53,20 +53,16 @@ def arms(backend: str) -> dict:
 
 def qmv_call_arms(weight, scales, biases) -> dict:
     """The exact qmv's 1-row call without dflash2_kernels.cuda_matmul around it, and the same
-    kernel made with its template's constants written into its source (MLX writes the same
-    `constexpr` lines from the template at every call): where a custom call's host time goes."""
+    kernel made as mx.fast.cuda_kernel takes it, its template passed at every call (what
+    dflash2_kernels.BakedCudaKernel saves): where a custom call's host time goes."""
     call = dk._cuda_launch(1, WIDTH)
-    kernel = dk._cuda_kernel()
-    constants = "".join(f"  constexpr {'bool' if isinstance(value, bool) else 'int'} {name} = {str(value).lower()};\n"
-                        for name, value in call["template"])
-    baked = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128_constants", input_names=["x", "w", "scales", "biases"],
-                                output_names=["y"], source=constants + dk._CUDA_SOURCE,
-                                header=dk.cuda_header(dk._CUDA_HEADER))
-    untemplated = {key: value for key, value in call.items() if key != "template"}
+    templated = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128_templated", input_names=["x", "w", "scales", "biases"],
+                                    output_names=["y"], source=dk._CUDA_SOURCE, header=dk.cuda_header(dk._CUDA_HEADER))
     return {
-        "exact qmv kernel, 1 row, called directly": (1, lambda y: kernel(inputs=[y, weight, scales, biases], **call)[0]),
-        "exact qmv kernel, 1 row, constants in its source":
-            (1, lambda y: baked(inputs=[y, weight, scales, biases], **untemplated)[0]),
+        "exact qmv kernel, 1 row, called directly":
+            (1, lambda y: dk._cuda_kernel()(inputs=[y, weight, scales, biases], **call)[0]),
+        "exact qmv kernel, 1 row, template passed at each call":
+            (1, lambda y: templated(inputs=[y, weight, scales, biases], **call)[0]),
     }
 
 
