@@ -184,9 +184,10 @@ def summary_markdown(record: dict) -> str:
                   f"{statistics.median(layers):.3f}; slowest: "
                   + ", ".join(f"layer {i} {layers[i]:.2f}" for i in slowest) + "."]
     if "host_split_ms" in record:  # records before it was measured lack it
-        lines += ["", "One step's parts, ms (median (min-max), unprofiled, before the profiler; steps not pipelined): Python building the graph "
-                  "(a served verify's hand-offs included), MLX's async_eval of the rest (encoding, launching), "
-                  "waiting for the device.", "", "| step | build | launch | wait |", "|---|---|---|---|"]
+        lines += ["", "One step's parts, ms (median (min-max), unprofiled, before the profiler; steps not "
+                  "pipelined): Python building the graph (a served verify's hand-offs included), MLX's async_eval "
+                  "of the rest (encoding, launching), waiting for the device.", "",
+                  "| step | build | launch | wait |", "|---|---|---|---|"]
         lines += [f"| {name} | " + " | ".join(f"{split[part]:.2f} ({split[part + '_min_max'][0]:.2f}-"
                                              f"{split[part + '_min_max'][1]:.2f})" for part in ("build", "launch", "wait"))
                   + " |" for name, split in record["host_split_ms"].items()]
@@ -253,7 +254,8 @@ def main():
         **run_environment("profile_verify.py", f"synthetic {args.size}, seed 0"),
         "context_tokens": args.context, "blocks": blocks, "profiled_steps": args.steps,
         "plain_decode_path": status.decode_path.arm,
-        "arms": arms, "host_ms_by_layer": host_layers, "host_split_ms": host_split, "kernels_by_growth": growth_order(arms, longest, "by_kernel"),
+        "arms": arms, "host_ms_by_layer": host_layers, "host_split_ms": host_split,
+        "kernels_by_growth": growth_order(arms, longest, "by_kernel"),
         "launches_by_growth": growth_order(arms, longest, "launches_by_kernel"),
     }
     markdown = summary_markdown(record)
