@@ -578,6 +578,24 @@ def test_a_baked_kernel_is_made_once_per_template_under_mlx_s_name_and_source(mo
         kernel(template=[("T", mx.float16)])
 
 
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_a_baked_kernel_compiles_the_source_mlx_writes_for_its_template(capfd):
+    """On CUDA, MLX's own print of the source it generates (verbose=True): the served qmv's
+    (baked) equals the same kernel's called with the template, name included."""
+    weight, scales, biases = dk.make_weights(16, 512, mx.random.key(0))
+    x = dk.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
+    templated = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128", input_names=["x", "w", "scales", "biases"],
+                                    output_names=["y"], source=dk._CUDA_SOURCE, header=dk.cuda_header(dk._CUDA_HEADER))
+    for rows in (1, dk.MAX_ROWS):
+        call = dk._cuda_launch(rows, 16)
+        capfd.readouterr()
+        mx.eval(templated(inputs=[x[:rows], weight, scales, biases], verbose=True, **call))
+        want = capfd.readouterr().out
+        mx.eval(dk._cuda_kernel()(inputs=[x[:rows], weight, scales, biases], verbose=True, **call))
+        got = capfd.readouterr().out
+        assert "Generated source code for `custom_kernel_dflash2_qmv_2bit_g128_" in want and got == want
+
+
 class RecordingKernel:
     """Stands in for mx.fast.cuda_kernel's callable: records each launch."""
 
