@@ -69,19 +69,28 @@ def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk) -> 
             arms[f"{name} {rows}"] = pass_ms(call, x, bench.copies)
     timings = dflash2_policy.interleaved_ms(arms, repeats)
     print(f"N={n} K={k}: " + ", ".join(f"{name} {t['median'] * 1000:.1f} us" for name, t in timings.items()), flush=True)
-    return {"timings_us": {name: {stat: round(t[stat] * 1000, 2) for stat in ("median", "min", "max")}
-                           for name, t in timings.items()},
-            "mismatches_vs_single_rows": mismatches}
+    return {"timings_us": timings_us(timings), "mismatches_vs_single_rows": mismatches}
+
+
+def timings_us(timings: dict) -> dict:
+    """interleaved_ms's ms per arm as us, median, min and max, for a record."""
+    return {name: {stat: round(t[stat] * 1000, 2) for stat in ("median", "min", "max")}
+            for name, t in timings.items()}
+
+
+def per_step_ms(shapes: dict, timings: str, arm_of) -> float:
+    """ms per decode step: each shape's median of shapes[shape][timings][arm_of(n, k)] x the
+    shape's calls per step, summed with fsum (exact, so the figure does not depend on the
+    Python: 3.12's sum compensates, 3.11's does not, and a total on a rounding boundary came
+    out 0.001 apart)."""
+    return round(math.fsum(shapes[f"{n}x{k}"][timings][arm_of(n, k)]["median"] * calls
+                           for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
 
 
 def step_sums(shapes: dict) -> dict:
     """ms per decode step of each arm: its per-shape median x the shape's calls per step."""
     names = next(iter(shapes.values()))["timings_us"]
-    # fsum: exact, so the figure does not depend on the Python (3.12's sum compensates, 3.11's
-    # does not, and a total on a rounding boundary came out 0.001 apart)
-    return {name: round(math.fsum(shapes[f"{n}x{k}"]["timings_us"][name]["median"] * calls
-                                  for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
-            for name in names}
+    return {name: per_step_ms(shapes, "timings_us", lambda n, k, name=name: name) for name in names}
 
 
 def summary_markdown(record: dict) -> str:

@@ -29,23 +29,23 @@ WIDTH = 512  # K = N: a square 2-bit weight, so a matmul's output feeds the next
 
 
 def arms(backend: str) -> dict:
-    """name -> (primitives a call builds, step(y) -> next y), all on fp16 (rows, WIDTH) inputs."""
+    """name -> (primitives a call builds, rows, step(y) -> next y), on fp16 (rows, WIDTH) inputs."""
     weight, scales, biases = dk.make_weights(WIDTH, WIDTH, mx.random.key(0))
     norm_weight = mx.ones((WIDTH,), dtype=mx.float16)
     signs = dk.make_signs("pm1", WIDTH, mx.random.key(1))
     mx.eval(weight, scales, biases, norm_weight, signs)
     table = {
-        "mlx add": (1, lambda y: y + y),
-        "mlx rms_norm": (1, lambda y: mx.fast.rms_norm(y, norm_weight, 1e-6)),
-        "mlx quantized_matmul, 1 row": (1, lambda y: dk.stock_quantized_matmul(y, weight, scales, biases)),
-        "mlx hadamard chain (4 primitives)": (4, lambda y: dk.stock_rotate(y, WIDTH, signs)),
+        "mlx add": (1, 1, lambda y: y + y),
+        "mlx rms_norm": (1, 1, lambda y: mx.fast.rms_norm(y, norm_weight, 1e-6)),
+        "mlx quantized_matmul, 1 row": (1, 1, lambda y: dk.stock_quantized_matmul(y, weight, scales, biases)),
+        "mlx hadamard chain (4 primitives)": (4, 1, lambda y: dk.stock_rotate(y, WIDTH, signs)),
     }
     if backend == "cuda":
         rotate = dk.cuda_rotate_plan(WIDTH, WIDTH)
         table.update({
-            "exact qmv kernel, 1 row": (1, lambda y: dk.cuda_matmul(y, weight, scales, biases)),
-            "exact qmv kernel, 8 rows": (1, lambda y: dk.cuda_matmul(y, weight, scales, biases)),
-            "rotation kernel": (1, lambda y: rotate(y, signs)),
+            "exact qmv kernel, 1 row": (1, 1, lambda y: dk.cuda_matmul(y, weight, scales, biases)),
+            "exact qmv kernel, 8 rows": (1, 8, lambda y: dk.cuda_matmul(y, weight, scales, biases)),
+            "rotation kernel": (1, 1, lambda y: rotate(y, signs)),
             **qmv_call_arms(weight, scales, biases),
         })
     return table
@@ -60,9 +60,9 @@ def qmv_call_arms(weight, scales, biases) -> dict:
                                     output_names=["y"], source=dk._CUDA_SOURCE, header=dk.cuda_header(dk._CUDA_HEADER))
     return {
         "exact qmv kernel, 1 row, called directly":
-            (1, lambda y: dk._cuda_kernel()(inputs=[y, weight, scales, biases], **call)[0]),
+            (1, 1, lambda y: dk._cuda_kernel()(inputs=[y, weight, scales, biases], **call)[0]),
         "exact qmv kernel, 1 row, template passed at each call":
-            (1, lambda y: templated(inputs=[y, weight, scales, biases], **call)[0]),
+            (1, 1, lambda y: templated(inputs=[y, weight, scales, biases], **call)[0]),
     }
 
 
@@ -86,7 +86,8 @@ def measure(table: dict, repeats: int, calls: int) -> dict:
     samples = {name: [] for name in names}
     for repeat in range(repeats + 1):  # the first pass warms up (and builds the kernels)
         for name in pass_order(names, repeat):
-            result = timed_pass(table[name][1], 8 if "8 rows" in name else 1, calls)
+            _, rows, step = table[name]
+            result = timed_pass(step, rows, calls)
             if repeat:
                 samples[name].append(result)
 

@@ -17,14 +17,13 @@ listed by (rows, N, K).
 """
 
 import argparse
-import math
 
 import mlx.core as mx
 
 import kernel_parity  # first: it puts the repository on sys.path
 import dflash2_kernels as dk  # noqa: E402
 import dflash2_policy  # noqa: E402
-from compare_qmv_launch import pass_ms  # noqa: E402
+from compare_qmv_launch import pass_ms, per_step_ms, timings_us  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 # Launches (R, C, prefetch[, S[, B]]) tried beside the table's, by rows. Accumulators
@@ -82,29 +81,22 @@ def tune_shape(n: int, k: int, rows_list, repeats: int, key) -> dict:
             check_arms[f"{rows} {list(launch)}"] = arms[f"{rows} {list(launch)}"]
     check = dflash2_policy.interleaved_ms(check_arms, repeats)
 
-    def us(timings):
-        return {name: {stat: round(t[stat] * 1000, 2) for stat in ("median", "min", "max")}
-                for name, t in timings.items()}
-
     print(f"N={n} K={k}: picks " + ", ".join(
         f"{rows}: {list(picks[rows])} {check[f'{rows} {list(picks[rows])}']['median'] * 1000:.1f} us "
         f"(table {check[f'{rows} {list(dk.CUDA_LAUNCH[rows])}']['median'] * 1000:.1f})" for rows in rows_list),
         flush=True)
-    return {"sweep_us": us(sweep), "check_us": us(check), "differing": differing,
+    return {"sweep_us": timings_us(sweep), "check_us": timings_us(check), "differing": differing,
             "picks": {str(rows): list(launch) for rows, launch in picks.items()}}
 
 
 def step_sums(shapes: dict, table: dict) -> dict:
     """ms per decode step from the check pass: MLX's single row, and per row count (table:
     str(rows) -> the launch the table had) that launch everywhere against each shape's pick."""
-    def total(name_of):
-        return round(math.fsum(shapes[f"{n}x{k}"]["check_us"][name_of(n, k)]["median"] * calls
-                               for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
-
-    sums = {"mlx single row": total(lambda n, k: "mlx single row")}
+    sums = {"mlx single row": per_step_ms(shapes, "check_us", lambda n, k: "mlx single row")}
     for rows in map(int, table):
-        sums[f"{rows} table"] = total(lambda n, k: f"{rows} {table[str(rows)]}")
-        sums[f"{rows} picks"] = total(lambda n, k: f"{rows} {shapes[f'{n}x{k}']['picks'][str(rows)]}")
+        sums[f"{rows} table"] = per_step_ms(shapes, "check_us", lambda n, k: f"{rows} {table[str(rows)]}")
+        sums[f"{rows} picks"] = per_step_ms(shapes, "check_us",
+                                            lambda n, k: f"{rows} {shapes[f'{n}x{k}']['picks'][str(rows)]}")
     return sums
 
 
@@ -155,18 +147,19 @@ def main():
     for n, k in dk.PACKED_SHAPES_27B:
         key, shape_key = mx.random.split(key)
         shapes[f"{n}x{k}"] = tune_shape(n, k, rows_list, args.repeats, shape_key)
+    table = {str(rows): list(dk.CUDA_LAUNCH[rows]) for rows in rows_list}
     by_shape = [((rows, n, k), shapes[f"{n}x{k}"]["picks"][str(rows)])
                 for rows in rows_list for n, k in dk.PACKED_SHAPES_27B
-                if shapes[f"{n}x{k}"]["picks"][str(rows)] != list(dk.CUDA_LAUNCH[rows])]
+                if shapes[f"{n}x{k}"]["picks"][str(rows)] != table[str(rows)]]
     record = {
         **run_environment("tune_qmv_shapes.py", "27b kernel shapes"),
         "cuda_kernel_source": dk.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": rows_list,
-        "table": {str(rows): list(dk.CUDA_LAUNCH[rows]) for rows in rows_list},
+        "table": table,
         "pick_differing": sum(entry["differing"][f"{rows} {entry['picks'][str(rows)]}"]
                               for entry in shapes.values() for rows in rows_list),
         "shapes": shapes, "by_shape": by_shape,
     }
-    record["step_ms"] = step_sums(shapes, record["table"])
+    record["step_ms"] = step_sums(shapes, table)
     markdown = summary_markdown(record)
     write_record(args.out, f"qmv-shapes-{record['backend']}", record, markdown)
     print(markdown)
