@@ -295,9 +295,11 @@ def packed_width(weight) -> int:
 
 
 def stock_rows(x, weight, scales, biases):
-    """One stock single-row call per row: the reference every kernel must equal."""
-    rows = [stock_quantized_matmul(x[m : m + 1], weight, scales, biases) for m in range(x.shape[0])]
-    return mx.concatenate(rows, axis=0)
+    """One stock single-row call per row of (..., K) x: the reference every kernel must equal."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = mx.concatenate([stock_quantized_matmul(rows[m : m + 1], weight, scales, biases)
+                        for m in range(rows.shape[0])], axis=0)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # ---------------------------------------------------------------------------
@@ -641,8 +643,10 @@ def cuda_launch_fields(launch: tuple) -> tuple:
 
 
 @cache
-def _cuda_launch(rows: int, n: int, launch=None) -> dict:
-    """The kernel call's arguments for M rows of N outputs (built once: ~400 calls a verify)."""
+def _cuda_launch(leading: tuple, n: int, launch=None) -> dict:
+    """The kernel call's arguments for (..., K) rows of leading dims `leading` (M rows in all)
+    and N outputs (built once: ~400 calls a verify)."""
+    rows = math.prod(leading)
     rows_per_warp, chunk, prefetch, split, max_blocks = cuda_launch_fields(launch or CUDA_LAUNCH[rows])
     if max_blocks and CUDA_WARPS_PER_BLOCK % split:
         # With the grid's warps not a multiple of S, the last warps' tiles (qmv_split_rows'
@@ -657,16 +661,18 @@ def _cuda_launch(rows: int, n: int, launch=None) -> dict:
                   ("TILES", bool(max_blocks))],
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[(*leading, n)],
         output_dtypes=[mx.float16],
     )
 
 
 def cuda_matmul(x, weight, scales, biases, launch=None):
-    """(M, K) fp16 rows -> (M, N) through the CUDA kernel; no self-test gate.
+    """(..., K) fp16 rows, M in all -> (..., N) through the CUDA kernel; no self-test gate.
+    The kernel reads M rows of K from x's row-contiguous data (K from the weight), so no
+    reshape is built around it.
 
     launch: (R, C, prefetch[, S[, B]]) to override CUDA_LAUNCH (for the tuning sweep)."""
-    call = _cuda_launch(x.shape[0], weight.shape[0], launch and tuple(launch))
+    call = _cuda_launch(x.shape[:-1], weight.shape[0], launch and tuple(launch))
     return _cuda_kernel()(inputs=[x, weight, scales, biases], **call)[0]
 
 
@@ -837,14 +843,15 @@ def _metal_kernel():
 
 
 def metal_matmul(x, weight, scales, biases):
-    """(M, K) fp16 rows -> (M, N) through the Metal kernel; no self-test gate."""
-    rows, n = x.shape[0], weight.shape[0]
+    """(..., K) fp16 rows, M in all -> (..., N) through the Metal kernel (which reads M rows
+    of K, K from the weight); no self-test gate."""
+    rows, n = x.size // x.shape[-1], weight.shape[0]
     return _metal_kernel()(
         inputs=[x, weight, scales, biases],
         template=[("T", mx.float16), ("M", rows)],
         grid=(32, n // 4, 1),  # threadgroups (32, 2): one per 8 output rows, as MLX
         threadgroup=(32, 2, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[(*x.shape[:-1], n)],
         output_dtypes=[mx.float16],
     )[0]
 
@@ -925,17 +932,16 @@ def exact_quantized_matmul(x, weight, scales, biases):
     kernel (faster than MLX's own and bitwise equal): use it for plain decode too.
     """
     _check_arguments(x, weight, scales, biases)
+    return exact_rows(x, weight, scales, biases)
+
+
+def exact_rows(x, weight, scales, biases):
+    """exact_quantized_matmul's work on (..., K) fp16 rows, at most 8 in all, without its
+    argument checks: for callers whose weights check_packed_weights passed (the verify
+    forward's, about 400 calls a round) and whose rows they count themselves."""
     k = x.shape[-1]
-    y = exact_rows(x if x.ndim == 2 else x.reshape(-1, k), weight, scales, biases)
-    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def exact_rows(rows, weight, scales, biases):
-    """exact_quantized_matmul's work on (M, K) fp16 rows, M <= 8, without its argument
-    checks: for callers whose weights check_packed_weights passed (the verify forward's,
-    about 400 calls a round) and whose rows they shape themselves."""
-    kernel = _serving_kernel(backend_name(), weight.shape[0], rows.shape[1], rows.shape[0])
-    return kernel(rows, weight, scales, biases) if kernel else stock_rows(rows, weight, scales, biases)
+    kernel = _serving_kernel(backend_name(), weight.shape[0], k, x.size // k)
+    return kernel(x, weight, scales, biases) if kernel else stock_rows(x, weight, scales, biases)
 
 
 # ---------------------------------------------------------------------------

@@ -141,9 +141,9 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     k = x.shape[-1]
     if x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * k:
         # A verify block or a decode row: one call (about 400 a forward, so no more
-        # host work around it than it needs: install checked the weights).
-        y = dflash2_kernels.exact_rows(x.reshape(-1, k), linear["weight"], linear["scales"], linear["biases"])
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        # host work around it than it needs: install checked the weights, and the kernel
+        # takes (..., K) rows, so no reshape goes around it).
+        return dflash2_kernels.exact_rows(x, linear["weight"], linear["scales"], linear["biases"])
     rows = x.reshape(-1, k)
     matmul = (
         dflash2_kernels.exact_quantized_matmul

@@ -2,6 +2,7 @@
 case, every public function equals its stock reference bit for bit, and the
 launch helpers follow MLX's source rules."""
 
+import math
 import os
 import shutil
 
@@ -587,7 +588,7 @@ def test_a_baked_kernel_compiles_the_source_mlx_writes_for_its_template(capfd):
     templated = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128", input_names=["x", "w", "scales", "biases"],
                                     output_names=["y"], source=dk._CUDA_SOURCE, header=dk.cuda_header(dk._CUDA_HEADER))
     for rows in (1, dk.MAX_ROWS):
-        call = dk._cuda_launch(rows, 16)
+        call = dk._cuda_launch((rows,), 16)
         capfd.readouterr()
         mx.eval(templated(inputs=[x[:rows], weight, scales, biases], verbose=True, **call))
         want = capfd.readouterr().out
@@ -603,7 +604,8 @@ class RecordingKernel:
         self.launches = []
 
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        self.launches.append({"template": dict(template), "grid": grid, "threadgroup": threadgroup})
+        self.launches.append({"template": dict(template), "grid": grid, "threadgroup": threadgroup,
+                              "x": inputs[0]})
         return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
 
 
@@ -660,6 +662,24 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     assert len(kernel.launches) == dk.MAX_ROWS
 
 
+def test_cuda_kernel_takes_a_blocks_rows_as_they_are(monkeypatch, request):
+    """A verify block's (1, L, K) activations reach the kernel as they are, not reshaped to
+    (L, K) and back (two view primitives per packed linear, about 800 a verify round): one
+    launch for the L rows in all, its output (1, L, N)."""
+    kernel = RecordingKernel()
+    monkeypatch.setattr(dk, "_cuda_kernel", lambda: kernel)
+    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    monkeypatch.setitem(dk._verified, "cuda", True)
+    dk._cuda_launch.cache_clear()
+    request.addfinalizer(dk._cuda_launch.cache_clear)
+    weight, scales, biases = dk.make_weights(42, 512, mx.random.key(1))
+    for leading in ((1, 3), (2, 2, 2), (5,)):
+        x = dk.make_inputs("normal", math.prod(leading), 512, mx.random.key(2)).reshape(*leading, 512)
+        assert dk.exact_rows(x, weight, scales, biases).shape == (*leading, 42)
+        launch = kernel.launches[-1]
+        assert launch["x"] is x and launch["template"]["M"] == math.prod(leading)
+
+
 def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_registers():
     """kernel_parity's tuning gives untimed row counts the nearest timed choice, its split of
     the activation rows cut to one that divides theirs (qmv_split_rows asserts it does) and
@@ -674,7 +694,7 @@ def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_regi
     # part of the rows across its tiles only then): 6 rows over 4 warps become 2, not 3.
     assert launch_for_rows((2, 4, 1, 4, 264), 6) == (2, 4, 1, 2, 264)
     with pytest.raises(ValueError, match="a capped grid needs S"):
-        dk._cuda_launch.__wrapped__(6, 1024, (2, 4, 1, 3, 264))
+        dk._cuda_launch.__wrapped__((6,), 1024, (2, 4, 1, 3, 264))
 
     def accumulators(launch, rows):
         return launch[0] * rows // (launch[3] if len(launch) > 3 else 1)

@@ -55,7 +55,7 @@ def qmv_call_arms(weight, scales, biases) -> dict:
     """The exact qmv's 1-row call without dflash2_kernels.cuda_matmul around it, and the same
     kernel made as mx.fast.cuda_kernel takes it, its template passed at every call (what
     dflash2_kernels.BakedCudaKernel saves): where a custom call's host time goes."""
-    call = dk._cuda_launch(1, WIDTH)
+    call = dk._cuda_launch((1,), WIDTH)
     templated = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128_templated", input_names=["x", "w", "scales", "biases"],
                                     output_names=["y"], source=dk._CUDA_SOURCE, header=dk.cuda_header(dk._CUDA_HEADER))
     return {
