@@ -5,13 +5,19 @@ import pytest
 
 import dflash2_kernels as dk
 import dflash2_runtime
-from graph_count import count_steps, gpu_primitives, load_target, one_launch_calls, primitive_kinds
+from graph_count import count_steps, gpu_primitives, graph_kinds, load_target, one_launch_calls, views_outside_calls
 
 
 def count(build):
     with one_launch_calls() as calls:
         outputs = build()
-    return gpu_primitives(primitive_kinds(outputs), calls)
+    return gpu_primitives(graph_kinds(outputs)[0], calls)
+
+
+def count_views(build):
+    with one_launch_calls() as calls:
+        outputs = build()
+    return views_outside_calls(graph_kinds(outputs)[1], calls)
 
 
 def test_views_are_free_and_one_launch_calls_count_once():
@@ -25,6 +31,16 @@ def test_views_are_free_and_one_launch_calls_count_once():
     assert count(lambda: [mx.exp(x) + 1]) == 2
     # add_rms_norm's stock form calls rms_norm, itself one launch: counted once in all.
     assert count(lambda: list(dk.add_rms_norm(x, x, weight, 1e-6))) == 1
+
+
+def test_views_are_counted_apart_those_inside_one_launch_calls_left_out():
+    x, rows = mx.ones((8, 512), mx.float16), mx.ones((1, 8, 512), mx.float16)
+    packed = dk.make_weights(16, 512, mx.random.key(0))
+    mx.eval(x, rows, packed)
+    assert count_views(lambda: [x.reshape(8, 4, 128).transpose(1, 0, 2)[:, 2:]]) == 3
+    # CPU's per-row calls slice and reshape inside the call: none of that is the step's.
+    assert count_views(lambda: [dk.exact_quantized_matmul(rows, *packed)]) == 0
+    assert count_views(lambda: [dk.exact_quantized_matmul(rows.reshape(8, 512), *packed)]) == 1
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +65,10 @@ def test_counts_see_the_whole_step(counts):
 
 def test_exact_verify_of_eight_launches_at_most_1_3_decode_steps(counts):
     assert counts["verify"][8] <= 1.3 * counts["decode"]
+
+
+def test_exact_verify_of_eight_builds_at_most_1_3_decode_steps_of_views(counts):
+    """Views launch nothing but cost the host a node each on a host-bound step: a verify
+    forward that reshaped around each packed linear (about 800 more) would fail."""
+    assert counts["decode_views"] > 64 * 5
+    assert counts["verify_views"][8] <= 1.3 * counts["decode_views"]

@@ -12,6 +12,9 @@ Counts are GPU-equivalent primitives, by this rule:
   transaction hold, built on caches evaluated after the prefill;
 - view primitives (VIEWS: broadcast, reshape, slice, transpose, ...) launch nothing and
   are not counted; everything else counts once, a compiled (fused) kernel included;
+- views are counted apart: those the step builds outside the ONE_LAUNCH calls (what CPU
+  builds inside a call is taken out as its ops are). A view launches nothing but still costs
+  the host a node to build and evaluate, on a step that is host-bound;
 - each call of a ONE_LAUNCH function counts as 1: `mx.fast.rms_norm` (one kernel on
   GPUs, 8 or 9 ops on CPU) and dflash2_kernels' exact matmul (one kernel launch for
   all rows on CUDA and Metal, one stock call per row on CPU). The ops CPU builds such a
@@ -24,6 +27,7 @@ logits - logsumexp. The verify forward is the round's `_dflash_verify_greedy` ca
 """
 
 import argparse
+import functools
 import re
 import sys
 import tempfile
@@ -64,13 +68,15 @@ LENGTHS = range(2, 9)
 PROMPT_TOKENS = 2
 
 
-def primitive_kinds(outputs) -> Counter:
-    """Non-view primitives of the graph of `outputs`, by kind (evaluated arrays are leaves)."""
+def graph_kinds(outputs) -> tuple[Counter, Counter]:
+    """(non-view primitives, view primitives) of the graph of `outputs`, by kind (evaluated
+    arrays are leaves)."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "graph.dot"
         mx.export_to_dot(str(path), *outputs)
-        labels = re.findall(r'label ="([^"]*)", shape=rectangle', path.read_text())
-    return Counter(label for label in labels if label not in VIEWS)
+        labels = Counter(re.findall(r'label ="([^"]*)", shape=rectangle', path.read_text()))
+    primitives = Counter({kind: n for kind, n in labels.items() if kind not in VIEWS})
+    return primitives, labels - primitives
 
 
 def signature(value):
@@ -124,20 +130,29 @@ def one_launch_calls():
             setattr(owner, name, stock)
 
 
-def call_primitives(function, args, kwargs) -> int:
-    """Non-view primitives CPU builds one such call from, on evaluated placeholders."""
+@functools.cache
+def call_kinds(function, args, kwargs) -> tuple[int, int]:
+    """(non-view primitives, views) CPU builds one such call from, on evaluated placeholders."""
     output = function(*placeholder(args), **placeholder(kwargs))
     outputs = [out for out in (output if isinstance(output, tuple) else (output,)) if out is not None]
-    return sum(primitive_kinds(outputs).values())
+    primitives, views = graph_kinds(outputs)
+    return sum(primitives.values()), sum(views.values())
 
 
 def gpu_primitives(kinds: Counter, calls: Counter) -> int:
     """Non-view primitives, each ONE_LAUNCH call counted as the launches it makes."""
     folded = sum(
-        times * (call_primitives(function, args, kwargs) - launches)
+        times * (call_kinds(function, args, kwargs)[0] - launches)
         for (function, args, kwargs, launches), times in calls.items()
     )
     return sum(kinds.values()) - folded
+
+
+def views_outside_calls(views: Counter, calls: Counter) -> int:
+    """Views of the graph less those CPU built inside the ONE_LAUNCH calls."""
+    inside = sum(times * call_kinds(function, args, kwargs)[1]
+                 for (function, args, kwargs, _), times in calls.items())
+    return sum(views.values()) - inside
 
 
 def held_arrays(*objects) -> list:
@@ -182,16 +197,17 @@ def caches_at(lm, state) -> list:
     return cache
 
 
-def count_decode_step(lm, cache, token) -> tuple[int, Counter]:
-    """generate_step's step: one token's logits, the argmax of logits - logsumexp."""
+def count_decode_step(lm, cache, token) -> tuple[int, int, Counter]:
+    """generate_step's step: one token's logits, the argmax of logits - logsumexp.
+    (primitives, views outside the one-launch calls, CPU's primitives by kind)."""
     with one_launch_calls() as calls:
         logits = lm(mx.array([[token]]), cache=cache).logits[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    kinds = primitive_kinds([mx.argmax(logprobs, axis=-1), *held_arrays(cache)])
-    return gpu_primitives(kinds, calls), kinds
+    kinds, views = graph_kinds([mx.argmax(logprobs, axis=-1), *held_arrays(cache)])
+    return gpu_primitives(kinds, calls), views_outside_calls(views, calls), kinds
 
 
-def count_verify(lm, cache, block, taps) -> tuple[int, Counter]:
+def count_verify(lm, cache, block, taps) -> tuple[int, int, Counter]:
     """The round's verify call (whatever _dflash_verify_greedy is now), then aborted; built
     as one lazy graph (the exact forward's early hand-offs to the device off), so every
     primitive is still there to count."""
@@ -204,28 +220,31 @@ def count_verify(lm, cache, block, taps) -> tuple[int, Counter]:
         hidden, transaction, tokens = rounds._dflash_verify_greedy(
             lm, mx.array([block]), cache, taps, lambda logits: mx.argmax(logits, axis=-1)
         )
-    kinds = primitive_kinds([tokens, *hidden, *held_arrays(cache, transaction)])
+    kinds, views = graph_kinds([tokens, *hidden, *held_arrays(cache, transaction)])
     abort_speculative_round(transaction)
-    return gpu_primitives(kinds, calls), kinds
+    return gpu_primitives(kinds, calls), views_outside_calls(views, calls), kinds
 
 
 def count_steps(lm, taps, lengths=LENGTHS) -> dict:
     """Primitives of one decode step and of one verify call per block length, each on
-    caches prefilled with the same prompt: {"decode", "verify": {L: n}, "kinds"}."""
+    caches prefilled with the same prompt, and the views each builds outside the one-launch
+    calls: {"decode", "verify": {L: n}, "decode_views", "verify_views": {L: n}, "kinds"}."""
     vocab = lm.model.embed_tokens.weight.shape[0]
     prompt = [t % vocab for t in range(1, PROMPT_TOKENS + 1)]
     block = [t % vocab for t in range(7, 7 + max(lengths, default=1))]
     with mx.stream(mx.cpu):  # the graph CPU builds, on any machine
         state = prompt_state(lm, prompt)
-        decode, decode_kinds = count_decode_step(lm, caches_at(lm, state), block[0])
+        decode, decode_views, decode_kinds = count_decode_step(lm, caches_at(lm, state), block[0])
         verify = {
             length: count_verify(lm, caches_at(lm, state), block[:length], taps)
             for length in lengths
         }
     return {
         "decode": decode,
-        "verify": {length: n for length, (n, _) in verify.items()},
-        "kinds": {"decode": decode_kinds, "verify": verify[max(lengths)][1] if verify else None},
+        "verify": {length: n for length, (n, _, _) in verify.items()},
+        "decode_views": decode_views,
+        "verify_views": {length: views for length, (_, views, _) in verify.items()},
+        "kinds": {"decode": decode_kinds, "verify": verify[max(lengths)][2] if verify else None},
     }
 
 
@@ -260,10 +279,11 @@ def main():
     status = dflash2_runtime.install(model)
     exact = count_steps(lm, taps)
     # Plain decode under each replacement arm a machine may choose at install.
-    decode_by_arm = {}
+    decode_by_arm, decode_views_by_arm = {}, {}
     for arm in dflash2_runtime.DECODE_ARMS:
         dflash2_runtime.use_decode_arm(arm)
-        decode_by_arm[arm] = count_steps(lm, taps, lengths=())["decode"]
+        arm_counts = count_steps(lm, taps, lengths=())
+        decode_by_arm[arm], decode_views_by_arm[arm] = arm_counts["decode"], arm_counts["decode_views"]
     dflash2_runtime.use_decode_arm(status.decode_path.arm)
     record = {
         **run_environment(
@@ -281,6 +301,11 @@ def main():
         "verify_ratio_by_block": ratios(exact),
         "stock_verify_primitives_by_block": stock["verify"],
         "stock_verify_ratio_by_block": ratios(stock),
+        # Views built outside the one-launch calls (stock decode; exact and stock verify).
+        "decode_views": stock["decode_views"],
+        "decode_views_by_arm": decode_views_by_arm,
+        "verify_views_by_block": exact["verify_views"],
+        "stock_verify_views_by_block": stock["verify_views"],
         # As CPU builds them (rms_norm and the exact matmul unfolded), most first.
         "cpu_primitive_kinds": {
             "decode": dict(stock["kinds"]["decode"].most_common()),
@@ -306,15 +331,20 @@ def summary_markdown(record) -> str:
         + ", ".join(f"{arm} {n}" for arm, n in record["decode_primitives_by_arm"].items())
         + ". Ratios below are to the stock decode step.",
         "",
-        "| block L | exact verify | / decode | stock verify | / decode |",
-        "|---|---|---|---|---|",
+        "| block L | exact verify | / decode | stock verify | / decode | views: exact verify | stock verify |",
+        "|---|---|---|---|---|---|---|",
     ]
     for length, n in record["verify_primitives_by_block"].items():
         lines.append(
             f"| {length} | {n} | {record['verify_ratio_by_block'][length]} | "
             f"{record['stock_verify_primitives_by_block'][length]} | "
-            f"{record['stock_verify_ratio_by_block'][length]} |"
+            f"{record['stock_verify_ratio_by_block'][length]} | "
+            f"{record['verify_views_by_block'][length]} | {record['stock_verify_views_by_block'][length]} |"
         )
+    lines += ["", f"Views (built outside the one-launch calls; they launch nothing but cost the host a "
+                  f"node each): stock decode step {record['decode_views']}; "
+              + "under the replacement arms: "
+              + ", ".join(f"{arm} {n}" for arm, n in record["decode_views_by_arm"].items()) + "."]
     return "\n".join(lines + [""])
 
 
