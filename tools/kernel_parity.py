@@ -66,7 +66,13 @@ BENCH_ROWS = (1, 2, 4, 8)
 # instructions as its K / 64 = 80 HFMA2s at K 5120. Session 32 tried a launch per 27B shape
 # (tools/tune_qmv_shapes.py, evidence/qmv-shapes-cuda.md; at 8 rows the table's launch leaves
 # the 5120-row shapes 2.4 tiles a warp): at 8 rows five of the eight shapes kept the table's
-# launch, and the fresh pass put the picks' sum at the table's time (1.00x).)
+# launch, and the fresh pass put the picks' sum at the table's time (1.00x). Session 34 baked
+# K into the template (x's rows then a constant apart: immediate load offsets, and a tile's
+# rows one base pointer apart; branch experiment/qmv-baked-k, its records
+# evidence/qmv-launch-cuda-baked-k*.md there): bitwise at every shape; per 27B step against
+# this kernel 0.91-0.95x at 3, 5, 6 and 7 rows, 0.98x at 2, but 1.05x at 4 and 1.02x at 8
+# (24 bytes of spills: the 8-row K = 5120 shapes slower, K = 17408 0.93x), for a kernel per
+# (rows, K) to build at start-up.)
 # A fifth entry caps the grid at B blocks (about one wave of resident warps on the H200's 132
 # SMs), each warp then taking several tiles of output rows and loading the next tile's first
 # chunk during its last (with prefetch bit 0): in session 24's two interleaved runs
