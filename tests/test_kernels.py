@@ -198,6 +198,19 @@ def test_every_cuda_launch_in_the_table_ran_bitwise_on_the_h200():
         assert written.get("cuda_kernel_source", dk.cuda_qmv_source_digest()) == dk.cuda_qmv_source_digest()
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+def test_every_cuda_launch_keeps_its_accumulators_in_registers():
+    """Each row count's launch in the table compiles for the H200 (sm_90a, offline) without
+    register spills: a spill put the 8-row kernel's loads behind local memory (session 34's
+    baked-K variant, 24 bytes, made its K = 5120 shapes slower). The check sees a spill where
+    one is: 4 output rows of 8 activation rows in one warp want 256 accumulator registers."""
+    from qmv_sass import compile_report, translation_unit
+
+    assert compile_report(translation_unit(8, (4, 2, 1, 1)))["spill_bytes"] > 0
+    for rows, launch in dk.CUDA_LAUNCH.items():
+        assert compile_report(translation_unit(rows, launch))["spill_bytes"] == 0, (rows, launch)
+
+
 # ---------------------------------------------------------------------------
 # rotate, gdn_recurrence, dense_rows, decode_attention_rows
 
