@@ -143,7 +143,9 @@ REPLACED = (
         "mlx_vlm.server.generation:ResponseGenerator._collect_pending_requests",
         "11773ed949253777ab45d32c87ad2a98ea0a1bf0a58bfd952c41b16543a64140",
         "Overridden by the engine: admits one sequence at a time and sets the drafter for the "
-        "admitted request's route.",
+        "admitted request's route; a request cancelled while it waited (client gone, timeout) "
+        "is not admitted: its generate() gets a context and an ended token queue, as generate's "
+        "queue protocol reads them.",
     ),
     Audited(
         "mlx_vlm.server.generation:ResponseGenerator.validate_context_budget",

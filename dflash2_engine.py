@@ -262,7 +262,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     import mlx.core as mx
     import mlx_vlm.server as server
     from fastapi import HTTPException
-    from mlx_vlm.server.generation import ResponseGenerator, get_prefill_step_size
+    from mlx_vlm.server.generation import GenerationContext, ResponseGenerator, get_prefill_step_size
     from mlx_vlm.vision_cache import VisionFeatureCache
 
     try:  # before any weight loads: the overrides below are audited there too
@@ -339,6 +339,14 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
                 active=active, capacity=0 if active else 1, **kwargs)
             if pending:
                 record = self.waiting_records.pop(id(pending[0].args), None)
+                if record is not None and record.cancelled:
+                    # Its client left, or its time ran out, while it waited for its turn: its
+                    # generate() gets an empty token stream instead of a prefill nobody reads.
+                    logger.info("request %d not started: cancelled (%s) while it waited", record.id,
+                                record.cancelled)
+                    pending[0].rqueue.put(GenerationContext(uid=-1, prompt_tokens=pending[0].prompt_tokens))
+                    pending[0].rqueue.put(None)
+                    return [], should_stop
                 speculative = record is not None and record.speculative
                 self.draft_model = self.speculation.drafter if speculative else None
                 if self.draft_model is not None:  # the round loop hands this request its token counts

@@ -274,6 +274,7 @@ class Gateway:
         self.openapi = openapi_schema(model_id)
         self.created = int(time.time())
         self.ids = itertools.count(1)
+        self.checking = asyncio.Lock()  # one chat body parsed and checked at a time (check_body)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -351,14 +352,10 @@ class Gateway:
             raise Refusal(415, "unsupported-media-type",
                           "chat requests must be sent with Content-Type: application/json")
         body = await read_body(scope, receive)
-        try:
-            request = json.loads(body, parse_constant=reject_constant)
-        except (ValueError, RecursionError) as exc:
-            raise Refusal(400, "invalid-json", f"the request body is not valid JSON ({exc})")
-        try:
-            decision = self.decide(request)
-        except RecursionError:
-            raise Refusal(400, "invalid-json", "the request body is nested too deeply")
+        # Up to 32 MiB of JSON and its images decoded: on a thread, so the event loop keeps
+        # serving the other clients meanwhile, and one at a time, so their memory does not add up.
+        async with self.checking:
+            decision = await asyncio.to_thread(self.check_body, body)
         record.mode, record.reason = decision.mode, decision.reason
         record.speculative = decision.mode == "speculative"
         record.stop = decision.body.pop("stop", [])
@@ -367,6 +364,17 @@ class Gateway:
         headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type", b"origin")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(forwarded)).encode())]
         await self.generate({**scope, "headers": headers}, forwarded, receive, send, record)
+
+    def check_body(self, body: bytes):
+        """The chat body parsed, checked and routed (self.decide): its decision, or a Refusal."""
+        try:
+            request = json.loads(body, parse_constant=reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise Refusal(400, "invalid-json", f"the request body is not valid JSON ({exc})")
+        try:
+            return self.decide(request)
+        except RecursionError:
+            raise Refusal(400, "invalid-json", "the request body is nested too deeply")
 
     async def generate(self, scope, body, receive, send, record):
         """Runs mlx-vlm's chat endpoint on the checked body. Its generation stops when the
@@ -388,6 +396,8 @@ class Gateway:
                 pass
             if not output.complete:
                 record.cancel("disconnected")
+                if not record.announced:  # generation not started: the engine drops it at its turn
+                    logger.info("request %d: its client left before its generation started", record.id)
             gone.set()
 
         token = current_request.set(record)  # tasks copy the context: mlx-vlm's threads see it
@@ -414,8 +424,9 @@ class Gateway:
         async def respond(message):
             if message["type"] == "http.response.start":
                 record.status = message["status"]
+                # mlx-vlm names itself and its version in a Server header (uvicorn's is off)
                 headers = [(k, self.scrub.scrub_bytes(v)) for k, v in message.get("headers", [])
-                           if k.lower() != (self.header or "").encode()]
+                           if k.lower() not in ((self.header or "").encode(), b"server")]
                 if self.header:
                     headers.append((self.header.encode(), record.header_value().encode()))
                 message = {**message, "headers": headers}

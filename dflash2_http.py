@@ -15,6 +15,14 @@ from urllib.parse import unquote, urlparse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# A request's images are decoded here in full before the model sees them: these bound the
+# work and memory one request can ask for (a 2 KB WebP can hold 64 M pixels).
+MAX_IMAGES = 64
+MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS
+# Checking and templating a request's messages takes time on the server's one event loop:
+# more messages or content parts than this are refused before anything else reads them.
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 4096
 MAX_ASPECT_RATIO = 200  # Qwen's image resize refuses more elongated images
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
@@ -159,7 +167,7 @@ class ChatRequest(Strict):
     """A chat completion request, as this pack serves it (OpenAI's fields it honours)."""
 
     model: Optional[str] = None
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: whole(1, 1 << 31) = None
     max_completion_tokens: whole(1, 1 << 31) = None
     temperature: number(0, 2) = None
@@ -252,11 +260,13 @@ def find_lone_surrogate(value, where="body"):
     return None
 
 
-def load_checked_image(url: str, where: str, image_dir: Optional[Path]):
-    """Returns the image reference mlx-vlm should load, after decoding it once here.
+def load_checked_image(url: str, where: str, image_dir: Optional[Path], pixels_left: int) -> tuple:
+    """(the image reference mlx-vlm should load, its pixels), after decoding it once here.
 
     Base64 data URLs, and files inside image_dir (--allow-image-dir) when it is set. A
-    path is refused with one message whether or not it exists; no outbound requests.
+    path is refused with one message whether or not it exists; no outbound requests. An
+    image above MAX_IMAGE_PIXELS, or above the request's pixels_left, is refused from its
+    header, before it is decoded.
     """
     from PIL import Image
 
@@ -287,6 +297,9 @@ def load_checked_image(url: str, where: str, image_dir: Optional[Path]):
             if width * height > MAX_IMAGE_PIXELS:
                 raise Refusal(400, "invalid-image", f"{where}: the image is larger than "
                                                     f"{MAX_IMAGE_PIXELS} pixels", where)
+            if width * height > pixels_left:
+                raise Refusal(400, "invalid-image", f"{where}: the request's images hold more than "
+                                                    f"{MAX_REQUEST_PIXELS} pixels in all", where)
             if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
                 raise Refusal(400, "invalid-image", f"{where}: the image is {width}x{height}; "
                                                     f"the aspect ratio may be at most {MAX_ASPECT_RATIO}:1", where)
@@ -295,11 +308,13 @@ def load_checked_image(url: str, where: str, image_dir: Optional[Path]):
         raise
     except Exception as exc:
         raise Refusal(400, "invalid-image", f"{where}: not a readable image ({exc})", where)
-    return reference
+    return reference, width * height
 
 
-def check_message(raw: dict, message: Message, where: str, limits: PackLimits) -> dict:
-    """The rules between a message's fields; returns the message with images checked."""
+def check_message(raw: dict, message: Message, where: str, limits: PackLimits, pixels_left: int) -> tuple:
+    """The rules between a message's fields: (the message with its images checked, their
+    pixels), its images within the request's pixels_left."""
+    pixels = 0
     if isinstance(message.content, list):
         parts = []
         for index, (raw_part, part) in enumerate(zip(raw["content"], message.content)):
@@ -310,7 +325,9 @@ def check_message(raw: dict, message: Message, where: str, limits: PackLimits) -
             if isinstance(part, ImagePart):
                 if message.role != "user":
                     raise InvalidRequest(at, "images are accepted in user messages only")
-                url = load_checked_image(part.image_url.url, f"{at}.image_url.url", limits.image_dir)
+                url, size = load_checked_image(part.image_url.url, f"{at}.image_url.url", limits.image_dir,
+                                               pixels_left - pixels)
+                pixels += size
                 raw_part = {**raw_part, "image_url": {**raw_part["image_url"], "url": url}}
             parts.append(raw_part)
         raw = {**raw, "content": parts}
@@ -320,7 +337,7 @@ def check_message(raw: dict, message: Message, where: str, limits: PackLimits) -
         raise InvalidRequest(f"{where}.tool_calls", "must be a list, on an assistant message")
     if message.role == "tool" and message.tool_call_id is None:
         raise InvalidRequest(f"{where}.tool_call_id", "is required on a tool message")
-    return raw
+    return raw, pixels
 
 
 def check_tools(request: ChatRequest):
@@ -365,15 +382,36 @@ def check_sampling(request: ChatRequest, limits: PackLimits):
                                           "alternatives per token (its --top-logprobs-k)")
 
 
-def user_text_chars(request: ChatRequest) -> int:
-    """Characters of the user messages' text, which every chat template renders as is."""
+def rendered_text_chars(request: ChatRequest) -> int:
+    """Characters of the text every chat template renders as is: the system, user and tool
+    messages' (an assistant message's may be cut: templates drop earlier turns' thinking)."""
     total = 0
     for message in request.messages:
-        if message.role == "user" and isinstance(message.content, str):
+        if message.role == "assistant":
+            continue
+        if isinstance(message.content, str):
             total += len(message.content)
-        elif message.role == "user" and message.content:
+        elif message.content:
             total += sum(len(part.text) for part in message.content if isinstance(part, TextPart))
     return total
+
+
+def check_sizes(body: dict):
+    """Counts that bound a request's checking before it is parsed into models: messages,
+    content parts and images."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return  # the model's validation names what is wrong
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest("messages", f"holds {len(messages)} messages; this server takes at most {MAX_MESSAGES}")
+    parts = [part for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+             for part in message["content"]]
+    if len(parts) > MAX_CONTENT_PARTS:
+        raise InvalidRequest("messages", f"hold {len(parts)} content parts; this server takes at most "
+                                         f"{MAX_CONTENT_PARTS}")
+    images = sum(isinstance(part, dict) and part.get("type") == "image_url" for part in parts)
+    if images > MAX_IMAGES:
+        raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
 
 
 def check_chat_request(body, limits: PackLimits) -> dict:
@@ -389,6 +427,7 @@ def check_chat_request(body, limits: PackLimits) -> dict:
     if where:
         raise InvalidRequest(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
     body = {key: value for key, value in body.items() if value is not None}
+    check_sizes(body)
     try:
         request = ChatRequest.model_validate(body)
     except ValidationError as error:
@@ -408,12 +447,16 @@ def check_chat_request(body, limits: PackLimits) -> dict:
     check_tools(request)
     if isinstance(body.get("stop"), str):
         body["stop"] = [body["stop"]]
-    if limits.max_prompt_chars is not None and user_text_chars(request) > limits.max_prompt_chars:
+    if limits.max_prompt_chars is not None and rendered_text_chars(request) > limits.max_prompt_chars:
         # Refused before anything tokenizes it; longer prompts are measured after tokenizing.
-        raise context_refusal(f"the user messages hold more than {limits.max_prompt_chars} characters, more "
-                              f"than the model's context of {limits.context_length} tokens can take")
-    body["messages"] = [check_message(raw, message, f"messages[{index}]", limits)
-                        for index, (raw, message) in enumerate(zip(body["messages"], request.messages))]
+        raise context_refusal(f"the system, user and tool messages hold more than {limits.max_prompt_chars} "
+                              f"characters, more than the model's context of {limits.context_length} tokens can take")
+    checked, pixels = [], 0
+    for index, (raw, message) in enumerate(zip(body["messages"], request.messages)):
+        raw, used = check_message(raw, message, f"messages[{index}]", limits, MAX_REQUEST_PIXELS - pixels)
+        checked.append(raw)
+        pixels += used
+    body["messages"] = checked
     return body
 
 

@@ -17,7 +17,8 @@ from starlette.testclient import TestClient
 
 from conftest import data_url, png
 from dflash2_gateway import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
-from dflash2_http import PackLimits, check_chat_request, lowest_temperature, openapi_schema, plain_decision, route_chat
+from dflash2_http import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, check_chat_request, lowest_temperature,
+                          openapi_schema, plain_decision, route_chat)
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
@@ -68,9 +69,17 @@ def image_dir(tmp_path_factory):
 def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
                 rounds_pay=lambda: True):
     """serve_dflash2.py's gateway; server_reason "serve.py" decides as serve.py does."""
+    return TestClient(make_gateway(image_dir, top_logprobs_k, server_reason, max_prompt_chars, multimodal_plain,
+                                   rounds_pay), base_url="http://127.0.0.1:8080")
+
+
+def make_gateway(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
+                 rounds_pay=lambda: True, checking=lambda: None):
+    """The ASGI app make_client serves; checking() runs as each chat body's check starts."""
     limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
 
     def decide(body):
+        checking()
         if server_reason == "serve.py":
             return plain_decision(check_chat_request(body, limits))
         return route_chat(check_chat_request(body, limits), server_reason=server_reason,
@@ -78,7 +87,7 @@ def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt
 
     gateway = Gateway(stub_mlx_vlm, model_id=MODEL_ID, scrubber=PathScrubber(local_paths([], MODEL_ID)),
                       decide=decide, header="x-dflash2", request_timeout=TIMEOUT_S)
-    return TestClient(with_loopback_cors(gateway), base_url="http://127.0.0.1:8080")
+    return with_loopback_cors(gateway)
 
 
 @pytest.fixture(scope="module")
@@ -263,14 +272,44 @@ def test_values_at_the_limits_pass(client):
     assert forwarded["logit_bias"] == body["logit_bias"] and forwarded["model"] == MODEL_ID
 
 
-def test_user_text_beyond_any_prompt_that_fits_is_refused_untokenized():
+def test_text_beyond_any_prompt_that_fits_is_refused_untokenized():
     client = make_client(max_prompt_chars=100)
-    parts = [{"type": "text", "text": "a" * 50}, {"type": "text", "text": "b" * 50}]
-    fits = [{"role": "system", "content": "s" * 500}, {"role": "user", "content": parts}]
-    assert post(client, {"messages": fits}).status_code == 200  # only user text counts
-    too_long = [*fits, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "c"}]
-    error = assert_refused(post(client, {"messages": too_long}), 400, "context-length-exceeded", "messages")
-    assert "more than 100 characters" in error["message"]
+    parts = [{"type": "text", "text": "a" * 40}, {"type": "text", "text": "b" * 40}]
+    # An assistant turn's text does not count (templates may drop its thinking).
+    fits = [{"role": "system", "content": "s" * 19}, {"role": "user", "content": parts},
+            {"role": "assistant", "content": "t" * 500}, {"role": "user", "content": "c"}]
+    assert post(client, {"messages": fits}).status_code == 200
+    for role in ("system", "user", "tool"):
+        message = {"role": role, "content": "d", **({"tool_call_id": "call_1"} if role == "tool" else {})}
+        error = assert_refused(post(client, {"messages": [*fits, message]}), 400, "context-length-exceeded",
+                               "messages")
+        assert "more than 100 characters" in error["message"]
+
+
+def test_counts_that_bound_a_requests_checking_are_refused_before_it_is_read(client):
+    many = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
+    assert "at most 4096" in assert_refused(post(client, {"messages": many}), 400, "invalid-request",
+                                            "messages")["message"]
+    parts = [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)
+    assert_refused(post(client, {"messages": [{"role": "user", "content": parts}]}), 400, "invalid-request", "messages")
+    # Images are counted before any is decoded: these are not images at all.
+    images = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * (MAX_IMAGES + 1)
+    error = assert_refused(post(client, {"messages": [{"role": "user", "content": images}]}), 400,
+                           "invalid-request", "messages")
+    assert f"at most {MAX_IMAGES} a request" in error["message"]
+    fits = {"messages": [{"role": "user", "content": "a"}] * MAX_MESSAGES}
+    assert post(client, fits).status_code == 200
+
+
+def test_a_requests_images_share_one_pixel_budget(client, monkeypatch):
+    import dflash2_http
+
+    monkeypatch.setattr(dflash2_http, "MAX_REQUEST_PIXELS", 3 * 32 * 32)
+    three = [{"type": "image_url", "image_url": {"url": data_url(png((32, 32)))}}] * 3
+    assert post(client, {"messages": [{"role": "user", "content": three}]}).status_code == 200
+    error = assert_refused(post(client, {"messages": [{"role": "user", "content": [*three, three[0]]}]}),
+                           400, "invalid-image", "messages[0].content[3].image_url.url")
+    assert "pixels in all" in error["message"]
 
 
 def test_mlx_vlm_context_budget_refusal_is_reshaped(client):
@@ -457,6 +496,55 @@ def test_streamed_role_once_and_one_created_time(client):
               if line.startswith("data: {")]
     assert [chunk["choices"][0]["delta"].get("role") for chunk in chunks] == ["assistant", None]
     assert {chunk["created"] for chunk in chunks} == {100}
+
+
+def test_other_clients_are_served_while_a_chat_body_is_checked():
+    """Checking a chat body (up to 32 MiB of JSON, its images decoded) runs off the event
+    loop: while one is being checked, the server answers /health (served by uvicorn, as the
+    servers run it, since TestClient gives each request a loop of its own)."""
+    import http.client
+    import socket
+    import threading
+
+    import uvicorn
+
+    started, release = threading.Event(), threading.Event()
+
+    def checking():
+        started.set()
+        release.wait(60)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_gateway(checking=checking), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def send(method, path, body=None):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        connection.request(method, path, body=body, headers={"content-type": "application/json"})
+        status = connection.getresponse().status
+        connection.close()
+        return status
+
+    statuses = []
+    try:
+        while not server.started:
+            release.wait(0.01)
+        chat = threading.Thread(target=lambda: statuses.append(send("POST", "/v1/chat/completions",
+                                                                    json.dumps({"messages": MESSAGES}))))
+        chat.start()
+        assert started.wait(30)
+        assert send("GET", "/health") == 200 and chat.is_alive()  # the chat body is still being checked
+        release.set()
+        chat.join(30)
+        assert statuses == [200]
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
 
 
 def test_request_timeout_answers_504(client):

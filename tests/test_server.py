@@ -521,6 +521,34 @@ def test_disconnect_stops_a_non_streamed_generation(servers):
     assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
 
 
+def test_a_request_whose_client_left_while_it_waited_is_not_started(servers):
+    """One sequence at a time: a request queued behind a running one whose client leaves is
+    dropped at its turn, never prefilled for nobody (a queue of gone clients held up every
+    request behind it)."""
+    server = servers["spec"]
+    since = len(server.log())
+
+    def post(sock, body):
+        body = json.dumps(body).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as running:
+        post(running, {"messages": MESSAGES, "temperature": 0, "max_tokens": LONG})
+        server.wait_for_log(since, "POST /v1/chat/completions: speculative")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=120) as waiting:
+            post(waiting, {"messages": [{"role": "user", "content": "Queued"}], "temperature": 0, "max_tokens": 4})
+        left = server.wait_for_log(since, "its client left before its generation started", timeout=120)
+    request_id = left.split("request ")[1].split(":")[0]
+    assert "cancelled (disconnected) while it waited" in server.wait_for_log(
+        since, f"request {request_id} not started", timeout=120)
+    finish = server.wait_for_log(since, f"request {request_id} finished")
+    assert "status=disconnected" in finish and "tokens=" not in finish, finish
+    after = chat(server, MESSAGES, temperature=0, max_tokens=1)
+    assert after.status == 200
+    assert "server" not in after.headers  # mlx-vlm's names it and its version
+
+
 def test_request_timeout_cancels_with_504(servers):
     server = servers["no_kernel"]
     since = len(server.log())
