@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -189,6 +190,16 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     return args
 
 
+def exit_if_address_taken(host: str, port: int):
+    """Before minutes of loading and self-tests: the address the server listens on must be
+    free (bound and let go here, with uvicorn's SO_REUSEADDR)."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as error:
+        sys.exit(f"error: cannot listen on {host}:{port} ({error.strerror or error}): another server may "
+                 "be running there; stop it or choose another --port")
+
+
 def pass_options_to_mlx_vlm(args):
     """Hand the pass-through options to mlx-vlm the way its own CLI does: as variables.
 
@@ -204,6 +215,29 @@ def pass_options_to_mlx_vlm(args):
     # mlx-vlm's own wait for the next token ends a request with a 500; --request-timeout
     # bounds every request instead, with a 504.
     os.environ["MLX_VLM_TOKEN_QUEUE_TIMEOUT"] = "0"
+
+
+def exit_if_pins_differ(pack_dir: Path, full_hash: bool = False):
+    """The launch checks against the pack's dflash2-pack.json (dflash2_pack.check_pins), said
+    in the log; a pack folder without one is served with a warning."""
+    import logging
+
+    from dflash2_pack import PINS_FILE, check_pins
+
+    logger = logging.getLogger("dflash2.server")
+    if not (pack_dir / PINS_FILE).is_file():
+        logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
+        return
+    failures = check_pins(pack_dir, full_hash)
+    if failures:
+        sys.exit(f"error: the pack differs from {PINS_FILE}:\n  " + "\n  ".join(failures))
+    if full_hash:
+        logger.info("launch checks against %s: every pinned file's sha256 matches, and no weights file "
+                    "is unpinned", PINS_FILE)
+    else:
+        logger.info("launch checks against %s: sizes, small files' sha256 and safetensors headers match, "
+                    "and no weights file is unpinned; weight data not hashed (--dflash2-full-hash or "
+                    "--verify-pack hash it)", PINS_FILE)
 
 
 def exit_if_pack_invalid(target_dir: Path, drafter_dir: Path = None):

@@ -495,6 +495,13 @@ def check_pins(pack_dir: Path, full_hash: bool) -> list:
     except ValueError as error:
         return [str(error)]
     failures, to_hash = [], []
+    # The loaders read every weights file (or those an index names) in the pack's target and
+    # drafter folders: one no build pinned would load unchecked.
+    for folder in (pack_dir, pack_dir / "drafter"):
+        for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.safetensors.index.json")):
+            name = path.relative_to(pack_dir).as_posix()
+            if name not in pins:
+                failures.append(f"{name}: a weights file not in {PINS_FILE} (the model would load it unchecked)")
     for name, pin in sorted(pins.items()):
         path = pack_dir / name
         if not path.is_file():

@@ -13,8 +13,10 @@ from dflash2_engine import start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
 from dflash2_http import check_chat_request, plain_decision
 from dflash2_options import (
+    exit_if_address_taken,
     exit_if_environment_refused,
     exit_if_pack_invalid,
+    exit_if_pins_differ,
     make_parser,
     pack_limits,
     parse_args,
@@ -29,6 +31,7 @@ def main(argv=None):
     parser = make_parser("serve.py", "Serve the pack's model plain (no drafter) with mlx-vlm.")
     args = parse_args(parser, argv)
     exit_if_environment_refused()
+    exit_if_address_taken(args.host, args.port)
     use_private_temp_folder()
     from dflash2_pack import find_pack
 
@@ -37,6 +40,7 @@ def main(argv=None):
     model_id = public_model_id(args.model_id, pack_dir)
     scrubber = PathScrubber(local_paths([pack_dir, target_dir], model_id))
     setup_logging(args.log_level, scrubber)
+    exit_if_pins_differ(pack_dir)
     exit_if_pack_invalid(target_dir)
     limits = pack_limits(target_dir, model_id, args)
     pass_options_to_mlx_vlm(args)

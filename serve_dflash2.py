@@ -34,8 +34,10 @@ from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
 from dflash2_http import check_chat_request, route_chat
 from dflash2_options import (
+    exit_if_address_taken,
     exit_if_environment_refused,
     exit_if_pack_invalid,
+    exit_if_pins_differ,
     int_in,
     make_parser,
     pack_limits,
@@ -111,12 +113,13 @@ def main(argv=None):
     parser = make_dflash2_parser()
     args = parse_args(parser, argv)
     exit_if_environment_refused()
+    exit_if_address_taken(args.host, args.port)
     use_private_temp_folder()
     if args.demo and args.pack:
         parser.error("--demo serves the trained tiny pair; leave out --pack")
     if args.demo and args.dflash2_block_size is None:
         args.dflash2_block_size = DEMO_BLOCK_SIZE
-    from dflash2_pack import PINS_FILE, check_pins, find_pack
+    from dflash2_pack import find_pack
 
     pack_dir = demo_pack() if args.demo else (args.pack or HERE).absolute()
     if args.verify_pack:
@@ -130,18 +133,7 @@ def main(argv=None):
     scrubber = PathScrubber(local_paths([pack_dir, target_dir, drafter_dir], model_id))
     setup_logging(args.log_level, scrubber)
 
-    if (pack_dir / PINS_FILE).is_file():
-        failures = check_pins(pack_dir, args.dflash2_full_hash)
-        if failures:
-            sys.exit(f"error: the pack differs from {PINS_FILE}:\n  " + "\n  ".join(failures))
-        if args.dflash2_full_hash:
-            logger.info("launch checks against %s: every file's sha256 matches", PINS_FILE)
-        else:
-            logger.info("launch checks against %s: sizes, small files' sha256 and safetensors headers "
-                        "match; weight data not hashed (--dflash2-full-hash or --verify-pack hash it)",
-                        PINS_FILE)
-    else:
-        logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
+    exit_if_pins_differ(pack_dir, args.dflash2_full_hash)
     # A missing drafter/ folder is reported by its config.json; --no-dflash2 needs none.
     exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir or pack_dir / "drafter")
     limits = pack_limits(target_dir, model_id, args)

@@ -138,6 +138,26 @@ def test_refuses_a_folder_it_did_not_build(tiny_pack, tmp_path):
     assert (tmp_path / "mine.txt").read_text() == "user file\n"
 
 
+def test_a_build_never_writes_into_its_sources(tiny_pack, built_pack, tmp_path, file_checks):
+    """Sources are only read: a build into a source folder (or one inside it) is refused, and
+    a link in the output folder to a source file is replaced, not written through (both had
+    emptied the weights, with SHA256SUMS of the empty files passing)."""
+    source = Path(shutil.copytree(built_pack, tmp_path / "previous"))
+    weights = (source / "model.safetensors").read_bytes()
+    for out_dir in (source, source / "pack"):
+        with pytest.raises(SystemExit, match="overlap"):
+            build_pack(str(source), str(source / "drafter"), out_dir)
+    assert (source / "model.safetensors").read_bytes() == weights and not (source / "pack").exists()
+    sources = {**tiny_pack, "target": Path(shutil.copytree(tiny_pack["target"], tmp_path / "target"))}
+    linked = Path(shutil.copytree(built_pack, tmp_path / "linked"))
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(sources["target"] / "model.safetensors")
+    target_weights = (sources["target"] / "model.safetensors").read_bytes()
+    build(sources, linked)
+    assert (sources["target"] / "model.safetensors").read_bytes() == target_weights
+    assert not (linked / "model.safetensors").is_symlink() and not failing(verify_pack(linked))
+
+
 def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pack, tmp_path, file_checks, start_server):
     """Same shapes, some tensors edited, rewritten with safetensors: a valid new pack,
     built with the drafter prequantized to 4 bits."""

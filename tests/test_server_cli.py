@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -117,6 +118,14 @@ def test_every_refused_variable_is_listed_before_mlx_vlm_is_imported(script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_an_address_in_use_is_refused_before_anything_loads(main_exit, script):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        status, stderr = main_exit(script, "--port", str(port))
+    assert status == 1 and f"cannot listen on 127.0.0.1:{port}" in stderr, stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_apc_disabled_is_accepted(script, tmp_path):
     # APC_ENABLED=0 passes the environment check; the run then stops at the empty pack folder.
     result = run(script, "--pack", str(tmp_path), env=clean_env(APC_ENABLED="0"))
@@ -208,13 +217,25 @@ def start_with_pins(pack, *args):
     return run("serve_dflash2.py", "--pack", str(pack), *args)
 
 
+@pytest.mark.parametrize("extra", ["model-extra.safetensors", "model.safetensors.index.json",
+                                   "drafter/model-extra.safetensors"])
+def test_an_unpinned_weights_file_stops_both_servers(pinned_pack, extra):
+    """A weights file or index no build pinned would be loaded unchecked (an index can point the
+    loader at any shard), even where every pinned file matches; serve.py checks the pins too."""
+    (pinned_pack / extra).write_bytes((pinned_pack / "config.json").read_bytes())
+    for script in ("serve_dflash2.py", "serve.py"):
+        result = run(script, "--pack", str(pinned_pack))
+        assert result.returncode == 1, result.stderr
+        assert f"{extra}: a weights file not in dflash2-pack.json" in result.stderr, result.stderr
+
+
 def test_pins_edited_config(pinned_pack):
     config = pinned_pack / "config.json"
     pins = json.loads((pinned_pack / "dflash2-pack.json").read_text())["files"]
     config.write_text(config.read_text() + " ")
-    result = start_with_pins(pinned_pack)
-    assert result.returncode == 1
-    assert f"config.json: size expected {pins['config.json']['size']}, actual" in result.stderr
+    for result in (start_with_pins(pinned_pack), run("serve.py", "--pack", str(pinned_pack))):
+        assert result.returncode == 1
+        assert f"config.json: size expected {pins['config.json']['size']}, actual" in result.stderr
 
 
 def test_pins_same_size_config_change(pinned_pack):

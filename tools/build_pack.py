@@ -13,6 +13,7 @@ gives the same bytes (no timestamps). DIR must be empty, absent, or a previous b
 import argparse
 import hashlib
 import json
+import os
 import re
 import sys
 import tempfile
@@ -113,18 +114,34 @@ def previous_build_files(out_dir):
     return listed
 
 
+def check_apart(out_dir, sources):
+    """SystemExit unless the output folder and each source folder are apart (neither the
+    same nor one inside the other): a build reads its sources while it writes the pack."""
+    out = out_dir.resolve()
+    for source in sources:
+        source = source.resolve()
+        if out == source or source in out.parents or out in source.parents:
+            sys.exit(f"error: the output folder {out_dir} and the source folder {source} overlap; "
+                     "build into a folder outside the sources")
+
+
 def copy_verified(source, destination, progress):
-    """Copy one file and prove the copy byte-identical by sha256; returns the digest."""
+    """Copy one file and prove the copy byte-identical by sha256; returns the digest. The
+    copy is written beside the destination, then renamed over it: a link there is replaced,
+    never written through, and an interrupted copy never has the final name."""
     destination.parent.mkdir(parents=True, exist_ok=True)
+    partial = destination.with_name(destination.name + ".partial")
     digest = hashlib.sha256()
-    with open(source, "rb") as reader, open(destination, "wb") as writer:
+    with open(source, "rb") as reader, open(partial, "wb") as writer:
         while chunk := reader.read(COPY_CHUNK):
             digest.update(chunk)
             writer.write(chunk)
             progress.update(len(chunk))
     expected = digest.hexdigest()
-    if sha256_file(destination) != expected:
+    if sha256_file(partial) != expected:
+        partial.unlink()
         sys.exit(f"error: {destination} differs from {source} after copying")
+    os.replace(partial, destination)
     return expected
 
 
@@ -269,7 +286,11 @@ def file_pin(path, sha256):
 
 
 def write_text(path, text):
-    path.write_text(text)
+    """Writes a generated file as copy_verified does (beside it, then renamed over it);
+    returns its sha256."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -294,6 +315,7 @@ def build_pack(base, drafter, out_dir, dry_run=False, drafter_form="as-is"):
         check_drafter(drafter_dir, base_dir)
     except PackError as error:
         sys.exit(f"error: the sources fail the pack checks: {error}")
+    check_apart(out_dir, [base_dir, drafter_dir])
     copies, left_out = plan_copies(base_dir, drafter_dir)
     previous = previous_build_files(out_dir)
 
@@ -330,7 +352,7 @@ def build_pack(base, drafter, out_dir, dry_run=False, drafter_form="as-is"):
     for name in sorted(previous - digests.keys() - {SUMS_FILE}):
         (out_dir / name).unlink(missing_ok=True)
     sums = "".join(f"{digests[name]}  {name}\n" for name in sorted(digests))
-    (out_dir / SUMS_FILE).write_text(sums)
+    write_text(out_dir / SUMS_FILE, sums)
     print(f"wrote {len(digests)} files and {SUMS_FILE} to {out_dir}")
     return out_dir
 
