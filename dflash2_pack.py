@@ -34,6 +34,9 @@ DRAFTER_ARCHITECTURE = "DFlash2DraftModel"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 MAX_LISTED = 8
 PINS_FILE = "dflash2-pack.json"
+# Not the pack's: what git, hf download --local-dir and Python write beside its files. Builds
+# skip them in their sources; --verify-pack does not count them as unexpected files.
+SKIPPED_DIRS = (".git", ".cache", ".huggingface", "__pycache__")
 SUMS_FILE = "SHA256SUMS"
 HASH_CHUNK = 8 * 1024 * 1024
 
@@ -558,17 +561,21 @@ def listed_file_problems(pack_dir):
     return listed, problems
 
 
+def folder_files(folder):
+    """Relative paths of every file under folder, sorted, SKIPPED_DIRS left out."""
+    return sorted(
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if path.is_file() and not set(path.relative_to(folder).parts) & set(SKIPPED_DIRS)
+    )
+
+
 def sha256sums_problems(pack_dir):
     """Every file listed in SHA256SUMS present with its hash, and no file that is not listed."""
     if not (pack_dir / SUMS_FILE).is_file():
         return [f"{SUMS_FILE}: file is missing"]
     listed, problems = listed_file_problems(pack_dir)
-    # Python writes __pycache__/ beside the runtime files when they run from the pack.
-    present = {
-        path.relative_to(pack_dir).as_posix()
-        for path in pack_dir.rglob("*")
-        if path.is_file() and "__pycache__" not in path.relative_to(pack_dir).parts
-    }
+    present = set(folder_files(pack_dir))
     for name in sorted(present - listed.keys() - {SUMS_FILE}):
         problems.append(f"{name}: not listed in SHA256SUMS (unexpected file)")
     return problems

@@ -30,6 +30,10 @@ import logging
 import sys
 from pathlib import Path
 
+# The pack's modules sit beside this script as it was started; Python puts the folder of a
+# linked script's target on sys.path (a Hugging Face cache snapshot links each file into blobs/).
+sys.path.insert(0, str(Path(__file__).absolute().parent))
+
 from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
 from dflash2_http import check_chat_request, route_chat
@@ -50,7 +54,7 @@ from dflash2_options import (
 
 logger = logging.getLogger("dflash2.server")
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).absolute().parent
 DEMO_MODEL_ID = "dflash2-demo-tiny"
 DEMO_PACK = HERE / "fixtures" / "tiny-pair"
 # The demo's fixed verify block. On a CPU no round pays for itself (a verify of B tokens costs

@@ -138,6 +138,15 @@ def test_refuses_a_folder_it_did_not_build(tiny_pack, tmp_path):
     assert (tmp_path / "mine.txt").read_text() == "user file\n"
 
 
+def test_verify_leaves_out_what_git_and_hf_download_write_beside_the_pack(pack_copy, file_checks):
+    for name in (".git/HEAD", ".cache/huggingface/download/model.safetensors.metadata", ".huggingface/x"):
+        (pack_copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (pack_copy / name).write_text("bookkeeping\n")
+    assert not failing(file_checks(pack_copy))
+    (pack_copy / "notes.txt").write_text("not the pack's\n")
+    assert failing(file_checks(pack_copy)) == [("SHA256SUMS", "notes.txt: not listed in SHA256SUMS (unexpected file)")]
+
+
 def test_a_build_never_writes_into_its_sources(tiny_pack, built_pack, tmp_path, file_checks):
     """Sources are only read: a build into a source folder (or one inside it) is refused, and
     a link in the output folder to a source file is replaced, not written through (both had

@@ -229,6 +229,26 @@ def test_an_unpinned_weights_file_stops_both_servers(pinned_pack, extra):
         assert f"{extra}: a weights file not in dflash2-pack.json" in result.stderr, result.stderr
 
 
+def test_a_pack_in_a_hugging_face_cache_snapshot_runs_from_its_links(pinned_pack, tmp_path):
+    """hf download without --local-dir leaves snapshots/<revision>/ of links into blobs/: the
+    servers import their modules and find their pack beside the links, not in blobs/."""
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    for path in sorted(pinned_pack.rglob("*")):
+        if path.is_file():
+            blob = blobs / hashlib.sha256(path.read_bytes()).hexdigest()
+            shutil.copyfile(path, blob)
+            link = snapshot / path.relative_to(pinned_pack)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(blob)
+    result = run("serve_dflash2.py", "--verify-pack", cwd=snapshot, timeout=300)
+    assert result.returncode == 0 and "SHA256SUMS" in result.stdout, result.stdout + result.stderr
+    (snapshot / "config.json").unlink()  # serve.py finds the pack beside it (and stops at this)
+    result = run("serve.py", cwd=snapshot)
+    assert result.returncode == 1 and "config.json" in result.stderr and "dflash2_" not in result.stderr, \
+        result.stderr
+
+
 def test_pins_edited_config(pinned_pack):
     config = pinned_pack / "config.json"
     pins = json.loads((pinned_pack / "dflash2-pack.json").read_text())["files"]

@@ -30,6 +30,7 @@ from dflash2_pack import (  # noqa: E402
     PackError,
     check_drafter,
     check_target,
+    folder_files,
     read_sha256sums,
     safetensors_header_sha256,
     sha256_file,
@@ -43,7 +44,6 @@ RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_options.py", "dflash2_
 GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)
 # Base files that make no sense beside the DFlash2 runtime (the card lists them).
 OMITTED_FILES = ("lmstudio-model.yaml",)
-SKIPPED_DIRS = (".git", ".cache", ".huggingface", "__pycache__")
 NOTICE_NAMES = ("NOTICE", "NOTICE.txt", "NOTICE.md")
 PINNED_PACKAGES = ("mlx", "mlx-vlm")
 COPY_CHUNK = 8 * 1024 * 1024
@@ -69,27 +69,18 @@ def resolve_source(spec):
     return Path(folder), repo_id, Path(folder).name
 
 
-def source_files(folder):
-    """Relative paths of every file under folder, sorted, skipping VCS and cache folders."""
-    return sorted(
-        path.relative_to(folder).as_posix()
-        for path in folder.rglob("*")
-        if path.is_file() and not set(path.relative_to(folder).parts) & set(SKIPPED_DIRS)
-    )
-
-
 def plan_copies(base_dir, drafter_dir):
     """[(source path, pack path)] for target, drafter, runtime and evidence files, and the
     base files left out (replaced or omitted)."""
     copies, left_out = [], []
-    for name in source_files(base_dir):
+    for name in folder_files(base_dir):
         if name in GENERATED_FILES + RUNTIME_FILES + OMITTED_FILES or name.startswith("drafter/"):
             left_out.append(name)
         else:
             copies.append((base_dir / name, name))
-    copies += [(drafter_dir / name, f"drafter/{name}") for name in source_files(drafter_dir)]
+    copies += [(drafter_dir / name, f"drafter/{name}") for name in folder_files(drafter_dir)]
     copies += [(REPO / name, name) for name in RUNTIME_FILES]
-    copies += [(REPO / "evidence" / name, f"evidence/{name}") for name in source_files(REPO / "evidence")]
+    copies += [(REPO / "evidence" / name, f"evidence/{name}") for name in folder_files(REPO / "evidence")]
     return copies, left_out
 
 
@@ -107,7 +98,7 @@ def previous_build_files(out_dir):
         sys.exit(f"error: {out_dir} is not empty and is not a previous pack build "
                  f"(no {SUMS_FILE} / {PINS_FILE}); choose an empty or new folder")
     listed = set(read_sha256sums(out_dir)[0]) | {SUMS_FILE}
-    unknown = [name for name in source_files(out_dir) if name not in listed]
+    unknown = [name for name in folder_files(out_dir) if name not in listed]
     if unknown:
         sys.exit(f"error: {out_dir} holds files that no build wrote: {', '.join(unknown[:8])}; "
                  "move them away first")
