@@ -117,7 +117,6 @@ def main(argv=None):
     parser = make_dflash2_parser()
     args = parse_args(parser, argv)
     exit_if_environment_refused()
-    exit_if_address_taken(args.host, args.port)
     use_private_temp_folder()
     if args.demo and args.pack:
         parser.error("--demo serves the trained tiny pair; leave out --pack")
@@ -132,6 +131,7 @@ def main(argv=None):
         results = verify_pack(pack_dir)
         print(format_verify_table(results))
         sys.exit(0 if all(ok for _, ok, _ in results) else 1)
+    exit_if_address_taken(args.host, args.port)  # --verify-pack serves nothing: a server may run there
     target_dir, drafter_dir = find_pack(pack_dir)  # flat release layout, or target/ + drafter/
     model_id = public_model_id(args.model_id or (DEMO_MODEL_ID if args.demo else None), pack_dir)
     scrubber = PathScrubber(local_paths([pack_dir, target_dir, drafter_dir], model_id))

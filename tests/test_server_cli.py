@@ -241,7 +241,9 @@ def test_a_pack_in_a_hugging_face_cache_snapshot_runs_from_its_links(pinned_pack
             link = snapshot / path.relative_to(pinned_pack)
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(blob)
-    result = run("serve_dflash2.py", "--verify-pack", cwd=snapshot, timeout=300)
+    with socket.create_server(("127.0.0.1", 0)) as serving:  # a server running there takes nothing from it
+        result = run("serve_dflash2.py", "--verify-pack", "--port", str(serving.getsockname()[1]), cwd=snapshot,
+                     timeout=300)
     assert result.returncode == 0 and "SHA256SUMS" in result.stdout, result.stdout + result.stderr
     (snapshot / "config.json").unlink()  # serve.py finds the pack beside it (and stops at this)
     result = run("serve.py", cwd=snapshot)
