@@ -10,9 +10,11 @@ Start-up only: the options and environment (dflash2_options.py), the pack checks
 import sys
 from pathlib import Path
 
-# The pack's modules sit beside this script as it was started; Python puts the folder of a
-# linked script's target on sys.path (a Hugging Face cache snapshot links each file into blobs/).
-sys.path.insert(0, str(Path(__file__).absolute().parent))
+# The pack's folder: this script's, as it was started (not resolved). Its modules are imported
+# from here: Python puts the folder of a linked script's target on sys.path, and a Hugging Face
+# cache snapshot links each file into blobs/.
+HERE = Path(__file__).absolute().parent
+sys.path.insert(0, str(HERE))
 
 from dflash2_engine import start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
@@ -40,7 +42,7 @@ def main(argv=None):
     use_private_temp_folder()
     from dflash2_pack import find_pack
 
-    pack_dir = (args.pack or Path(__file__).absolute().parent).absolute()
+    pack_dir = (args.pack or HERE).absolute()
     target_dir, _ = find_pack(pack_dir)
     model_id = public_model_id(args.model_id, pack_dir)
     scrubber = PathScrubber(local_paths([pack_dir, target_dir], model_id))

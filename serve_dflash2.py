@@ -30,9 +30,11 @@ import logging
 import sys
 from pathlib import Path
 
-# The pack's modules sit beside this script as it was started; Python puts the folder of a
-# linked script's target on sys.path (a Hugging Face cache snapshot links each file into blobs/).
-sys.path.insert(0, str(Path(__file__).absolute().parent))
+# The pack's folder: this script's, as it was started (not resolved). Its modules are imported
+# from here: Python puts the folder of a linked script's target on sys.path, and a Hugging Face
+# cache snapshot links each file into blobs/.
+HERE = Path(__file__).absolute().parent
+sys.path.insert(0, str(HERE))
 
 from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
@@ -54,7 +56,6 @@ from dflash2_options import (
 
 logger = logging.getLogger("dflash2.server")
 
-HERE = Path(__file__).absolute().parent
 DEMO_MODEL_ID = "dflash2-demo-tiny"
 DEMO_PACK = HERE / "fixtures" / "tiny-pair"
 # The demo's fixed verify block. On a CPU no round pays for itself (a verify of B tokens costs

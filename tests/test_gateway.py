@@ -503,10 +503,10 @@ def test_other_clients_are_served_while_a_chat_body_is_checked():
     loop: while one is being checked, the server answers /health (served by uvicorn, as the
     servers run it, since TestClient gives each request a loop of its own)."""
     import http.client
-    import socket
     import threading
 
     import uvicorn
+    from server_process import free_port
 
     started, release = threading.Event(), threading.Event()
 
@@ -514,9 +514,7 @@ def test_other_clients_are_served_while_a_chat_body_is_checked():
         started.set()
         release.wait(60)
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(make_gateway(checking=checking), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
