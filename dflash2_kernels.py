@@ -68,6 +68,7 @@ Sections, one per kernel: stock reference, CUDA, Metal, dispatch, self-test.
 
 import bisect
 import hashlib
+import itertools
 import math
 import os
 import stat
@@ -362,8 +363,11 @@ __device__ __forceinline__ void dequantize16(
 
 // One 512-wide step for R output rows and M activation rows (x_step: this lane's first
 // element of the step in row 0, rows k apart): each activation load serves all R output
-// rows, each dequantized weight all M activation rows.
-template <int M, int R>
+// rows, each dequantized weight all M activation rows. SWIZZLED x (swizzle_steps: each
+// step holds the 32 lanes' first 8 elements, then their last 8) puts each 16-byte load of
+// the warp on 512 contiguous bytes, where plain rows spread it over 1,024: half the L1
+// wavefronts, the same elements in the same registers.
+template <int M, int R, bool SWIZZLED>
 __device__ __forceinline__ void accumulate_step(
     const __half* x_step,
     int k,
@@ -380,7 +384,7 @@ __device__ __forceinline__ void accumulate_step(
   for (int m = 0; m < M; ++m) {
     const uint4* xv = reinterpret_cast<const uint4*>(x_step + m * k);
     const uint4 lo = __ldg(xv);
-    const uint4 hi = __ldg(xv + 1);
+    const uint4 hi = __ldg(xv + (SWIZZLED ? 32 : 1));
     const __half2 xh[8] = {
         bits_to_half2(lo.x), bits_to_half2(lo.y), bits_to_half2(lo.z), bits_to_half2(lo.w),
         bits_to_half2(hi.x), bits_to_half2(hi.y), bits_to_half2(hi.z), bits_to_half2(hi.w)};
@@ -445,7 +449,7 @@ struct WeightChunk {
 // C steps' loads fly while this chunk is computed (in registers); bit 1: the warp first asks
 // L2 for its tile's whole weight slice (no registers, so more loads in flight where
 // registers limit the resident warps).
-template <int M, int R, int C, int PREFETCH>
+template <int M, int R, int C, int PREFETCH, bool SWIZZLED>
 __device__ __forceinline__ void qmv_rows(
     const __half* __restrict__ x,
     const uint32_t* __restrict__ w,
@@ -462,7 +466,8 @@ __device__ __forceinline__ void qmv_rows(
   }
   const int groups_per_row = k / 128;
   const int steps = k / kStepElems;
-  const __half* x_lane = x + lane * kLaneElems;
+  // Swizzled rows (K a multiple of 512: no tail) put this lane's first 8 elements at 8 * lane.
+  const __half* x_lane = x + lane * (SWIZZLED ? kLaneElems / 2 : kLaneElems);
   TileRows<R> rows(w, scales, biases, n, k, first, lane);
   WeightChunk<R, C> chunk;
   chunk.load(rows, 0, steps);
@@ -511,7 +516,7 @@ __device__ __forceinline__ void qmv_rows(
       for (int c = 0; c < C; ++c) {
         const int step = s0 + c;
         if (step < steps) {
-          accumulate_step<M, R>(x_lane + step * kStepElems, k, chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
+          accumulate_step<M, R, SWIZZLED>(x_lane + step * kStepElems, k, chunk.q[c], chunk.scale[c], chunk.bias[c], acc);
         }
       }
       if (PREFETCH & 1) {
@@ -535,7 +540,7 @@ __device__ __forceinline__ void qmv_rows(
         sc[j] = __ldg(rows.s_lane[j] + base / 128);
         bi[j] = __ldg(rows.b_lane[j] + base / 128);
       }
-      accumulate_step<M, R>(x_lane + steps * kStepElems, k, q, sc, bi, acc);
+      accumulate_step<M, R, false>(x_lane + steps * kStepElems, k, q, sc, bi, acc);
     }
 
     // Slots summed in float from +0 in slot order, then the xor butterfly of
@@ -573,7 +578,7 @@ __device__ __forceinline__ void qmv_rows(
 // qmv_rows' arithmetic. Launch: block (32, warps), grid.x = blocks; warp w takes activation
 // rows (w % S) * M / S.. and output rows (w / S) * R.., and where TILES (a grid capped
 // below the tiles: see _cuda_launch) those a grid's worth of warps further on.
-template <int M, int S, int R, int C, int PREFETCH, bool TILES>
+template <int M, int S, int R, int C, int PREFETCH, bool TILES, bool SWIZZLED>
 __device__ __forceinline__ void qmv_split_rows(
     const __half* __restrict__ x,
     const uint32_t* __restrict__ w,
@@ -587,14 +592,14 @@ __device__ __forceinline__ void qmv_split_rows(
   const int warp = blockIdx.x * blockDim.y + threadIdx.y;
   const int part = warp % S;
   const int tile_stride = TILES ? gridDim.x * blockDim.y / S * R : 0;
-  qmv_rows<kRows, R, C, PREFETCH>(
+  qmv_rows<kRows, R, C, PREFETCH, SWIZZLED>(
       x + part * kRows * k, w, scales, biases, y + part * kRows * n, n, k, (warp / S) * R, tile_stride);
 }
 
 }  // namespace dflash2
 """
 
-_CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH, TILES>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
+_CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH, TILES, SWIZZLED>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
 
 # Launch shape by activation rows M: (output rows per warp R, weight steps per
 # load C, prefetch bits (1: the next C steps into registers, 2: the warp's whole weight
@@ -643,7 +648,7 @@ def cuda_launch_fields(launch: tuple) -> tuple:
 
 
 @cache
-def _cuda_launch(leading: tuple, n: int, launch=None) -> dict:
+def _cuda_launch(leading: tuple, n: int, launch=None, swizzled=False) -> dict:
     """The kernel call's arguments for (..., K) rows of leading dims `leading` (M rows in all)
     and N outputs (built once: ~400 calls a verify)."""
     rows = math.prod(leading)
@@ -658,7 +663,7 @@ def _cuda_launch(leading: tuple, n: int, launch=None) -> dict:
         blocks = min(blocks, max_blocks)
     return dict(
         template=[("M", rows), ("S", split), ("R", rows_per_warp), ("C", chunk), ("PREFETCH", int(prefetch)),
-                  ("TILES", bool(max_blocks))],
+                  ("TILES", bool(max_blocks)), ("SWIZZLED", swizzled)],
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
         output_shapes=[(*leading, n)],
@@ -666,13 +671,33 @@ def _cuda_launch(leading: tuple, n: int, launch=None) -> dict:
     )
 
 
-def cuda_matmul(x, weight, scales, biases, launch=None):
+SWIZZLE_WIDTH = 512  # a warp's step: swizzled rows permute each 512 elements
+
+
+def swizzle_steps(x):
+    """(..., K) rows, K a multiple of 512, in the order the CUDA kernels' SWIZZLED layout
+    holds them (the rotation writes it, the qmv reads it): in each 512-wide step, the 32
+    lanes' first 8 elements (16 * lane + 0..7), then their last 8."""
+    k = x.shape[-1]
+    steps = x.reshape(*x.shape[:-1], k // SWIZZLE_WIDTH, 32, 2, 8)
+    return mx.swapaxes(steps, -3, -2).reshape(x.shape)
+
+
+def _swizzled_cuda_matmul(x, weight, scales, biases):
+    """cuda_matmul of plain rows through its swizzled layout (the self-test's second layout)."""
+    return cuda_matmul(swizzle_steps(x), weight, scales, biases, swizzled=True)
+
+
+def cuda_matmul(x, weight, scales, biases, launch=None, swizzled=False):
     """(..., K) fp16 rows, M in all -> (..., N) through the CUDA kernel; no self-test gate.
     The kernel reads M rows of K from x's row-contiguous data (K from the weight), so no
     reshape is built around it.
 
-    launch: (R, C, prefetch[, S[, B]]) to override CUDA_LAUNCH (for the tuning sweep)."""
-    call = _cuda_launch(x.shape[:-1], weight.shape[0], launch and tuple(launch))
+    launch: (R, C, prefetch[, S[, B]]) to override CUDA_LAUNCH (for the tuning sweep).
+    swizzled: x's rows are in swizzle_steps' order (K a multiple of 512)."""
+    if swizzled and packed_width(weight) % SWIZZLE_WIDTH:
+        raise ValueError(f"swizzled rows need K a multiple of {SWIZZLE_WIDTH}, got {packed_width(weight)}")
+    call = _cuda_launch(x.shape[:-1], weight.shape[0], launch and tuple(launch), swizzled)
     return _cuda_kernel()(inputs=[x, weight, scales, biases], **call)[0]
 
 
@@ -968,8 +993,10 @@ def self_test(kernel: Optional[Kernel] = None, shapes=None, seed: int = 0) -> Se
     backend's own, whose serving is then switched on or off by the outcome.
     shapes: (N, K) pairs; default DEFAULT_SHAPES. For each shape, every input
     kind and rows 1..8 the kernel's rows must equal the single-row calls; MLX's
-    own multi-row call is counted alongside as the negative control. Off the
-    kernels' backends the per-row calls serve themselves: nothing to test.
+    own multi-row call is counted alongside as the negative control. The CUDA
+    kernel is checked in both its layouts where K allows the swizzled one (the
+    rotation hands it swizzled rows). Off the kernels' backends the per-row calls
+    serve themselves: nothing to test.
     """
     backend = backend_name()
     own = kernel is None
@@ -983,34 +1010,39 @@ def self_test(kernel: Optional[Kernel] = None, shapes=None, seed: int = 0) -> Se
         for n, k in shapes:
             if own and not kernel_supports(backend, n, k):
                 continue  # served row by row, nothing to prove
+            layouts = {"rows": kernel}
+            if own and backend == "cuda" and k % SWIZZLE_WIDTH == 0:
+                layouts["swizzled"] = _swizzled_cuda_matmul
             key, weight_key = mx.random.split(key)
             weight, scales, biases = make_weights(n, k, weight_key)
             for kind in INPUT_KINDS:
                 key, input_key = mx.random.split(key)
                 x = make_inputs(kind, MAX_ROWS, k, input_key)
                 want = stock_rows(x, weight, scales, biases)
-                got = [kernel(x[:rows], weight, scales, biases) for rows in range(1, MAX_ROWS + 1)]
+                got = {layout: [call(x[:rows], weight, scales, biases) for rows in range(1, MAX_ROWS + 1)]
+                       for layout, call in layouts.items()}
                 stock = [stock_quantized_matmul(x[:rows], weight, scales, biases) for rows in range(1, MAX_ROWS + 1)]
                 mx.eval(want, got, stock)
-                for rows in range(1, MAX_ROWS + 1):
-                    out = got[rows - 1]
+                for (layout, outs), rows in itertools.product(got.items(), range(1, MAX_ROWS + 1)):
+                    out = outs[rows - 1]
                     differ = _differing(out, want[:rows])
-                    stock_differ = _differing(stock[rows - 1], want[:rows])
+                    stock_differ = _differing(stock[rows - 1], want[:rows]) if layout == "rows" else None
                     cases.append(
                         {
                             "shape": [n, k],
                             "rows": rows,
                             "input": kind,
+                            "layout": layout,
                             "mismatches": differ,
                             "stock_mismatches": stock_differ,
                         }
                     )
                     mismatches += differ
-                    stock_mismatches += stock_differ
+                    stock_mismatches += stock_differ or 0
                     if differ and reason is None:
                         reason = (
                             f"{backend} kernel differs from MLX's single-row matmul at shape "
-                            f"(N={n}, K={k}), rows={rows}, input={kind}: "
+                            f"(N={n}, K={k}), rows={rows}, input={kind}, layout={layout}: "
                         ) + _first_difference(out, want[:rows])[0]
     except Exception as error:  # a kernel that fails to build or run fails the test
         reason = f"{backend} kernel raised {type(error).__name__}: {error}"
@@ -1118,8 +1150,10 @@ __device__ __forceinline__ void hadamard_radix_pow2(float* x) {
 // parameters hadamard.cu:98-104) for the one transform of this block, with the
 // chain's first two primitives fused into the load and its last into the store.
 // Launch: one block of N / 16 threads per transform (MLX loops blocks over
-// transforms; each transform's arithmetic is the same).
-template <int N, int BLOCKS, int SCALE_BITS>
+// transforms; each transform's arithmetic is the same). SWIZZLED: each element stored at its
+// place in the qmv's swizzled rows (swizzle_steps), which the transform's N >= 512 keeps
+// inside its own block.
+template <int N, int BLOCKS, int SCALE_BITS, bool SWIZZLED>
 __device__ __forceinline__ void rotate_block(
     const __half* __restrict__ in, const float* __restrict__ signs, __half* __restrict__ out) {
   constexpr int max_radix = N < 16 ? N : 16;
@@ -1204,7 +1238,9 @@ __device__ __forceinline__ void rotate_block(
     int index = j * read_width * kNumThreads + i * read_width;
 #pragma unroll
     for (int r = 0; r < read_width; ++r) {
-      out[base + index + r] = __float2half_rn(__fmul_rn(buf[index + r], scale));
+      const long long at = base + index + r;  // element 16 * lane + 8 * half + i of a 512 step
+      const long long place = SWIZZLED ? (at & ~511LL) | ((at & 8) << 5) | ((at >> 1) & 0xF8) | (at & 7) : at;
+      out[place] = __float2half_rn(__fmul_rn(buf[index + r], scale));
     }
   }
 }
@@ -1212,7 +1248,7 @@ __device__ __forceinline__ void rotate_block(
 }  // namespace dflash2
 """
 
-_CUDA_ROTATE_SOURCE = "dflash2::rotate_block<N, BLOCKS, SCALE_BITS>(x, signs, y);"
+_CUDA_ROTATE_SOURCE = "dflash2::rotate_block<N, BLOCKS, SCALE_BITS, SWIZZLED>(x, signs, y);"
 
 
 @cache
@@ -1227,10 +1263,13 @@ def _cuda_rotate_kernel():
 
 
 @cache
-def cuda_rotate_plan(k: int, block: int):
-    """(x, signs) -> rotated x for fp16 rows of width k; no self-test gate."""
+def cuda_rotate_plan(k: int, block: int, swizzled: bool = False):
+    """(x, signs) -> rotated x for fp16 rows of width k (swizzled: in swizzle_steps' order,
+    for the qmv; K a multiple of 512); no self-test gate."""
+    if swizzled and k % SWIZZLE_WIDTH:
+        raise ValueError(f"swizzled rows need K a multiple of {SWIZZLE_WIDTH}, got {k}")
     kernel = _cuda_rotate_kernel()
-    template = [("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block))]
+    template = [("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block)), ("SWIZZLED", swizzled)]
     threadgroup = (block // 16, 1, 1)
 
     def run(x, signs):
@@ -1464,6 +1503,35 @@ def rotate(x, block, signs):
     return plan(x, signs)
 
 
+# (K, block) -> the CUDA rotation writing swizzled rows where it passed its self-test at
+# (K, block), else None; chosen once.
+_swizzled_rotations: dict = {}
+
+
+def _swizzled_rotation(k: int, block: int):
+    plan = _swizzled_rotations.get((k, block), False)
+    if plan is False:
+        if (k, block, mx.float16) not in _rotate_plans:
+            _choose_rotate_plan(k, block, mx.float16)  # the self-test at (K, block), both layouts
+        serves = backend_name() == "cuda" and k % SWIZZLE_WIDTH == 0 and _rotate_verified.get(("cuda", k, block))
+        plan = _swizzled_rotations[(k, block)] = cuda_rotate_plan(k, block, swizzled=True) if serves else None
+    return plan
+
+
+def exact_linear_rows(x, block, signs, weight, scales, biases):
+    """A rotated packed linear on (..., K) fp16 rows, at most 8: rotate(x, block, signs)
+    (block 0: none), then exact_rows; every row bitwise decode's. On CUDA, where both
+    kernels passed their self-tests, the rotation writes its rows swizzled for the qmv
+    (accumulate_step: the same bits from half the L1 wavefronts)."""
+    k = x.shape[-1]
+    if block:
+        swizzled = _swizzled_rotation(k, block)
+        if swizzled and _serving_kernel("cuda", weight.shape[0], k, x.size // k):
+            return cuda_matmul(swizzled(x, signs), weight, scales, biases, swizzled=True)
+        x = rotate(x, block, signs)
+    return exact_rows(x, weight, scales, biases)
+
+
 # ---------------------------------------------------------------------------
 # rotate: self-test
 
@@ -1511,7 +1579,8 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     shapes: (K, block) pairs; default ROTATE_SHAPES_27B + ROTATE_SHAPES_SMALL. For
     each shape, sign kind,
     input kind and rows 1..8 the kernel's rows must equal the chain's single-row
-    results. `stock_mismatches` counts the fp16-arithmetic rotation (negative
+    results (the CUDA kernel's in both its layouts where K allows the swizzled one the
+    qmv reads). `stock_mismatches` counts the fp16-arithmetic rotation (negative
     control: nonzero shows the comparison sees rounding differences). Off the
     kernels' backends `rotate` is the stock chain itself: nothing to test.
     """
@@ -1521,6 +1590,10 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
         return _no_kernel_result(backend)
     kernel = kernel or backend_rotate(backend)
     shapes = [tuple(s) for s in (shapes or ROTATE_SHAPES_27B + ROTATE_SHAPES_SMALL)]
+
+    def swizzles(k):  # the CUDA kernel's second layout, for the qmv: checked where it serves
+        return own and backend == "cuda" and k % SWIZZLE_WIDTH == 0
+
     cases, mismatches, control_mismatches, reason = [], 0, 0, None
     key = mx.random.key(seed)
     try:
@@ -1534,14 +1607,18 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                     want = mx.concatenate(
                         [stock_rotate(x[m : m + 1], block, signs) for m in range(MAX_ROWS)]
                     )
-                    got = [kernel(x[:rows], block, signs) for rows in range(1, MAX_ROWS + 1)]
+                    got = {"rows": [kernel(x[:rows], block, signs) for rows in range(1, MAX_ROWS + 1)]}
+                    if swizzles(k):
+                        swizzled = cuda_rotate_plan(k, block, swizzled=True)
+                        got["swizzled"] = [swizzled(x[:rows], signs) for rows in range(1, MAX_ROWS + 1)]
                     control = _fp16_chain(x, block, signs)
                     mx.eval(want, got, control)
                     control_differ = _differing(control, want)
                     control_mismatches += control_differ
-                    for rows in range(1, MAX_ROWS + 1):
-                        out = got[rows - 1]
-                        differ = _differing(out, want[:rows])
+                    for (layout, outs), rows in itertools.product(got.items(), range(1, MAX_ROWS + 1)):
+                        out = outs[rows - 1]
+                        wanted = swizzle_steps(want[:rows]) if layout == "swizzled" else want[:rows]
+                        differ = _differing(out, wanted)
                         mismatches += differ
                         cases.append(
                             {
@@ -1549,15 +1626,16 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                                 "signs": sign_kind,
                                 "input": kind,
                                 "rows": rows,
+                                "layout": layout,
                                 "mismatches": differ,
-                                "stock_mismatches": control_differ if rows == MAX_ROWS else None,
+                                "stock_mismatches": control_differ if rows == MAX_ROWS and layout == "rows" else None,
                             }
                         )
                         if differ and reason is None:
                             reason = (
                                 f"{backend} rotation differs from the stock chain at K={k}, "
-                                f"block={block}, rows={rows}, input={kind}, signs={sign_kind}: "
-                            ) + _first_difference(out, want[:rows])[0]
+                                f"block={block}, rows={rows}, input={kind}, signs={sign_kind}, layout={layout}: "
+                            ) + _first_difference(out, wanted)[0]
     except Exception as error:  # a kernel that fails to build or run fails the test
         reason = f"{backend} rotation raised {type(error).__name__}: {error}"
     ok = reason is None

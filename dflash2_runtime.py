@@ -133,17 +133,20 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     Its arrays are read as the module's items (linear["weight"]): attribute access on an
     nn.Module goes through a Python __getattr__, about half a microsecond each, four
     times for each of ~400 calls a forward."""
-    if linear.block:
-        x = dflash2_kernels.rotate(x, linear.block, linear["signs"])
     # The kernels reproduce MLX's fp16 single-row arithmetic. Packs whose dense
     # tensors are fp32 carry fp32 activations: those rows take MLX's own
     # single-row call one by one, exact by construction, only slower.
     k = x.shape[-1]
     if x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * k:
-        # A verify block or a decode row: one call (about 400 a forward, so no more
-        # host work around it than it needs: install checked the weights, and the kernel
-        # takes (..., K) rows, so no reshape goes around it).
-        return dflash2_kernels.exact_rows(x, linear["weight"], linear["scales"], linear["biases"])
+        # A verify block or a decode row: one call each for the rotation and the matmul
+        # (about 400 a forward, so no more host work around them than they need: install
+        # checked the weights, and the kernels take (..., K) rows, so no reshape goes around).
+        return dflash2_kernels.exact_linear_rows(
+            x, linear.block, linear["signs"] if linear.block else None,
+            linear["weight"], linear["scales"], linear["biases"],
+        )
+    if linear.block:
+        x = dflash2_kernels.rotate(x, linear.block, linear["signs"])
     rows = x.reshape(-1, k)
     matmul = (
         dflash2_kernels.exact_quantized_matmul

@@ -2,6 +2,7 @@
 case, every public function equals its stock reference bit for bit, and the
 launch helpers follow MLX's source rules."""
 
+import itertools
 import math
 import os
 import shutil
@@ -663,7 +664,7 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
         rows_per_warp, chunk, prefetch, parts, max_blocks = dk.cuda_launch_fields(dk.CUDA_LAUNCH[rows])
         assert rows % parts == 0
         assert launch["template"] == {"M": rows, "S": parts, "R": rows_per_warp, "C": chunk,
-                                      "PREFETCH": prefetch, "TILES": max_blocks is not None}
+                                      "PREFETCH": prefetch, "TILES": max_blocks is not None, "SWIZZLED": False}
         assert launch["threadgroup"] == (32, dk.CUDA_WARPS_PER_BLOCK, 1)
         assert launch["grid"][0] % 32 == 0 and launch["grid"][1:] == (dk.CUDA_WARPS_PER_BLOCK, 1)
         blocks = launch["grid"][0] // 32
@@ -691,6 +692,70 @@ def test_cuda_kernel_takes_a_blocks_rows_as_they_are(monkeypatch, request):
         assert dk.exact_rows(x, weight, scales, biases).shape == (*leading, 42)
         launch = kernel.launches[-1]
         assert launch["x"] is x and launch["template"]["M"] == math.prod(leading)
+
+
+def test_swizzled_rows_put_each_lane_s_halves_where_the_cuda_kernels_read_them():
+    """The qmv's swizzled layout: in each 512-wide step, lane l's first 8 elements
+    (16 l .. 16 l + 7) at 8 l, its last 8 at 256 + 8 l; rows and steps stay in place."""
+    x = mx.arange(2 * 1024).reshape(2, 1024)
+    got = np.array(dk.swizzle_steps(x))
+    for row, step, lane, half in itertools.product((0, 1), (0, 1), (0, 5, 31), (0, 1)):
+        source = row * 1024 + step * 512 + 16 * lane + 8 * half
+        at = step * 512 + 256 * half + 8 * lane
+        assert got[row, at : at + 8].tolist() == list(range(source, source + 8))
+    assert same_bits(dk.swizzle_steps(x.reshape(2, 1, 1024)).reshape(2, 1024), dk.swizzle_steps(x))
+
+
+@pytest.mark.parametrize("rotation_passed", [True, False])
+def test_rotated_rows_reach_the_qmv_swizzled_only_where_both_kernels_passed(monkeypatch, rotation_passed):
+    """exact_linear_rows on CUDA: the rotation writes swizzled rows for the qmv where it
+    passed its self-test at (K, block) (every rotated K is whole 512-wide steps: blocks are
+    512 or more); otherwise the stock chain rotates and the qmv reads plain rows."""
+    k = 1024
+    qmv, rotation = RecordingKernel(), RecordingKernel()
+    monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
+    monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda: rotation)
+    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    monkeypatch.setitem(dk._verified, "cuda", True)
+    monkeypatch.setattr(dk, "_rotate_plans", {})
+    monkeypatch.setattr(dk, "_swizzled_rotations", {})
+    monkeypatch.setattr(dk, "_rotate_verified", {("cuda", k, 512): rotation_passed})
+    dk._cuda_launch.cache_clear()
+    dk.cuda_rotate_plan.cache_clear()
+    weight, scales, biases = dk.make_weights(16, k, mx.random.key(1))
+    x = dk.make_inputs("normal", 3, k, mx.random.key(2)).reshape(1, 3, k)
+    signs = dk.make_signs("pm1", k, mx.random.key(3))
+    try:
+        assert dk.exact_linear_rows(x, 512, signs, weight, scales, biases).shape == (1, 3, 16)
+    finally:
+        dk._cuda_launch.cache_clear()
+        dk.cuda_rotate_plan.cache_clear()
+    assert qmv.launches[-1]["template"]["SWIZZLED"] is rotation_passed
+    if rotation_passed:
+        assert [launch["template"]["SWIZZLED"] for launch in rotation.launches] == [True]
+    else:
+        assert not rotation.launches  # the stock chain rotates
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernels")
+def test_swizzled_rotation_and_qmv_equal_the_stock_chain_and_single_row_calls_on_cuda():
+    """The served rotated linear (rotation writing swizzled rows, qmv reading them) gives
+    every row the stock chain's and MLX's single-row bits; each kernel reading or writing
+    the other layout is caught by its self-test (the layout check can fail)."""
+    k, block = 1024, 512
+    weight, scales, biases = dk.make_weights(24, k, mx.random.key(1))
+    signs = dk.make_signs("pm1", k, mx.random.key(2))
+    for rows in range(1, dk.MAX_ROWS + 1):
+        x = dk.make_inputs("normal", rows, k, mx.random.key(3 + rows))
+        want = dk.stock_rows(dk.stock_rotate(x, block, signs), weight, scales, biases)
+        assert dk._differing(dk.exact_linear_rows(x, block, signs, weight, scales, biases), want) == 0
+    assert dk._swizzled_rotation(k, block) is not None
+    plain_read_as_swizzled = dk.self_test(
+        kernel=lambda x, w, s, b: dk.cuda_matmul(x, w, s, b, swizzled=True), shapes=[(16, k)])
+    assert not plain_read_as_swizzled.ok and "layout=rows" in plain_read_as_swizzled.reason
+    swizzled_as_plain = dk.self_test_rotate(
+        [(k, block)], kernel=lambda x, block, signs: dk.cuda_rotate_plan(k, block, swizzled=True)(x, signs))
+    assert not swizzled_as_plain.ok and "layout=rows" in swizzled_as_plain.reason
 
 
 def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_registers():

@@ -6,7 +6,8 @@
 
 CUDA only. For every packed shape of the 27B target (weights rotated past the L2, as
 tools/kernel_parity.py times them) and every row count 2..8, times MLX's single-row call,
-the kernel under the previous launch and under dflash2_kernels.CUDA_LAUNCH, interleaved
+the kernel under the previous launch and under dflash2_kernels.CUDA_LAUNCH (each on rows in
+the layout the served verify hands it: swizzled, where the kernel has that layout), interleaved
 (ABAB, warm-up first, median of the repeats with min and max); each is checked bitwise
 against MLX's single-row calls first. With --previous-kernels the previous arm runs that
 file's CUDA kernel (its own launch table for rows --previous leaves out): a kernel change
@@ -58,11 +59,16 @@ def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk) -> 
     one = bench.x[:1]
     arms, mismatches = {"mlx single row": pass_ms(dk.stock_quantized_matmul, one, bench.copies)}, {}
     for rows in ROWS:
-        x = bench.x[:rows]
         for name, kernels, launch in (("previous", previous_kernels, previous[rows]),
                                       ("current", dk, dk.CUDA_LAUNCH[rows])):
-            def call(x, w, s, b, kernels=kernels, launch=tuple(launch)):
-                return kernels.cuda_matmul(x, w, s, b, launch=launch)
+            # Each kernel reads its rows as the served verify hands them: swizzled where it
+            # has that layout (dflash2_kernels.exact_linear_rows; every 27B K allows it).
+            layout = {"swizzled": True} if hasattr(kernels, "swizzle_steps") else {}
+            x = kernels.swizzle_steps(bench.x[:rows]) if layout else bench.x[:rows]
+            mx.eval(x)
+
+            def call(x, w, s, b, kernels=kernels, launch=tuple(launch), layout=layout):
+                return kernels.cuda_matmul(x, w, s, b, launch=launch, **layout)
 
             got = call(x, *bench.copies[0])
             mismatches[f"{name} {rows}"] = dk._differing(got, bench.want[:rows])

@@ -293,7 +293,8 @@ def summary_markdown(record):
         ]
     lines += [
         "Differing elements against one MLX single-row call per row, compared as bits,",
-        f"rows 1..8, inputs {', '.join(dk.INPUT_KINDS)}.",
+        f"rows 1..8, inputs {', '.join(dk.INPUT_KINDS)}; on CUDA both the kernel's layouts (plain rows, and",
+        "the swizzled rows the rotation hands it) where K is a multiple of 512.",
         "",
         "| shape (N, K) | cases | exact kernel | MLX multi-row call (negative control) |",
         "|---|---|---|---|",
@@ -303,14 +304,14 @@ def summary_markdown(record):
         cases = [c for c in record["cases"] if tuple(c["shape"]) == shape]
         lines.append(
             f"| {shape} | {len(cases)} | {sum(c['mismatches'] for c in cases)} | "
-            f"{sum(c['stock_mismatches'] for c in cases)} |"
+            f"{sum(c['stock_mismatches'] or 0 for c in cases)} |"
         )
     lines.append(
         f"| all | {len(record['cases'])} | {record['exact_mismatches']} | {record['stock_mismatches']} |"
     )
     stock_by_rows = {}
     for case in record["cases"]:
-        stock_by_rows[case["rows"]] = stock_by_rows.get(case["rows"], 0) + case["stock_mismatches"]
+        stock_by_rows[case["rows"]] = stock_by_rows.get(case["rows"], 0) + (case["stock_mismatches"] or 0)
     lines += ["", "MLX multi-row call, differing elements by rows: "
               + ", ".join(f"{rows}: {count}" for rows, count in sorted(stock_by_rows.items()))]
     if record.get("timings"):
