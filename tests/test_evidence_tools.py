@@ -206,8 +206,14 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
     shapes["248320x5120"]["timings_us"]["current 8"]["median"] = 0.0  # the lm_head: one call a step
     calls = sum(calls for _, calls in dk.PACKED_SHAPES_27B.values())
     assert step_sums(shapes) == {"mlx single row": calls, "previous 8": 2 * calls, "current 8": 3 * (calls - 1)}
+    # GPU times (CUPTI): an arm without a figure at some shape (its kernel not told apart) has no sum
+    for entry in shapes.values():
+        entry["kernel_us"] = dict(entry["timings_us"])
+    shapes["1024x5120"]["kernel_us"]["previous 8"] = None
+    assert step_sums(shapes, "kernel_us") == {"mlx single row": calls, "current 8": 3 * (calls - 1)}
     record = json.loads((EVIDENCE / "qmv-launch-cuda.json").read_text())
     assert record["mismatches"] == 0 and step_sums(record["shapes"]) == record["step_ms"]
+    assert step_sums(record["shapes"], "kernel_us") == record["kernel_step_ms"]
     assert summary_markdown(record) == (EVIDENCE / "qmv-launch-cuda.md").read_text()
     refused = subprocess.run([sys.executable, str(REPO / "tools" / "compare_qmv_launch.py"), "--previous", "{}"],
                              capture_output=True, text=True, timeout=120)

@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -38,11 +39,50 @@ def pass_ms(call, x, copies):
     def run():
         mx.synchronize()
         start = time.perf_counter()
-        mx.eval([call(x, *copy) for copy in copies])
+        one_pass(call, x, copies)()
         mx.synchronize()
         return 1000 * (time.perf_counter() - start) / len(copies)
 
     return run
+
+
+def one_pass(call, x, copies):
+    """One call per weight copy, evaluated."""
+    return lambda: mx.eval([call(x, *copy) for copy in copies])
+
+
+def kernel_us(passes: dict, calls: int, repeats: int) -> dict:
+    """Each arm's GPU time per call in us (median, min and max over its kernels' launches),
+    as CUPTI reads it through PyTorch's profiler over `repeats` interleaved passes: the device's
+    time alone, none of the host's (the wall-clock figures carry the host's launch cost where a
+    kernel is shorter than it). Kernels are told apart by name, learnt from one profiled pass of
+    each arm; an arm whose pass launched other than one kernel a call, or a kernel another
+    arm launches too, gets None."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def launched(passes_in_order):
+        with profile(activities=[ProfilerActivity.CUDA]) as recorded:
+            for run in passes_in_order:
+                run()
+            mx.synchronize()
+        return [(event.name, event.time_range.elapsed_us()) for event in recorded.events()
+                if str(event.device_type).endswith("CUDA")]
+
+    names = {}
+    for arm, run in passes.items():
+        kernels = launched([run])
+        names[arm] = {name for name, _ in kernels} if len(kernels) == calls else set()
+    order = [passes[arm] for repeat in range(repeats) for arm in dflash2_policy.pass_order(list(passes), repeat)]
+    durations = {}
+    for name, us in launched(order):
+        durations.setdefault(name, []).append(us)
+    result = {}
+    for arm, own in names.items():
+        shared = any(own & other for other_arm, other in names.items() if other_arm != arm)
+        samples = [us for name in own for us in durations.get(name, [])]
+        result[arm] = None if shared or not samples else {
+            "median": round(statistics.median(samples), 2), "min": round(min(samples), 2), "max": round(max(samples), 2)}
+    return result
 
 
 def load_kernels(path: Path):
@@ -54,10 +94,11 @@ def load_kernels(path: Path):
     return module
 
 
-def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk) -> dict:
+def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk, cupti_repeats=0) -> dict:
     bench = kernel_parity.Bench(n, k, key)
     one = bench.x[:1]
     arms, mismatches = {"mlx single row": pass_ms(dk.stock_quantized_matmul, one, bench.copies)}, {}
+    passes = {"mlx single row": one_pass(dk.stock_quantized_matmul, one, bench.copies)}
     for rows in ROWS:
         for name, kernels, launch in (("previous", previous_kernels, previous[rows]),
                                       ("current", dk, dk.CUDA_LAUNCH[rows])):
@@ -73,9 +114,13 @@ def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk) -> 
             got = call(x, *bench.copies[0])
             mismatches[f"{name} {rows}"] = dk._differing(got, bench.want[:rows])
             arms[f"{name} {rows}"] = pass_ms(call, x, bench.copies)
+            passes[f"{name} {rows}"] = one_pass(call, x, bench.copies)
     timings = dflash2_policy.interleaved_ms(arms, repeats)
     print(f"N={n} K={k}: " + ", ".join(f"{name} {t['median'] * 1000:.1f} us" for name, t in timings.items()), flush=True)
-    return {"timings_us": timings_us(timings), "mismatches_vs_single_rows": mismatches}
+    shape = {"timings_us": timings_us(timings), "mismatches_vs_single_rows": mismatches}
+    if cupti_repeats:
+        shape["kernel_us"] = kernel_us(passes, len(bench.copies), cupti_repeats)
+    return shape
 
 
 def timings_us(timings: dict) -> dict:
@@ -93,10 +138,12 @@ def per_step_ms(shapes: dict, timings: str, arm_of) -> float:
                            for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
 
 
-def step_sums(shapes: dict) -> dict:
-    """ms per decode step of each arm: its per-shape median x the shape's calls per step."""
-    names = next(iter(shapes.values()))["timings_us"]
-    return {name: per_step_ms(shapes, "timings_us", lambda n, k, name=name: name) for name in names}
+def step_sums(shapes: dict, timings: str = "timings_us") -> dict:
+    """ms per decode step of each arm: its per-shape median x the shape's calls per step (arms
+    without a figure at some shape left out)."""
+    names = next(iter(shapes.values()))[timings]
+    return {name: per_step_ms(shapes, timings, lambda n, k, name=name: name) for name in names
+            if all(entry[timings][name] for entry in shapes.values())}
 
 
 def summary_markdown(record: dict) -> str:
@@ -124,6 +171,19 @@ def summary_markdown(record: dict) -> str:
     elif same:
         lines += ["", f"Rows {', '.join(same)}: the same launch in both arms, a control: their current / previous "
                   "is the comparison's own noise."]
+    kernel_sums = record.get("kernel_step_ms")
+    if kernel_sums and "mlx single row" in kernel_sums:
+        single = kernel_sums["mlx single row"]
+        lines += ["", f"GPU time alone (CUPTI through PyTorch's profiler, {record['cupti_repeats']} interleaved passes "
+                  f"after the wall-clock ones; median launch per shape, summed likewise): MLX single row "
+                  f"{single:.3f} ms per step.", "",
+                  "| rows | previous ms | / MLX single row | current ms | / MLX single row | current / previous |",
+                  "|---|---|---|---|---|---|"]
+        for rows in record["rows"]:
+            before, after = kernel_sums.get(f"previous {rows}"), kernel_sums.get(f"current {rows}")
+            cells = [f"{t:.3f} | {t / single:.2f}" if t else "- | -" for t in (before, after)]
+            lines.append(f"| {rows} | {cells[0]} | {cells[1]} | {after / before:.2f} |" if before and after
+                         else f"| {rows} | {cells[0]} | {cells[1]} | - |")
     lines += ["", "Per shape, us (median, min-max):", "", "| shape | arm | median | min | max |", "|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():
         for name, t in entry["timings_us"].items():
@@ -140,6 +200,8 @@ def main():
     parser.add_argument("--previous-kernels", type=Path,
                         help="another revision's dflash2_kernels.py: the previous arm runs its CUDA kernel")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cupti-repeats", type=int, default=0,
+                        help="then this many interleaved passes under PyTorch's profiler: each arm's GPU time alone")
     parser.add_argument("--out", default=str(kernel_parity.REPO / "evidence"))
     args = parser.parse_args()
     if dk.backend_name() != "cuda":
@@ -151,7 +213,7 @@ def main():
     shapes = {}
     for n, k in dk.PACKED_SHAPES_27B:
         key, shape_key = mx.random.split(key)
-        shapes[f"{n}x{k}"] = time_shape(n, k, previous, args.repeats, shape_key, previous_kernels)
+        shapes[f"{n}x{k}"] = time_shape(n, k, previous, args.repeats, shape_key, previous_kernels, args.cupti_repeats)
     record = {
         **run_environment("compare_qmv_launch.py", "27b kernel shapes"),
         "cuda_kernel_source": dk.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": list(ROWS),
@@ -163,6 +225,9 @@ def main():
         "shapes": shapes,
     }
     record["step_ms"] = step_sums(shapes)
+    if args.cupti_repeats:
+        record["cupti_repeats"] = args.cupti_repeats
+        record["kernel_step_ms"] = step_sums(shapes, "kernel_us")
     markdown = summary_markdown(record)
     write_record(args.out, f"qmv-launch-{record['backend']}", record, markdown)
     print(markdown)
