@@ -235,7 +235,9 @@ def test_the_launch_comparison_can_time_another_revisions_kernel(tmp_path):
     assert previous.cuda_qmv_source_digest() != dk.cuda_qmv_source_digest()
 
     record = json.loads((EVIDENCE / "qmv-launch-cuda.json").read_text())
-    record["previous"] = dict(record["current"])  # the same launches: one kernel against itself
+    # the same launches and kernel: one kernel against itself
+    record.update(previous=dict(record["current"]), previous_kernel_source=record["cuda_kernel_source"],
+                  previous_kernels=None)
     control = "a control: their current / previous is the comparison's own noise"
     assert control in summary_markdown(record)
     record.update(previous_kernel_source=previous.cuda_qmv_source_digest(), previous_kernels=before.name)

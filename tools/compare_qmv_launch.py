@@ -57,31 +57,37 @@ def kernel_us(passes: dict, calls: int, repeats: int) -> dict:
     time alone, none of the host's (the wall-clock figures carry the host's launch cost where a
     kernel is shorter than it). Kernels are told apart by name, learnt from one profiled pass of
     each arm; an arm whose pass launched other than one kernel a call, or a kernel another
-    arm launches too, gets None."""
+    arm launches too, gets None. MLX's graph runs a pass's independent calls side by side,
+    which lengthens each launch: busy_per_call (the time in which any of the arm's kernels ran,
+    over its calls) is the device's time per call with that overlap counted once."""
     from torch.profiler import ProfilerActivity, profile
+
+    from profile_verify import busy_us
 
     def launched(passes_in_order):
         with profile(activities=[ProfilerActivity.CUDA]) as recorded:
             for run in passes_in_order:
                 run()
             mx.synchronize()
-        return [(event.name, event.time_range.elapsed_us()) for event in recorded.events()
+        return [(event.name, event.time_range.start, event.time_range.end) for event in recorded.events()
                 if str(event.device_type).endswith("CUDA")]
 
     names = {}
     for arm, run in passes.items():
         kernels = launched([run])
-        names[arm] = {name for name, _ in kernels} if len(kernels) == calls else set()
+        names[arm] = {name for name, *_ in kernels} if len(kernels) == calls else set()
     order = [passes[arm] for repeat in range(repeats) for arm in dflash2_policy.pass_order(list(passes), repeat)]
-    durations = {}
-    for name, us in launched(order):
-        durations.setdefault(name, []).append(us)
+    intervals = {}
+    for name, start, end in launched(order):
+        intervals.setdefault(name, []).append((start, end))
     result = {}
     for arm, own in names.items():
         shared = any(own & other for other_arm, other in names.items() if other_arm != arm)
-        samples = [us for name in own for us in durations.get(name, [])]
+        spans = [span for name in own for span in intervals.get(name, [])]
+        samples = [end - start for start, end in spans]
         result[arm] = None if shared or not samples else {
-            "median": round(statistics.median(samples), 2), "min": round(min(samples), 2), "max": round(max(samples), 2)}
+            "median": round(statistics.median(samples), 2), "min": round(min(samples), 2), "max": round(max(samples), 2),
+            "busy_per_call": round(busy_us(spans) / (repeats * calls), 2)}
     return result
 
 
@@ -129,21 +135,21 @@ def timings_us(timings: dict) -> dict:
             for name, t in timings.items()}
 
 
-def per_step_ms(shapes: dict, timings: str, arm_of) -> float:
-    """ms per decode step: each shape's median of shapes[shape][timings][arm_of(n, k)] x the
+def per_step_ms(shapes: dict, timings: str, arm_of, stat: str = "median") -> float:
+    """ms per decode step: each shape's `stat` of shapes[shape][timings][arm_of(n, k)] x the
     shape's calls per step, summed with fsum (exact, so the figure does not depend on the
     Python: 3.12's sum compensates, 3.11's does not, and a total on a rounding boundary came
     out 0.001 apart)."""
-    return round(math.fsum(shapes[f"{n}x{k}"][timings][arm_of(n, k)]["median"] * calls
+    return round(math.fsum(shapes[f"{n}x{k}"][timings][arm_of(n, k)][stat] * calls
                            for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
 
 
-def step_sums(shapes: dict, timings: str = "timings_us") -> dict:
-    """ms per decode step of each arm: its per-shape median x the shape's calls per step (arms
-    without a figure at some shape left out)."""
+def step_sums(shapes: dict, timings: str = "timings_us", stat: str = "median") -> dict:
+    """ms per decode step of each arm: its per-shape `stat` x the shape's calls per step (arms
+    without that figure at some shape left out)."""
     names = next(iter(shapes.values()))[timings]
-    return {name: per_step_ms(shapes, timings, lambda n, k, name=name: name) for name in names
-            if all(entry[timings][name] for entry in shapes.values())}
+    return {name: per_step_ms(shapes, timings, lambda n, k, name=name: name, stat) for name in names
+            if all((entry[timings][name] or {}).get(stat) is not None for entry in shapes.values())}
 
 
 def summary_markdown(record: dict) -> str:
@@ -171,19 +177,22 @@ def summary_markdown(record: dict) -> str:
     elif same:
         lines += ["", f"Rows {', '.join(same)}: the same launch in both arms, a control: their current / previous "
                   "is the comparison's own noise."]
-    kernel_sums = record.get("kernel_step_ms")
-    if kernel_sums and "mlx single row" in kernel_sums:
-        single = kernel_sums["mlx single row"]
+    for key, what in (("kernel_step_ms", "the median launch per shape; MLX's graph runs a pass's independent "
+                       "calls side by side, which lengthens each launch, the more the shorter the kernel"),
+                      ("busy_step_ms", "per shape, the time in which any of the arm's kernels ran, over its calls: "
+                       "overlapping launches counted once")):
+        sums = record.get(key)
+        if not sums or "mlx single row" not in sums:
+            continue
+        single = sums["mlx single row"]
         lines += ["", f"GPU time alone (CUPTI through PyTorch's profiler, {record['cupti_repeats']} interleaved passes "
-                  f"after the wall-clock ones; median launch per shape, summed likewise): MLX single row "
-                  f"{single:.3f} ms per step.", "",
+                  f"after the wall-clock ones), {what}; summed likewise. MLX single row {single:.3f} ms per step.", "",
                   "| rows | previous ms | / MLX single row | current ms | / MLX single row | current / previous |",
                   "|---|---|---|---|---|---|"]
         for rows in record["rows"]:
-            before, after = kernel_sums.get(f"previous {rows}"), kernel_sums.get(f"current {rows}")
+            before, after = sums.get(f"previous {rows}"), sums.get(f"current {rows}")
             cells = [f"{t:.3f} | {t / single:.2f}" if t else "- | -" for t in (before, after)]
-            lines.append(f"| {rows} | {cells[0]} | {cells[1]} | {after / before:.2f} |" if before and after
-                         else f"| {rows} | {cells[0]} | {cells[1]} | - |")
+            lines.append(f"| {rows} | {cells[0]} | {cells[1]} | " + (f"{after / before:.2f} |" if before and after else "- |"))
     lines += ["", "Per shape, us (median, min-max):", "", "| shape | arm | median | min | max |", "|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():
         for name, t in entry["timings_us"].items():
@@ -228,6 +237,7 @@ def main():
     if args.cupti_repeats:
         record["cupti_repeats"] = args.cupti_repeats
         record["kernel_step_ms"] = step_sums(shapes, "kernel_us")
+        record["busy_step_ms"] = step_sums(shapes, "kernel_us", "busy_per_call")
     markdown = summary_markdown(record)
     write_record(args.out, f"qmv-launch-{record['backend']}", record, markdown)
     print(markdown)
