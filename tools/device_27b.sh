@@ -48,11 +48,11 @@ case "${1:-}" in
   # PREVIOUS_KERNELS (another revision's dflash2_kernels.py, carried in) the previous arm runs
   # that kernel, under its own table where PREVIOUS (then default '{}') names no launch.
   # 15 repeats: a run takes about 35 s on the H200, and 7 repeats put 8 rows at 1.34x where
-  # 15, in the same session, put them at 1.24x
+  # 15, in the same session, put them at 1.24x; then 5 passes under CUPTI: the GPU time alone
   compare) [ -n "${PREVIOUS:-}" ] || PREVIOUS=${PREVIOUS_KERNELS:+'{}'}
            [ -n "$PREVIOUS" ] || PREVIOUS='{"8": [3, 2, 1, 2, 264]}'
            t=$(left) || exit 124; timeout "$t" python3 tools/compare_qmv_launch.py --previous "$PREVIOUS" \
-             ${PREVIOUS_KERNELS:+--previous-kernels "$PREVIOUS_KERNELS"} --repeats 15 --out "$OUT" ;;
+             ${PREVIOUS_KERNELS:+--previous-kernels "$PREVIOUS_KERNELS"} --repeats 15 --cupti-repeats 5 --out "$OUT" ;;
   launch-cost) t=$(left) || exit 124; timeout "$t" python3 tools/launch_cost.py --out "$OUT" ;;
   profile) t=$(left) || exit 124; timeout "$t" python3 tools/profile_verify.py --out "$OUT" ;;
   graphs) t=$(left) || exit 124; timeout "$t" python3 tools/graph_misses.py --out "$OUT" ;;
