@@ -66,6 +66,7 @@ class PackLimits:
     top_logprobs_k: int = 0
     image_dir: Optional[Path] = None
     max_prompt_chars: Optional[int] = None  # more characters of user text never fit the context
+    prompt_chars_limit: Optional[int] = None  # the server's --max-prompt-chars: more are refused untokenized
 
 
 # ---------------------------------------------------------------------------------------
@@ -447,10 +448,15 @@ def check_chat_request(body, limits: PackLimits) -> dict:
     check_tools(request)
     if isinstance(body.get("stop"), str):
         body["stop"] = [body["stop"]]
-    if limits.max_prompt_chars is not None and rendered_text_chars(request) > limits.max_prompt_chars:
-        # Refused before anything tokenizes it; longer prompts are measured after tokenizing.
+    # Refused before anything tokenizes them (about a second a megabyte, one request at a time);
+    # shorter prompts are measured after tokenizing.
+    chars = rendered_text_chars(request)
+    if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
         raise context_refusal(f"the system, user and tool messages hold more than {limits.max_prompt_chars} "
                               f"characters, more than the model's context of {limits.context_length} tokens can take")
+    if limits.prompt_chars_limit is not None and chars > limits.prompt_chars_limit:
+        raise Refusal(400, "prompt-too-long", f"messages: the system, user and tool messages hold {chars} characters; "
+                      f"this server takes at most {limits.prompt_chars_limit} (its --max-prompt-chars)", "messages")
     checked, pixels = [], 0
     for index, (raw, message) in enumerate(zip(body["messages"], request.messages)):
         raw, used = check_message(raw, message, f"messages[{index}]", limits, MAX_REQUEST_PIXELS - pixels)

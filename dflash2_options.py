@@ -21,6 +21,10 @@ from dflash2_http import PackLimits
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 DEFAULT_PORT = 8080
+# Characters a prompt may average per context token before it is refused untokenized (the
+# default --max-prompt-chars): text far above any tokenizer's usual 3-5 would tie up the
+# tokenizer (about a second a megabyte, one request at a time) for a prompt that cannot fit.
+PROMPT_CHARS_PER_TOKEN = 16
 DEFAULT_REQUEST_TIMEOUT_S = 600
 DEFAULT_PREFIX_CACHE_GB = 8.0
 MAX_PREFILL_STEP = 4096
@@ -138,6 +142,10 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--allow-image-dir", type=Path, metavar="DIR",
                         help="also accept image_url paths (or file:// URLs) of files inside DIR "
                              "(default: base64 data URLs only)")
+    parser.add_argument("--max-prompt-chars", type=int_in(1, 1 << 40), metavar="N",
+                        help="refuse a request whose system, user and tool text is longer, before "
+                             "tokenizing it (default: the context length x "
+                             f"{PROMPT_CHARS_PER_TOKEN}, or what can never fit the context if less)")
     parser.add_argument("--request-timeout", type=int_in(0, 7 * 24 * 3600), metavar="SECONDS",
                         default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="cancel a chat request still running after this long and answer 504 "
@@ -287,5 +295,7 @@ def pack_limits(target_dir: Path, model_id: str, args) -> PackLimits:
         if not args.allow_image_dir.is_dir():
             sys.exit(f"error: --allow-image-dir {args.allow_image_dir}: not a folder")
         image_dir = Path(os.path.realpath(args.allow_image_dir))
+    never_fits = max_prompt_chars(target_dir, context)
+    limit = args.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * context
     return PackLimits(model_id, text["vocab_size"], context, args.top_logprobs_k or 0, image_dir,
-                      max_prompt_chars(target_dir, context))
+                      never_fits, None if never_fits is not None and limit >= never_fits else limit)

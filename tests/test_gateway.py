@@ -333,6 +333,27 @@ def test_max_prompt_chars_from_the_tokenizer(tmp_path):
     assert max_prompt_chars(tmp_path, 1000) is None
 
 
+@pytest.mark.parametrize(("longest", "option", "limit"), [
+    ("<|im_start|>", None, 16 * 1000),  # the default, 16 characters a token: below what never fits (48 a token)
+    ("<|im_start|>", 5000, 5000),  # --max-prompt-chars
+    ("<|im_start|>", 48_000, None),  # at or above what never fits: that refusal alone
+    ("ab", None, None),  # a vocabulary whose tokens are short: nothing fits beyond 8 a token anyway
+])
+def test_the_servers_prompt_limit_is_its_option_or_16_characters_a_context_token(tmp_path, longest, option, limit):
+    import argparse
+
+    from dflash2_options import pack_limits
+
+    tokenizer = {"model": {"type": "BPE", "vocab": {"a": 0}}, "added_tokens": [{"content": longest}]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 1000,
+                                                                      "vocab_size": 8}}))
+    args = argparse.Namespace(max_tokens=None, allow_image_dir=None, top_logprobs_k=None, max_prompt_chars=option)
+    limits = pack_limits(tmp_path, MODEL_ID, args)
+    assert limits.max_prompt_chars == 4 * len(longest) * 1000
+    assert limits.prompt_chars_limit == limit
+
+
 def test_unknown_fields_deep_in_the_request(client):
     body = {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "color": 1}}]}
     assert_refused(post(client, body), 400, "unknown-field", "tools[0].function.color")

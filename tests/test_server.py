@@ -444,6 +444,28 @@ def test_prompts_beyond_the_context_are_refused_before_generation(servers, name)
     assert chat(server, MESSAGES, temperature=0, max_tokens=1).status == 200
 
 
+@pytest.mark.parametrize("name", ["spec", "plain"])
+def test_text_far_beyond_the_context_s_usual_length_is_refused_untokenized(servers, name):
+    """Text averaging more than 16 characters a context token (the default --max-prompt-chars:
+    524288 characters at the tiny pack's 32768 tokens, below the 2621440 no tokenization
+    fits) is refused before the tokenizer sees it, naming the option; one character less is
+    tokenized and then measured."""
+    server = servers[name]
+    limit = 16 * CONTEXT
+    since = len(server.log())
+    text = ("hello world the quick brown fox " * (limit // 32 + 1))[: limit - 1]  # about 2 characters a token
+    too_long = [{"role": "system", "content": text}, {"role": "user", "content": "uu"}]
+    with pytest.raises(openai.BadRequestError, match=f"at most {limit} \\(its --max-prompt-chars\\)") as refused:
+        client(server).chat.completions.create(model=PACK_NAME, messages=too_long, temperature=0, max_tokens=1)
+    assert (refused.value.code, refused.value.param) == ("prompt-too-long", "messages")
+    with pytest.raises(openai.BadRequestError, match="the prompt is") as measured:  # tokenized: over the context
+        client(server).chat.completions.create(model=PACK_NAME, messages=too_long[:1] + [{"role": "user", "content": "u"}],
+                                               temperature=0, max_tokens=1)
+    assert measured.value.code == "context-length-exceeded"
+    arrivals = [line for line in server.log()[since:].splitlines() if "POST /v1/chat/completions:" in line]
+    assert arrivals[0].endswith(": refused; reason=prompt-too-long"), arrivals
+
+
 def test_cross_origin_use_from_loopback_pages_only(servers):
     server = servers["spec"]
 
