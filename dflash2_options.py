@@ -15,6 +15,7 @@ import socket
 import stat
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash2_http import PackLimits
@@ -130,6 +131,18 @@ def positive_gb(value):
     return number
 
 
+@contextmanager
+def interrupted_start_exits():
+    """Ctrl-C while a server starts: one line and exit status 130, not a traceback. os._exit,
+    not sys.exit: by then the engine's generation thread runs, and Python's shutdown aborts on
+    it ("terminate called without an active exception", SIGABRT)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("interrupted while starting: nothing served", file=sys.stderr, flush=True)
+        os._exit(130)
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The options both servers accept; mlx-vlm's own pass through by exact name only."""
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
@@ -227,13 +240,17 @@ def pass_options_to_mlx_vlm(args):
 
 def exit_if_pins_differ(pack_dir: Path, full_hash: bool = False):
     """The launch checks against the pack's dflash2-pack.json (dflash2_pack.check_pins), said
-    in the log; a pack folder without one is served with a warning."""
+    in the log. A built pack (one with SHA256SUMS) without one is refused; a source layout
+    (target/ and drafter/ folders, never built) is served with a warning."""
     import logging
 
-    from dflash2_pack import PINS_FILE, check_pins
+    from dflash2_pack import PINS_FILE, SUMS_FILE, check_pins
 
     logger = logging.getLogger("dflash2.server")
     if not (pack_dir / PINS_FILE).is_file():
+        if (pack_dir / SUMS_FILE).is_file():
+            sys.exit(f"error: {PINS_FILE} is missing from the pack folder (its {SUMS_FILE} says it was built): "
+                     "download or build the pack again")
         logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
         return
     failures = check_pins(pack_dir, full_hash)

@@ -24,6 +24,7 @@ from dflash2_options import (
     exit_if_environment_refused,
     exit_if_pack_invalid,
     exit_if_pins_differ,
+    interrupted_start_exits,
     make_parser,
     pack_limits,
     parse_args,
@@ -35,6 +36,13 @@ from dflash2_options import (
 
 
 def main(argv=None):
+    with interrupted_start_exits():
+        gateway, args = start(argv)
+    serve(gateway, args)
+
+
+def start(argv=None):
+    """Everything before serving: options, pack checks, the engine, its warm-up; the gateway."""
     parser = make_parser("serve.py", "Serve the pack's model plain (no drafter) with mlx-vlm.")
     args = parse_args(parser, argv)
     exit_if_environment_refused()
@@ -56,8 +64,8 @@ def main(argv=None):
                                         top_logprobs_k=args.top_logprobs_k,
                                         prefix_cache_gb=prefix_cache_gb(args))
     warm_up(generator, "plain")
-    serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, request_timeout=args.request_timeout,
-                  decide=lambda body: plain_decision(check_chat_request(body, limits))), args)
+    return Gateway(inner_app, model_id=model_id, scrubber=scrubber, request_timeout=args.request_timeout,
+                   decide=lambda body: plain_decision(check_chat_request(body, limits))), args
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from dflash2_options import (
     exit_if_environment_refused,
     exit_if_pack_invalid,
     exit_if_pins_differ,
+    interrupted_start_exits,
     int_in,
     make_parser,
     pack_limits,
@@ -62,6 +63,12 @@ DEMO_PACK = HERE / "fixtures" / "tiny-pair"
 # about B decode steps), so the adaptive policy would serve plain steps and the drafter's work
 # would not show; a fixed block runs a round every time.
 DEMO_BLOCK_SIZE = 4
+
+
+# The DFlash2 options that shape speculation (--dflash2-full-hash checks the pins: it serves
+# --no-dflash2 as well).
+DRAFTER_OPTIONS = ("dflash2_multimodal", "dflash2_block_size", "dflash2_block_cap", "dflash2_candidate_selector",
+                   "dflash2_sliding_window", "dflash2_round_costs")
 
 
 def make_dflash2_parser():
@@ -115,12 +122,26 @@ def demo_pack() -> Path:
 
 
 def main(argv=None):
+    with interrupted_start_exits():
+        gateway, args = start(argv)
+    serve(gateway, args)
+
+
+def start(argv=None):
+    """Everything before serving: options, pack checks, the engine, its warm-ups; the gateway."""
     parser = make_dflash2_parser()
     args = parse_args(parser, argv)
     exit_if_environment_refused()
     use_private_temp_folder()
     if args.demo and args.pack:
         parser.error("--demo serves the trained tiny pair; leave out --pack")
+    if args.demo and args.verify_pack:
+        parser.error("--verify-pack checks a built pack folder; --demo's fixture is checked against "
+                     "its SHA256SUMS at every start")
+    drafter_options = [f"--{name.replace('_', '-')}" for name in DRAFTER_OPTIONS
+                       if getattr(args, name) != parser.get_default(name)]
+    if args.no_dflash2 and drafter_options:
+        parser.error(f"{', '.join(drafter_options)} set the drafter's work; --no-dflash2 serves without it")
     if args.demo and args.dflash2_block_size is None:
         args.dflash2_block_size = DEMO_BLOCK_SIZE
     from dflash2_pack import find_pack
@@ -181,8 +202,8 @@ def main(argv=None):
         return {"dflash2": server_mode[0], "reason": server_reason, "runtime": speculation.runtime,
                 "round_costs": costs}
 
-    serve(Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
-                  server_mode=server_mode, health=health, request_timeout=args.request_timeout), args)
+    return Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
+                   server_mode=server_mode, health=health, request_timeout=args.request_timeout), args
 
 
 if __name__ == "__main__":

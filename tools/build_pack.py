@@ -57,6 +57,8 @@ def resolve_source(spec):
     """(local folder, source id, revision or None) for a folder or `repo/id[@revision]`."""
     if Path(spec).is_dir():
         return Path(spec).resolve(), Path(spec).resolve().name, None
+    if Path(spec).exists() or spec.startswith(("/", ".", "~")):
+        sys.exit(f"error: {spec}: not a folder (a Hugging Face source is namespace/name[@revision])")
     repo_id, _, revision = spec.partition("@")
     from huggingface_hub import snapshot_download
 
@@ -64,7 +66,11 @@ def resolve_source(spec):
         folder = snapshot_download(repo_id, revision=revision or None)
     except Exception as error:  # offline or unreachable: the local HF cache may have it
         print(f"download failed ({error.__class__.__name__}); using the local HF cache", file=sys.stderr)
-        folder = snapshot_download(repo_id, revision=revision or None, local_files_only=True)
+        try:
+            folder = snapshot_download(repo_id, revision=revision or None, local_files_only=True)
+        except Exception as cache_error:
+            sys.exit(f"error: {spec}: neither a folder here, nor downloadable, nor in the local Hugging Face "
+                     f"cache ({cache_error.__class__.__name__})")
     # The cache keeps each snapshot in a folder named after its commit.
     return Path(folder), repo_id, Path(folder).name
 
@@ -288,10 +294,16 @@ def write_text(path, text):
 # ---------------------------------------------------------------------------------------
 
 
-def build_pack(base, drafter, out_dir, dry_run=False, drafter_form="as-is"):
+def build_pack(base, drafter, out_dir, dry_run=False, drafter_form="as-is", drafter_source=None):
+    """drafter_source: the (source id, revision) to pin for the drafter, where `drafter` is a
+    form of it written here (--drafter-form 4bit's temporary folder)."""
     base_dir, base_id, base_revision = resolve_source(base)
     drafter_dir, drafter_id, drafter_revision = resolve_source(drafter)
+    drafter_id, drafter_revision = drafter_source or (drafter_id, drafter_revision)
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        sys.exit(f"error: --out {out_dir}: a file, not a folder")
+    check_apart(out_dir, [base_dir, drafter_dir])
     if drafter_form == "4bit":
         with tempfile.TemporaryDirectory() as folder:
             try:
@@ -300,13 +312,13 @@ def build_pack(base, drafter, out_dir, dry_run=False, drafter_form="as-is"):
                 sys.exit(f"error: --drafter-form 4bit: {error}")
             print(f"drafter prequantized to 4 bits (group 64, affine); {len(kept)} matrices kept "
                   f"in bf16: {', '.join(kept)}")
-            return build_pack(base, Path(folder) / "drafter", out_dir, dry_run)
+            return build_pack(base, Path(folder) / "drafter", out_dir, dry_run,
+                              drafter_source=(f"{drafter_id}, prequantized to 4 bits by build_pack", drafter_revision))
     try:
         check_target(base_dir)
         check_drafter(drafter_dir, base_dir)
     except PackError as error:
         sys.exit(f"error: the sources fail the pack checks: {error}")
-    check_apart(out_dir, [base_dir, drafter_dir])
     copies, left_out = plan_copies(base_dir, drafter_dir)
     previous = previous_build_files(out_dir)
 
