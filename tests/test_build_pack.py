@@ -131,6 +131,19 @@ def test_dry_run_writes_nothing(tiny_pack, tmp_path, capsys):
     assert "copy  model.safetensors" in capsys.readouterr().out
 
 
+def test_mistyped_sources_and_an_output_file_are_one_line_errors(tiny_pack, tmp_path):
+    """A source that is neither a folder nor a Hugging Face ID found, or --out naming a file: one
+    line naming it, not a traceback."""
+    with pytest.raises(SystemExit, match=f"error: {tmp_path / 'missing'}: not a folder"):
+        build_pack(str(tmp_path / "missing"), str(tiny_pack["drafter"]), tmp_path / "pack")
+    with pytest.raises(SystemExit, match="error: nobody/no-such-pack: neither a folder here, nor downloadable"):
+        build_pack("nobody/no-such-pack", str(tiny_pack["drafter"]), tmp_path / "pack")
+    (tmp_path / "a-file").write_text("mine\n")
+    with pytest.raises(SystemExit, match="a file, not a folder"):
+        build_pack(str(tiny_pack["target"]), str(tiny_pack["drafter"]), tmp_path / "a-file")
+    assert (tmp_path / "a-file").read_text() == "mine\n"
+
+
 def test_refuses_a_folder_it_did_not_build(tiny_pack, tmp_path):
     (tmp_path / "mine.txt").write_text("user file\n")
     with pytest.raises(SystemExit, match="not a previous pack build"):
@@ -192,6 +205,8 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
     assert all(f"{path}.scales" not in header for path in kept)
     assert any(name.endswith(".scales") for name in header)
     assert failing(file_checks(pack_dir)) == []  # the loader's drafter check accepts the 4-bit form
+    pins = json.loads((pack_dir / "dflash2-pack.json").read_text())  # the drafter it came from, not a temp folder
+    assert pins["drafter"]["source"] == f"{tiny_pack['drafter'].name}, prequantized to 4 bits by build_pack"
 
     # The built folder serves: launch pins pass and a greedy request runs rounds of the
     # 4-bit drafter (a fixed block runs them whatever the table measured at start-up says;

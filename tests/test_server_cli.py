@@ -9,16 +9,18 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import flip_byte
-from server_process import REFUSED_PREFIXES, clean_env
+from server_process import REFUSED_PREFIXES, clean_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["serve.py", "serve_dflash2.py"]
@@ -86,6 +88,23 @@ def test_refused_option(main_exit, script, argv):
 def test_dflash2_options_are_not_plain_options(main_exit):
     status, stderr = main_exit("serve.py", "--no-dflash2")
     assert status == 2 and "not accepted: --no-dflash2" in stderr
+
+
+@pytest.mark.parametrize("argv", [["--dflash2-block-size", "4"], ["--dflash2-multimodal", "plain"],
+                                  ["--dflash2-round-costs", "costs.json", "--dflash2-sliding-window"]], ids=" ".join)
+def test_drafter_options_are_refused_without_the_drafter(main_exit, argv):
+    """--no-dflash2 serves without the drafter: options that shape its work would be ignored."""
+    status, stderr = main_exit("serve_dflash2.py", "--no-dflash2", *argv)
+    assert status == 2, stderr
+    refusal = stderr.split("error: ")[-1]
+    assert refusal.endswith(" set the drafter's work; --no-dflash2 serves without it\n"), stderr
+    named = refusal.split(" set the")[0].split(", ")
+    assert sorted(named) == sorted(option for option in argv if option.startswith("--"))
+
+
+def test_the_demo_fixture_is_not_a_pack_to_verify(main_exit):
+    status, stderr = main_exit("serve_dflash2.py", "--demo", "--verify-pack")
+    assert status == 2 and "--verify-pack checks a built pack folder" in stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -179,6 +198,31 @@ def test_temp_folder_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path, 
     assert Path(environ["TMPDIR"]).parent == tmp_path and environ["TMPDIR"] not in (str(shared), str(fresh))
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ctrl_c_while_starting_exits_with_one_line(built_pack, tmp_path, script):
+    """SIGINT once the engine's thread is loading the model: exit status 130 and one line, where
+    Python's shutdown used to print a traceback and abort on MLX's running thread."""
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        # SIG_DFL: a shell that started this run in the background passes SIGINT ignored
+        process = subprocess.Popen([sys.executable, str(REPO / script), "--pack", str(built_pack),
+                                    "--port", str(free_port())], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                   env=clean_env(HOME=str(tmp_path), PYTHONUNBUFFERED="1"),
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while "prefill inverse" not in log_path.read_text() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # logged as start_engine starts the engine's thread
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 130, log_path.read_text()
+    finally:
+        process.kill()
+        process.wait()
+    output = log_path.read_text()
+    assert output.rstrip().endswith("interrupted while starting: nothing served"), output
+    assert "Traceback" not in output and "terminate called" not in output
+
+
 def test_demo_without_the_fixture_says_so(tmp_path):
     for script in REPO.glob("*.py"):  # the files a pack folder ships, without fixtures/
         shutil.copy(script, tmp_path / script.name)
@@ -249,6 +293,16 @@ def test_a_pack_in_a_hugging_face_cache_snapshot_runs_from_its_links(pinned_pack
     result = run("serve.py", cwd=snapshot)
     assert result.returncode == 1 and "config.json" in result.stderr and "dflash2_" not in result.stderr, \
         result.stderr
+
+
+def test_a_built_pack_without_its_pins_file_stops_both_servers(pinned_pack):
+    """Deleting dflash2-pack.json would skip every launch check: a folder whose SHA256SUMS shows
+    it was built needs it (a source layout without either still serves, with a warning)."""
+    (pinned_pack / "dflash2-pack.json").unlink()
+    for script in SCRIPTS:
+        result = run(script, "--pack", str(pinned_pack))
+        assert result.returncode == 1, result.stderr
+        assert "dflash2-pack.json is missing from the pack folder" in result.stderr, result.stderr
 
 
 def test_pins_edited_config(pinned_pack):
