@@ -7,6 +7,7 @@ Start-up only: the options and environment (dflash2_options.py), the pack checks
 (dflash2_gateway.py), shared with serve_dflash2.py.
 """
 
+import runpy
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from pathlib import Path
 # cache snapshot links each file into blobs/.
 HERE = Path(__file__).absolute().parent
 sys.path.insert(0, str(HERE))
+runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))  # no __pycache__ runs
 
 from dflash2_engine import start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging

@@ -27,6 +27,7 @@ dflash2_gateway.py).
 """
 
 import logging
+import runpy
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from pathlib import Path
 # cache snapshot links each file into blobs/.
 HERE = Path(__file__).absolute().parent
 sys.path.insert(0, str(HERE))
+runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))  # no __pycache__ runs
 
 from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging

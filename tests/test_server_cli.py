@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import json
 import os
+import py_compile
 import shutil
 import signal
 import socket
@@ -303,6 +304,27 @@ def test_a_built_pack_without_its_pins_file_stops_both_servers(pinned_pack):
         result = run(script, "--pack", str(pinned_pack))
         assert result.returncode == 1, result.stderr
         assert "dflash2-pack.json is missing from the pack folder" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_compiled_files_in_the_pack_s_pycache_never_run(pinned_pack, script):
+    """The launch checks hash the pack's .py files; a compiled file beside them (an unchecked
+    hash-based one runs whatever the source says) would run in a module's place, so both
+    servers compile the pack's modules from their source, and write no __pycache__ there."""
+    cache = pinned_pack / "__pycache__"
+    planted = cache / "planted_dflash2_options.py"
+    cache.mkdir()
+    planted.write_text("raise SystemExit('planted code ran')\n")
+    compiled = cache / f"dflash2_options.{sys.implementation.cache_tag}.pyc"
+    py_compile.compile(str(planted), cfile=str(compiled), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    planted.unlink()
+    result = run(script, "--help", cwd=pinned_pack)
+    assert result.returncode == 0 and "--max-prompt-chars" in result.stdout, result.stdout + result.stderr
+    assert [path.name for path in cache.iterdir()] == [compiled.name]
+    # the same file, where Python's own import finds it, does run: the test can fail
+    control = subprocess.run([sys.executable, "-c", "import dflash2_options"], cwd=pinned_pack, env=clean_env(),
+                             capture_output=True, text=True, timeout=60)
+    assert "planted code ran" in control.stderr
 
 
 def test_pins_edited_config(pinned_pack):
