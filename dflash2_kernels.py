@@ -1263,6 +1263,49 @@ def _cuda_rotate_kernel():
 
 
 @cache
+def _cuda_rotate_group_kernel(outputs: int):
+    """The rotation of one x by `outputs` sign vectors in one launch (grid.y picks the signs
+    and the output): the rotations of linears that share their input (q/k/v, a GatedDeltaNet's
+    in_proj_qkv and in_proj_z, an MLP's gate and up), each rotate_block's arithmetic."""
+    def pick(name):  # blockIdx.y == 2 ? name2 : blockIdx.y == 1 ? name1 : name0
+        chosen = f"{name}0"
+        for index in range(1, outputs):
+            chosen = f"blockIdx.y == {index} ? {name}{index} : {chosen}"
+        return chosen
+
+    return BakedCudaKernel(
+        name=f"dflash2_hadamard_rotate_{outputs}",
+        input_names=["x", *(f"signs{index}" for index in range(outputs))],
+        output_names=[f"y{index}" for index in range(outputs)],
+        source=f"dflash2::rotate_block<N, BLOCKS, SCALE_BITS, SWIZZLED>(x, {pick('signs')}, {pick('y')});",
+        header=cuda_header(_CUDA_ROTATE_HEADER),
+    )
+
+
+@cache
+def cuda_rotate_group_plan(k: int, block: int, outputs: int, swizzled: bool = True):
+    """(x, [signs, ...]) -> [x rotated by each] for fp16 rows of width k, in one launch
+    (swizzled: for the qmv); no self-test gate."""
+    if swizzled and k % SWIZZLE_WIDTH:
+        raise ValueError(f"swizzled rows need K a multiple of {SWIZZLE_WIDTH}, got {k}")
+    kernel = _cuda_rotate_group_kernel(outputs)
+    template = [("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block)), ("SWIZZLED", swizzled)]
+    threadgroup = (block // 16, 1, 1)
+
+    def run(x, signs):
+        return kernel(
+            inputs=[x, *signs],
+            template=template,
+            grid=(x.size // 16, outputs, 1),
+            threadgroup=threadgroup,
+            output_shapes=[x.shape] * outputs,
+            output_dtypes=[mx.float16] * outputs,
+        )
+
+    return run
+
+
+@cache
 def cuda_rotate_plan(k: int, block: int, swizzled: bool = False):
     """(x, signs) -> rotated x for fp16 rows of width k (swizzled: in swizzle_steps' order,
     for the qmv; K a multiple of 512); no self-test gate."""
@@ -1518,6 +1561,34 @@ def _swizzled_rotation(k: int, block: int):
     return plan
 
 
+# (K, block, outputs) -> whether the CUDA group rotation passed its self-test there.
+_rotate_group_verified: dict = {}
+
+
+def _rotate_group_serves(k: int, block: int, outputs: int) -> bool:
+    shape = (k, block, outputs)
+    if shape not in _rotate_group_verified:  # first use: its self-test at this shape
+        if backend_name() == "cuda" and k % SWIZZLE_WIDTH == 0 and block in ROTATE_BLOCKS and k % block == 0:
+            self_test_rotate_group([shape])
+        else:
+            _rotate_group_verified[shape] = False
+    return _rotate_group_verified[shape]
+
+
+def exact_linear_group(x, block, signs, matrices):
+    """Rotated packed linears that share their input x ((..., K) fp16 rows, at most 8):
+    [exact_linear_rows(x, block, signs[i], *matrices[i])], every row bitwise decode's. On CUDA,
+    where the group rotation passed its self-test at (K, block, len(matrices)) and the qmv
+    serves, one launch rotates x by every sign vector (swizzled rows for the qmv): len - 1
+    launches fewer than a rotation each. matrices: [(weight, scales, biases)]."""
+    k, rows = x.shape[-1], x.size // x.shape[-1]
+    if (block and len(matrices) > 1 and _rotate_group_serves(k, block, len(matrices))
+            and all(_serving_kernel("cuda", weight.shape[0], k, rows) for weight, _, _ in matrices)):
+        rotated = cuda_rotate_group_plan(k, block, len(matrices))(x, signs)
+        return [cuda_matmul(rows_in, *matrix, swizzled=True) for rows_in, matrix in zip(rotated, matrices)]
+    return [exact_linear_rows(x, block, sign, *matrix) for sign, matrix in zip(signs, matrices)]
+
+
 def exact_linear_rows(x, block, signs, weight, scales, biases):
     """A rotated packed linear on (..., K) fp16 rows, at most 8: rotate(x, block, signs)
     (block 0: none), then exact_rows; every row bitwise decode's. On CUDA, where both
@@ -1642,6 +1713,62 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     if own:
         for k, block in shapes:
             _rotate_verified[(backend, k, block)] = ok
+    return SelfTestResult(ok, backend, reason, mismatches, control_mismatches, cases)
+
+
+# (K, block, outputs): the 27B pack's groups of rotated linears that share their input, at both
+# blocks that divide 5120 (attention q/k/v: 3; in_proj_qkv and in_proj_z, gate and up: 2).
+ROTATE_GROUP_SHAPES_27B = ((5120, 512, 2), (5120, 512, 3), (5120, 1024, 2), (5120, 1024, 3))
+
+
+def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check a group rotation bit for bit against mlx-vlm's chain, one row and one sign
+    vector at a time: every output of each launch, in the swizzled rows the qmv reads.
+
+    shapes: (K, block, outputs) triples; default ROTATE_GROUP_SHAPES_27B. kernel: (x (M, K),
+    block, [signs]) -> [rotated, swizzled]; default CUDA's own (the only backend with one),
+    whose serving at each tested shape is then switched on or off by the outcome. The sign
+    vectors alternate the pack's +-1 and general values; rows 1..8 of every input kind;
+    stock_mismatches counts the fp16-arithmetic rotation (the negative control)."""
+    backend = backend_name()
+    own = kernel is None
+    if own and backend != "cuda":
+        return _no_kernel_result(backend)
+    shapes = [tuple(s) for s in (shapes or ROTATE_GROUP_SHAPES_27B)]
+    cases, mismatches, control_mismatches, reason = [], 0, 0, None
+    key = mx.random.key(seed)
+    try:
+        for k, block, outputs in shapes:
+            call = kernel or (lambda x, block, signs, k=k, n=outputs: cuda_rotate_group_plan(k, block, n)(x, signs))
+            key, sign_key = mx.random.split(key)
+            signs = [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
+                     for index, one_key in enumerate(mx.random.split(sign_key, outputs))]
+            for kind in ROTATE_INPUT_KINDS:
+                key, input_key = mx.random.split(key)
+                x = make_rotate_inputs(kind, MAX_ROWS, k, input_key)
+                want = [swizzle_steps(mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)]))
+                        for sign in signs]
+                got = [call(x[:rows], block, signs) for rows in range(1, MAX_ROWS + 1)]
+                control = swizzle_steps(_fp16_chain(x, block, signs[0]))
+                mx.eval(want, got, control)
+                control_differ = _differing(control, want[0])
+                control_mismatches += control_differ
+                for (rows, outs), index in itertools.product(enumerate(got, start=1), range(outputs)):
+                    differ = _differing(outs[index], want[index][:rows])
+                    mismatches += differ
+                    cases.append({"shape": [k, block, outputs], "input": kind, "rows": rows, "output": index,
+                                  "mismatches": differ,
+                                  "stock_mismatches": control_differ if (rows, index) == (MAX_ROWS, 0) else None})
+                    if differ and reason is None:
+                        reason = (f"{backend} group rotation differs from the stock chain at K={k}, block={block}, "
+                                  f"outputs={outputs}, output {index}, rows={rows}, input={kind}: "
+                                  ) + _first_difference(outs[index], want[index][:rows])[0]
+    except Exception as error:  # a kernel that fails to build or run fails the test
+        reason = f"{backend} group rotation raised {type(error).__name__}: {error}"
+    ok = reason is None
+    if own:
+        for shape in shapes:
+            _rotate_group_verified[shape] = ok
     return SelfTestResult(ok, backend, reason, mismatches, control_mismatches, cases)
 
 
@@ -4171,6 +4298,7 @@ def self_test_inverse(heads: int = 48, chunks: int = 2, kernel=None) -> int:
 SELF_TESTS = {
     "qmv": ("packed", self_test),
     "rotate": ("rotations", self_test_rotate),
+    "rotate_group": ("rotation_groups", self_test_rotate_group),
     "gdn": ("gdn", self_test_gdn),
     "dense": ("dense", self_test_dense),
     "attention": ("attention", self_test_attention),
@@ -4185,7 +4313,7 @@ SELF_TESTS = {
 def verify_kernel_self_tests(shapes: dict) -> dict:
     """Self-test every kernel at the pack's shapes, rows / steps / queries 1..8.
 
-    shapes: {"packed": [(N, K)], "rotations": [(K, block)], "gdn": [(B, Hk, Hv,
+    shapes: {"packed": [(N, K)], "rotations": [(K, block)], "rotation_groups": [(K, block, outputs)], "gdn": [(B, Hk, Hv,
     Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "rope":
     [(B, Hq, Hk, D, R)], "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then

@@ -400,6 +400,10 @@ def load_pack(target_dir, drafter_dir=None):
     return model, processor, drafter
 
 
+# The linears of one module that the verify forward calls on the same input, in its order.
+SHARED_INPUT_LINEARS = (("q_proj", "k_proj", "v_proj"), ("in_proj_qkv", "in_proj_z"), ("gate_proj", "up_proj"))
+
+
 def kernel_shapes(model) -> dict:
     """The pack's own shapes for dflash2_kernels.verify_kernel_self_tests (a skeleton
     from build_skeleton is enough: only shapes are read)."""
@@ -407,14 +411,21 @@ def kernel_shapes(model) -> dict:
     from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 
     text = model.language_model.model
-    shapes = {key: set() for key in ("packed", "rotations", "gdn", "dense", "attention", "conv", "rope", "norms",
-                                     "gated_norms", "gates")}
+    shapes = {key: set() for key in ("packed", "rotations", "rotation_groups", "gdn", "dense", "attention", "conv",
+                                     "rope", "norms", "gated_norms", "gates")}
     for _, module in model.language_model.named_modules():
         if isinstance(module, HadamardQuantizedLinear):
             width = dflash2_kernels.packed_width(module.weight)
             shapes["packed"].add((module.weight.shape[0], width))
             if module.block:
                 shapes["rotations"].add((width, module.block))
+        # Rotated linears that share their input: the exact verify rotates them in one launch.
+        for names in SHARED_INPUT_LINEARS:
+            group = [getattr(module, name, None) for name in names]
+            if all(isinstance(linear, HadamardQuantizedLinear) for linear in group) \
+                    and len({linear.block for linear in group}) == 1 and group[0].block:
+                shapes["rotation_groups"].add((dflash2_kernels.packed_width(group[0].weight), group[0].block,
+                                               len(group)))
     for layer in text.layers:
         shapes["norms"].add(tuple(layer.post_attention_layernorm.weight.shape))
         if layer.is_linear:

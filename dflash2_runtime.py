@@ -344,6 +344,14 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         return dflash2_kernels.dense_rows(x, linear.weight)
 
     def _linears(self, linears, x):
+        # Rotated linears that share x (q/k/v; in_proj_qkv and in_proj_z; gate and up): one
+        # rotation launch for all where that kernel serves (dflash2_kernels.exact_linear_group).
+        blocks = {getattr(linear, "block", None) for linear in linears}
+        if (x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * x.shape[-1] and len(blocks) == 1
+                and all(isinstance(linear, HadamardQuantizedLinear) for linear in linears) and linears[0].block):
+            return tuple(dflash2_kernels.exact_linear_group(
+                x, linears[0].block, [linear["signs"] for linear in linears],
+                [(linear["weight"], linear["scales"], linear["biases"]) for linear in linears]))
         return tuple(self._linear(linear, x) for linear in linears)
 
     def quantized_linear(self, linear, x):
@@ -383,15 +391,17 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
     def _gated_delta(self, layer, inputs, mask, cache):
         if mask is not None or cache is None:
             raise ExactnessError("padded or cache-less GatedDeltaNet verify is not exact")
-        return gated_delta_positions(layer, inputs, cache, self._linear)
+        return gated_delta_positions(layer, inputs, cache, self._linear, self._linears)
 
 
-def gated_delta_positions(layer, inputs, cache, linear):
+def gated_delta_positions(layer, inputs, cache, linear, linears=None):
     """The GatedDeltaNet layer at each of the (B, L) positions of `inputs`, every one as
     decode's step computes it (unmasked, with a cache). linear(module, x) runs its packed
-    projections: verify's exact multi-row matmul, or the module's own call in decode."""
+    projections: verify's exact multi-row matmul, or the module's own call in decode;
+    linears((modules), x), where given, the two that share the input."""
     batch, length, _ = inputs.shape
-    mixed_qkv, z = linear(layer.in_proj_qkv, inputs), linear(layer.in_proj_z, inputs)
+    mixed_qkv, z = (linears((layer.in_proj_qkv, layer.in_proj_z), inputs) if linears
+                    else (linear(layer.in_proj_qkv, inputs), linear(layer.in_proj_z, inputs)))
     b, a = _gate_projections(layer, inputs)
     z = z.reshape(batch, length, -1, layer.head_v_dim)
     width = layer.conv_kernel_size - 1

@@ -737,6 +737,95 @@ def test_rotated_rows_reach_the_qmv_swizzled_only_where_both_kernels_passed(monk
         assert not rotation.launches  # the stock chain rotates
 
 
+def test_group_rotation_self_test_fails_naming_the_output():
+    """The group rotation's check, with stand-in kernels (CUDA has the real one; here the
+    default says there is none): the chain per sign vector in swizzled rows passes; outputs
+    in another order, or plain rows, fail naming the case."""
+    assert dk.self_test_rotate_group().reason == (dk.NO_KERNEL if dk.backend_name() != "cuda" else None)
+    shape = [(1024, 512, 3)]
+
+    def chain(x, block, signs):
+        return [dk.swizzle_steps(dk.stock_rotate(x, block, sign)) for sign in signs]
+
+    assert dk.self_test_rotate_group(shape, kernel=chain).ok
+    swapped = dk.self_test_rotate_group(shape, kernel=lambda x, block, signs: chain(x, block, signs[::-1]))
+    assert not swapped.ok and "outputs=3, output 0, rows=1" in swapped.reason and "got 0x" in swapped.reason
+    plain = dk.self_test_rotate_group(shape, kernel=lambda x, block, signs: [dk.stock_rotate(x, block, sign)
+                                                                            for sign in signs])
+    assert not plain.ok and plain.stock_mismatches > 0
+
+
+@pytest.mark.parametrize("group_passed", [True, False])
+def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_passed(monkeypatch, group_passed):
+    """exact_linear_group on CUDA: where the group rotation passed its self-test at (K, block,
+    count), one launch rotates x by every sign vector (grid.y: which) and each qmv reads its
+    swizzled rows; otherwise a rotation each, as exact_linear_rows runs them."""
+    qmv, rotation, group = RecordingKernel(), RecordingKernel(), RecordingGroupRotation()
+    monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
+    monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda: rotation)
+    monkeypatch.setattr(dk, "_cuda_rotate_group_kernel", lambda outputs: group)
+    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    monkeypatch.setitem(dk._verified, "cuda", True)
+    monkeypatch.setattr(dk, "_rotate_plans", {})
+    monkeypatch.setattr(dk, "_swizzled_rotations", {})
+    monkeypatch.setattr(dk, "_rotate_verified", {("cuda", 1024, 512): True})
+    monkeypatch.setattr(dk, "_rotate_group_verified", {(1024, 512, 3): group_passed})
+    for cached in (dk._cuda_launch, dk.cuda_rotate_plan, dk.cuda_rotate_group_plan):
+        cached.cache_clear()
+    matrices = [dk.make_weights(n, 1024, mx.random.key(n)) for n in (48, 16, 16)]
+    signs = [dk.make_signs("pm1", 1024, mx.random.key(10 + index)) for index in range(3)]
+    x = dk.make_inputs("normal", 4, 1024, mx.random.key(2)).reshape(1, 4, 1024)
+    try:
+        outputs = dk.exact_linear_group(x, 512, signs, matrices)
+    finally:
+        for cached in (dk._cuda_launch, dk.cuda_rotate_plan, dk.cuda_rotate_group_plan):
+            cached.cache_clear()
+    assert [out.shape for out in outputs] == [(1, 4, 48), (1, 4, 16), (1, 4, 16)]
+    assert [launch["template"]["SWIZZLED"] for launch in qmv.launches] == [True] * 3
+    if group_passed:
+        assert not rotation.launches and len(group.launches) == 1
+        assert group.launches[0]["grid"][1] == 3 and group.launches[0]["template"]["SWIZZLED"] is True
+        assert [launch["x"] for launch in qmv.launches] == group.outputs  # each qmv reads its own rotation
+    else:
+        assert not group.launches and len(rotation.launches) == 3
+
+
+class RecordingGroupRotation(RecordingKernel):
+    """The group rotation's stand-in: one output per sign vector, kept to follow them."""
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        super().__call__(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                         output_shapes=output_shapes, output_dtypes=output_dtypes)
+        self.outputs = [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return self.outputs
+
+
+def test_the_pack_s_shared_input_linears_are_its_rotation_groups():
+    """kernel_shapes names the 27B pack's groups of rotated linears that share their input, for
+    the start-up self-test of the group rotation: q/k/v (3), in_proj_qkv and in_proj_z, gate and up (2)."""
+    from make_synthetic_pack import target_config
+
+    from dflash2_pack import build_skeleton, kernel_shapes
+
+    shapes = kernel_shapes(build_skeleton(target_config("27b"), "config.json"))
+    assert shapes["rotation_groups"] == [(5120, 1024, 2), (5120, 1024, 3)]
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernels")
+def test_group_rotation_and_qmvs_equal_the_stock_chain_and_single_row_calls_on_cuda():
+    """One rotation launch for three linears sharing x, each qmv on its swizzled rows: every
+    row of every output is the stock chain's and MLX's single-row call's."""
+    k, block = 1024, 512
+    matrices = [dk.make_weights(n, k, mx.random.key(n)) for n in (48, 16, 24)]
+    signs = [dk.make_signs(kind, k, mx.random.key(index)) for index, kind in enumerate(("pm1", "general", "pm1"))]
+    for rows in range(1, dk.MAX_ROWS + 1):
+        x = dk.make_inputs("normal", rows, k, mx.random.key(3 + rows))
+        got = dk.exact_linear_group(x, block, signs, matrices)
+        for out, sign, matrix in zip(got, signs, matrices):
+            assert dk._differing(out, dk.stock_rows(dk.stock_rotate(x, block, sign), *matrix)) == 0
+    assert dk._rotate_group_verified[(k, block, 3)]
+
+
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernels")
 def test_swizzled_rotation_and_qmv_equal_the_stock_chain_and_single_row_calls_on_cuda():
     """The served rotated linear (rotation writing swizzled rows, qmv reading them) gives

@@ -361,6 +361,7 @@ def write_and_print(out, stem, record, markdown):
 # Kernel -> (27B shapes, small shapes) of its self-test.
 KERNEL_SHAPES = {
     "rotate": (dk.ROTATE_SHAPES_27B, dk.ROTATE_SHAPES_SMALL),
+    "rotate_group": (dk.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
     "gdn": (dk.GDN_SHAPES_27B, dk.GDN_SHAPES_SMALL),
     "dense": (dk.DENSE_SHAPES_27B, dk.DENSE_SHAPES_SMALL),
     "attention": ((dk.ATTENTION_PACK_SHAPE,), dk.ATTENTION_TINY_SHAPES),
