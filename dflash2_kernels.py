@@ -1576,8 +1576,8 @@ def _rotate_group_serves(k: int, block: int, outputs: int) -> bool:
 
 
 def exact_linear_group(x, block, signs, matrices):
-    """Rotated packed linears that share their input x ((..., K) fp16 rows, at most 8):
-    [exact_linear_rows(x, block, signs[i], *matrices[i])], every row bitwise decode's. On CUDA,
+    """Rotated packed linears that share their input x ((..., K) fp16 rows, at most 8): a tuple
+    of exact_linear_rows(x, block, signs[i], *matrices[i]), every row bitwise decode's. On CUDA,
     where the group rotation passed its self-test at (K, block, len(matrices)) and the qmv
     serves, one launch rotates x by every sign vector (swizzled rows for the qmv): len - 1
     launches fewer than a rotation each. matrices: [(weight, scales, biases)]."""
@@ -1585,8 +1585,8 @@ def exact_linear_group(x, block, signs, matrices):
     if (block and len(matrices) > 1 and _rotate_group_serves(k, block, len(matrices))
             and all(_serving_kernel("cuda", weight.shape[0], k, rows) for weight, _, _ in matrices)):
         rotated = cuda_rotate_group_plan(k, block, len(matrices))(x, signs)
-        return [cuda_matmul(rows_in, *matrix, swizzled=True) for rows_in, matrix in zip(rotated, matrices)]
-    return [exact_linear_rows(x, block, sign, *matrix) for sign, matrix in zip(signs, matrices)]
+        return tuple(cuda_matmul(rows_in, *matrix, swizzled=True) for rows_in, matrix in zip(rotated, matrices))
+    return tuple(exact_linear_rows(x, block, sign, *matrix) for sign, matrix in zip(signs, matrices))
 
 
 def exact_linear_rows(x, block, signs, weight, scales, biases):

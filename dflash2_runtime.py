@@ -349,9 +349,9 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         blocks = {getattr(linear, "block", None) for linear in linears}
         if (x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * x.shape[-1] and len(blocks) == 1
                 and all(isinstance(linear, HadamardQuantizedLinear) for linear in linears) and linears[0].block):
-            return tuple(dflash2_kernels.exact_linear_group(
+            return dflash2_kernels.exact_linear_group(
                 x, linears[0].block, [linear["signs"] for linear in linears],
-                [(linear["weight"], linear["scales"], linear["biases"]) for linear in linears]))
+                [(linear["weight"], linear["scales"], linear["biases"]) for linear in linears])
         return tuple(self._linear(linear, x) for linear in linears)
 
     def quantized_linear(self, linear, x):
