@@ -397,6 +397,22 @@ def rendered_text_chars(request: ChatRequest) -> int:
     return total
 
 
+def request_text_chars(body: dict) -> int:
+    """Characters of every string in a request's messages and tools, whatever its role or
+    field (assistant turns, tool calls' arguments, tool schemas), image URLs left out (their
+    own limits bound them): all that the template may hand the tokenizer."""
+    total, stack = 0, [body.get("messages"), body.get("tools")]
+    while stack:  # a walk, not recursion: JSON may nest deeper than Python's stack
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            stack.extend(item for key, item in value.items() if key != "image_url")
+        elif isinstance(value, list):
+            stack.extend(value)
+    return total
+
+
 def check_sizes(body: dict):
     """Counts that bound a request's checking before it is parsed into models: messages,
     content parts and images."""
@@ -450,12 +466,12 @@ def check_chat_request(body, limits: PackLimits) -> dict:
         body["stop"] = [body["stop"]]
     # Refused before anything tokenizes them (about a second a megabyte, one request at a time);
     # shorter prompts are measured after tokenizing.
-    chars = rendered_text_chars(request)
-    if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
+    if limits.max_prompt_chars is not None and rendered_text_chars(request) > limits.max_prompt_chars:
         raise context_refusal(f"the system, user and tool messages hold more than {limits.max_prompt_chars} "
                               f"characters, more than the model's context of {limits.context_length} tokens can take")
+    chars = request_text_chars(body)
     if limits.prompt_chars_limit is not None and chars > limits.prompt_chars_limit:
-        raise Refusal(400, "prompt-too-long", f"messages: the system, user and tool messages hold {chars} characters; "
+        raise Refusal(400, "prompt-too-long", f"messages: the messages and tools hold {chars} characters of text; "
                       f"this server takes at most {limits.prompt_chars_limit} (its --max-prompt-chars)", "messages")
     checked, pixels = [], 0
     for index, (raw, message) in enumerate(zip(body["messages"], request.messages)):

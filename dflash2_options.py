@@ -68,6 +68,9 @@ def exit_if_environment_refused():
         )
 
 
+_run_temp_folders = []  # made for this run alone: removed at exit
+
+
 def use_private_temp_folder(environ=os.environ) -> None:
     """Make this process's temp folder (TMPDIR) one only this user can write: <tmp>/dflash2-UID,
     0700, inside the temp folder it had.
@@ -92,6 +95,7 @@ def use_private_temp_folder(environ=os.environ) -> None:
         print(f"warning: {folder} is not this user's alone; kernels compile into {fresh} for this run "
               "(removed at exit)", file=sys.stderr)
         atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+        _run_temp_folders.append(fresh)
         folder = fresh
     environ["TMPDIR"] = tempfile.tempdir = folder
 
@@ -140,6 +144,8 @@ def interrupted_start_exits():
         yield
     except KeyboardInterrupt:
         print("interrupted while starting: nothing served", file=sys.stderr, flush=True)
+        for folder in _run_temp_folders:  # os._exit runs no atexit
+            shutil.rmtree(folder, ignore_errors=True)
         os._exit(130)
 
 
@@ -156,8 +162,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="also accept image_url paths (or file:// URLs) of files inside DIR "
                              "(default: base64 data URLs only)")
     parser.add_argument("--max-prompt-chars", type=int_in(1, 1 << 40), metavar="N",
-                        help="refuse a request whose system, user and tool text is longer, before "
-                             "tokenizing it (default: the context length x "
+                        help="refuse a request whose messages and tools hold more characters of text "
+                             "(any role or field), before tokenizing it (default: the context length x "
                              f"{PROMPT_CHARS_PER_TOKEN}, or what can never fit the context if less)")
     parser.add_argument("--request-timeout", type=int_in(0, 7 * 24 * 3600), metavar="SECONDS",
                         default=DEFAULT_REQUEST_TIMEOUT_S,
@@ -240,7 +246,8 @@ def pass_options_to_mlx_vlm(args):
 
 def exit_if_pins_differ(pack_dir: Path, full_hash: bool = False):
     """The launch checks against the pack's dflash2-pack.json (dflash2_pack.check_pins), said
-    in the log. A built pack (one with SHA256SUMS) without one is refused; a source layout
+    in the log. A pack folder in the release layout (the target's files at its top, as
+    build_pack writes it) or with SHA256SUMS is refused without one; a source layout
     (target/ and drafter/ folders, never built) is served with a warning."""
     import logging
 
@@ -248,8 +255,8 @@ def exit_if_pins_differ(pack_dir: Path, full_hash: bool = False):
 
     logger = logging.getLogger("dflash2.server")
     if not (pack_dir / PINS_FILE).is_file():
-        if (pack_dir / SUMS_FILE).is_file():
-            sys.exit(f"error: {PINS_FILE} is missing from the pack folder (its {SUMS_FILE} says it was built): "
+        if (pack_dir / SUMS_FILE).is_file() or (pack_dir / "config.json").is_file():
+            sys.exit(f"error: {PINS_FILE} is missing from the pack folder (a built pack's layout): "
                      "download or build the pack again")
         logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
         return

@@ -279,15 +279,17 @@ def truncate_weights(pack_dir):
 
 
 @pytest.mark.parametrize("damage", [change_header_digit, truncate_weights])
-def test_damaged_weights_are_named_at_start_and_by_verify(pack_copy, file_checks, damage):
+def test_damaged_weights_are_named_at_start_and_by_verify(pack_copy, tiny_pack, tmp_path, file_checks, damage):
     damage(pack_copy)
     problems = dict(failing(file_checks(pack_copy)))
     assert "model.safetensors: not a valid safetensors file" in problems["target schema"], problems
     pinned = start_from_the_pack(pack_copy)
     assert pinned.returncode == 1 and "model.safetensors:" in pinned.stderr
-    for name in ("dflash2-pack.json", "SHA256SUMS"):  # a folder never built: past the pins, to the pack checks
-        (pack_copy / name).unlink()
-    start = start_from_the_pack(pack_copy)
+    # Past the pins, to the pack checks: a source layout (target/ and drafter/) has none.
+    sources = Path(shutil.copytree(tiny_pack["root"], tmp_path / "sources"))
+    damage(sources / "target")
+    start = subprocess.run([sys.executable, str(REPO / "serve_dflash2.py"), "--pack", str(sources)], cwd=tmp_path,
+                           env=clean_env(), capture_output=True, text=True, timeout=120)
     assert start.returncode == 1 and "model.safetensors: not a valid safetensors file" in start.stderr
     for result in (pinned, start):
         assert "Traceback" not in result.stdout + result.stderr

@@ -67,16 +67,17 @@ def image_dir(tmp_path_factory):
 
 
 def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
-                rounds_pay=lambda: True):
+                rounds_pay=lambda: True, prompt_chars_limit=None):
     """serve_dflash2.py's gateway; server_reason "serve.py" decides as serve.py does."""
     return TestClient(make_gateway(image_dir, top_logprobs_k, server_reason, max_prompt_chars, multimodal_plain,
-                                   rounds_pay), base_url="http://127.0.0.1:8080")
+                                   rounds_pay, prompt_chars_limit=prompt_chars_limit), base_url="http://127.0.0.1:8080")
 
 
 def make_gateway(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
-                 rounds_pay=lambda: True, checking=lambda: None):
+                 rounds_pay=lambda: True, checking=lambda: None, prompt_chars_limit=None):
     """The ASGI app make_client serves; checking() runs as each chat body's check starts."""
-    limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars)
+    limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars,
+                        prompt_chars_limit)
 
     def decide(body):
         checking()
@@ -284,6 +285,25 @@ def test_text_beyond_any_prompt_that_fits_is_refused_untokenized():
         error = assert_refused(post(client, {"messages": [*fits, message]}), 400, "context-length-exceeded",
                                "messages")
         assert "more than 100 characters" in error["message"]
+
+
+def test_the_prompt_limit_counts_text_in_every_role_and_field():
+    """--max-prompt-chars bounds what reaches the tokenizer: assistant turns, tool calls'
+    arguments and tool schemas count too (a review sent 5 MB in each past a 1000 limit);
+    image URLs do not (their own limits bound them)."""
+    client = make_client(prompt_chars_limit=100)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    image = {"type": "image_url", "image_url": {"url": data_url(png((32, 32)))}}
+    fits = {"messages": [{"role": "user", "content": [{"type": "text", "text": "u" * 40}, image]}]}
+    assert post(client, fits).status_code == 200
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for extra in ({"messages": [{"role": "assistant", "content": "a" * 70}]},
+                  {"messages": [{"role": "assistant", "content": None,
+                                 "tool_calls": [{**call, "function": {"name": "f", "arguments": "x" * 70}}]}]},
+                  {"tools": [{**tool, "function": {**tool["function"], "description": "d" * 70}}]}):
+        body = {**fits, **extra, "messages": fits["messages"] + extra.get("messages", [])}
+        error = assert_refused(post(client, body), 400, "prompt-too-long", "messages")
+        assert "at most 100 (its --max-prompt-chars)" in error["message"]
 
 
 def test_counts_that_bound_a_requests_checking_are_refused_before_it_is_read(client):

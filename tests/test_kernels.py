@@ -823,7 +823,8 @@ def test_group_rotation_and_qmvs_equal_the_stock_chain_and_single_row_calls_on_c
         got = dk.exact_linear_group(x, block, signs, matrices)
         for out, sign, matrix in zip(got, signs, matrices):
             assert dk._differing(out, dk.stock_rows(dk.stock_rotate(x, block, sign), *matrix)) == 0
-    assert dk._rotate_group_verified[(k, block, 3)]
+    assert dk._rotate_group_verified[(k, block, 3)]  # the group kernel served, with the qmv:
+    assert all(dk._serving_kernel("cuda", n, k, dk.MAX_ROWS) for n in (48, 16, 24))
 
 
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernels")
@@ -838,7 +839,7 @@ def test_swizzled_rotation_and_qmv_equal_the_stock_chain_and_single_row_calls_on
         x = dk.make_inputs("normal", rows, k, mx.random.key(3 + rows))
         want = dk.stock_rows(dk.stock_rotate(x, block, signs), weight, scales, biases)
         assert dk._differing(dk.exact_linear_rows(x, block, signs, weight, scales, biases), want) == 0
-    assert dk._swizzled_rotation(k, block) is not None
+    assert dk._swizzled_rotation(k, block) is not None and dk._serving_kernel("cuda", 24, k, dk.MAX_ROWS)
     plain_read_as_swizzled = dk.self_test(
         kernel=lambda x, w, s, b: dk.cuda_matmul(x, w, s, b, swizzled=True), shapes=[(16, k)])
     assert not plain_read_as_swizzled.ok and "layout=rows" in plain_read_as_swizzled.reason

@@ -297,13 +297,16 @@ def test_a_pack_in_a_hugging_face_cache_snapshot_runs_from_its_links(pinned_pack
 
 
 def test_a_built_pack_without_its_pins_file_stops_both_servers(pinned_pack):
-    """Deleting dflash2-pack.json would skip every launch check: a folder whose SHA256SUMS shows
-    it was built needs it (a source layout without either still serves, with a warning)."""
+    """Deleting dflash2-pack.json would skip every launch check: a folder in the release layout
+    needs it, SHA256SUMS deleted too (a source layout of target/ and drafter/ still serves
+    unpinned, with a warning)."""
     (pinned_pack / "dflash2-pack.json").unlink()
-    for script in SCRIPTS:
-        result = run(script, "--pack", str(pinned_pack))
-        assert result.returncode == 1, result.stderr
-        assert "dflash2-pack.json is missing from the pack folder" in result.stderr, result.stderr
+    for deleted in ("dflash2-pack.json", "SHA256SUMS"):
+        (pinned_pack / deleted).unlink(missing_ok=True)
+        for script in SCRIPTS:
+            result = run(script, "--pack", str(pinned_pack))
+            assert result.returncode == 1, result.stderr
+            assert "dflash2-pack.json is missing from the pack folder" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
