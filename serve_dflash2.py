@@ -26,17 +26,21 @@ scrubbing, one sequence at a time) is shared with serve.py (dflash2_options.py,
 dflash2_gateway.py).
 """
 
-import logging
-import runpy
 import sys
-from pathlib import Path
 
-# The pack's folder: this script's, as it was started (not resolved). Its modules are imported
-# from here: Python puts the folder of a linked script's target on sys.path, and a Hugging Face
-# cache snapshot links each file into blobs/.
+# First, before any other import: this folder off sys.path (Python put the script's folder there,
+# and a file dropped beside the pack's modules, logging.py say, would run in place of the real
+# one), and the pack's own modules loaded from their checked sources alone (dflash2_source.py).
+if __name__ == "__main__" and not getattr(sys.flags, "safe_path", False):
+    del sys.path[0]
+import runpy  # noqa: E402  (frozen into Python: nothing of this folder's)
+from pathlib import Path  # noqa: E402
+
+# The pack's folder: this script's, as it was started (not resolved): a Hugging Face cache
+# snapshot links each file into blobs/, and the pack is the links' folder.
 HERE = Path(__file__).absolute().parent
-sys.path.insert(0, str(HERE))
-runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))  # no __pycache__ runs
+runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
+import logging
 
 from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging

@@ -310,10 +310,11 @@ def test_a_built_pack_without_its_pins_file_stops_both_servers(pinned_pack):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_compiled_files_in_the_pack_s_pycache_never_run(pinned_pack, script):
-    """The launch checks hash the pack's .py files; a compiled file beside them (an unchecked
-    hash-based one runs whatever the source says) would run in a module's place, so both
-    servers compile the pack's modules from their source, and write no __pycache__ there."""
+def test_files_no_check_covers_never_run_from_the_pack_folder(pinned_pack, script):
+    """The launch checks hash the pack's .py files, and nothing else in its folder runs: not a
+    compiled file in __pycache__ in a module's place (an unchecked hash-based one runs whatever
+    the source says), nor a module file that shadows the standard library's (logging.py, which
+    both servers import first) or a package's. No __pycache__ is written there either."""
     cache = pinned_pack / "__pycache__"
     planted = cache / "planted_dflash2_options.py"
     cache.mkdir()
@@ -321,13 +322,16 @@ def test_compiled_files_in_the_pack_s_pycache_never_run(pinned_pack, script):
     compiled = cache / f"dflash2_options.{sys.implementation.cache_tag}.pyc"
     py_compile.compile(str(planted), cfile=str(compiled), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
     planted.unlink()
+    for shadow in ("logging.py", "uvicorn.py", "argparse.py"):
+        (pinned_pack / shadow).write_text("raise SystemExit('planted code ran')\n")
     result = run(script, "--help", cwd=pinned_pack)
     assert result.returncode == 0 and "--max-prompt-chars" in result.stdout, result.stdout + result.stderr
     assert [path.name for path in cache.iterdir()] == [compiled.name]
-    # the same file, where Python's own import finds it, does run: the test can fail
-    control = subprocess.run([sys.executable, "-c", "import dflash2_options"], cwd=pinned_pack, env=clean_env(),
-                             capture_output=True, text=True, timeout=60)
-    assert "planted code ran" in control.stderr
+    # the same files, where Python's own import finds them, do run: the test can fail
+    for module in ("dflash2_options", "logging"):
+        control = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=pinned_pack, env=clean_env(),
+                                 capture_output=True, text=True, timeout=60)
+        assert "planted code ran" in control.stderr, module
 
 
 def test_pins_edited_config(pinned_pack):
