@@ -399,15 +399,16 @@ def rendered_text_chars(request: ChatRequest) -> int:
 
 def request_text_chars(body: dict) -> int:
     """Characters of every string in a request's messages and tools, whatever its role or
-    field (assistant turns, tool calls' arguments, tool schemas), image URLs left out (their
-    own limits bound them): all that the template may hand the tokenizer."""
+    field (assistant turns, tool calls' arguments, tool schemas): all the text the template
+    may hand the tokenizer. Left out: roles and part types (the template's own markers) and
+    image URLs (their own limits bound them)."""
     total, stack = 0, [body.get("messages"), body.get("tools")]
     while stack:  # a walk, not recursion: JSON may nest deeper than Python's stack
         value = stack.pop()
         if isinstance(value, str):
             total += len(value)
         elif isinstance(value, dict):
-            stack.extend(item for key, item in value.items() if key != "image_url")
+            stack.extend(item for key, item in value.items() if key not in ("role", "type", "image_url"))
         elif isinstance(value, list):
             stack.extend(value)
     return total

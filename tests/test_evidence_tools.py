@@ -211,9 +211,15 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
         entry["kernel_us"] = dict(entry["timings_us"])
     shapes["1024x5120"]["kernel_us"]["previous 8"] = None
     assert step_sums(shapes, "kernel_us") == {"mlx single row": calls, "current 8": 3 * (calls - 1)}
+    for entry in shapes.values():  # busy time per call: a record of it sums the same way
+        for arm, figures in entry["kernel_us"].items():
+            entry["kernel_us"][arm] = figures and {**figures, "busy_per_call": figures["median"] / 2}
+    assert step_sums(shapes, "kernel_us", "busy_per_call") == {"mlx single row": calls / 2,
+                                                               "current 8": 3 * (calls - 1) / 2}
     record = json.loads((EVIDENCE / "qmv-launch-cuda.json").read_text())
     assert record["mismatches"] == 0 and step_sums(record["shapes"]) == record["step_ms"]
     assert step_sums(record["shapes"], "kernel_us") == record["kernel_step_ms"]
+    assert step_sums(record["shapes"], "kernel_us", "busy_per_call") == record.get("busy_step_ms", {})
     assert summary_markdown(record) == (EVIDENCE / "qmv-launch-cuda.md").read_text()
     refused = subprocess.run([sys.executable, str(REPO / "tools" / "compare_qmv_launch.py"), "--previous", "{}"],
                              capture_output=True, text=True, timeout=120)
