@@ -7,6 +7,7 @@ The tests (tests/conftest.py), the battery (tools/battery.py) and the server ben
 import http.client
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -25,7 +26,22 @@ def clean_env(**extra):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A 127.0.0.1 port free now, below the ephemeral range: the system lends ephemeral ports
+    to outgoing connections, and one took a test server's port in the seconds before the
+    server bound it (a port 0 bind picks from that range too)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    below = range(max(1024, low - 12000), low)
+    for port in random.sample(below, min(200, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
