@@ -26,13 +26,22 @@ scrubbing, one sequence at a time) is shared with serve.py (dflash2_options.py,
 dflash2_gateway.py).
 """
 
+import os
 import sys
 
-# First, before any other import: this folder off sys.path (Python put the script's folder there,
-# and a file dropped beside the pack's modules, logging.py say, would run in place of the real
-# one), and the pack's own modules loaded from their checked sources alone (dflash2_source.py).
-if __name__ == "__main__" and not getattr(sys.flags, "safe_path", False):
-    del sys.path[0]
+# First, before any other import (os and sys are Python's own, frozen or built in): the pack's
+# folder off the module path, here and in any child Python (a file beside the pack's modules,
+# logging.py say, would run in place of the real one), then the pack's own modules from their
+# checked sources alone (dflash2_source.py says why). serve.py and serve_dflash2.py open alike.
+if __name__ == "__main__":
+    if not getattr(sys.flags, "safe_path", False):
+        del sys.path[0]  # the script's folder, as Python put it there
+    os.environ["PYTHONSAFEPATH"] = "1"
+    script = os.path.abspath(__file__)
+    folders = {os.path.realpath(os.path.dirname(path)) for path in (script, os.path.realpath(script))}
+    if folders & {os.path.realpath(entry or ".") for entry in sys.path}:
+        sys.exit("error: PYTHONPATH puts the pack's folder on Python's module path (an empty entry or '.'): "
+                 "files beside the pack's modules would run; leave it out")
 import runpy  # noqa: E402  (frozen into Python: nothing of this folder's)
 from pathlib import Path  # noqa: E402
 
