@@ -33,15 +33,11 @@ import sys
 # folder off the module path, here and in any child Python (a file beside the pack's modules,
 # logging.py say, would run in place of the real one), then the pack's own modules from their
 # checked sources alone (dflash2_source.py says why). serve.py and serve_dflash2.py open alike.
-if __name__ == "__main__":
-    if not getattr(sys.flags, "safe_path", False):
-        del sys.path[0]  # the script's folder, as Python put it there
-    os.environ["PYTHONSAFEPATH"] = "1"
+if __name__ == "__main__":  # Python's own entry, and any PYTHONPATH one ('.', or empty: the current folder)
     script = os.path.abspath(__file__)
     folders = {os.path.realpath(os.path.dirname(path)) for path in (script, os.path.realpath(script))}
-    if folders & {os.path.realpath(entry or ".") for entry in sys.path}:
-        sys.exit("error: PYTHONPATH puts the pack's folder on Python's module path (an empty entry or '.'): "
-                 "files beside the pack's modules would run; leave it out")
+    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or ".") not in folders]
+    os.environ["PYTHONSAFEPATH"] = "1"
 import runpy  # noqa: E402  (frozen into Python: nothing of this folder's)
 from pathlib import Path  # noqa: E402
 
