@@ -226,6 +226,29 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
     assert refused.returncode == 2 and "CUDA only" in refused.stderr
 
 
+def test_the_kernel_tools_time_the_rows_as_the_served_verify_hands_them():
+    """kernel_parity, tune_qmv_shapes and compare_qmv_launch call a CUDA qmv module through
+    served_cuda_matmul: on swizzled rows where the module has that layout, on plain rows where
+    an older revision's has not."""
+    import types
+
+    import mlx.core as mx
+
+    import dflash2_kernels as dk
+    from kernel_parity import served_cuda_matmul
+
+    calls = []
+    x = mx.arange(2 * 1024).reshape(2, 1024)
+    for module, swizzled in ((types.SimpleNamespace(swizzle_steps=dk.swizzle_steps), True),
+                             (types.SimpleNamespace(), False)):
+        module.cuda_matmul = lambda x, w, s, b, **options: calls.append((x, options))
+        layout, call = served_cuda_matmul(module, [2, 2, 3])
+        call(layout(x), None, None, None)
+        rows, options = calls[-1]
+        assert options == {"launch": (2, 2, 3), **({"swizzled": True} if swizzled else {})}
+        assert mx.array_equal(rows, dk.swizzle_steps(x) if swizzled else x)
+
+
 def test_the_launch_comparison_can_time_another_revisions_kernel(tmp_path):
     """--previous-kernels: another revision's dflash2_kernels.py loads as a module of its own
     (its kernel source, not this one's), and a record whose previous arm ran it says so in

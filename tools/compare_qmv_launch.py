@@ -108,15 +108,10 @@ def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk, cup
     for rows in ROWS:
         for name, kernels, launch in (("previous", previous_kernels, previous[rows]),
                                       ("current", dk, dk.CUDA_LAUNCH[rows])):
-            # Each kernel reads its rows as the served verify hands them: swizzled where it
-            # has that layout (dflash2_kernels.exact_linear_rows; every 27B K allows it).
-            layout = {"swizzled": True} if hasattr(kernels, "swizzle_steps") else {}
-            x = kernels.swizzle_steps(bench.x[:rows]) if layout else bench.x[:rows]
+            # Each kernel reads its rows as the served verify hands them.
+            layout, call = kernel_parity.served_cuda_matmul(kernels, launch)
+            x = layout(bench.x[:rows])
             mx.eval(x)
-
-            def call(x, w, s, b, kernels=kernels, launch=tuple(launch), layout=layout):
-                return kernels.cuda_matmul(x, w, s, b, launch=launch, **layout)
-
             got = call(x, *bench.copies[0])
             mismatches[f"{name} {rows}"] = dk._differing(got, bench.want[:rows])
             arms[f"{name} {rows}"] = pass_ms(call, x, bench.copies)

@@ -137,6 +137,19 @@ def median_seconds(build, warmup=3, runs=REPEATS):
     return statistics.median(total), statistics.median(evals), statistics.median(builds)
 
 
+def served_cuda_matmul(kernels, launch):
+    """A CUDA qmv module's kernel under `launch` as the served verify calls it: (the rows' layout,
+    x -> x as handed over, and the call on them). Swizzled rows where the module has that
+    layout (dflash2_kernels.exact_linear_rows; every 27B K allows it), else plain ones."""
+    swizzled = hasattr(kernels, "swizzle_steps")
+    layout = kernels.swizzle_steps if swizzled else (lambda x: x)
+
+    def call(x, w, s, b):
+        return kernels.cuda_matmul(x, w, s, b, launch=tuple(launch), **({"swizzled": True} if swizzled else {}))
+
+    return layout, call
+
+
 class Bench:
     """Weight copies of one shape, rotated past the L2, and 8 activation rows."""
 
@@ -149,9 +162,11 @@ class Bench:
         mx.eval(self.copies, self.x)
         self.want = dk.stock_rows(self.x, *self.copies[0])
 
-    def time(self, name, rows, call, launch=None):
-        """call(x_rows, weight, scales, biases); checked bitwise, then timed."""
-        x = self.x[:rows]
+    def time(self, name, rows, call, launch=None, layout=None):
+        """call(x_rows, weight, scales, biases), x's rows in `layout` (x -> x); checked bitwise,
+        then timed."""
+        x = layout(self.x[:rows]) if layout else self.x[:rows]
+        mx.eval(x)
         got = call(x, *self.copies[0])
         mismatches = dk._differing(got, self.want[:rows])
         # One pass over all weight copies, per call; the device's time only.
@@ -183,8 +198,11 @@ def bench_shape(n, k, backend, key):
         bench.time("mlx 8 single-row calls", 8, dk.stock_rows),
     ]
     for rows in BENCH_ROWS:
-        launch = dk.CUDA_LAUNCH[rows] if backend == "cuda" else None
-        timings.append(bench.time("exact kernel", rows, kernel, launch))
+        if backend == "cuda":
+            layout, call = served_cuda_matmul(dk, dk.CUDA_LAUNCH[rows])
+            timings.append(bench.time("exact kernel", rows, call, dk.CUDA_LAUNCH[rows], layout))
+        else:
+            timings.append(bench.time("exact kernel", rows, kernel))
     return timings
 
 
@@ -217,9 +235,9 @@ def tune_cuda_launch(key):
         bench = Bench(n, k, shape_key)
         for rows, launches in TUNE_LAUNCHES.items():
             for launch in launches:
-                call = lambda x, w, s, b, launch=launch: dk.cuda_matmul(x, w, s, b, launch=launch)
+                layout, call = served_cuda_matmul(dk, launch)
                 try:
-                    row = bench.time("tuning", rows, call, launch)
+                    row = bench.time("tuning", rows, call, launch, layout)
                 except Exception as error:  # a launch that fails to build is never picked
                     print(f"  launch {launch} failed: {error}", flush=True)
                     cost[rows, launch] = float("inf")

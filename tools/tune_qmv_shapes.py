@@ -48,11 +48,9 @@ def candidates(rows: int) -> list:
 
 def launch_arm(bench, rows: int, launch: tuple):
     """(ms of one call per weight copy, differing elements), or None where it fails to build or run."""
-    x = bench.x[:rows]
-
-    def call(x, w, s, b):
-        return dk.cuda_matmul(x, w, s, b, launch=launch)
-
+    layout, call = kernel_parity.served_cuda_matmul(dk, launch)
+    x = layout(bench.x[:rows])
+    mx.eval(x)
     try:
         differing = dk._differing(call(x, *bench.copies[0]), bench.want[:rows])
     except Exception as error:
