@@ -1252,21 +1252,15 @@ _CUDA_ROTATE_SOURCE = "dflash2::rotate_block<N, BLOCKS, SCALE_BITS, SWIZZLED>(x,
 
 
 @cache
-def _cuda_rotate_kernel():
-    return BakedCudaKernel(
-        name="dflash2_hadamard_rotate",
-        input_names=["x", "signs"],
-        output_names=["y"],
-        source=_CUDA_ROTATE_SOURCE,
-        header=cuda_header(_CUDA_ROTATE_HEADER),
-    )
+def _cuda_rotate_kernel(outputs: int = 1):
+    """The rotation kernel; with several outputs, one x rotated by each of `outputs` sign
+    vectors in one launch (grid.y picks the signs and the output): the rotations of linears
+    that share their input (q/k/v, a GatedDeltaNet's in_proj_qkv and in_proj_z, an MLP's gate
+    and up), each rotate_block's arithmetic."""
+    if outputs == 1:
+        return BakedCudaKernel(name="dflash2_hadamard_rotate", input_names=["x", "signs"], output_names=["y"],
+                               source=_CUDA_ROTATE_SOURCE, header=cuda_header(_CUDA_ROTATE_HEADER))
 
-
-@cache
-def _cuda_rotate_group_kernel(outputs: int):
-    """The rotation of one x by `outputs` sign vectors in one launch (grid.y picks the signs
-    and the output): the rotations of linears that share their input (q/k/v, a GatedDeltaNet's
-    in_proj_qkv and in_proj_z, an MLP's gate and up), each rotate_block's arithmetic."""
     def pick(name):  # blockIdx.y == 2 ? name2 : blockIdx.y == 1 ? name1 : name0
         chosen = f"{name}0"
         for index in range(1, outputs):
@@ -1283,48 +1277,24 @@ def _cuda_rotate_group_kernel(outputs: int):
 
 
 @cache
-def cuda_rotate_group_plan(k: int, block: int, outputs: int, swizzled: bool = True):
-    """(x, [signs, ...]) -> [x rotated by each] for fp16 rows of width k, in one launch
-    (swizzled: for the qmv); no self-test gate."""
-    if swizzled and k % SWIZZLE_WIDTH:
-        raise ValueError(f"swizzled rows need K a multiple of {SWIZZLE_WIDTH}, got {k}")
-    kernel = _cuda_rotate_group_kernel(outputs)
-    template = [("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block)), ("SWIZZLED", swizzled)]
-    threadgroup = (block // 16, 1, 1)
-
-    def run(x, signs):
-        return kernel(
-            inputs=[x, *signs],
-            template=template,
-            grid=(x.size // 16, outputs, 1),
-            threadgroup=threadgroup,
-            output_shapes=[x.shape] * outputs,
-            output_dtypes=[mx.float16] * outputs,
-        )
-
-    return run
-
-
-@cache
-def cuda_rotate_plan(k: int, block: int, swizzled: bool = False):
+def cuda_rotate_plan(k: int, block: int, swizzled: bool = False, outputs: int = 1):
     """(x, signs) -> rotated x for fp16 rows of width k (swizzled: in swizzle_steps' order,
-    for the qmv; K a multiple of 512); no self-test gate."""
+    for the qmv; K a multiple of 512); with several outputs (x, [signs, ...]) -> [x rotated
+    by each], in one launch. No self-test gate."""
     if swizzled and k % SWIZZLE_WIDTH:
         raise ValueError(f"swizzled rows need K a multiple of {SWIZZLE_WIDTH}, got {k}")
-    kernel = _cuda_rotate_kernel()
-    template = [("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block)), ("SWIZZLED", swizzled)]
-    threadgroup = (block // 16, 1, 1)
-
-    def run(x, signs):
-        # grid counts threads: block / 16 per transform, x.size / block transforms.
-        return kernel(
-            inputs=[x, signs],
-            template=template,
-            grid=(x.size // 16, 1, 1),
-            threadgroup=threadgroup,
-            output_shapes=[x.shape],
-            output_dtypes=[mx.float16],
-        )[0]
+    kernel = _cuda_rotate_kernel(outputs)
+    launch = dict(template=[("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block)),
+                            ("SWIZZLED", swizzled)],
+                  threadgroup=(block // 16, 1, 1), output_dtypes=[mx.float16] * outputs)
+    # grid counts threads: block / 16 per transform, x.size / block transforms (and y: which output).
+    if outputs == 1:
+        def run(x, signs):
+            return kernel(inputs=[x, signs], grid=(x.size // 16, 1, 1), output_shapes=[x.shape], **launch)[0]
+    else:
+        def run(x, signs):
+            return kernel(inputs=[x, *signs], grid=(x.size // 16, outputs, 1), output_shapes=[x.shape] * outputs,
+                          **launch)
 
     return run
 
@@ -1584,7 +1554,7 @@ def exact_linear_group(x, block, signs, matrices):
     k, rows = x.shape[-1], x.size // x.shape[-1]
     if (block and len(matrices) > 1 and _rotate_group_serves(k, block, len(matrices))
             and all(_serving_kernel("cuda", weight.shape[0], k, rows) for weight, _, _ in matrices)):
-        rotated = cuda_rotate_group_plan(k, block, len(matrices))(x, signs)
+        rotated = cuda_rotate_plan(k, block, True, len(matrices))(x, signs)
         return tuple(cuda_matmul(rows_in, *matrix, swizzled=True) for rows_in, matrix in zip(rotated, matrices))
     return tuple(exact_linear_rows(x, block, sign, *matrix) for sign, matrix in zip(signs, matrices))
 
@@ -1739,7 +1709,7 @@ def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestR
     key = mx.random.key(seed)
     try:
         for k, block, outputs in shapes:
-            call = kernel or (lambda x, block, signs, k=k, n=outputs: cuda_rotate_group_plan(k, block, n)(x, signs))
+            call = kernel or (lambda x, block, signs, k=k, n=outputs: cuda_rotate_plan(k, block, True, n)(x, signs))
             key, sign_key = mx.random.split(key)
             signs = [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
                      for index, one_key in enumerate(mx.random.split(sign_key, outputs))]

@@ -714,7 +714,7 @@ def test_rotated_rows_reach_the_qmv_swizzled_only_where_both_kernels_passed(monk
     k = 1024
     qmv, rotation = RecordingKernel(), RecordingKernel()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
-    monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda: rotation)
+    monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda outputs=1: rotation)
     monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dk._verified, "cuda", True)
     monkeypatch.setattr(dk, "_rotate_plans", {})
@@ -762,15 +762,14 @@ def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_p
     swizzled rows; otherwise a rotation each, as exact_linear_rows runs them."""
     qmv, rotation, group = RecordingKernel(), RecordingKernel(), RecordingGroupRotation()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
-    monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda: rotation)
-    monkeypatch.setattr(dk, "_cuda_rotate_group_kernel", lambda outputs: group)
+    monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda outputs=1: rotation if outputs == 1 else group)
     monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dk._verified, "cuda", True)
     monkeypatch.setattr(dk, "_rotate_plans", {})
     monkeypatch.setattr(dk, "_swizzled_rotations", {})
     monkeypatch.setattr(dk, "_rotate_verified", {("cuda", 1024, 512): True})
     monkeypatch.setattr(dk, "_rotate_group_verified", {(1024, 512, 3): group_passed})
-    for cached in (dk._cuda_launch, dk.cuda_rotate_plan, dk.cuda_rotate_group_plan):
+    for cached in (dk._cuda_launch, dk.cuda_rotate_plan):
         cached.cache_clear()
     matrices = [dk.make_weights(n, 1024, mx.random.key(n)) for n in (48, 16, 16)]
     signs = [dk.make_signs("pm1", 1024, mx.random.key(10 + index)) for index in range(3)]
@@ -778,7 +777,7 @@ def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_p
     try:
         outputs = dk.exact_linear_group(x, 512, signs, matrices)
     finally:
-        for cached in (dk._cuda_launch, dk.cuda_rotate_plan, dk.cuda_rotate_group_plan):
+        for cached in (dk._cuda_launch, dk.cuda_rotate_plan):
             cached.cache_clear()
     assert [out.shape for out in outputs] == [(1, 4, 48), (1, 4, 16), (1, 4, 16)]
     assert [launch["template"]["SWIZZLED"] for launch in qmv.launches] == [True] * 3
