@@ -110,6 +110,14 @@ REPLACED = (
         "the same bits); verify's _layer does the same for all positions.",
     ),
     Audited(
+        "mlx_vlm.models.qwen3_5.language:Qwen3_5MLP.__call__",
+        "dc08d40bfdf18cf60619caad43c76a1094f3de1b14d2c53b9e2228fa698bc40a",
+        "Where the rotation arm serves decode, gate and up rotate their shared input in one "
+        "kernel launch instead of two (dflash2_kernels.rotate_group, the same bits), then each "
+        "runs its own matmul; otherwise its own two calls. Verify's _feed_forward groups them "
+        "likewise (exact_linear_group).",
+    ),
+    Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_chunked",
         "757e303fa95c66f35d957712e9436742d2ebe9d2f507cf51863ab2a53615c6f3",
         "Swapped by the engine on every route for its own code with another _invert_unit_lower "

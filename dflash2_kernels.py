@@ -1545,6 +1545,16 @@ def _rotate_group_serves(k: int, block: int, outputs: int) -> bool:
     return _rotate_group_verified[shape]
 
 
+def rotate_group(x, block, signs):
+    """(rotate(x, block, s) for s in signs), the same bits: the rotations of decode's linears
+    that share x ((..., K) fp16 rows), for their MLX matmuls. On CUDA, where the group rotation
+    passed its self-test at (K, block, len(signs)), in one launch."""
+    k = x.shape[-1]
+    if len(signs) > 1 and x.dtype == mx.float16 and _rotate_group_serves(k, block, len(signs)):
+        return tuple(cuda_rotate_plan(k, block, False, len(signs))(x, signs))
+    return tuple(rotate(x, block, sign) for sign in signs)
+
+
 def exact_linear_group(x, block, signs, matrices):
     """Rotated packed linears that share their input x ((..., K) fp16 rows, at most 8): a tuple
     of exact_linear_rows(x, block, signs[i], *matrices[i]), every row bitwise decode's. On CUDA,
@@ -1693,10 +1703,11 @@ ROTATE_GROUP_SHAPES_27B = ((5120, 512, 2), (5120, 512, 3), (5120, 1024, 2), (512
 
 def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check a group rotation bit for bit against mlx-vlm's chain, one row and one sign
-    vector at a time: every output of each launch, in the swizzled rows the qmv reads.
+    vector at a time: every output of each launch, in both layouts (plain rows for decode's
+    MLX matmul, swizzled rows for the qmv).
 
     shapes: (K, block, outputs) triples; default ROTATE_GROUP_SHAPES_27B. kernel: (x (M, K),
-    block, [signs]) -> [rotated, swizzled]; default CUDA's own (the only backend with one),
+    block, [signs], swizzled) -> [rotated]; default CUDA's own (the only backend with one),
     whose serving at each tested shape is then switched on or off by the outcome. The sign
     vectors alternate the pack's +-1 and general values; rows 1..8 of every input kind;
     stock_mismatches counts the fp16-arithmetic rotation (the negative control)."""
@@ -1709,30 +1720,36 @@ def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestR
     key = mx.random.key(seed)
     try:
         for k, block, outputs in shapes:
-            call = kernel or (lambda x, block, signs, k=k, n=outputs: cuda_rotate_plan(k, block, True, n)(x, signs))
+            call = kernel or (lambda x, block, signs, swizzled, k=k, n=outputs:
+                              cuda_rotate_plan(k, block, swizzled, n)(x, signs))
             key, sign_key = mx.random.split(key)
             signs = [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
                      for index, one_key in enumerate(mx.random.split(sign_key, outputs))]
             for kind in ROTATE_INPUT_KINDS:
                 key, input_key = mx.random.split(key)
                 x = make_rotate_inputs(kind, MAX_ROWS, k, input_key)
-                want = [swizzle_steps(mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)]))
+                want = [mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)])
                         for sign in signs]
-                got = [call(x[:rows], block, signs) for rows in range(1, MAX_ROWS + 1)]
-                control = swizzle_steps(_fp16_chain(x, block, signs[0]))
+                got = {layout: [call(x[:rows], block, signs, layout == "swizzled") for rows in range(1, MAX_ROWS + 1)]
+                       for layout in ("rows", "swizzled")}
+                control = _fp16_chain(x, block, signs[0])
                 mx.eval(want, got, control)
                 control_differ = _differing(control, want[0])
                 control_mismatches += control_differ
-                for (rows, outs), index in itertools.product(enumerate(got, start=1), range(outputs)):
-                    differ = _differing(outs[index], want[index][:rows])
+                for (layout, outs), rows, index in itertools.product(got.items(), range(1, MAX_ROWS + 1),
+                                                                     range(outputs)):
+                    wanted = want[index][:rows]
+                    wanted = swizzle_steps(wanted) if layout == "swizzled" else wanted
+                    differ = _differing(outs[rows - 1][index], wanted)
                     mismatches += differ
                     cases.append({"shape": [k, block, outputs], "input": kind, "rows": rows, "output": index,
-                                  "mismatches": differ,
-                                  "stock_mismatches": control_differ if (rows, index) == (MAX_ROWS, 0) else None})
+                                  "layout": layout, "mismatches": differ,
+                                  "stock_mismatches": (control_differ if (rows, index, layout) == (MAX_ROWS, 0, "rows")
+                                                       else None)})
                     if differ and reason is None:
                         reason = (f"{backend} group rotation differs from the stock chain at K={k}, block={block}, "
-                                  f"outputs={outputs}, output {index}, rows={rows}, input={kind}: "
-                                  ) + _first_difference(outs[index], want[index][:rows])[0]
+                                  f"outputs={outputs}, output {index}, rows={rows}, input={kind}, layout={layout}: "
+                                  ) + _first_difference(outs[rows - 1][index], wanted)[0]
     except Exception as error:  # a kernel that fails to build or run fails the test
         reason = f"{backend} group rotation raised {type(error).__name__}: {error}"
     ok = reason is None

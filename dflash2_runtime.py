@@ -197,10 +197,46 @@ def _hadamard_linear_call(self, x):
         return _packed_linear(self, x)
     if self.block:
         x = dflash2_kernels.rotate(x, self.block, self["signs"])
+    return _mlx_packed_matmul(self, x)
+
+
+def _mlx_packed_matmul(linear, rotated):
+    """The module's own MLX matmul on its rotated input (decode's, at any row count)."""
     return mx.quantized_matmul(  # items, not attributes: see _packed_linear
-        x, self["weight"], self["scales"], self["biases"], transpose=True,
-        group_size=self.group_size, bits=self.bits,
+        rotated, linear["weight"], linear["scales"], linear["biases"], transpose=True,
+        group_size=linear.group_size, bits=linear.bits,
     )
+
+
+def _shared_rotation_block(linears, x) -> int:
+    """The rotation block packed linears that share fp16 x can rotate it with in one launch:
+    all HadamardQuantizedLinear with one nonzero block; else 0."""
+    blocks = {getattr(linear, "block", None) for linear in linears}
+    if (x.dtype != mx.float16 or len(blocks) != 1
+            or not all(isinstance(linear, HadamardQuantizedLinear) for linear in linears)):
+        return 0
+    return linears[0].block
+
+
+def _decode_linears(linears, x):
+    """Linears that share x (an MLP's gate and up; a GatedDeltaNet's in_proj_qkv and
+    in_proj_z) as decode's own calls compute them; with the rotation, x rotated for all of
+    them in one launch (dflash2_kernels.rotate_group, the same bits), then each one's matmul
+    as _hadamard_linear_call runs it."""
+    block = _shared_rotation_block(linears, x) if "rotation" in _decode_path else 0
+    if not block:
+        return tuple(linear(x) for linear in linears)
+    signs = [linear["signs"] for linear in linears]
+    if "matmul" in _decode_path and x.size == x.shape[-1]:
+        return dflash2_kernels.exact_linear_group(
+            x, block, signs, [(linear["weight"], linear["scales"], linear["biases"]) for linear in linears])
+    return tuple(_mlx_packed_matmul(linear, rotated)
+                 for linear, rotated in zip(linears, dflash2_kernels.rotate_group(x, block, signs)))
+
+
+def _mlp_call(self, x):
+    """Qwen3_5MLP.__call__, its gate and up through _decode_linears."""
+    return self.down_proj(qwen3_5_language.swiglu(*_decode_linears((self.gate_proj, self.up_proj), x)))
 
 
 def _gated_delta_ops_call(q, k, v, g, beta, state=None, mask=None):
@@ -221,7 +257,7 @@ def _gated_delta_net_call(self, inputs, mask=None, cache=None):
             or self.training or mask is not None or cache is None
             or inputs.shape[:2] != (1, 1) or inputs.dtype != mx.float16):
         return _stock_gated_delta_net_call(self, inputs, mask, cache)
-    return gated_delta_positions(self, inputs, cache, _module_call)
+    return gated_delta_positions(self, inputs, cache, _module_call, _decode_linears)
 
 
 def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
@@ -346,11 +382,10 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
     def _linears(self, linears, x):
         # Rotated linears that share x (q/k/v; in_proj_qkv and in_proj_z; gate and up): one
         # rotation launch for all where that kernel serves (dflash2_kernels.exact_linear_group).
-        blocks = {getattr(linear, "block", None) for linear in linears}
-        if (x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * x.shape[-1] and len(blocks) == 1
-                and all(isinstance(linear, HadamardQuantizedLinear) for linear in linears) and linears[0].block):
+        block = _shared_rotation_block(linears, x)
+        if block and x.size <= dflash2_kernels.MAX_ROWS * x.shape[-1]:
             return dflash2_kernels.exact_linear_group(
-                x, linears[0].block, [linear["signs"] for linear in linears],
+                x, block, [linear["signs"] for linear in linears],
                 [(linear["weight"], linear["scales"], linear["biases"]) for linear in linears])
         return tuple(self._linear(linear, x) for linear in linears)
 
@@ -713,6 +748,7 @@ REPLACEMENTS = {
         _hadamard_linear_call,
     "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_policy.policy_rounds,
     "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__": _decoder_layer_call,
+    "mlx_vlm.models.qwen3_5.language:Qwen3_5MLP.__call__": _mlp_call,
 }
 
 

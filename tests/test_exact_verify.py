@@ -83,9 +83,9 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
     positions, rope_rows = dflash2_runtime.gated_delta_positions, dflash2_kernels.rope_rows
     add_rms_norm = dflash2_kernels.add_rms_norm
 
-    def counted(layer, inputs, cache, linear):
+    def counted(layer, inputs, cache, linear, linears):
         one_row_layers.append(inputs.shape[:2])
-        return positions(layer, inputs, cache, linear)
+        return positions(layer, inputs, cache, linear, linears)
 
     def counted_rope(q, k, cos, sin, variant=None):
         rotary_calls.append(dflash2_kernels.rope_kernel_supports(q, k, cos, sin))
@@ -172,6 +172,23 @@ def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch
     monkeypatch.setattr(dflash2_kernels, "rope_rows", rope_rows_unbuilt)
     differing = dflash2_runtime.decode_arm_differences(lm, ["rotation+recurrence+convolution+rope"])
     assert differing == {"rotation+recurrence+convolution+rope": "raised RuntimeError: the kernel did not build"}
+
+
+def test_a_decode_step_whose_shared_input_rotation_differs_is_found(target, monkeypatch):
+    """Decode's linears that share their input (an MLP's gate and up; under the convolution
+    arm a GatedDeltaNet's in_proj_qkv and in_proj_z) take one rotation for all
+    (dflash2_kernels.rotate_group; the matmul arm's one row, exact_linear_group): one bit off
+    in its last output is found in every arm that takes it, and in no other."""
+    lm = target[0].language_model
+    arms = [arm for arm in dflash2_runtime.DECODE_ARMS if arm != "mlx"]
+    with monkeypatch.context() as patch:
+        patch.setattr(dflash2_kernels, "rotate_group", last_output_a_bit_off(dflash2_kernels.rotate_group))
+        differing = dflash2_runtime.decode_arm_differences(lm, arms)
+    assert {arm for arm, n in differing.items() if n} == {arm for arm in arms
+                                                          if "matmul" not in dflash2_runtime.DECODE_ARMS[arm]}
+    monkeypatch.setattr(dflash2_kernels, "exact_linear_group", last_output_a_bit_off(dflash2_kernels.exact_linear_group))
+    differing = dflash2_runtime.decode_arm_differences(lm, ["rotation+recurrence+matmul"])
+    assert differing["rotation+recurrence+matmul"] > 0
 
 
 def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatch):

@@ -30,6 +30,7 @@ def test_views_are_free_and_one_launch_calls_count_once():
     signs = [dk.make_signs("pm1", 512, mx.random.key(index)) for index in range(3)]
     mx.eval(signs)
     assert count(lambda: list(dk.exact_linear_group(x, 512, signs, [packed] * 3))) == 4  # one rotation for three
+    assert count(lambda: list(dk.rotate_group(x, 512, signs))) == 1
     assert count(lambda: [dk.stock_rows(x, *packed)]) == 9  # eight calls and a concatenate
     assert count(lambda: [mx.exp(x) + 1]) == 2
     # add_rms_norm's stock form calls rms_norm, itself one launch: counted once in all.

@@ -739,27 +739,31 @@ def test_rotated_rows_reach_the_qmv_swizzled_only_where_both_kernels_passed(monk
 
 def test_group_rotation_self_test_fails_naming_the_output():
     """The group rotation's check, with stand-in kernels (CUDA has the real one; here the
-    default says there is none): the chain per sign vector in swizzled rows passes; outputs
-    in another order, or plain rows, fail naming the case."""
+    default says there is none): the chain per sign vector, in plain rows or swizzled as asked,
+    passes; outputs in another order, or one layout whatever is asked, fail naming the case."""
     assert dk.self_test_rotate_group().reason == (dk.NO_KERNEL if dk.backend_name() != "cuda" else None)
     shape = [(1024, 512, 3)]
 
-    def chain(x, block, signs):
-        return [dk.swizzle_steps(dk.stock_rotate(x, block, sign)) for sign in signs]
+    def chain(x, block, signs, swizzled):
+        rotated = [dk.stock_rotate(x, block, sign) for sign in signs]
+        return [dk.swizzle_steps(out) for out in rotated] if swizzled else rotated
 
     assert dk.self_test_rotate_group(shape, kernel=chain).ok
-    swapped = dk.self_test_rotate_group(shape, kernel=lambda x, block, signs: chain(x, block, signs[::-1]))
+    swapped = dk.self_test_rotate_group(shape, kernel=lambda x, block, signs, swizzled:
+                                        chain(x, block, signs[::-1], swizzled))
     assert not swapped.ok and "outputs=3, output 0, rows=1" in swapped.reason and "got 0x" in swapped.reason
-    plain = dk.self_test_rotate_group(shape, kernel=lambda x, block, signs: [dk.stock_rotate(x, block, sign)
-                                                                            for sign in signs])
-    assert not plain.ok and plain.stock_mismatches > 0
+    for layout, always in (("swizzled", False), ("rows", True)):
+        one_layout = dk.self_test_rotate_group(shape, kernel=lambda x, block, signs, swizzled:
+                                               chain(x, block, signs, always))
+        assert not one_layout.ok and f"layout={layout}" in one_layout.reason and one_layout.stock_mismatches > 0
 
 
 @pytest.mark.parametrize("group_passed", [True, False])
 def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_passed(monkeypatch, group_passed):
     """exact_linear_group on CUDA: where the group rotation passed its self-test at (K, block,
     count), one launch rotates x by every sign vector (grid.y: which) and each qmv reads its
-    swizzled rows; otherwise a rotation each, as exact_linear_rows runs them."""
+    swizzled rows; otherwise a rotation each, as exact_linear_rows runs them. rotate_group
+    (decode's, for MLX's matmuls) likewise, in plain rows."""
     qmv, rotation, group = RecordingKernel(), RecordingKernel(), RecordingGroupRotation()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
     monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda outputs=1: rotation if outputs == 1 else group)
@@ -776,9 +780,23 @@ def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_p
     x = dk.make_inputs("normal", 4, 1024, mx.random.key(2)).reshape(1, 4, 1024)
     try:
         outputs = dk.exact_linear_group(x, 512, signs, matrices)
+        decode_qmv, decode_group, decode_rotation = RecordingKernel(), RecordingGroupRotation(), RecordingKernel()
+        monkeypatch.setattr(dk, "_cuda_kernel", lambda: decode_qmv)
+        monkeypatch.setattr(dk, "_cuda_rotate_kernel",
+                            lambda outputs=1: decode_rotation if outputs == 1 else decode_group)
+        monkeypatch.setattr(dk, "_rotate_plans", {})  # each plan holds the kernel it was made with
+        dk.cuda_rotate_plan.cache_clear()
+        rotated = dk.rotate_group(x, 512, signs)
     finally:
         for cached in (dk._cuda_launch, dk.cuda_rotate_plan):
             cached.cache_clear()
+    assert len(rotated) == 3 and not decode_qmv.launches
+    if group_passed:
+        assert not decode_rotation.launches and [launch["grid"][1] for launch in decode_group.launches] == [3]
+        assert decode_group.launches[0]["template"]["SWIZZLED"] is False and list(rotated) == decode_group.outputs
+    else:
+        assert not decode_group.launches
+        assert [launch["template"]["SWIZZLED"] for launch in decode_rotation.launches] == [False] * 3
     assert [out.shape for out in outputs] == [(1, 4, 48), (1, 4, 16), (1, 4, 16)]
     assert [launch["template"]["SWIZZLED"] for launch in qmv.launches] == [True] * 3
     if group_passed:
@@ -813,7 +831,8 @@ def test_the_pack_s_shared_input_linears_are_its_rotation_groups():
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernels")
 def test_group_rotation_and_qmvs_equal_the_stock_chain_and_single_row_calls_on_cuda():
     """One rotation launch for three linears sharing x, each qmv on its swizzled rows: every
-    row of every output is the stock chain's and MLX's single-row call's."""
+    row of every output is the stock chain's and MLX's single-row call's; decode's group
+    rotation (plain rows, for MLX's matmuls) the stock chain's."""
     k, block = 1024, 512
     matrices = [dk.make_weights(n, k, mx.random.key(n)) for n in (48, 16, 24)]
     signs = [dk.make_signs(kind, k, mx.random.key(index)) for index, kind in enumerate(("pm1", "general", "pm1"))]
@@ -822,6 +841,8 @@ def test_group_rotation_and_qmvs_equal_the_stock_chain_and_single_row_calls_on_c
         got = dk.exact_linear_group(x, block, signs, matrices)
         for out, sign, matrix in zip(got, signs, matrices):
             assert dk._differing(out, dk.stock_rows(dk.stock_rotate(x, block, sign), *matrix)) == 0
+        for out, sign in zip(dk.rotate_group(x, block, signs), signs):  # decode's, in plain rows
+            assert dk._differing(out, dk.stock_rotate(x, block, sign)) == 0
     assert dk._rotate_group_verified[(k, block, 3)]  # the group kernel served, with the qmv:
     assert all(dk._serving_kernel("cuda", n, k, dk.MAX_ROWS) for n in (48, 16, 24))
 

@@ -56,6 +56,7 @@ ONE_LAUNCH = (
     # A matmul each, and one rotation for all the linears that share x (none at block 0).
     (dflash2_kernels, "exact_linear_group", lambda x, block, signs, matrices: len(matrices) + bool(block)),
     (dflash2_kernels, "rotate", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "rotate_group", lambda *args, **kwargs: 1),  # decode's, for MLX's matmuls
     (dflash2_kernels, "gdn_recurrence", lambda *args, **kwargs: 1),
     (dflash2_kernels, "dense_rows", lambda *args, **kwargs: 1),
     (dflash2_kernels, "conv_rows", lambda *args, **kwargs: 1),
