@@ -210,10 +210,11 @@ def _mlx_packed_matmul(linear, rotated):
 
 def _shared_rotation_block(linears, x) -> int:
     """The rotation block packed linears that share fp16 x can rotate it with in one launch:
-    all HadamardQuantizedLinear with one nonzero block; else 0."""
+    all HadamardQuantizedLinear (not a subclass, which may call otherwise) with one nonzero
+    block; else 0."""
     blocks = {getattr(linear, "block", None) for linear in linears}
     if (x.dtype != mx.float16 or len(blocks) != 1
-            or not all(isinstance(linear, HadamardQuantizedLinear) for linear in linears)):
+            or not all(type(linear) is HadamardQuantizedLinear for linear in linears)):
         return 0
     return linears[0].block
 
