@@ -227,12 +227,19 @@ def _decode_linears(linears, x):
     block = _shared_rotation_block(linears, x) if "rotation" in _decode_path else 0
     if not block:
         return tuple(linear(x) for linear in linears)
-    signs = [linear["signs"] for linear in linears]
     if "matmul" in _decode_path and x.size == x.shape[-1]:
-        return dflash2_kernels.exact_linear_group(
-            x, block, signs, [(linear["weight"], linear["scales"], linear["biases"]) for linear in linears])
+        return _exact_linear_group(linears, x, block)
+    signs = [linear["signs"] for linear in linears]
     return tuple(_mlx_packed_matmul(linear, rotated)
                  for linear, rotated in zip(linears, dflash2_kernels.rotate_group(x, block, signs)))
+
+
+def _exact_linear_group(linears, x, block):
+    """dflash2_kernels.exact_linear_group of packed linears that share x (items, not
+    attributes: see _packed_linear)."""
+    return dflash2_kernels.exact_linear_group(
+        x, block, [linear["signs"] for linear in linears],
+        [(linear["weight"], linear["scales"], linear["biases"]) for linear in linears])
 
 
 def _mlp_call(self, x):
@@ -385,9 +392,7 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         # rotation launch for all where that kernel serves (dflash2_kernels.exact_linear_group).
         block = _shared_rotation_block(linears, x)
         if block and x.size <= dflash2_kernels.MAX_ROWS * x.shape[-1]:
-            return dflash2_kernels.exact_linear_group(
-                x, block, [linear["signs"] for linear in linears],
-                [(linear["weight"], linear["scales"], linear["biases"]) for linear in linears])
+            return _exact_linear_group(linears, x, block)
         return tuple(self._linear(linear, x) for linear in linears)
 
     def quantized_linear(self, linear, x):
