@@ -510,8 +510,8 @@ def check_pins(pack_dir: Path, full_hash: bool) -> list:
         return [str(error)]
     failures, to_hash = [], []
     # The loaders read every weights file (or those an index names) in the pack's target and
-    # drafter folders: one no build pinned would load unchecked.
-    for folder in (pack_dir, pack_dir / "drafter"):
+    # drafter folders (a source layout's target/ too): one no build pinned would load unchecked.
+    for folder in (pack_dir, pack_dir / "target", pack_dir / "drafter"):
         for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.safetensors.index.json")):
             name = path.relative_to(pack_dir).as_posix()
             if name not in pins:
