@@ -53,9 +53,9 @@ class ServerFailed(RuntimeError):
 class ServerProcess:
     """`python COMMAND --port PORT`, run in cwd (default workdir/cwd) with HOME set to
     workdir/home, so that nothing of the user's reaches it; stdout and stderr go to
-    workdir/NAME.log."""
+    workdir/NAME.log. python=None runs COMMAND as it is written (a README's command line)."""
 
-    def __init__(self, name, command, workdir: Path, cwd: Path = None):
+    def __init__(self, name, command, workdir: Path, cwd: Path = None, python=sys.executable):
         self.name, self.command, self.port, self.workdir = name, list(command), free_port(), workdir
         self.home, self.cwd = workdir / "home", Path(cwd or workdir / "cwd")
         for folder in (self.home, self.cwd):
@@ -63,7 +63,7 @@ class ServerProcess:
         self.log_path = workdir / f"{name.replace('.', '-')}.log"
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, *self.command, "--port", str(self.port)], cwd=self.cwd,
+                [*([python] if python else []), *self.command, "--port", str(self.port)], cwd=self.cwd,
                 env=clean_env(HOME=str(self.home), PYTHONUNBUFFERED="1"), stdout=log, stderr=subprocess.STDOUT)
 
     @property

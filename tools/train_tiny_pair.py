@@ -50,7 +50,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-from dflash2_pack import build_skeleton  # noqa: E402
+from dflash2_pack import PINS_FILE, SUMS_FILE, build_skeleton, sha256_file  # noqa: E402
 from make_synthetic_pack import (  # noqa: E402
     CHAT_TEMPLATE,
     SIZES,
@@ -403,13 +403,18 @@ def drafter_tensors(drafter):
 # ---------------------------------------------------------------------------------------
 
 
-def sha256sums(root):
-    """SHA256SUMS of the pack files (the README and the timed training record are not pinned)."""
-    unpinned = ("SHA256SUMS", "README.md", "training.json")
-    lines = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name not in unpinned):
-        lines.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.relative_to(root)}")
-    (root / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+def seal(root):
+    """The launch checks' files, as a built pack has them: dflash2-pack.json (the runtime's
+    pins and every pack file's), then SHA256SUMS of the pack files and the pins (the README
+    and the timed training record are not pinned)."""
+    from build_pack import file_pin, runtime_pins, write_text
+
+    unpinned = (SUMS_FILE, PINS_FILE, "README.md", "training.json")
+    names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name not in unpinned)
+    digests = {name: sha256_file(root / name) for name in names}
+    pins = {"runtime": runtime_pins(), "files": {name: file_pin(root / name, digests[name]) for name in names}}
+    digests[PINS_FILE] = write_text(root / PINS_FILE, json.dumps(pins, indent=2, sort_keys=True) + "\n")
+    write_text(root / SUMS_FILE, "".join(f"{digests[name]}  {name}\n" for name in sorted(digests)))
 
 
 def main():
@@ -468,7 +473,7 @@ def main():
         "note": "a test and demo fixture, not a substitute for Ternary-Bonsai-2-27B",
     }
     (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    sha256sums(args.out)
+    seal(args.out)
     print(json.dumps(record, indent=1))
 
 
