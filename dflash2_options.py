@@ -284,6 +284,33 @@ def exit_if_pack_invalid(target_dir: Path, drafter_dir: Path = None):
         sys.exit(f"error: {error}")
 
 
+DEMO_MODEL_ID = "dflash2-demo-tiny"
+# The trained tiny pair (DIR/target, DIR/drafter): in the source repository, not in a pack folder.
+DEMO_PACK = Path(__file__).absolute().parent / "fixtures" / "tiny-pair"
+
+
+def demo_pack() -> Path:
+    """The trained tiny pair, checked against its SHA256SUMS (its README and training record
+    are not listed)."""
+    from dflash2_pack import SUMS_FILE, listed_file_problems
+
+    if not (DEMO_PACK / SUMS_FILE).is_file():
+        sys.exit("error: --demo needs fixtures/tiny-pair from the source repository; a downloaded "
+                 "pack folder does not ship it. Run the pack itself without --demo.")
+    _, problems = listed_file_problems(DEMO_PACK)
+    if problems:
+        sys.exit("error: fixtures/tiny-pair differs from its SHA256SUMS (regenerate it with "
+                 "tools/train_tiny_pair.py):\n  " + "\n  ".join(problems))
+    return DEMO_PACK
+
+
+def pack_folder(parser: argparse.ArgumentParser, args, default: Path) -> Path:
+    """The folder to serve: --demo's checked fixture, else --pack, else default (the script's)."""
+    if args.demo and args.pack:
+        parser.error("--demo serves the trained tiny pair; leave out --pack")
+    return demo_pack() if args.demo else (args.pack or default).absolute()
+
+
 def public_model_id(requested, pack_dir: Path) -> str:
     model_id = requested or pack_dir.resolve().name
     if not MODEL_ID_PATTERN.fullmatch(model_id):

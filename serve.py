@@ -1,6 +1,7 @@
 """Serve the pack plain: mlx-vlm's OpenAI-compatible server, locked to this folder's model.
 
     python serve.py [--port 8080] [--model-id NAME] [--enable-thinking] [--pack DIR]
+    python serve.py --demo        # serves the trained tiny pair's target in fixtures/tiny-pair
 
 Start-up only: the options and environment (dflash2_options.py), the pack checks
 (dflash2_pack.py), the engine (dflash2_engine.py) and the hardened gateway in front of it
@@ -31,12 +32,14 @@ from dflash2_engine import start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
 from dflash2_http import check_chat_request, plain_decision
 from dflash2_options import (
+    DEMO_MODEL_ID,
     exit_if_address_taken,
     exit_if_environment_refused,
     exit_if_pack_invalid,
     exit_if_pins_differ,
     interrupted_start_exits,
     make_parser,
+    pack_folder,
     pack_limits,
     parse_args,
     pass_options_to_mlx_vlm,
@@ -55,15 +58,18 @@ def main(argv=None):
 def start(argv=None):
     """Everything before serving: options, pack checks, the engine, its warm-up; the gateway."""
     parser = make_parser("serve.py", "Serve the pack's model plain (no drafter) with mlx-vlm.")
+    parser.add_argument("--demo", action="store_true",
+                        help="serve the trained tiny pair's target plain (fixtures/tiny-pair of the source "
+                             "repository; a fixture, not the 27B)")
     args = parse_args(parser, argv)
     exit_if_environment_refused()
     exit_if_address_taken(args.host, args.port)
     use_private_temp_folder()
     from dflash2_pack import find_pack
 
-    pack_dir = (args.pack or HERE).absolute()
+    pack_dir = pack_folder(parser, args, HERE)
     target_dir, _ = find_pack(pack_dir)
-    model_id = public_model_id(args.model_id, pack_dir)
+    model_id = public_model_id(args.model_id or (DEMO_MODEL_ID if args.demo else None), pack_dir)
     scrubber = PathScrubber(local_paths([pack_dir, target_dir], model_id))
     setup_logging(args.log_level, scrubber)
     exit_if_pins_differ(pack_dir)

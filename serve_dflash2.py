@@ -51,6 +51,7 @@ from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
 from dflash2_http import check_chat_request, route_chat
 from dflash2_options import (
+    DEMO_MODEL_ID,
     exit_if_address_taken,
     exit_if_environment_refused,
     exit_if_pack_invalid,
@@ -58,6 +59,7 @@ from dflash2_options import (
     interrupted_start_exits,
     int_in,
     make_parser,
+    pack_folder,
     pack_limits,
     parse_args,
     pass_options_to_mlx_vlm,
@@ -68,8 +70,6 @@ from dflash2_options import (
 
 logger = logging.getLogger("dflash2.server")
 
-DEMO_MODEL_ID = "dflash2-demo-tiny"
-DEMO_PACK = HERE / "fixtures" / "tiny-pair"
 # The demo's fixed verify block. On a CPU no round pays for itself (a verify of B tokens costs
 # about B decode steps), so the adaptive policy would serve plain steps and the drafter's work
 # would not show; a fixed block runs a round every time.
@@ -114,21 +114,6 @@ def make_dflash2_parser():
     return parser
 
 
-def demo_pack() -> Path:
-    """The trained tiny pair (DIR/target, DIR/drafter), checked against its SHA256SUMS (its
-    README and training record are not listed)."""
-    from dflash2_pack import SUMS_FILE, listed_file_problems
-
-    if not (DEMO_PACK / SUMS_FILE).is_file():
-        sys.exit("error: --demo needs fixtures/tiny-pair from the source repository; a downloaded "
-                 "pack folder does not ship it. Run the pack itself without --demo.")
-    _, problems = listed_file_problems(DEMO_PACK)
-    if problems:
-        sys.exit("error: fixtures/tiny-pair differs from its SHA256SUMS (regenerate it with "
-                 "tools/train_tiny_pair.py):\n  " + "\n  ".join(problems))
-    return DEMO_PACK
-
-
 # ---------------------------------------------------------------------------------------
 
 
@@ -144,8 +129,6 @@ def start(argv=None):
     args = parse_args(parser, argv)
     exit_if_environment_refused()
     use_private_temp_folder()
-    if args.demo and args.pack:
-        parser.error("--demo serves the trained tiny pair; leave out --pack")
     if args.demo and args.verify_pack:
         parser.error("--verify-pack checks a built pack folder; --demo's fixture is checked against "
                      "its SHA256SUMS at every start")
@@ -157,7 +140,7 @@ def start(argv=None):
         args.dflash2_block_size = DEMO_BLOCK_SIZE
     from dflash2_pack import find_pack
 
-    pack_dir = demo_pack() if args.demo else (args.pack or HERE).absolute()
+    pack_dir = pack_folder(parser, args, HERE)
     if args.verify_pack:
         from dflash2_pack import format_verify_table, verify_pack
 

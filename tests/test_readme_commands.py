@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,14 +41,16 @@ def clean_copy(destination: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """The demo's server part, and the same with --no-dflash2, started from a clean copy."""
+    """The demo's server part, the same with --no-dflash2, and serve.py --demo (the plain
+    server on the same fixture), started from a clean copy."""
     install, _, server = two_commands()[0].partition(" && ")
     copy = clean_copy(tmp_path_factory.mktemp("clone"))
+    commands = {"demo": shlex.split(server), "demo-plain": shlex.split(server) + ["--no-dflash2"],
+                "serve-demo": [sys.executable, "serve.py", "--demo"]}
     servers = {}
     try:
-        for name, extra in (("demo", []), ("demo-plain", ["--no-dflash2"])):
-            servers[name] = ServerProcess(name, shlex.split(server) + extra, tmp_path_factory.mktemp(name),
-                                          cwd=copy, python=None)
+        for name, command in commands.items():
+            servers[name] = ServerProcess(name, command, tmp_path_factory.mktemp(name), cwd=copy, python=None)
         for process in servers.values():
             process.wait_ready()
         yield install, servers
@@ -61,7 +64,7 @@ def ask(server, **options):
     raw = client.chat.completions.with_raw_response.create(
         model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}],
         max_tokens=32, extra_body={"enable_thinking": False}, **options)
-    return raw.headers["x-dflash2"], raw.http_response.json()
+    return raw.headers.get("x-dflash2"), raw.http_response.json()
 
 
 def test_the_first_command_installs_what_ci_installs(demo):
@@ -79,6 +82,16 @@ def test_the_demo_answers_speculatively_with_accepted_drafts_and_plain_text(demo
     assert plain_mode == "fallback; reason=no-dflash2", plain_mode
     text = body["choices"][0]["message"]["content"]
     assert text and text == plain_body["choices"][0]["message"]["content"]
+
+
+def test_serve_py_demo_serves_the_same_fixture_plain(demo):
+    _, servers = demo
+    mode, body = ask(servers["serve-demo"], temperature=0)
+    _, speculative_body = ask(servers["demo"], temperature=0)
+    assert mode is None  # serve.py routes nothing: no x-dflash2 header
+    assert body["model"] == speculative_body["model"] == "dflash2-demo-tiny"
+    text = body["choices"][0]["message"]["content"]
+    assert text and text == speculative_body["choices"][0]["message"]["content"]
 
 
 def test_the_second_command_is_what_ci_runs():

@@ -224,27 +224,30 @@ def test_ctrl_c_while_starting_exits_with_one_line(built_pack, tmp_path, script)
     assert "Traceback" not in output and "terminate called" not in output
 
 
-def test_demo_without_the_fixture_says_so(tmp_path):
-    for script in REPO.glob("*.py"):  # the files a pack folder ships, without fixtures/
-        shutil.copy(script, tmp_path / script.name)
-    result = run("serve_dflash2.py", "--demo", cwd=tmp_path)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_demo_without_the_fixture_says_so(tmp_path, script):
+    for source in REPO.glob("*.py"):  # the files a pack folder ships, without fixtures/
+        shutil.copy(source, tmp_path / source.name)
+    result = run(script, "--demo", "--port", str(free_port()), cwd=tmp_path)
     assert result.returncode == 1
     assert "fixtures/tiny-pair" in result.stderr and "source repository" in result.stderr
 
 
-def test_demo_refuses_a_damaged_fixture(tmp_path):
-    for script in REPO.glob("*.py"):
-        shutil.copy(script, tmp_path / script.name)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_demo_refuses_a_damaged_fixture(tmp_path, script):
+    for source in REPO.glob("*.py"):
+        shutil.copy(source, tmp_path / source.name)
     shutil.copytree(REPO / "fixtures" / "tiny-pair", tmp_path / "fixtures" / "tiny-pair")
     flip_byte(tmp_path / "fixtures" / "tiny-pair" / "drafter" / "model.safetensors", -1)
-    result = run("serve_dflash2.py", "--demo", cwd=tmp_path)
+    result = run(script, "--demo", "--port", str(free_port()), cwd=tmp_path)
     assert result.returncode == 1
     assert "fixtures/tiny-pair differs from its SHA256SUMS" in result.stderr, result.stderr
     assert "drafter/model.safetensors: sha256 differs from SHA256SUMS" in result.stderr
 
 
-def test_demo_and_pack_exclude_each_other(tmp_path):
-    result = run("serve_dflash2.py", "--demo", "--pack", str(tmp_path))
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_demo_and_pack_exclude_each_other(tmp_path, script):
+    result = run(script, "--demo", "--pack", str(tmp_path), "--port", str(free_port()))
     assert result.returncode == 2 and "--demo" in result.stderr
 
 
