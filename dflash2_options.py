@@ -169,6 +169,10 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="cancel a chat request still running after this long and answer 504 "
                              f"(default: {DEFAULT_REQUEST_TIMEOUT_S}; 0: no limit)")
+    parser.add_argument("--full-hash", "--dflash2-full-hash", action="store_true",
+                        help="at launch, hash every file pinned in dflash2-pack.json whole, weight data "
+                             "included (minutes for a real pack; by default launch checks sizes, small "
+                             "files' sha256 and safetensors headers)")
     cache = parser.add_argument_group("prefix cache")
     cache.add_argument("--prefix-cache-gb", type=positive_gb, metavar="GB", default=DEFAULT_PREFIX_CACHE_GB,
                        help="memory for the exact prefix cache's snapshots of recent prompts, least "
@@ -244,7 +248,7 @@ def pass_options_to_mlx_vlm(args):
     os.environ["MLX_VLM_TOKEN_QUEUE_TIMEOUT"] = "0"
 
 
-def exit_if_pins_differ(pack_dir: Path, full_hash: bool = False):
+def exit_if_pins_differ(pack_dir: Path, full_hash: bool):
     """The launch checks against the pack's dflash2-pack.json (dflash2_pack.check_pins), said
     in the log. A pack folder in the release layout (the target's files at its top, as
     build_pack writes it) or with SHA256SUMS is refused without one; a source layout
@@ -268,7 +272,7 @@ def exit_if_pins_differ(pack_dir: Path, full_hash: bool = False):
                     "is unpinned", PINS_FILE)
     else:
         logger.info("launch checks against %s: sizes, small files' sha256 and safetensors headers match, "
-                    "and no weights file is unpinned; weight data not hashed (--dflash2-full-hash or "
+                    "and no weights file is unpinned; weight data not hashed (--full-hash or "
                     "--verify-pack hash it)", PINS_FILE)
 
 

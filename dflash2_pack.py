@@ -500,7 +500,7 @@ def check_pins(pack_dir: Path, full_hash: bool) -> list:
     dflash2-pack.json holds {"files": {"<path in the pack>": {"size": bytes, "sha256": hex,
     "header_sha256": hex}}} (header_sha256 for .safetensors files). At launch every pinned
     file's size is checked, small files (configs, README, tokenizer, template) are hashed
-    whole, and weights by their safetensors header; --dflash2-full-hash hashes every file.
+    whole, and weights by their safetensors header; --full-hash hashes every file.
     """
     from tqdm import tqdm
 

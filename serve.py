@@ -72,7 +72,7 @@ def start(argv=None):
     model_id = public_model_id(args.model_id or (DEMO_MODEL_ID if args.demo else None), pack_dir)
     scrubber = PathScrubber(local_paths([pack_dir, target_dir], model_id))
     setup_logging(args.log_level, scrubber)
-    exit_if_pins_differ(pack_dir)
+    exit_if_pins_differ(pack_dir, args.full_hash)
     exit_if_pack_invalid(target_dir)
     limits = pack_limits(target_dir, model_id, args)
     pass_options_to_mlx_vlm(args)

@@ -76,8 +76,7 @@ logger = logging.getLogger("dflash2.server")
 DEMO_BLOCK_SIZE = 4
 
 
-# The DFlash2 options that shape speculation (--dflash2-full-hash checks the pins: it serves
-# --no-dflash2 as well).
+# The DFlash2 options that shape speculation.
 DRAFTER_OPTIONS = ("dflash2_multimodal", "dflash2_block_size", "dflash2_block_cap", "dflash2_candidate_selector",
                    "dflash2_sliding_window", "dflash2_round_costs")
 
@@ -95,8 +94,6 @@ def make_dflash2_parser():
     dflash2 = parser.add_argument_group("DFlash2 options")
     dflash2.add_argument("--dflash2-multimodal", choices=["speculative", "plain"], default="speculative",
                          help="route requests with images speculative (default) or plain")
-    dflash2.add_argument("--dflash2-full-hash", action="store_true",
-                         help="re-hash every file pinned in dflash2-pack.json at launch (slow for real packs)")
     # 8: dflash2_kernels.MAX_ROWS, which imports mlx-vlm (not before the environment check);
     # configure_drafter checks both against it and the drafter's trained block.
     dflash2.add_argument("--dflash2-block-size", type=int_in(2, 8),
@@ -153,7 +150,7 @@ def start(argv=None):
     scrubber = PathScrubber(local_paths([pack_dir, target_dir, drafter_dir], model_id))
     setup_logging(args.log_level, scrubber)
 
-    exit_if_pins_differ(pack_dir, args.dflash2_full_hash)
+    exit_if_pins_differ(pack_dir, args.full_hash)
     # A missing drafter/ folder is reported by its config.json; --no-dflash2 needs none.
     exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir or pack_dir / "drafter")
     limits = pack_limits(target_dir, model_id, args)

@@ -378,13 +378,27 @@ def test_pins_safetensors_header(pinned_pack):
     assert "drafter/model.safetensors: safetensors header sha256 expected" in result.stderr
 
 
-def test_pins_full_hash_finds_a_flipped_weight(pinned_pack):
+# --max-tokens above the tiny pack's context stops a start just after the launch checks.
+STOP_AFTER_CHECKS = ("--max-tokens", "40000")
+STOPPED_AFTER_CHECKS = "--max-tokens 40000 is above the model's context length"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_flipped_weight_byte_is_caught_by_the_full_hash_alone(pinned_pack, script):
+    """The launch checks read a weights file's size and header, not its data: a flipped byte
+    there passes them (README says so), and --full-hash (or --dflash2-full-hash) stops it."""
+    result = run(script, "--pack", str(pinned_pack), "--full-hash", *STOP_AFTER_CHECKS)
+    assert result.returncode == 1 and STOPPED_AFTER_CHECKS in result.stderr, result.stderr
+    assert "every pinned file's sha256 matches" in result.stderr
     weights = pinned_pack / "model.safetensors"
     flip_byte(weights, weights.stat().st_size - 3)  # a weight byte: size and header unchanged
-    result = start_with_pins(pinned_pack, "--dflash2-full-hash")
-    assert result.returncode == 1
-    assert "model.safetensors: sha256 expected" in result.stderr
-    assert "sha256:" in result.stderr  # the progress bar
+    result = run(script, "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
+    assert result.returncode == 1 and STOPPED_AFTER_CHECKS in result.stderr, result.stderr
+    for option in ("--full-hash", "--dflash2-full-hash"):
+        result = run(script, "--pack", str(pinned_pack), option, *STOP_AFTER_CHECKS)
+        assert result.returncode == 1 and STOPPED_AFTER_CHECKS not in result.stderr
+        assert "model.safetensors: sha256 expected" in result.stderr, result.stderr
+        assert "sha256:" in result.stderr  # the progress bar
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
