@@ -252,7 +252,8 @@ def exit_if_pins_differ(pack_dir: Path, full_hash: bool):
     """The launch checks against the pack's dflash2-pack.json (dflash2_pack.check_pins), said
     in the log. A pack folder in the release layout (the target's files at its top, as
     build_pack writes it) or with SHA256SUMS is refused without one; a source layout
-    (target/ and drafter/ folders, never built) is served with a warning."""
+    (target/ and drafter/ folders, never built) is served with a warning, and so is a pinned
+    pack without its SHA256SUMS."""
     import logging
 
     from dflash2_pack import PINS_FILE, SUMS_FILE, check_pins
@@ -267,6 +268,10 @@ def exit_if_pins_differ(pack_dir: Path, full_hash: bool):
     failures = check_pins(pack_dir, full_hash)
     if failures:
         sys.exit(f"error: the pack differs from {PINS_FILE}:\n  " + "\n  ".join(failures))
+    if not (pack_dir / SUMS_FILE).is_file():
+        # The pins still hold every file, but shasum -c and --verify-pack have nothing to check.
+        logger.warning("%s is missing from the pack folder (a built pack ships it): shasum -a 256 -c "
+                       "and --verify-pack cannot check the pack; download or build it again", SUMS_FILE)
     if full_hash:
         logger.info("launch checks against %s: every pinned file's sha256 matches, and no weights file "
                     "is unpinned", PINS_FILE)

@@ -402,6 +402,19 @@ def test_a_flipped_weight_byte_is_caught_by_the_full_hash_alone(pinned_pack, scr
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_a_missing_sha256sums_is_warned_at_launch(pinned_pack, script):
+    """dflash2-pack.json still pins every file, but shasum -c and --verify-pack have nothing
+    to check: one log line says so."""
+    warning = "SHA256SUMS is missing from the pack folder"
+    result = run(script, "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
+    assert result.returncode == 1 and STOPPED_AFTER_CHECKS in result.stderr and warning not in result.stderr
+    (pinned_pack / "SHA256SUMS").unlink()
+    result = run(script, "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
+    assert result.returncode == 1 and STOPPED_AFTER_CHECKS in result.stderr, result.stderr
+    assert len([line for line in result.stderr.splitlines() if warning in line]) == 1, result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_help_gives_every_default(script):
     result = run(script, "--help", env=clean_env(COLUMNS="400"))  # no line breaks inside the texts
     assert result.returncode == 0
