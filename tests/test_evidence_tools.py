@@ -495,3 +495,31 @@ def test_the_bench_summary_takes_the_server_s_round_apart_where_the_record_timed
                                       "verify on the batch stream": 1.3, "draft 4bit": 0.2}
     assert ("in decode steps: served round 2.10; verify on the generation stream 1.80; "
             "verify on the batch stream 1.30; draft 4bit 0.20.") in summary_markdown(record)
+
+
+def readme_results() -> str:
+    """README's results table: the lines between its markers."""
+    from records import RESULTS_END, RESULTS_START
+
+    text = (REPO / "README.md").read_text()
+    return text[text.index(RESULTS_START) + len(RESULTS_START):text.index(RESULTS_END)].lstrip("\n")
+
+
+def test_readme_s_results_table_is_what_the_records_write():
+    """After a record changes: python tools/records.py --readme."""
+    printed = subprocess.run([sys.executable, str(REPO / "tools" / "records.py")], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    assert readme_results() == printed, "README's results differ from evidence/: run python tools/records.py --readme"
+
+
+def test_a_changed_record_changes_readme_s_results(tmp_path):
+    import records
+
+    evidence = Path(shutil.copytree(EVIDENCE, tmp_path / "evidence"))
+    record = json.loads((evidence / "parity-cuda.json").read_text())
+    record.update(exact_mismatches=3, code="0123456789ab")
+    (evidence / "parity-cuda.json").write_text(json.dumps(record))
+    table = records.results_table(evidence)
+    assert table != readme_results()
+    assert "| 3 (negative controls: 85,190,586) | NVIDIA H200 | [parity-cuda](evidence/parity-cuda.md) (0123456789ab) |" \
+        in table

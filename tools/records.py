@@ -1,5 +1,11 @@
-"""Writes a tool's evidence record: the JSON and its Markdown summary, side by side."""
+"""Writes a tool's evidence record (the JSON and its Markdown summary, side by side), and
+README's results table from the records.
 
+    python tools/records.py            # print the results table
+    python tools/records.py --readme   # write it into README.md, between its markers
+"""
+
+import argparse
 import hashlib
 import json
 import os
@@ -7,6 +13,10 @@ import platform
 import shlex
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_START = "<!-- results: written from evidence/*.json by python tools/records.py --readme -->"
+RESULTS_END = "<!-- end of results -->"
 
 
 def write_record(out, stem: str, record: dict, markdown: str) -> Path:
@@ -45,8 +55,87 @@ def run_environment(tool: str, pack: str, argv=None) -> dict:
 def code_digest() -> str:
     """sha256 (first 12 hex digits) of the pack's top-level Python files and the tools: which
     code a record measured, also where the device's copy of the tree has no git history."""
-    root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("tools/*.py")]):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted([*ROOT.glob("*.py"), *ROOT.glob("tools/*.py")]):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------
+# README's results table
+
+
+def times(ratio) -> str:
+    return f"{ratio:.2f}x"
+
+
+def verify_rounds(r):
+    return ", ".join(f"block {block}: {r['verify_ratio_by_block'][block]:.2f}" for block in ("2", "4", "8"))
+
+
+def end_to_end(r):
+    return ", ".join(f"{r['tokens_per_round'][profile]:.1f}: {times(speedup)}"
+                     for profile, speedup in r["e2e_speedup"].items())
+
+
+def next_turn(r):
+    row = r["by_route_step_context"]["plain"]["256"]["4096"]
+    return f"{row['ttft_ms']['cached']:,.0f} / {row['ttft_ms']['cold']:,.0f} ms ({row['cached_over_cold']:.2f})"
+
+
+def battery(r):
+    servers = r["servers"].values()
+    worst = [max(len(s["client_5xx"]) for s in servers), max(s["crashes"] for s in servers),
+             max(len(s["path_leaks"]) for s in servers), max(s["answers_changed"] for s in servers)]
+    return f"{max(s['sent'] for s in servers):,} each: " + " / ".join(map(str, worst))
+
+
+# (what, the record's stem in evidence/, its figure)
+RESULTS = [
+    ("Exact verify, rollback and greedy tokens against plain decoding: differing elements", "parity-cuda",
+     lambda r: f"{r['exact_mismatches']:,} (negative controls: {r['stock_mismatches']:,})"),
+    ("Exact verify round, in decode steps", "bench-cuda-27b", verify_rounds),
+    ("4-bit drafter pass, in decode steps", "bench-cuda-27b", lambda r: f"{r['drafter_ratio_by_form']['4bit']:.2f}"),
+    ("Plain decoding, the pack's kernels over stock mlx-vlm", "bench-cuda-27b",
+     lambda r: times(r["installed_plain_ratio"])),
+    ("Speculative over plain end to end, by tokens per round (oracle drafter at the 4-bit drafter's cost)",
+     "bench-cuda-27b", end_to_end),
+    ("A next turn's first token at 4k tokens of history: prefix cache / cold", "prefix-cache-cuda-27b-4k", next_turn),
+    ("Speculation's extra memory at 16k tokens: whole context / the drafter's sliding window",
+     "prefix-cache-cuda-27b-4k", lambda r: "{full:.2f} / {sliding_window:.2f} GB".format(**r["spec_extra_memory_gb"]["16384"])),
+    ("Hostile requests per server: client errors answered 5xx / crashes / paths leaked / answers changed",
+     "battery-cpu", battery),
+]
+
+
+def results_table(evidence: Path = ROOT / "evidence") -> str:
+    """README's results: one row per figure, with the record it comes from and the code
+    digest that record measured (records older than the digest say so)."""
+    lines = ["| measure | result | device | record (code) |", "|---|---|---|---|"]
+    for what, stem, figure in RESULTS:
+        record = json.loads((Path(evidence) / f"{stem}.json").read_text())
+        device = record.get("device", record["backend"])
+        code = record.get("code", "not recorded")
+        lines.append(f"| {what} | {figure(record)} | {device} | [{stem}](evidence/{stem}.md) ({code}) |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_with_results(text: str, evidence: Path = ROOT / "evidence") -> str:
+    """text with the table between its results markers written from the records."""
+    start, end = text.index(RESULTS_START) + len(RESULTS_START), text.index(RESULTS_END)
+    return text[:start] + "\n" + results_table(evidence) + text[end:]
+
+
+def main():
+    parser = argparse.ArgumentParser(description="README's results table, from evidence/*.json")
+    parser.add_argument("--readme", action="store_true", help="write the table into README.md between its markers")
+    args = parser.parse_args()
+    if args.readme:
+        readme = ROOT / "README.md"
+        readme.write_text(readme_with_results(readme.read_text()))
+    else:
+        print(results_table(), end="")
+
+
+if __name__ == "__main__":
+    main()
