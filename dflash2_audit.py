@@ -156,6 +156,13 @@ REPLACED = (
         "queue protocol reads them.",
     ),
     Audited(
+        "mlx_vlm.server.generation:ResponseGenerator._make_sampler",
+        "072847957cb5fce92efaac79e1c2e2be32b07c2bc48a56a0e3b78a645f1e1add",
+        "Overridden by the engine on both servers: a sampled request draws with "
+        "dflash2_sampling.PositionSampler (stock's position-keyed sampler, and the min_p stock "
+        "accepts and drops), which the speculative rounds draw verify blocks with too.",
+    ),
+    Audited(
         "mlx_vlm.server.generation:ResponseGenerator.validate_context_budget",
         "584e9a2aedeb366fc01ca2be74fd0e42d8f2cce94b3cfaf5e4f79e9dcab64468",
         "Extended by the engine: the check before a stream opens holds the tokenizer lock.",
@@ -215,9 +222,15 @@ AUDITED = (
     Audited(
         "mlx_vlm.server.generation:_PositionedTargetSampler",
         "10d06ea70165c390ebca1524b10f5c3cacd90213d9db504c6ed80aba41520ee1",
-        "Relied on by first_tokens_first_step: the server's sampler for a request with a "
-        "temperature draws from its seed, row and position only (sample_target), never from "
-        "MLX's global key, so a first token handed out early changes no draw.",
+        "Subclassed by dflash2_sampling.PositionSampler, the server's sampler for a request with "
+        "a temperature: it draws from its seed, row and position only (sample_target), never "
+        "from MLX's global key, so a first token handed out early changes no draw, and a verify "
+        "block's rows draw as decode's steps do.",
+    ),
+    Audited(
+        "mlx_vlm.sample_utils:apply_min_p",
+        "730cb1c008a01175c00d467a284c5802be1b6b0ec603aec5f5097435249876af",
+        "Called by dflash2_sampling.PositionSampler after top_k, on every route.",
     ),
     Audited(
         "mlx_vlm.generate.ar:GenerationBatch.extend",
@@ -416,7 +429,8 @@ AUDITED = (
     Audited(
         "mlx_vlm.speculative.dflash:_dflash_verify",
         "39e4a6cd343ae7e054ae3584ff6879fc895494e413041f099ce08da14e3fc097",
-        "Called by the exact greedy verify: the verify forward and its GDN states.",
+        "Called by the exact greedy verify and the sampled rounds: the verify forward and its "
+        "GDN states.",
     ),
     Audited(
         "mlx_vlm.speculative.dflash:_reserve_dflash_target_cache",

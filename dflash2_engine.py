@@ -84,6 +84,7 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     after it loaded the target."""
     import dflash2_policy
     import dflash2_runtime
+    import dflash2_sampling
     from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
 
     try:
@@ -98,6 +99,10 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     if not status.speculative:
         # e.g. kernel-self-test-failed, verify-self-check-failed
         return Speculation(reason=status.reason.split(":")[0], runtime=runtime)
+    # Sampled rounds draw a verify block's tokens as decode draws each: in one call where that
+    # is bitwise decode's per row here, else row by row.
+    runtime["sampled_verify"] = dflash2_sampling.choose_block_sampling(int(model.language_model.args.vocab_size))
+    logger.info("DFlash2 %s", runtime["sampled_verify"])
     drafter, kind = load_drafter(str(setup.drafter_dir), kind="dflash")
     validate_drafter_compatibility(model, drafter, kind)
     try:
@@ -298,9 +303,19 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
                 self.speculation = load_speculation(self.model, drafter)
                 self.draft_kind = self.speculation.kind  # the worker picks the round loop by it
 
-        def rounds_can_pay(self) -> bool:
-            """Whether a greedy request goes speculative (dflash2_policy.SpeculativeRoute)."""
-            return self.speculative_route(self.speculation.drafter)
+        def rounds_can_pay(self, kind: str = "greedy") -> bool:
+            """Whether a request of this acceptance kind (greedy or sampled) goes speculative
+            (dflash2_policy.SpeculativeRoute)."""
+            return self.speculative_route(self.speculation.drafter, kind)
+
+        def _make_sampler(self, args):
+            # Every temperature the pack accepts draws by position, min_p included.
+            from dflash2_sampling import PositionSampler
+
+            if args.temperature == 0 or args.top_n_sigma > 0 or args.p_less or args.typical_p < 1.0:
+                return super()._make_sampler(args)
+            return PositionSampler(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                   min_p=args.min_p, seed=args.seed)
 
         def serve_plain(self, reason: str):
             """Every later request is served plain, with this reason."""

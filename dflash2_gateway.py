@@ -136,6 +136,7 @@ class RequestRecord:
     reason: str = None
     speculative: bool = False
     stop: list = field(default_factory=list)  # the request's stop sequences
+    seed: int = None  # a sampled request's, sent or picked (dflash2_http.with_seed)
     announced: bool = False  # arrival line logged
     cancelled: str = None  # disconnected | timeout | shutdown
     token_stream: object = None  # the engine's RecordingTokens, once generation starts
@@ -216,6 +217,7 @@ class ClientGone(Exception):
     """The client disconnected before its request body arrived."""
 
 
+SEED_HEADER = b"x-dflash2-seed"  # a sampled request's seed: sent again, it gives the same answer
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 MODELS_PATHS = ("/v1/models", "/models")
 HEALTH_PATHS = ("/health", "/v1/health")
@@ -250,7 +252,7 @@ def with_loopback_cors(app):
     from starlette.middleware.cors import CORSMiddleware
 
     return CORSMiddleware(app, allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "HEAD", "POST"],
-                          allow_headers=["*"], expose_headers=["x-dflash2"])
+                          allow_headers=["*"], expose_headers=["x-dflash2", SEED_HEADER.decode()])
 
 
 class Gateway:
@@ -359,6 +361,7 @@ class Gateway:
         record.mode, record.reason = decision.mode, decision.reason
         record.speculative = decision.mode == "speculative"
         record.stop = decision.body.pop("stop", [])
+        record.seed = decision.body.get("seed")
         forwarded = json.dumps(decision.body).encode()
         # Origin stays out: mlx-vlm's own CORS layer would allow any origin.
         headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type", b"origin")]
@@ -429,6 +432,8 @@ class Gateway:
                            if k.lower() not in ((self.header or "").encode(), b"server")]
                 if self.header:
                     headers.append((self.header.encode(), record.header_value().encode()))
+                if record.seed is not None:
+                    headers.append((SEED_HEADER, str(record.seed).encode()))
                 message = {**message, "headers": headers}
             await send(message)
         return respond

@@ -7,6 +7,7 @@ import io
 import math
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -518,22 +519,36 @@ def refuse_unsupported(body: dict) -> dict:
     return body
 
 
+def with_seed(body: dict) -> dict:
+    """A request that may sample (any temperature but 0) and sent no seed gets a fresh one:
+    every draw is keyed by (seed, position), so the seed, returned in the x-dflash2-seed
+    header, reproduces the answer on either server and route."""
+    if body.get("temperature") != 0 and body.get("seed") is None:
+        body["seed"] = secrets.randbelow(1 << 32)
+    return body
+
+
+def acceptance_kind(body: dict) -> str:
+    """The round policy's acceptance kind of a request (dflash2_policy.GREEDY, SAMPLED)."""
+    return "greedy" if body.get("temperature") == 0 else "sampled"
+
+
 def plain_decision(body: dict) -> Decision:
     """serve.py's route: plain, after the refusals both servers make."""
-    return Decision("plain", None, refuse_unsupported(body))
+    return Decision("plain", None, with_seed(refuse_unsupported(body)))
 
 
 # Penalty values that change nothing; a client sending them still gets speculation.
 NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
 
-def route_chat(body: dict, *, server_reason=None, multimodal_plain=False, rounds_pay=lambda: True) -> Decision:
+def route_chat(body: dict, *, server_reason=None, multimodal_plain=False, rounds_pay=lambda kind: True) -> Decision:
     """Refuses what the pack does not serve, then routes speculative or plain with a reason.
 
-    rounds_pay: asked only for a request that would go speculative: whether it should (the
-    server's round cost table as it is now has a block that beats plain decoding by
-    dflash2_policy.PAY_MARGIN, or the request probes a learning table); when not, it goes
-    plain.
+    rounds_pay(kind): asked only for a request that would go speculative, with its acceptance
+    kind: whether it should (the server's round cost table as it is now has a block that
+    beats plain decoding by dflash2_policy.PAY_MARGIN at that kind's acceptance, or the
+    request probes a learning table); when not, it goes plain.
     The refusals hold with --no-dflash2 too, so the baseline answers the same requests.
     """
     refuse_unsupported(body)
@@ -542,18 +557,17 @@ def route_chat(body: dict, *, server_reason=None, multimodal_plain=False, rounds
             del body[name]
     if body.get("logit_bias") == {}:
         del body["logit_bias"]
+    with_seed(body)
     reason = server_reason or fallback_reason(body, multimodal_plain)
-    if reason is None and not rounds_pay():
+    if reason is None and not rounds_pay(acceptance_kind(body)):
         reason = "rounds-cannot-pay"  # the round policy would serve it with plain steps only
     return Decision("fallback" if reason else "speculative", reason, body)
 
 
 def fallback_reason(body: dict, multimodal_plain: bool):
-    """Why speculation could not give this request plain decoding's answer, or None."""
-    if "temperature" not in body:
-        return "temperature-omitted"  # the pack's sampling defaults apply
-    if body["temperature"] > 0:
-        return "sampling"
+    """Why speculation could not give this request plain decoding's answer, or None. Sampled
+    requests (a temperature, or none: the pack's sampling defaults) draw by position on
+    every route (dflash2_sampling), so sampling alone is no reason."""
     if body.get("logprobs") or body.get("top_logprobs"):
         return "logprobs"
     if any(name in body for name in NEUTRAL_PENALTIES):

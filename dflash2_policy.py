@@ -32,6 +32,7 @@ from mlx_vlm.speculative.common import (
 )
 
 from dflash2_kernels import MAX_ROWS
+from dflash2_sampling import is_position_keyed, logprobs_like_decode
 
 # A round is chosen over plain steps only when its expected tokens per decode-step-equivalent
 # beat plain's one by this factor: the table is a noisy measurement (on the H200 a block's
@@ -62,6 +63,9 @@ ROUTE_PROBE_EVERY = 16
 # requests are routed plain (rounds_can_pay) but for the probes above.
 MEMORY_WEIGHT = 1.0
 MEMORY_DECAY = 0.9
+# Acceptance kinds: sampled requests accept fewer drafts than greedy ones (a draft is the
+# drafter's most likely token, the target's token a draw), so each kind has its own memory.
+GREEDY, SAMPLED = "greedy", "sampled"
 # How far an observed round or plain run moves a learning cost table toward what it took:
 # the start-up measurement counts as one observation and the first ones as many (a running
 # mean, so a wrong start-up figure is corrected within a few rounds), then this much.
@@ -180,8 +184,8 @@ class RoundCosts:
                 f"+{self.refill_steps:.2f}; speculation {verdict}")
 
 
-def rounds_can_pay(draft_model) -> bool:
-    """Whether greedy requests on this drafter should go speculative: its cost table as it
+def rounds_can_pay(draft_model, kind: str = GREEDY) -> bool:
+    """Whether requests of this acceptance kind on this drafter should go speculative: its cost table as it
     is now has a block up to the drafter's ceiling that beats plain decoding (by PAY_MARGIN)
     at full acceptance and, where the drafter remembers its acceptance across requests, at
     the acceptance its recent rounds showed (or the block is fixed, and rounds run whatever
@@ -193,25 +197,25 @@ def rounds_can_pay(draft_model) -> bool:
         return True
     ceiling = _dflash_block_total(draft_model, None)
     memory = getattr(draft_model, "acceptance_memory", None)
-    return costs.can_pay(ceiling) and (memory is None or memory.rounds_pay(costs, ceiling))
+    return costs.can_pay(ceiling) and (memory is None or memory.rounds_pay(costs, ceiling, kind))
 
 
 class SpeculativeRoute:
-    """Whether a greedy request goes speculative: while the drafter's rounds pay
-    (rounds_can_pay), or, while they do not by a measured table, every ROUTE_PROBE_EVERY-th
-    such request, whose rounds the table and the acceptance memory learn from (plain-routed
-    requests teach them nothing)."""
+    """Whether a request of an acceptance kind goes speculative: while the drafter's rounds
+    pay (rounds_can_pay), or, while they do not by a measured table, every
+    ROUTE_PROBE_EVERY-th such request of that kind, whose rounds the table and the
+    acceptance memory learn from (plain-routed requests teach them nothing)."""
 
     def __init__(self):
-        self.unpaid = 0
+        self.unpaid = {GREEDY: 0, SAMPLED: 0}
 
-    def __call__(self, draft_model) -> bool:
-        if draft_model is None or rounds_can_pay(draft_model):
+    def __call__(self, draft_model, kind: str = GREEDY) -> bool:
+        if draft_model is None or rounds_can_pay(draft_model, kind):
             return True
         if not draft_model.round_costs.learning:
             return False
-        self.unpaid += 1
-        return self.unpaid % ROUTE_PROBE_EVERY == 0
+        self.unpaid[kind] += 1
+        return self.unpaid[kind] % ROUTE_PROBE_EVERY == 0
 
 
 # ---------------------------------------------------------------------------
@@ -273,30 +277,38 @@ class RoundCounts:
 
 
 class AcceptanceMemory:
-    """A drafter's acceptance across requests (MEMORY_WEIGHT, MEMORY_DECAY)."""
+    """A drafter's acceptance across requests (MEMORY_WEIGHT, MEMORY_DECAY), one estimate per
+    acceptance kind."""
 
     def __init__(self, positions: int):
-        self.estimate = AcceptanceEstimate(positions)
+        self.estimates = {kind: AcceptanceEstimate(positions) for kind in (GREEDY, SAMPLED)}
         self.requests = 0
+
+    @property
+    def estimate(self) -> AcceptanceEstimate:
+        """The greedy requests' estimate."""
+        return self.estimates[GREEDY]
 
     def forget(self) -> None:
         self.__init__(len(self.estimate.tried))
 
-    def record(self, drafted: int, accepted: int) -> None:
-        self.estimate.fade(MEMORY_DECAY)
-        self.estimate.record(drafted, accepted)
+    def record(self, drafted: int, accepted: int, kind: str = GREEDY) -> None:
+        self.estimates[kind].fade(MEMORY_DECAY)
+        self.estimates[kind].record(drafted, accepted)
 
-    def start_request(self) -> AcceptanceEstimate:
+    def start_request(self, kind: str = GREEDY) -> AcceptanceEstimate:
         """The new request's acceptance estimate."""
         self.requests += 1
-        return self.estimate.seeded(MEMORY_WEIGHT)
+        return self.estimates[kind].seeded(MEMORY_WEIGHT)
 
-    def rounds_pay(self, costs: RoundCosts, ceiling: int) -> bool:
-        """Whether a request starting from this memory would expect a round to pay: no round
-        seen yet, or some block up to `ceiling` beating plain decoding by PAY_MARGIN."""
-        if not self.estimate.tried[0]:
+    def rounds_pay(self, costs: RoundCosts, ceiling: int, kind: str = GREEDY) -> bool:
+        """Whether a request of this kind starting from this memory would expect a round to
+        pay: no round of its kind seen yet, or some block up to `ceiling` beating plain
+        decoding by PAY_MARGIN."""
+        estimate = self.estimates[kind]
+        if not estimate.tried[0]:
             return True
-        policy = RoundPolicy(costs, ceiling, estimate=self.estimate.seeded(MEMORY_WEIGHT))
+        policy = RoundPolicy(costs, ceiling, estimate=estimate.seeded(MEMORY_WEIGHT))
         return policy.pays(policy.best_block(ceiling))
 
 
@@ -393,12 +405,18 @@ def keep_tap_output(layer, output) -> None:
 # One request's target and drafter
 
 
-def serves_rounds(draft_model, greedy_sampling: bool) -> bool:
+def serves_rounds(draft_model, greedy_sampling: bool, sampler=None) -> bool:
     """Whether policy_rounds runs a request's rounds itself (RequestDecoder) rather than
-    handing it to mlx-vlm's loop: a greedy request on a drafter with a cost table whose
-    drafter reads the target's taps as they are."""
-    return (getattr(draft_model, "round_costs", None) is not None and greedy_sampling
+    handing it to mlx-vlm's loop: a greedy request, or one sampled by position
+    (dflash2_sampling.PositionSampler), on a drafter with a cost table whose drafter reads
+    the target's taps as they are."""
+    return (getattr(draft_model, "round_costs", None) is not None
+            and (greedy_sampling or is_position_keyed(sampler))
             and not callable(getattr(draft_model, "prepare_target_hidden", None)))
+
+
+def argmax_tokens(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
 
 
 def context_window(draft_model) -> Optional[int]:
@@ -428,6 +446,10 @@ class RequestDecoder:
     drafter the prefill may have kept only the prompt's last taps (dflash2_prefix_cache): the
     drafter's cache then starts past the positions left out, where its sliding layers would
     have skipped them, so every position keeps its rotary offset.
+
+    A sampled request (a dflash2_sampling.PositionSampler) draws each token with its
+    generated position's key, from the same logits plain decoding has there: `position`
+    counts the generated tokens (the prefill's was position 0).
     """
 
     def __init__(self, model, draft_model, prompt_cache, hidden, bonus, sampler, token_dtype):
@@ -448,17 +470,23 @@ class RequestDecoder:
         self.context = [hidden]
         self.bonus = bonus
         self.sampler = sampler
+        self.sampled = is_position_keyed(sampler)
+        self.position = 1  # of the next token: the caller handed out the prefill's
         self.token_dtype = token_dtype
 
     def draft(self, block: int, hidden: mx.array) -> mx.array:
+        """The drafter's proposals, its most likely tokens for sampled requests too."""
         draft = getattr(self.draft_model, "draft_block_greedy", self.draft_model.draft_block)
-        tokens = draft(self.bonus, hidden, self.draft_cache, block, self.sampler, self.token_dtype)
+        sampler = argmax_tokens if self.sampled else self.sampler
+        tokens = draft(self.bonus, hidden, self.draft_cache, block, sampler, self.token_dtype)
         mx.async_eval(tokens)
         return tokens
 
     def round(self, block: int, budget: int):
-        """mlx-vlm's greedy DFlash round (draft, verify, walk, commit); returns (accepted, tokens).
-        Every op on generation_stream, as _plain_step's."""
+        """mlx-vlm's DFlash round (draft, verify, walk, commit); returns (accepted, tokens).
+        Drafts are accepted while each equals the target's token there: greedy, decode's
+        argmax; sampled, decode's draw at that position. Every op on generation_stream, as
+        _plain_step's."""
         with mx.stream(generation_stream):
             hidden = self.context[0] if len(self.context) == 1 else mx.concatenate(self.context, axis=1)
             self.context = []
@@ -468,9 +496,15 @@ class RequestDecoder:
                 verify_input = mx.concatenate(
                     [mx.array([[self.bonus]], dtype=self.token_dtype), draft_tokens], axis=1
                 )
-                captured, gdn_states, target_tokens = dflash_rounds._dflash_verify_greedy(
-                    self.lm, verify_input, self.prompt_cache, self.taps, self.sampler
-                )
+                if self.sampled:
+                    verify_out, gdn_states = dflash_rounds._dflash_verify(
+                        self.lm, verify_input, self.prompt_cache, self.taps)
+                    captured = verify_out.hidden_states
+                    target_tokens = self.sampler.sample_block(verify_out.logits, self.position)
+                else:
+                    captured, gdn_states, target_tokens = dflash_rounds._dflash_verify_greedy(
+                        self.lm, verify_input, self.prompt_cache, self.taps, self.sampler
+                    )
                 hidden = mx.concatenate(captured, axis=-1)
                 mx.async_eval(target_tokens, hidden)
                 accepted, tokens = _speculative_walk(draft_tokens, target_tokens, budget)
@@ -481,10 +515,12 @@ class RequestDecoder:
                 raise
             self.context.append(hidden[:, : accepted + 1])
         self.bonus = tokens[-1] if tokens else self.bonus
+        self.position += len(tokens)
         return accepted, tokens
 
     def _plain_step(self, token: mx.array) -> mx.array:
-        """One decode step as plain generation runs it: fp16 logits - logsumexp, argmax.
+        """One decode step as plain generation runs it: fp16 logits - logsumexp, then argmax
+        or the draw at the next position.
 
         Every op on generation_stream, the token's reshape included: on CUDA an op built on
         another stream (the caller's) that feeds this step in the same evaluation makes MLX
@@ -497,8 +533,11 @@ class RequestDecoder:
             _tap_recorder = (self.tap_layers, [])
             try:
                 logits = self.lm(token.reshape(1, 1), cache=self.prompt_cache).logits[:, -1, :]
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                next_token = mx.argmax(logprobs, axis=-1)
+                if self.sampled:
+                    next_token = self.sampler.sample_position(logits, self.position)
+                else:
+                    next_token = mx.argmax(logprobs_like_decode(logits), axis=-1)
+                self.position += 1
             finally:
                 taps, _tap_recorder = _tap_recorder[1], None
             self.context.append(mx.concatenate(taps, axis=-1))
@@ -506,7 +545,7 @@ class RequestDecoder:
         return next_token
 
     def plain_steps(self, count: int):
-        """Yield `count` greedy tokens; each step is queued before the previous token is read."""
+        """Yield `count` tokens; each step is queued before the previous token is read."""
         pending = self._plain_step(mx.array([[self.bonus]], dtype=self.token_dtype))
         for index in range(count):
             token = pending
@@ -534,12 +573,14 @@ def policy_rounds(
     use_model_initial_block_size=True,
     greedy_sampling=True,
 ):
-    """Replaces mlx-vlm's _dflash_rounds (same arguments, same tokens) for greedy requests.
+    """Replaces mlx-vlm's _dflash_rounds (same arguments, same tokens) for greedy requests and
+    requests sampled by position.
 
-    Without a measured cost table on the drafter (`draft_model.round_costs`), for sampling,
-    or for drafters that prepare the target's hidden states themselves, mlx-vlm's own loop runs.
+    Without a measured cost table on the drafter (`draft_model.round_costs`), for other
+    samplers, or for drafters that prepare the target's hidden states themselves, mlx-vlm's
+    own loop runs.
     """
-    if not serves_rounds(draft_model, greedy_sampling):
+    if not serves_rounds(draft_model, greedy_sampling, sampler):
         yield from dflash_rounds._dflash_rounds(
             model, draft_model, prompt_cache, hidden, first_bonus=first_bonus,
             max_tokens=max_tokens, sampler=sampler, draft_block_size=draft_block_size,
@@ -551,7 +592,8 @@ def policy_rounds(
     ceiling = _dflash_block_total(draft_model, draft_block_size)
     fixed = ceiling if getattr(draft_model, "prefer_requested_block_size", False) else None
     memory = getattr(draft_model, "acceptance_memory", None)  # the engine's, with a measured table
-    policy = RoundPolicy(costs, ceiling, fixed, memory.start_request() if memory is not None else None)
+    kind = GREEDY if greedy_sampling else SAMPLED
+    policy = RoundPolicy(costs, ceiling, fixed, memory.start_request(kind) if memory is not None else None)
     decoder = RequestDecoder(model, draft_model, prompt_cache, hidden, first_bonus, sampler, token_dtype)
     with mx.stream(generation_stream):
         dflash_rounds._reserve_dflash_target_cache(prompt_cache, ceiling)
@@ -588,7 +630,7 @@ def policy_rounds(
         accepted, tokens = decoder.round(block, remaining)
         policy.record_round(block, accepted, len(tokens))
         if memory is not None:
-            memory.record(block - 1, accepted)
+            memory.record(block - 1, accepted, kind)
         for token in tokens:
             counts.tokens_from_rounds += 1
             emitted += 1
@@ -758,12 +800,9 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
     hidden = mx.concatenate(out.hidden_states, axis=-1)
     first = int(mx.argmax(out.logits[0, -1]).item())
 
-    def argmax(logits):
-        return mx.argmax(logits, axis=-1)
-
     # On the stream the server's batch generator runs requests on, as in serving.
     with mx.stream(batch_stream):
-        decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax, mx.int32)
+        decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax_tokens, mx.int32)
         one_row = hidden[:, -1:]
 
         def steady(steps, count=run):

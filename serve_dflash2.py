@@ -3,13 +3,13 @@
     python serve_dflash2.py [--port 8080] [--enable-thinking] [--no-dflash2] [--pack DIR]
     python serve_dflash2.py --demo        # serves the trained tiny pair in fixtures/tiny-pair
 
-Speculation reproduces plain decoding only for greedy requests, so each chat request
-is routed, and every response says how in its x-dflash2 header:
-- speculative: explicit temperature 0, no logprobs, no penalties, no logit_bias, n=1
+Speculation reproduces plain decoding's tokens, greedy or sampled (every draw keyed by seed
+and position: dflash2_sampling), so each chat request is routed, and every response says
+how in its x-dflash2 header:
+- speculative: greedy or sampled, no logprobs, no penalties, no logit_bias, n=1
   (images too, unless --dflash2-multimodal plain);
-- fallback; reason=R: served plain. Per request R is temperature-omitted (the pack's
-  sampling defaults apply), sampling, logprobs, penalties, logit-bias, multimodal-plain, or
-  rounds-cannot-pay (a greedy request while the round cost table has no block that beats
+- fallback; reason=R: served plain. Per request R is logprobs, penalties, logit-bias,
+  multimodal-plain, or rounds-cannot-pay (a request while the round cost table has no block that beats
   plain decoding by 5% even at full acceptance, or none at the acceptance the drafter's
   recent rounds showed); for every request it is no-dflash2
   (--no-dflash2), packed-weights-unsupported, kernel-self-test-failed,

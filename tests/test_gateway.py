@@ -67,14 +67,14 @@ def image_dir(tmp_path_factory):
 
 
 def make_client(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
-                rounds_pay=lambda: True, prompt_chars_limit=None):
+                rounds_pay=lambda kind: True, prompt_chars_limit=None):
     """serve_dflash2.py's gateway; server_reason "serve.py" decides as serve.py does."""
     return TestClient(make_gateway(image_dir, top_logprobs_k, server_reason, max_prompt_chars, multimodal_plain,
                                    rounds_pay, prompt_chars_limit=prompt_chars_limit), base_url="http://127.0.0.1:8080")
 
 
 def make_gateway(image_dir=None, top_logprobs_k=5, server_reason=None, max_prompt_chars=None, multimodal_plain=False,
-                 rounds_pay=lambda: True, checking=lambda: None, prompt_chars_limit=None):
+                 rounds_pay=lambda kind: True, checking=lambda: None, prompt_chars_limit=None):
     """The ASGI app make_client serves; checking() runs as each chat body's check starts."""
     limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars,
                         prompt_chars_limit)
@@ -446,20 +446,20 @@ def test_multimodal_plain_routes_only_images_plain(multimodal_plain):
     assert text.headers["x-dflash2"] == "speculative"
 
 
-def test_while_no_round_can_pay_greedy_requests_go_plain_and_other_reasons_stay_first():
+def test_while_no_round_can_pay_requests_go_plain_and_other_reasons_stay_first():
     asked = []  # the server's answer is asked only for a request that would go speculative
 
-    def rounds_pay():
-        asked.append(1)
+    def rounds_pay(kind):
+        asked.append(kind)
         return False
 
     client = make_client(multimodal_plain=True, rounds_pay=rounds_pay)
     modes = [post(client, body).headers["x-dflash2"] for body in (
         {"messages": MESSAGES, "temperature": 0}, {"messages": MESSAGES, "temperature": 0.5},
-        image_body(data_url(png())))]
-    assert modes == ["fallback; reason=rounds-cannot-pay", "fallback; reason=sampling",
-                     "fallback; reason=multimodal-plain"]
-    assert len(asked) == 1
+        {"messages": MESSAGES, "temperature": 0, "logprobs": True}, image_body(data_url(png())))]
+    assert modes == ["fallback; reason=rounds-cannot-pay", "fallback; reason=rounds-cannot-pay",
+                     "fallback; reason=logprobs", "fallback; reason=multimodal-plain"]
+    assert asked == ["greedy", "sampled"]  # each kind's acceptance decides its own route
     server_wide = make_client(server_reason="no-dflash2", rounds_pay=rounds_pay)
     assert post(server_wide, {"messages": MESSAGES, "temperature": 0}).headers["x-dflash2"] == \
         "fallback; reason=no-dflash2"
@@ -616,3 +616,18 @@ def test_scrubber_names_each_kind_of_local_path(tmp_path, monkeypatch):
     scrubbed = scrub(text)
     assert scrubbed == ('File "<python>/lib/python3.11/asyncio/tasks.py", line 1\n'
                         f"{MODEL_ID}/serve.py ~/.cache <cwd>/notes.txt <_io.BytesIO object>")
+
+
+@pytest.mark.parametrize("server_reason", [None, "serve.py"])
+def test_a_request_that_may_sample_gets_a_seed_it_can_send_again(server_reason):
+    """Draws are keyed by (seed, position): an unseeded sampled request gets a fresh seed,
+    forwarded and returned in x-dflash2-seed; a sent seed is kept; greedy requests get none."""
+    client = make_client(server_reason=server_reason)
+    picked = [post(client, {"messages": MESSAGES, **fields}) for fields in ({"temperature": 0.7}, {}, {})]
+    seeds = [response.json()["forwarded"]["seed"] for response in picked]
+    assert [int(response.headers["x-dflash2-seed"]) for response in picked] == seeds
+    assert len(set(seeds)) == 3 and all(0 <= seed < 1 << 32 for seed in seeds)
+    sent = post(client, {"messages": MESSAGES, "temperature": 0.7, "seed": -5})
+    assert sent.json()["forwarded"]["seed"] == -5 and sent.headers["x-dflash2-seed"] == "-5"
+    greedy = post(client, {"messages": MESSAGES, "temperature": 0})
+    assert "seed" not in greedy.json()["forwarded"] and "x-dflash2-seed" not in greedy.headers
