@@ -5,8 +5,9 @@ The engine subclasses mlx-vlm's ResponseGenerator, swaps two of mlx_vlm.server's
 and, on every route, one function of the GatedDeltaNet prefill (same bits, fewer copies) and
 plain generation's step (a request's first token handed out before its second step is built);
 dflash2_audit lists each with its audited source, checked before any weight loads.
-The drafter's start-up (dflash2_runtime's install and self-checks, the round costs) ends in
-one Speculation value: a drafter to serve with, or why every request is served plain.
+The drafter's start-up (dflash2_runtime's install and self-checks, the round costs; verdicts
+an earlier start cached serve instead, through dflash2_verdicts) ends in one Speculation value:
+a drafter to serve with, or why every request is served plain.
 """
 
 import dataclasses
