@@ -216,6 +216,9 @@ def test_a_cached_verdict_is_restored_instead_of_measured(machine, caplog):
     assert changed.full_check_because == (
         "nothing cached for this key yet (the newest cached start differed in: options (block_size))")
     assert changed.estimates["round costs"] >= 0  # the newest cached start's timings
+    # A check that fails on cached verdicts (the verify self-check) drops them: the next start checks all.
+    second.discard()
+    assert opened(pack).full_check_because.startswith("nothing cached for this key yet")
 
 
 @pytest.mark.parametrize("damage, because", [
