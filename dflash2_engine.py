@@ -5,8 +5,9 @@ The engine subclasses mlx-vlm's ResponseGenerator, swaps two of mlx_vlm.server's
 and, on every route, one function of the GatedDeltaNet prefill (same bits, fewer copies) and
 plain generation's step (a request's first token handed out before its second step is built);
 dflash2_audit lists each with its audited source, checked before any weight loads.
-The drafter's start-up (dflash2_runtime's install and self-checks, the round costs) ends in
-one Speculation value: a drafter to serve with, or why every request is served plain.
+The drafter's start-up (dflash2_runtime's install and self-checks, the round costs; verdicts
+an earlier start cached serve instead, through dflash2_verdicts) ends in one Speculation value:
+a drafter to serve with, or why every request is served plain.
 """
 
 import dataclasses
@@ -30,6 +31,7 @@ class DrafterSetup:
     drafter_dir: Path
     options: dict = field(default_factory=dict)  # dflash2_runtime.RuntimeOptions' fields; none: the pack's
     round_costs: object = None  # dflash2_policy.RoundCosts given on the command line; None: measure
+    verdicts: object = None  # dflash2_verdicts.VerdictCache, not yet opened; None: every check runs
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,13 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     import dflash2_policy
     import dflash2_runtime
     import dflash2_sampling
+    import dflash2_verdicts
     from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
 
+    verdicts = setup.verdicts or dflash2_verdicts.VerdictCache()
+    verdicts.open()  # after dflash2_runtime's import: its key asks MLX for the device
     try:
-        status = dflash2_runtime.install(model)
+        status = dflash2_runtime.install(model, verdicts)
     except dflash2_audit.SourceMismatch as mismatch:
         return Speculation(error=str(mismatch))
     logger.info("DFlash2 runtime: backend %s, speculation %s", status.backend,
@@ -98,11 +103,16 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     runtime = status.to_json()
     if not status.speculative:
         # e.g. kernel-self-test-failed, verify-self-check-failed
+        verdicts.discard()
         return Speculation(reason=status.reason.split(":")[0], runtime=runtime)
     # Sampled rounds draw a verify block's tokens as decode draws each: in one call where that
     # is bitwise decode's per row here, else row by row.
-    runtime["sampled_verify"] = dflash2_sampling.choose_block_sampling(int(model.language_model.args.vocab_size))
-    logger.info("DFlash2 %s", runtime["sampled_verify"])
+    vocab = int(model.language_model.args.vocab_size)
+    sampling = verdicts.check("sampled verify draws", lambda: dflash2_sampling.check_block_sampling(vocab),
+                              lambda value: dflash2_sampling.BlockSampling(**value))
+    dflash2_sampling.use_batched_rows(sampling.batched)
+    runtime["sampled_verify"] = sampling.summary()
+    logger.info("DFlash2 %s (%s)", sampling.summary(), verdicts.source("sampled verify draws"))
     drafter, kind = load_drafter(str(setup.drafter_dir), kind="dflash")
     validate_drafter_compatibility(model, drafter, kind)
     try:
@@ -110,18 +120,24 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
         return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
     # What a round costs here decides each greedy request's route, then each round's block or plain steps.
-    logger.info("DFlash2: timing the drafter's activation dtypes%s", "" if setup.round_costs else
-                " and each block's round cost (the round policy's table)")
     try:
-        dtype = dflash2_runtime.choose_drafter_dtype(model, drafter)
-        logger.info("DFlash2 %s", dtype.summary())
+        dtype = verdicts.check("drafter activations", lambda: dflash2_runtime.choose_drafter_dtype(model, drafter),
+                               dflash2_runtime.DrafterDtypeChoice.from_json)
+        dflash2_runtime.use_drafter_bf16(dtype.bf16)
+        logger.info("DFlash2 %s (%s)", dtype.summary(), verdicts.source("drafter activations"))
         runtime["drafter_activations"] = dtype.summary()
-        drafter.round_costs = setup.round_costs or dflash2_policy.measure_round_costs(model, drafter)
+        # A cached table keeps learning from requests, as one measured now does.
+        drafter.round_costs = setup.round_costs or verdicts.check(
+            "round costs", lambda: dflash2_policy.measure_round_costs(model, drafter),
+            lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table), learning=True),
+            dflash2_policy.RoundCosts.to_json)
     except Exception:
         logger.exception("timing the drafter or the round costs failed; every request is served plain")
         return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
     logger.info("DFlash2 round costs (%s): %s",
-                "from --dflash2-round-costs" if setup.round_costs else "measured", drafter.round_costs.summary())
+                "from --dflash2-round-costs" if setup.round_costs else verdicts.source("round costs"),
+                drafter.round_costs.summary())
+    verdicts.save()
     if not setup.round_costs:  # a given table stays as given: each request starts from the prior
         drafter.acceptance_memory = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
         logger.info("DFlash2: each request's acceptance estimate starts from the drafter's recent rounds")

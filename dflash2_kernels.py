@@ -76,7 +76,7 @@ import struct
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cache, partial
 from typing import Callable, Optional
 
@@ -4315,3 +4315,33 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
             results[name].seconds = time.perf_counter() - started
     return results
 
+
+# The tables the self-tests fill, which decide what serves where (never rebound: filled in place).
+VERDICT_TABLES = {
+    "qmv": _verified, "rotate": _rotate_verified, "rotate_group": _rotate_group_verified,
+    "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified, "conv": _conv_serving,
+    "rope": _rope_serving, "add_norm": _add_norm_serving, "gated_norm": _gated_norm_serving,
+    "gates": _gates_serving,
+}
+
+
+def kernel_verdicts(results: dict) -> dict:
+    """verify_kernel_self_tests' results (less their cases and seconds) and the tables they filled,
+    as JSON, for dflash2_verdicts' cache."""
+    kept = [f.name for f in fields(SelfTestResult) if f.name not in ("cases", "seconds")]
+    return {"results": {name: {field_name: getattr(result, field_name) for field_name in kept}
+                        for name, result in results.items()},
+            "tables": {name: [[key, sorted(value, key=str) if isinstance(value, set) else value]
+                              for key, value in table.items()] for name, table in VERDICT_TABLES.items()}}
+
+
+def restore_kernel_verdicts(verdicts: dict) -> dict:
+    """Fills the tables as the self-tests kernel_verdicts saw had; returns their results."""
+    def tupled(key):
+        return tuple(tupled(part) for part in key) if isinstance(key, list) else key
+
+    for name, table in VERDICT_TABLES.items():
+        for key, value in verdicts["tables"][name]:
+            table[tupled(key)] = set(value) if table is _attention_verified else value
+    results = verdicts["results"]
+    return {name: SelfTestResult(**results[name]) for name in SELF_TESTS if name in results}  # in the tests' order

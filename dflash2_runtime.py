@@ -47,6 +47,7 @@ import dflash2_audit
 import dflash2_kernels
 import dflash2_pack
 import dflash2_policy
+from dflash2_verdicts import VerdictCache
 
 logger = logging.getLogger("dflash2.runtime")
 
@@ -72,6 +73,14 @@ class DecodePathChoice:
     arm: str
     why: str
     step_ms: dict = field(default_factory=dict)  # arm -> {"median", "min", "max"}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DecodePathChoice":
+        """A cached choice (dataclasses.asdict's); ValueError for an arm this runtime lacks."""
+        choice = cls(**data)
+        if choice.arm not in DECODE_ARMS:
+            raise ValueError(f"no decode arm {choice.arm!r}")
+        return choice
 
 
 @dataclass
@@ -606,6 +615,14 @@ class DrafterDtypeChoice:
     why: str
     pass_ms: dict = field(default_factory=dict)  # "bf16" / "promoted" -> interleaved_ms stats
 
+    @classmethod
+    def from_json(cls, data: dict) -> "DrafterDtypeChoice":
+        """A cached choice (dataclasses.asdict's)."""
+        choice = cls(**data)
+        if not isinstance(choice.bf16, bool):
+            raise ValueError(f"bf16 is {choice.bf16!r}")
+        return choice
+
     def summary(self) -> str:
         timed = ", ".join(f"{name} {stats['median']:.2f} ms" for name, stats in self.pass_ms.items())
         return (f"drafter activations: {'bf16' if self.bf16 else 'promoted'} ({self.why}"
@@ -765,7 +782,7 @@ def apply_patches() -> None:
         dflash2_audit.replace(target, replacement)
 
 
-def install(model=None) -> RuntimeStatus:
+def install(model=None, verdicts: Optional[VerdictCache] = None) -> RuntimeStatus:
     """Check versions and fingerprints, patch mlx-vlm, prove exactness here.
 
     Every kernel is self-tested at the pack's own shapes (dflash2_kernels).
@@ -774,7 +791,8 @@ def install(model=None) -> RuntimeStatus:
     kernel self-test or verify self-check does not raise: speculation is reported
     off, with the reason, and the caller serves plain. With a model, also runs the
     verify self-check on the pack's own weights and chooses plain decode's
-    replacements by measurement (choose_decode_path).
+    replacements by measurement (choose_decode_path). verdicts: an opened VerdictCache whose
+    cached kernel and decode path verdicts serve instead (the verify self-check runs always).
     """
     apply_patches()
     backend = dflash2_kernels.backend_name()
@@ -787,15 +805,17 @@ def install(model=None) -> RuntimeStatus:
                     dflash2_kernels.check_packed_weights(module.weight, module.scales, module.biases)
         except (TypeError, ValueError) as error:
             return RuntimeStatus(False, f"packed-weights-unsupported: {error}", backend, {}, seconds=seconds)
-    started = time.perf_counter()
     if model is None:
+        started = time.perf_counter()
         result = {"qmv": dflash2_kernels.self_test()}
+        seconds["kernel self-tests"] = time.perf_counter() - started
     else:
-        # Start-up takes minutes on a GPU's first start (it compiles every kernel): say what runs.
-        logger.info("start-up check 1 of 3: kernel self-tests at the pack's shapes on %s "
-                    "(a GPU's first start builds every kernel)", backend)
-        result = dflash2_kernels.verify_kernel_self_tests(dflash2_pack.kernel_shapes(model))
-    seconds["kernel self-tests"] = time.perf_counter() - started
+        verdicts = verdicts or VerdictCache()
+        result = verdicts.check(
+            "kernel self-tests",
+            lambda: dflash2_kernels.verify_kernel_self_tests(dflash2_pack.kernel_shapes(model)),
+            dflash2_kernels.restore_kernel_verdicts, dflash2_kernels.kernel_verdicts)
+        seconds = verdicts.measured_seconds()
     # The other kernels fall back to single-position stock calls where their test
     # failed (exact, slower); a failed matmul kernel turns speculation off.
     if not result["qmv"].ok:
@@ -803,15 +823,11 @@ def install(model=None) -> RuntimeStatus:
         return RuntimeStatus(False, reason, backend, result, seconds=seconds)
     if model is None:
         return RuntimeStatus(True, None, backend, result, seconds=seconds)
-    logger.info("start-up check 2 of 3: exact verify self-check (kernels took %.1f s)", seconds["kernel self-tests"])
-    check = self_check_verify(model.language_model)
-    seconds["verify self-check"] = check.seconds
-    logger.info("start-up check 3 of 3: timing plain decode's arms (self-check took %.1f s)", check.seconds)
-    started = time.perf_counter()
-    choice = choose_decode_path(model)
-    seconds["plain decode path"] = time.perf_counter() - started
+    check = verdicts.check("verify self-check", lambda: self_check_verify(model.language_model))
+    choice = verdicts.check("plain decode path", lambda: choose_decode_path(model), DecodePathChoice.from_json)
+    use_decode_arm(choice.arm)
     reason = f"verify-self-check-failed: {check.summary()}" if check.differing else None
-    return RuntimeStatus(reason is None, reason, backend, result, choice, check, seconds)
+    return RuntimeStatus(reason is None, reason, backend, result, choice, check, verdicts.measured_seconds())
 
 
 # The negative control's block: stock verify's longest round, where it departs from decode

@@ -11,6 +11,7 @@ decode's single-row call gives on this backend; otherwise each row runs decode's
 """
 
 import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_vlm.sample_utils import apply_min_p, apply_top_k
@@ -135,15 +136,34 @@ def self_test_block_sampling(vocab: int, blocks=range(2, 9)) -> int:
     return differing
 
 
-def choose_block_sampling(vocab: int) -> str:
-    """Runs the self-test and sets how sample_block draws; returns the log line."""
-    global _batched_rows
+@dataclass(frozen=True)
+class BlockSampling:
+    """The self-test's verdict: whether a block's rows may share one call."""
+
+    differing: int  # rows that differed from decode's per-row call
+    seconds: float
+
+    @property
+    def batched(self) -> bool:
+        return self.differing == 0
+
+    def summary(self) -> str:
+        how = ("one call over a block's rows, bitwise decode's per row" if self.batched else
+               f"decode's call per row (one call over the rows differed in {self.differing} rows)")
+        return f"sampled verify draws: {how} ({self.seconds:.1f} s)"
+
+
+def check_block_sampling(vocab: int) -> BlockSampling:
     started = time.perf_counter()
     differing = self_test_block_sampling(vocab)
-    _batched_rows = differing == 0
-    how = ("one call over a block's rows, bitwise decode's per row" if _batched_rows else
-           f"decode's call per row (one call over the rows differed in {differing} rows)")
-    return f"sampled verify draws: {how} ({time.perf_counter() - started:.1f} s)"
+    return BlockSampling(differing, round(time.perf_counter() - started, 2))
+
+
+def choose_block_sampling(vocab: int) -> BlockSampling:
+    """Runs the self-test and sets how sample_block draws by its verdict."""
+    verdict = check_block_sampling(vocab)
+    use_batched_rows(verdict.batched)
+    return verdict
 
 
 def use_batched_rows(flag) -> None:

@@ -91,6 +91,10 @@ def make_dflash2_parser():
                              "print a pass/fail table and exit 0 or 1 without serving")
     parser.add_argument("--no-dflash2", action="store_true",
                         help="serve the same wrapper without the drafter (like-for-like baseline)")
+    parser.add_argument("--recheck", action="store_true",
+                        help="run every start-up check and measurement again instead of taking the verdicts "
+                             "an earlier start cached for this machine, runtime and pack (the exact verify "
+                             "self-check runs at every start)")
     dflash2 = parser.add_argument_group("DFlash2 options")
     dflash2.add_argument("--dflash2-multimodal", choices=["speculative", "plain"], default="speculative",
                          help="route requests with images speculative (default) or plain")
@@ -136,6 +140,7 @@ def start(argv=None):
     if args.demo and args.dflash2_block_size is None:
         args.dflash2_block_size = DEMO_BLOCK_SIZE
     from dflash2_pack import find_pack
+    from dflash2_verdicts import VerdictCache, pack_key
 
     pack_dir = pack_folder(parser, args, HERE)
     if args.verify_pack:
@@ -156,11 +161,13 @@ def start(argv=None):
     limits = pack_limits(target_dir, model_id, args)
 
     pass_options_to_mlx_vlm(args)
+    options = dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
+                   candidate_selector=args.dflash2_candidate_selector, sliding_window=args.dflash2_sliding_window)
+    verdicts = None if args.no_dflash2 else VerdictCache(pack_key(pack_dir, target_dir, drafter_dir, options),
+                                                         recheck=args.recheck)
     drafter = None if args.no_dflash2 else DrafterSetup(
-        drafter_dir or pack_dir / "drafter",
-        dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
-             candidate_selector=args.dflash2_candidate_selector, sliding_window=args.dflash2_sliding_window),
-        read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None)
+        drafter_dir or pack_dir / "drafter", options,
+        read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None, verdicts)
     generator, inner_app = start_engine(target_dir, model_id, limits.context_length,
                                         prefill_step_size=args.prefill_step_size,
                                         top_logprobs_k=args.top_logprobs_k,
@@ -191,7 +198,7 @@ def start(argv=None):
         # A measured cost table keeps learning from requests: /health shows it as it is now.
         costs = speculation.drafter.round_costs.to_json() if speculation.drafter else speculation.round_costs
         return {"dflash2": server_mode[0], "reason": server_reason, "runtime": speculation.runtime,
-                "round_costs": costs}
+                "round_costs": costs, "start_up_checks": verdicts and verdicts.to_json()}
 
     return Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
                    server_mode=server_mode, health=health, request_timeout=args.request_timeout), args

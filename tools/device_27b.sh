@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | rounds | e2e | tune | tune-shapes | compare | launch-cost | profile | ncu | parity | kernels | graphs
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | tune | tune-shapes | compare | launch-cost | profile | ncu | parity | kernels | graphs
 # Runs in the repository root on the GPU machine, after ../shared/device's staging (mlx-cuda,
 # mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api; the kernels part
 # needs pytest's wheels: EXTRA_WHEELS="pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0
@@ -35,6 +35,9 @@ mkdir -p "$OUT" /tmp/b27
 case "${1:-}" in
   server) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_server.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
   routes) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_routes.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
+  # starts: a first and a second start of serve_dflash2.py sharing one HOME (the verdict cache);
+  # a first start takes about 5 minutes at the 27B shape: build the pack in an earlier call (server)
+  starts) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_starts.py --pack /tmp/pack27 --out "$OUT" ;;
   # rounds: 9 repeats, not 5 (sessions 24 and 25 discarded five-repeat runs whose decode
   # steps spread several-fold; the repeats add about a minute to a call of about five)
   rounds) t=$(left) || exit 124; timeout "$t" "${BENCH[@]}" --repeats 9 --part rounds; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;

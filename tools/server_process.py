@@ -52,7 +52,8 @@ class ServerFailed(RuntimeError):
 
 class ServerProcess:
     """`python COMMAND --port PORT`, run in cwd (default workdir/cwd) with HOME set to
-    workdir/home, so that nothing of the user's reaches it; stdout and stderr go to
+    workdir/home, so that nothing of the user's reaches it (nor an XDG_CACHE_HOME of theirs:
+    the start-up verdict cache is HOME's; servers of one workdir share it); stdout and stderr go to
     workdir/NAME.log. python=None runs COMMAND as it is written (a README's command line)."""
 
     def __init__(self, name, command, workdir: Path, cwd: Path = None, python=sys.executable):
@@ -64,7 +65,8 @@ class ServerProcess:
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [*([python] if python else []), *self.command, "--port", str(self.port)], cwd=self.cwd,
-                env=clean_env(HOME=str(self.home), PYTHONUNBUFFERED="1"), stdout=log, stderr=subprocess.STDOUT)
+                env=clean_env(HOME=str(self.home), XDG_CACHE_HOME=str(self.home / ".cache"), PYTHONUNBUFFERED="1"),
+                stdout=log, stderr=subprocess.STDOUT)
 
     @property
     def url(self):

@@ -1,0 +1,237 @@
+"""The start-up verdict cache (dflash2_verdicts.py): a second start takes the verdicts a first one
+cached, answers the same, and anything that could change a verdict, or a damaged file, or
+--recheck, means a full check that says why.
+
+The servers run the demo (fixtures/tiny-pair) on CPU; servers of one workdir share its HOME and
+so its cache folder (tools/server_process.py). After the first start, those that check everything
+take the first one's round cost table on the command line: measuring it is most of a CPU start.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import dflash2_kernels
+import dflash2_verdicts
+from conftest import request
+from server_process import ServerProcess
+
+REPO = Path(__file__).resolve().parents[1]
+CACHED = {"kernel self-tests", "plain decode path", "sampled verify draws", "drafter activations", "round costs"}
+TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+
+
+def cache_files(workdir: Path) -> list:
+    return sorted((workdir / "home" / ".cache" / "dflash2" / "verdicts").glob("*.json"))
+
+
+def answer(server) -> str:
+    response = request(server, "POST", "/v1/chat/completions", {
+        "model": "dflash2-demo-tiny", "messages": [{"role": "user", "content": "Write a haiku about rivers."}],
+        "temperature": 0, "max_tokens": 16})
+    assert response.status == 200 and response.mode == "speculative", response.body
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def start(name, workdir: Path, *options, script=REPO / "serve_dflash2.py"):
+    """A demo server in workdir, ready: (the server, /health's start_up_checks). Stop it."""
+    server = ServerProcess(name, [str(script), "--demo", *options], workdir)
+    try:
+        return server, server.wait_ready()["start_up_checks"]
+    except Exception:
+        server.stop()
+        raise
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    """The first start in a fresh HOME, stopped: its workdir, answer, checks and round cost table."""
+    workdir = tmp_path_factory.mktemp("verdicts")
+    server, checks = start("first", workdir)
+    try:
+        costs = workdir / "round-costs.json"
+        costs.write_text(json.dumps(server.health()[1]["round_costs"]))
+        return {"workdir": workdir, "answer": answer(server), "checks": checks, "log": server.log(),
+                "round_costs": costs}
+    finally:
+        server.stop()
+
+
+def home_copy(first, tmp_path) -> Path:
+    """A workdir whose HOME holds the first start's cache."""
+    shutil.copytree(first["workdir"] / "home", tmp_path / "home")
+    return tmp_path
+
+
+def full_check(workdir, *options, script=REPO / "serve_dflash2.py") -> tuple:
+    """(start_up_checks, log) of a start that must check everything."""
+    server, checks = start("again", workdir, *options, script=script)
+    server.stop()
+    assert checks["from_cache"] == {}
+    assert {"kernel self-tests", "verify self-check", "plain decode path", "drafter activations"} <= set(
+        checks["measured_s"])
+    return checks, server.log()
+
+
+def test_a_first_start_checks_everything_says_so_and_caches_it(first):
+    checks = first["checks"]
+    assert checks["full_check_because"] == "nothing cached for this key yet"
+    assert checks["from_cache"] == {} and set(checks["measured_s"]) == CACHED | {"verify self-check"}
+    assert "start-up checks: all of them: nothing cached for this key yet" in first["log"]
+    # One progress line per check before it runs, in order.
+    steps = [first["log"].index(f"start-up check {n} of 6: ") for n in range(1, 7)]
+    assert steps == sorted(steps)
+    assert len(cache_files(first["workdir"])) == 1
+
+
+def test_a_second_start_takes_the_cached_verdicts_and_answers_the_same(first):
+    files = cache_files(first["workdir"])
+    cached = json.loads(files[0].read_text())["verdicts"]
+    server, checks = start("second", first["workdir"])
+    try:
+        assert answer(server) == first["answer"]
+        log = server.log()
+    finally:
+        server.stop()
+    # Each cached verdict served, with when it was measured; the verify self-check ran.
+    assert checks["full_check_because"] is None
+    assert checks["from_cache"] == {name: cached[name]["at"] for name in CACHED}
+    assert all(TIMESTAMP.fullmatch(at) for at in checks["from_cache"].values())
+    assert list(checks["measured_s"]) == ["verify self-check"]
+    assert "the verdicts cached in" in log and "serve; the verify self-check runs at every start" in log
+    for name in CACHED:
+        assert f": {name}: from the cache (measured {cached[name]['at']})" in log
+    assert "DFlash2 exact verify self-check: 7 blocks, 0 differing" in log
+    # The verify self-check's progress line estimates from the first start's timing.
+    assert "verify self-check: exact verify rounds" in log and "as the last cached start took" in log
+    assert cache_files(first["workdir"]) == files  # nothing new to write
+
+
+def test_an_edited_cache_file_means_a_full_check_that_says_so(first, tmp_path):
+    workdir = home_copy(first, tmp_path)
+    path = cache_files(workdir)[0]
+    data = json.loads(path.read_text())
+    data["verdicts"]["round costs"]["value"]["decode_step_ms"] *= 100  # a table that never paid
+    path.write_text(json.dumps(data))
+    checks, log = full_check(workdir, "--dflash2-round-costs", str(first["round_costs"]))
+    because = f"{path.name} was edited or is corrupt (its content sha256 differs)"
+    assert checks["full_check_because"] == because
+    assert f"start-up checks: all of them: {because}" in log
+
+
+def test_an_unreadable_cache_file_means_a_full_check(first, tmp_path):
+    workdir = home_copy(first, tmp_path)
+    path = cache_files(workdir)[0]
+    path.write_bytes(path.read_bytes()[:100])  # cut short, as by a full disk
+    checks, _ = full_check(workdir, "--dflash2-round-costs", str(first["round_costs"]))
+    assert checks["full_check_because"].startswith(f"{path.name} is not valid JSON")
+
+
+def test_recheck_means_a_full_check(first, tmp_path):
+    workdir = home_copy(first, tmp_path)
+    checks, log = full_check(workdir, "--recheck", "--dflash2-round-costs", str(first["round_costs"]))
+    assert checks["full_check_because"] == "--recheck"
+    assert "start-up checks: all of them: --recheck" in log
+
+
+def test_an_edited_pack_module_means_a_full_check_naming_it(first, tmp_path):
+    workdir = home_copy(first, tmp_path)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in REPO.glob("*.py"):
+        shutil.copy2(path, copy / path.name)
+    (copy / "fixtures").symlink_to(REPO / "fixtures")
+    with open(copy / "dflash2_http.py", "a") as module:
+        module.write("# edited\n")
+    checks, log = full_check(workdir, "--dflash2-round-costs", str(first["round_costs"]),
+                             script=copy / "serve_dflash2.py")
+    assert checks["full_check_because"] == (
+        "nothing cached for this key yet (the newest cached start differed in: modules (dflash2_http.py))")
+    assert len(cache_files(workdir)) == 2  # one file per key
+
+
+# ---------------------------------------------------------------------------------------
+# In process
+
+
+def test_every_kernel_verdict_table_is_cached_and_restored():
+    tables = dflash2_kernels.VERDICT_TABLES
+    named = {id(value) for name, value in vars(dflash2_kernels).items()
+             if name.startswith("_") and name.endswith(("_serving", "verified")) and isinstance(value, dict)}
+    assert named == {id(table) for table in tables.values()}  # a new kernel's table is cached too
+    kept = {name: dict(table) for name, table in tables.items()}
+    filled = {"attention": {("cuda", (1, 24, 4, 256)): {32, 64}, ("metal", (1, 2, 1, 64)): {None, 3}},
+              "rotate": {("cuda", 5120, 512): True}, "rotate_group": {(5120, 512, 3): False},
+              "qmv": {"cuda": True}, "gdn": {"cuda": "fma"}, "rope": {"cuda": None}}
+    result = dflash2_kernels.SelfTestResult(True, "cuda", None, 0, 12, cases=[{"rows": 1}], variant="fma",
+                                            variants={"fma": 0}, seconds=3.5)
+    try:
+        for name, table in tables.items():
+            table.clear()
+            table.update(filled.get(name, {}))
+        saved = json.loads(json.dumps(dflash2_kernels.kernel_verdicts({"gdn": result})))
+        for table in tables.values():
+            table.clear()
+        restored = dflash2_kernels.restore_kernel_verdicts(saved)
+        assert {name: table for name, table in tables.items() if table} == filled
+        assert restored == {"gdn": dflash2_kernels.SelfTestResult(True, "cuda", None, 0, 12, variant="fma",
+                                                                  variants={"fma": 0})}
+    finally:
+        for name, table in tables.items():
+            table.clear()
+            table.update(kept[name])
+
+
+@pytest.fixture
+def machine(monkeypatch, tmp_path):
+    """A cache folder of this test's own and a fixed machine part of the key."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(dflash2_verdicts, "machine_key", lambda: {"backend": "cuda", "device": {"device_name": "X"}})
+
+
+def opened(pack, recheck=False):
+    verdicts = dflash2_verdicts.VerdictCache(pack, recheck=recheck)
+    verdicts.open()
+    return verdicts
+
+
+def test_a_cached_verdict_is_restored_instead_of_measured(machine, caplog):
+    caplog.set_level("INFO", "dflash2.server")
+    pack = {"modules": {"dflash2_http.py": "aa"}, "pack": {}, "options": {}}
+    first = opened(pack)
+    assert first.check("round costs", lambda: {"table": 1}, dict, dict) == {"table": 1}
+    assert first.check("verify self-check", lambda: "checked") == "checked"
+    assert "about 60 s on an H200 at the 27B shape" in caplog.text  # no cached start yet
+    first.save()
+    second = opened(pack)
+    assert second.check("round costs", lambda: pytest.fail("measured"), lambda value: ("restored", value)) == (
+        "restored", {"table": 1})
+    assert second.check("verify self-check", lambda: "checked again") == "checked again"
+    assert set(second.used) == {"round costs"} and list(second.measured) == ["verify self-check"]
+    assert opened(pack, recheck=True).full_check_because == "--recheck"
+    changed = opened({**pack, "options": {"block_size": 4}})
+    assert changed.full_check_because == (
+        "nothing cached for this key yet (the newest cached start differed in: options (block_size))")
+    assert changed.estimates["round costs"] >= 0  # the newest cached start's timings
+    # A check that fails on cached verdicts (the verify self-check) drops them: the next start checks all.
+    second.discard()
+    assert opened(pack).full_check_because.startswith("nothing cached for this key yet")
+
+
+@pytest.mark.parametrize("damage, because", [
+    (lambda data: data.update(schema=2), "was edited or is corrupt"),
+    (lambda data: data.pop("sha256"), "is not a verdict file"),
+    (lambda data: data["verdicts"]["round costs"].update(value={"table": 2}), "was edited or is corrupt"),
+])
+def test_a_damaged_file_is_named(machine, damage, because):
+    pack = {"modules": {}, "pack": {}, "options": {}}
+    verdicts = opened(pack)
+    verdicts.check("round costs", lambda: {"table": 1}, dict, dict)
+    verdicts.save()
+    data = json.loads(verdicts.path.read_text())
+    damage(data)
+    verdicts.path.write_text(json.dumps(data))
+    assert because in opened(pack).full_check_because

@@ -1,0 +1,130 @@
+"""A first and a second start of serve_dflash2.py on one pack: how long each takes, and how much
+of it comes after the weights load (issue 45 item 2: a second start within 30 s of that).
+
+    python tools/bench_starts.py --pack PACK [--out evidence/]
+
+Both starts share one fresh HOME, so the second finds the start-up verdicts the first cached
+(dflash2_verdicts.py). Each start is timed from the process's launch to /health's first 200;
+"weights loaded" is the log's first "start-up checks:" line, which the engine writes right after
+mlx-vlm loaded the target. After each start one greedy request; both answers must be the same.
+Writes evidence/starts-<backend>.json and .md with the git commit and whether the tree was clean.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+from records import run_environment, write_record  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+LOADED = "start-up checks: "  # dflash2_verdicts.VerdictCache.open's line, right after the target loads
+AFTER_LOAD_TARGET_S = 30
+PROMPT = "Write a Python function that reverses a list."
+
+
+def git_state() -> dict:
+    """The commit and whether the tree had changes; None where there is no git history (a device's copy)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "clean": git("status", "--porcelain", "--untracked-files=no") == ""}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "clean": None}
+
+
+def log_time(line: str) -> float:
+    """A log line's time (the gateway's format: local time, milliseconds)."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def greedy_answer(server: ServerProcess) -> str:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    connection.request("POST", "/v1/chat/completions", headers={"content-type": "application/json"}, body=json.dumps(
+        {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": 32}))
+    reply = connection.getresponse()
+    body = json.loads(reply.read())
+    connection.close()
+    if reply.status != 200:
+        raise RuntimeError(f"{server.name}: HTTP {reply.status}: {body}")
+    return body["choices"][0]["message"]["content"]
+
+
+def start(name: str, pack: Path, workdir: Path, timeout: int) -> dict:
+    launched = time.time()
+    server = ServerProcess(name, ["serve_dflash2.py"], workdir, cwd=pack)
+    try:
+        health = server.wait_ready(timeout)
+        ready = time.time()
+        loaded = log_time(next(line for line in server.log().splitlines() if LOADED in line))
+        return {"ready_s": round(ready - launched, 1), "weights_loaded_s": round(loaded - launched, 1),
+                "after_load_s": round(ready - loaded, 1), "start_up_checks": health["start_up_checks"],
+                "answer": greedy_answer(server)}
+    finally:
+        server.stop()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pack", type=Path, required=True, help="a pack folder built by tools/build_pack.py")
+    parser.add_argument("--start-timeout", type=int, default=1800, help="seconds for a server to start")
+    parser.add_argument("--out", type=Path, default=REPO / "evidence")
+    args = parser.parse_args(argv)
+    pack = args.pack.resolve()
+    if not (pack / "serve_dflash2.py").is_file():
+        parser.error(f"{pack} has no serve_dflash2.py: build it with tools/build_pack.py")
+    with tempfile.TemporaryDirectory(prefix="bench-starts-") as scratch:
+        starts = {name: start(name, pack, Path(scratch), args.start_timeout) for name in ("first", "second")}
+    second = starts["second"]
+    record = {
+        **run_environment("bench_starts.py", pack.name, argv),
+        "git": git_state(),
+        "method": "two starts of serve_dflash2.py from the pack, one HOME (the second finds the first's "
+                  "cached verdicts); each timed from launch to /health's first 200, weights loaded at the "
+                  f"log's first {LOADED.strip()!r} line; then one greedy request each",
+        "starts": starts,
+        "answers_equal": starts["first"]["answer"] == second["answer"],
+        "second_after_load_within_target": second["after_load_s"] <= AFTER_LOAD_TARGET_S,
+    }
+    write_record(args.out, f"starts-{record['backend']}", record, summary_markdown(record))
+    print(summary_markdown(record))
+    if not record["answers_equal"] or second["start_up_checks"]["full_check_because"] is not None:
+        sys.exit("error: the second start checked everything again or answered differently (see the record)")
+
+
+def summary_markdown(r) -> str:
+    git = r["git"]
+    lines = [
+        f"# First and second start on {r['backend']} ({r['device']}): {r['pack']} pack",
+        "",
+        f"Command: `{r['command']}`; commit {git['commit'] or 'unknown'}"
+        + ("" if git["clean"] is None else " (clean tree)" if git["clean"] else " (uncommitted changes)")
+        + f", code {r['code']}; mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}",
+        "",
+        f"Method: {r['method']}.",
+        "",
+        "| start | ready s | weights loaded s | after the load s | verdicts from the cache | checks run (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, start in r["starts"].items():
+        checks = start["start_up_checks"]
+        measured = ", ".join(f"{check} {seconds:.1f}" for check, seconds in checks["measured_s"].items())
+        lines.append(f"| {name} | {start['ready_s']:.1f} | {start['weights_loaded_s']:.1f} | "
+                     f"{start['after_load_s']:.1f} | {', '.join(checks['from_cache']) or '-'} | {measured} |")
+    lines += ["", f"Second start within {AFTER_LOAD_TARGET_S} s of its weights load: "
+                  f"{r['second_after_load_within_target']}; same greedy answer: {r['answers_equal']}."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
