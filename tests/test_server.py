@@ -47,7 +47,7 @@ FAILING_SELF_TEST = """
 import runpy, sys
 import dflash2_runtime
 
-def install(model=None):
+def install(model=None, verdicts=None):
     return dflash2_runtime.RuntimeStatus(False, "kernel-self-test-failed: forced by the test", "cpu")
 
 dflash2_runtime.install = install
