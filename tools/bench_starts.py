@@ -30,17 +30,6 @@ AFTER_LOAD_TARGET_S = 30
 PROMPT = "Write a Python function that reverses a list."
 
 
-def git_state() -> dict:
-    """The commit and whether the tree had changes; None where there is no git history (a device's copy)."""
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        return {"commit": git("rev-parse", "HEAD"), "clean": git("status", "--porcelain", "--untracked-files=no") == ""}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "clean": None}
-
-
 def log_time(line: str) -> float:
     """A log line's time (the gateway's format: local time, milliseconds)."""
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
@@ -88,7 +77,6 @@ def main(argv=None):
     second = starts["second"]
     record = {
         **run_environment("bench_starts.py", pack.name, argv),
-        "git": git_state(),
         "method": "two starts of serve_dflash2.py from the pack, one HOME (the second finds the first's "
                   "cached verdicts); each timed from launch to /health's first 200, weights loaded at the "
                   f"log's first {LOADED.strip()!r} line; then one greedy request each",
@@ -103,12 +91,11 @@ def main(argv=None):
 
 
 def summary_markdown(r) -> str:
-    git = r["git"]
     lines = [
         f"# First and second start on {r['backend']} ({r['device']}): {r['pack']} pack",
         "",
-        f"Command: `{r['command']}`; commit {git['commit'] or 'unknown'}"
-        + ("" if git["clean"] is None else " (clean tree)" if git["clean"] else " (uncommitted changes)")
+        f"Command: `{r['command']}`; commit {r['git_commit'] or 'unknown'}"
+        + ("" if r["git_clean"] is None else " (clean tree)" if r["git_clean"] else " (uncommitted changes)")
         + f", code {r['code']}; mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}",
         "",
         f"Method: {r['method']}.",

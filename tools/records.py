@@ -46,10 +46,30 @@ def run_environment(tool: str, pack: str, argv=None) -> dict:
         "command": "python " + shlex.join([f"tools/{tool}", *(sys.argv[1:] if argv is None else argv)]),
         "pack": pack,
         "code": code_digest(),
+        **git_state(),
         # MLX reads these from the environment (on CUDA: graph sizes, the graph cache): what
         # the process ran with, the runtime's own defaults included.
         "mlx_environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("MLX_")},
     }
+
+
+def git_state() -> dict:
+    """git_commit and git_clean (no uncommitted change to tracked files). The device's copy of
+    the tree has no git history: there the command that sent it names them in RECORD_GIT_COMMIT
+    and RECORD_GIT_CLEAN (1 or 0); with neither, both are None."""
+    import subprocess
+
+    if os.environ.get("RECORD_GIT_COMMIT"):
+        return {"git_commit": os.environ["RECORD_GIT_COMMIT"], "git_clean": os.environ.get("RECORD_GIT_CLEAN") == "1"}
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return {"git_commit": git("rev-parse", "HEAD"),
+                "git_clean": git("status", "--porcelain", "--untracked-files=no") == ""}
+    except (OSError, subprocess.CalledProcessError):
+        return {"git_commit": None, "git_clean": None}
 
 
 def code_digest() -> str:
