@@ -540,3 +540,19 @@ def test_the_parity_summary_counts_sampled_runs_and_says_how_block_rows_are_draw
     assert ("| seeded sampled tokens, oracle drafter proposing plain seeded sampling's (blocks 2..8, 1 settings) "
             "| 7 | 1 runs differ |") in markdown
     assert "Block sampling self-test at vocabulary 248320: sampled verify draws: one call" in markdown
+
+
+def test_the_bench_summary_gives_sampled_requests_speedups_by_temperature():
+    from bench import SAMPLED_SETTINGS, summary_markdown
+
+    record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    assert "Sampled requests" not in summary_markdown(record)  # records from before sampled arms
+    counts = {"tokens_from_rounds": 30, "tokens_from_plain_steps": 9}
+    record.update(e2e_speedup_sampled={"0.6": {"chat": 1.31, "code": 1.92}, "1": {"chat": 1.2, "code": 1.8}},
+                  e2e_sampled_settings=SAMPLED_SETTINGS, sampled_block_sampling="sampled verify draws: per row",
+                  policy_round_counts_sampled={t: {"chat": counts, "code": counts} for t in ("0.6", "1")},
+                  policy_runs_routed_plain_sampled={t: {"chat": 1, "code": 0} for t in ("0.6", "1")})
+    markdown = summary_markdown(record)
+    assert "Sampled requests (top_p 0.95, top_k 20, seed 0; sampled verify draws: per row)" in markdown
+    assert "| temperature | chat | code |" in markdown
+    assert "| 0.6 | 1.31x (30 / 9; 1) | 1.92x (30 / 9; 0) |" in markdown

@@ -15,7 +15,7 @@ import dflash2_sampling
 from conftest import GENERATED, raw_ids
 from dflash2_sampling import PositionSampler
 from oracle_drafter import OracleDrafter
-from parity import (PROMPTS, SAMPLED_ERROR_RATE, SAMPLED_SETTINGS, case_mismatches, chat_ids, fixture_cases, greedy,
+from parity import (FIXED_BLOCK_COSTS, PROMPTS, SAMPLED_ERROR_RATE, SAMPLED_SETTINGS, case_mismatches, chat_ids, fixture_cases, greedy,
                     image_inputs, oracle_token_case, sampled_token_cases)
 
 # The pack's random drafter accepts nothing, so each token after the first costs a full
@@ -68,6 +68,25 @@ def test_a_sampled_case_seeded_otherwise_counts_a_mismatch(target):
     plain = greedy(model, ids, GENERATED, sampler=PositionSampler(**SAMPLED_SETTINGS[1], seed=0))
     wrong = PositionSampler(**SAMPLED_SETTINGS[1], seed=1)
     assert case_mismatches(oracle_token_case(model, ids, plain, 4, SAMPLED_ERROR_RATE, GENERATED, wrong)) == 1
+
+
+@pytest.mark.parametrize("proposes", ["sampled", "greedy"])
+def test_bench_s_sampled_arms_accept_at_the_profile_s_rate_only_proposing_plain_sampling_s_tokens(target, proposes):
+    """tools/bench.py's sampled arms: the oracle proposes plain seeded sampling's tokens, so
+    rounds at block 8 give the chat profile's 2 tokens; proposing greedy's (the wrong variant)
+    gives fewer. The tokens are plain seeded sampling's either way."""
+    from bench import PROFILE_TOKENS_PER_ROUND, full_round_tokens, sampled_sampler
+
+    model, processor, _ = target
+    ids = raw_ids(processor, PROMPTS[1])
+    plain = greedy(model, ids, GENERATED, sampler=sampled_sampler(0.6))
+    proposals = plain if proposes == "sampled" else greedy(model, ids, GENERATED)
+    oracle = OracleDrafter(proposals, prompt_length=ids.shape[1], vocab_size=model.language_model.lm_head.weight.shape[0],
+                           accepted_per_round=PROFILE_TOKENS_PER_ROUND["chat"] - 1, block_size=8)
+    oracle.round_costs, oracle.prefer_requested_block_size = FIXED_BLOCK_COSTS, True
+    assert greedy(model, ids, GENERATED, drafter=oracle, block_size=8, sampler=sampled_sampler(0.6)) == plain
+    tokens_per_round = full_round_tokens(oracle.accept_lens)
+    assert (tokens_per_round == 2.0) == (proposes == "sampled"), tokens_per_round
 
 
 def test_fixtures_with_the_packs_drafter_equal_plain(target):
