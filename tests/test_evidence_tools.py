@@ -523,3 +523,36 @@ def test_a_changed_record_changes_readme_s_results(tmp_path):
     assert table != readme_results()
     assert "| 3 (negative controls: 85,190,586) | NVIDIA H200 | [parity-cuda](evidence/parity-cuda.md) (0123456789ab) |" \
         in table
+
+
+def test_the_parity_summary_counts_sampled_runs_and_says_how_block_rows_are_drawn():
+    from parity import case_mismatches, summary_markdown
+
+    record = json.loads((EVIDENCE / "parity-cuda.json").read_text())
+    assert "seeded sampled tokens" not in summary_markdown(record)  # records from before
+    sampled = [{"check": "sampled tokens", "settings": {"temperature": 1.0, "top_p": 1.0}, "seed": 1, "block": block,
+                "error_rate": 0.35, "accepted": 3, "rounds": 4, "identical": block != 5} for block in range(2, 9)]
+    record["cases"] += sampled
+    record["block_sampling"] = {"vocab": 248320, "differing_rows": 0, "batched": True, "seconds": 2.0,
+                                "summary": "sampled verify draws: one call over a block's rows (2.0 s)"}
+    markdown = summary_markdown(record)
+    assert sum(map(case_mismatches, sampled)) == 1  # what feeds exact_mismatches
+    assert ("| seeded sampled tokens, oracle drafter proposing plain seeded sampling's (blocks 2..8, 1 settings) "
+            "| 7 | 1 runs differ |") in markdown
+    assert "Block sampling self-test at vocabulary 248320: sampled verify draws: one call" in markdown
+
+
+def test_the_bench_summary_gives_sampled_requests_speedups_by_temperature():
+    from bench import SAMPLED_SETTINGS, summary_markdown
+
+    record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    assert "Sampled requests" not in summary_markdown(record)  # records from before sampled arms
+    counts = {"tokens_from_rounds": 30, "tokens_from_plain_steps": 9}
+    record.update(e2e_speedup_sampled={"0.6": {"chat": 1.31, "code": 1.92}, "1": {"chat": 1.2, "code": 1.8}},
+                  e2e_sampled_settings=SAMPLED_SETTINGS, sampled_block_sampling="sampled verify draws: per row",
+                  policy_round_counts_sampled={t: {"chat": counts, "code": counts} for t in ("0.6", "1")},
+                  policy_runs_routed_plain_sampled={t: {"chat": 1, "code": 0} for t in ("0.6", "1")})
+    markdown = summary_markdown(record)
+    assert "Sampled requests (top_p 0.95, top_k 20, seed 0; sampled verify draws: per row)" in markdown
+    assert "| temperature | chat | code |" in markdown
+    assert "| 0.6 | 1.31x (30 / 9; 1) | 1.92x (30 / 9; 0) |" in markdown

@@ -12,7 +12,9 @@ plain decoding with the runtime installed (each decode arm) against stock; the r
 policy's cost table as the server measures it at warm-up; end-to-end tokens per second,
 plain against speculative with the oracle drafter (paying the real drafter's cost each
 round) at the acceptance profiles below, under the round policy and at each fixed block of
---fixed-blocks; token identity. It writes
+--fixed-blocks; for sampled requests (--sampled-temperatures), plain seeded sampling against
+the round policy with the oracle proposing plain seeded sampling's tokens at the same
+profiles; token identity. It writes
 evidence/bench-<backend>-<size>.json and .md. `--size tiny` runs the same on the tiny
 pack; `--pack DIR` measures a built pack's own target and drafter. `--part rounds` stops
 after the round phase and `--part e2e` runs only the end-to-end phase, in a second process,
@@ -46,11 +48,16 @@ from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
+import dflash2_sampling  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from parity import greedy  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
+
+# The sampled arms' settings beside their temperature (Qwen3.5's recommended top_p and top_k)
+# and seed.
+SAMPLED_SETTINGS = {"top_p": 0.95, "top_k": 20, "seed": 0}
 
 BLOCK = 8
 # Blocks whose verify round is also timed with the forward handed to the device every
@@ -194,6 +201,11 @@ def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
     return arms
 
 
+def sampled_sampler(temperature):
+    """The sampled arms' position-keyed sampler at `temperature` (None: greedy, no sampler)."""
+    return None if temperature is None else dflash2_sampling.PositionSampler(temperature=temperature, **SAMPLED_SETTINGS)
+
+
 def start_e2e_phase(record: dict, process: dict) -> None:
     """A round-phase record, ready for this process's end-to-end phase: the round phase's
     own process figures kept under round_process (a second e2e run keeps the first's), this
@@ -244,6 +256,9 @@ def main():
     parser.add_argument("--compare-prior-depth-decay", type=float, nargs="*", default=[],
                         help="end to end, per profile, the round policy also under these values of "
                         "dflash2_policy.PRIOR_DEPTH_DECAY (a candidate measured beside the default)")
+    parser.add_argument("--sampled-temperatures", default="0.6,1.0",
+                        help="end to end, per temperature, plain seeded sampling and the round policy per "
+                        "profile for sampled requests ('': none)")
     parser.add_argument("--deadline-s", type=float,
                         help="seconds from the start: stop after an end-to-end timed pass, without a "
                         "record, if the passes left would end later (a GPU call's limit)")
@@ -255,6 +270,7 @@ def main():
     if BLOCK not in fixed_blocks or not all(2 <= block <= BLOCK for block in fixed_blocks):
         parser.error(f"--fixed-blocks: blocks 2..{BLOCK}, including {BLOCK} (the profiles are named at it)")
     profiles = args.profiles.split(",")
+    temperatures = [float(t) for t in args.sampled_temperatures.split(",") if t]
     if not profiles or not set(profiles) <= set(PROFILE_TOKENS_PER_ROUND):
         parser.error(f"--profiles: some of {', '.join(PROFILE_TOKENS_PER_ROUND)}")
     started = time.time()
@@ -381,8 +397,15 @@ def main():
     vocab = lm.lm_head.weight.shape[0]
     prompt_ids = mx.array([prompt[:8]])
     dflash2_runtime.use_decode_arm("mlx")
-    reference = greedy(model, prompt_ids, args.tokens)
-    outputs, oracles, tables_before, seeds_before = {}, {}, {}, {}
+    # Each arm's tokens must be its reference's: plain greedy's, or plain seeded sampling's at
+    # its temperature (what the oracle proposes for sampled requests).
+    references = {temperature: greedy(model, prompt_ids, args.tokens, sampler=sampled_sampler(temperature))
+                  for temperature in [None, *temperatures]}
+    # As a server starts: how a verify block's rows are drawn (self-test at this vocabulary).
+    block_sampling = dflash2_sampling.choose_block_sampling(vocab) if temperatures else None
+    if block_sampling:
+        log(block_sampling.summary())
+    identical_by_arm, oracles, tables_before, seeds_before = {}, {}, {}, {}
     token_gaps = {}  # arm -> each full run's gaps between tokens handed on (the first: from the start)
 
     def timed_greedy(key, tokens, **kwargs):
@@ -392,27 +415,36 @@ def main():
             token_gaps.setdefault(key, []).append([1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])])
         return output
 
-    def plain_arm(arm):
+    def plain_arm(arm, temperature=None):
+        key = plain_name(arm, temperature)
+
         def run(tokens):
             dflash2_runtime.use_decode_arm(arm)
-            output = timed_greedy(f"plain {arm}", tokens)
+            output = timed_greedy(key, tokens, sampler=sampled_sampler(temperature))
             if tokens == args.tokens:
-                outputs[arm] = output
+                identical_by_arm[key] = output == references[temperature]
 
         return run
+
+    def plain_name(arm, temperature=None):
+        return f"plain {arm}" + (f", sampled {temperature:g}" if temperature is not None else "")
 
     memories = {}  # policy arm -> its AcceptanceMemory, kept across the arm's runs
     routes = {}  # policy arm -> its SpeculativeRoute: each run routed as the server would
     routed_plain = {}  # policy arm -> its full runs the route sent plain
 
-    def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False, prior_depth_decay=None):
+    def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False, prior_depth_decay=None,
+                        temperature=None):
         """block None: the round policy (ceiling BLOCK), as the server runs it: each run
         starts from the acceptance the arm's earlier runs left (the server's drafter keeps
         an AcceptanceMemory across requests), or, with first_request, from none (a
         server's first request, or a drafter the server did not measure); with
-        prior_depth_decay, under that value of the policy's constant instead."""
+        prior_depth_decay, under that value of the policy's constant instead; with
+        temperature, a sampled request (routed and remembered as the server does those)."""
         accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
-        key = arm_name(profile, block, drafter, first_request, prior_depth_decay)
+        key = arm_name(profile, block, drafter, first_request, prior_depth_decay, temperature)
+        sampler = sampled_sampler(temperature)
+        kind = dflash2_policy.GREEDY if temperature is None else dflash2_policy.SAMPLED
         if block is None and not first_request:
             memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
             routes[key] = dflash2_policy.SpeculativeRoute()
@@ -421,7 +453,7 @@ def main():
             dflash2_runtime.use_decode_arm(chosen_arm)
             dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
             oracle = OracleDrafter(
-                reference, prompt_length=prompt_ids.shape[1], vocab_size=vocab, accepted_per_round=accepted, block_size=block or BLOCK,
+                references[temperature], prompt_length=prompt_ids.shape[1], vocab_size=vocab, accepted_per_round=accepted, block_size=block or BLOCK,
                 target_layer_ids=taps, cost_drafter=drafter,
             )
             oracle.round_costs = costs
@@ -436,24 +468,26 @@ def main():
             default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
             dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
             try:
-                if key in routes and not routes[key](oracle):  # the server would route it plain
-                    output = timed_greedy(key, tokens)
+                if key in routes and not routes[key](oracle, kind):  # the server would route it plain
+                    output = timed_greedy(key, tokens, sampler=sampler)
                     oracle.round_counts = dflash2_policy.RoundCounts(tokens_from_plain_steps=len(output) - 1)
                     routed_plain[key] = routed_plain.get(key, 0) + (tokens == args.tokens)
                 else:
-                    output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK)
+                    output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK, sampler=sampler)
             finally:
                 dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
             if tokens == args.tokens:
-                tables_before[key], outputs[key], oracles[key] = table, output, oracle
+                tables_before[key], oracles[key] = table, oracle
+                identical_by_arm[key] = output == references[temperature]
                 seeds_before[key] = seed
 
         return run
 
-    def arm_name(profile, block, drafter=cost_drafter, first_request=False, prior_depth_decay=None):
+    def arm_name(profile, block, drafter=cost_drafter, first_request=False, prior_depth_decay=None, temperature=None):
         name = f"{profile}, {'policy' if block is None else f'block {block}'}"
         name += ", first request" if first_request else ""
         name += f", prior depth decay {prior_depth_decay:g}" if prior_depth_decay else ""
+        name += f", sampled {temperature:g}" if temperature is not None else ""
         return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
 
     def after_lead_in(run):
@@ -483,6 +517,12 @@ def main():
         for decay in args.compare_prior_depth_decay:
             arms[arm_name(profile, None, prior_depth_decay=decay)] = after_lead_in(
                 speculative_arm(profile, prior_depth_decay=decay))
+    # Sampled requests: plain seeded sampling on the chosen path, and the round policy per profile.
+    for temperature in temperatures:
+        arms[plain_name(chosen_arm, temperature)] = after_lead_in(plain_arm(chosen_arm, temperature))
+        for profile in profiles:
+            arms[arm_name(profile, None, temperature=temperature)] = after_lead_in(
+                speculative_arm(profile, temperature=temperature))
     # The other drafter forms' cost at the same acceptance, block 8 (proposals may differ
     # with real weights; the tokens may not).
     for form, drafter in drafters.items():
@@ -527,7 +567,12 @@ def main():
         form: {profile: speedup[arm_name(profile, BLOCK, drafter)] for profile in drafted_profiles}
         for form, drafter in drafters.items() if drafter is not cost_drafter
     }
-    identical = all(output == reference for output in outputs.values())
+    identical = all(identical_by_arm.values())
+    sampled_arms = {f"{t:g}": {profile: arm_name(profile, None, temperature=t) for profile in profiles}
+                    for t in temperatures}
+    e2e_sampled = {t: {profile: dflash2_policy.paired_ratio(e2e_ms[plain_name(chosen_arm, float(t))], e2e_ms[arm])
+                       for profile, arm in by_profile.items()}
+                   for t, by_profile in sampled_arms.items()}
     # Where the time goes: per token position, the median gap over the timed runs (the
     # warm-up pass left out), for plain on the chosen path and each profile's policy.
     gap_arms = [f"plain {chosen_arm}", *policy_arms.values()]
@@ -563,6 +608,15 @@ def main():
         "round_costs_learned": costs.to_json(),
         "cost_drafter_form": drafter_names[id(cost_drafter)],
         "e2e_speedup_by_other_drafter_form": e2e_by_form,
+        # Sampled requests (seeded, SAMPLED_SETTINGS), by temperature and profile: the round policy
+        # over plain seeded sampling, the oracle proposing plain seeded sampling's tokens.
+        "e2e_speedup_sampled": e2e_sampled,
+        "e2e_sampled_settings": SAMPLED_SETTINGS if temperatures else None,
+        "sampled_block_sampling": block_sampling.summary() if block_sampling else None,
+        "policy_round_counts_sampled": {t: {profile: vars(oracles[arm].round_counts) for profile, arm in by_profile.items()}
+                                        for t, by_profile in sampled_arms.items()},
+        "policy_runs_routed_plain_sampled": {t: {profile: routed_plain.get(arm, 0) for profile, arm in by_profile.items()}
+                                             for t, by_profile in sampled_arms.items()},
         "profile_target_tokens_per_round": PROFILE_TOKENS_PER_ROUND,
         "tokens_per_round": tokens_per_round,
         "tokens_per_round_whole_run": tokens_per_round_whole_run,
@@ -743,6 +797,19 @@ def summary_markdown(r) -> str:
         lines.append("")
         lines.append(f"Same profiles at block 8 paying the {form} drafter's cost: "
                      + ", ".join(f"{profile} {s:.2f}x" for profile, s in speedups.items()) + ".")
+    sampled = r.get("e2e_speedup_sampled")  # absent from records before sampled speculation
+    if sampled:
+        settings, profiles = r["e2e_sampled_settings"], list(next(iter(sampled.values())))
+        lines += ["", f"Sampled requests (top_p {settings['top_p']:g}, top_k {settings['top_k']}, seed "
+                  f"{settings['seed']}; {r['sampled_block_sampling']}): the round policy over plain seeded "
+                  "sampling, the oracle proposing plain seeded sampling's tokens at each profile's acceptance "
+                  "(policy tokens from rounds / plain steps in its last run; its full runs routed plain):", "",
+                  "| temperature | " + " | ".join(profiles) + " |", "|---|" + "---|" * len(profiles)]
+        for t, by_profile in sampled.items():
+            counts, plain = r["policy_round_counts_sampled"][t], r["policy_runs_routed_plain_sampled"][t]
+            lines.append(f"| {t} | " + " | ".join(
+                f"{speedup:.2f}x ({counts[p]['tokens_from_rounds']} / {counts[p]['tokens_from_plain_steps']}; "
+                f"{plain[p]})" for p, speedup in by_profile.items()) + " |")
     lines += [
         "",
         "The same table after the end-to-end arms taught it (as a server's learns from its requests) "

@@ -41,8 +41,12 @@ case "${1:-}" in
   # rounds: 9 repeats, not 5 (sessions 24 and 25 discarded five-repeat runs whose decode
   # steps spread several-fold; the repeats add about a minute to a call of about five)
   rounds) t=$(left) || exit 124; timeout "$t" "${BENCH[@]}" --repeats 9 --part rounds; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
+  # e2e: the greedy arms, and for sampled requests at temperatures $SAMPLED (default 0.6 and 1.0;
+  # SAMPLED= leaves them out) plain seeded sampling and the policy per profile: 10 arms on top
+  # of the greedy-only run's 18 (about 275 s), about 90 s more
   e2e) [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
-       t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
+       t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --sampled-temperatures "${SAMPLED-0.6,1.0}" \
+         --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   # tune-shapes: the fastest launch per 27B shape and row count, then a fresh check against the table's
   tune-shapes) t=$(left) || exit 124; timeout "$t" python3 tools/tune_qmv_shapes.py --out "$OUT" ;;
@@ -59,6 +63,8 @@ case "${1:-}" in
   launch-cost) t=$(left) || exit 124; timeout "$t" python3 tools/launch_cost.py --out "$OUT" ;;
   profile) t=$(left) || exit 124; timeout "$t" python3 tools/profile_verify.py --out "$OUT" ;;
   graphs) t=$(left) || exit 124; timeout "$t" python3 tools/graph_misses.py --out "$OUT" ;;
+  # parity: about 430 s greedy-only; the sampled runs (3 settings x blocks 2..8, 16 tokens) and the
+  # block sampling self-test add well under a minute
   parity) t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
   ncu)  # Nsight Compute on MLX's single-row qmv and the exact kernel at 1 and 8 rows, one
         # launch each at (17408, 5120): where the 8-row kernel stalls (issue 13 item 3)

@@ -9,8 +9,9 @@ evidence run on a GPU machine:
 loads the pack (by default it builds the tiny synthetic one), measures the stock verify path first (the
 negative control: on CUDA and Metal it differs from decode), installs the
 runtime, and counts every differing element of verify logits, captured hidden
-states, rollback logits and greedy tokens, plus the kernel self-test at the real
-27B packed shapes. It writes evidence/parity-<backend>.json and .md, and the
+states, rollback logits, greedy tokens and seeded sampled tokens (with the start-up
+self-test of how a verify block's rows are drawn), plus the kernel self-test at the
+real 27B packed shapes. It writes evidence/parity-<backend>.json and .md, and the
 fixture checks (text, thinking, tool-call and image prompts, plain against
 speculative with the pack's own drafter) to evidence/fixture-checks-<backend>.*.
 """
@@ -39,6 +40,9 @@ from PIL import Image  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
+import dflash2_sampling  # noqa: E402
+from dflash2_policy import RoundCosts  # noqa: E402
+from dflash2_sampling import PositionSampler  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -47,6 +51,17 @@ PROMPTS = [
     "List three prime numbers and explain why.",
     "def reverse(s):",
 ]
+# Sampled cases (issue 47), one seed each: Qwen3.5's thinking settings, plain temperature 1,
+# and min_p; at a partial acceptance, so rounds both accept and reject drafts.
+SAMPLED_SETTINGS = (
+    dict(temperature=0.6, top_p=0.95, top_k=20),
+    dict(temperature=1.0, top_p=1.0),
+    dict(temperature=0.8, top_p=1.0, min_p=0.05),
+)
+SAMPLED_ERROR_RATE = 0.35
+# Sampled requests speculate in the server's round loop (dflash2_policy.RequestDecoder), which
+# runs for drafters with a cost table; at a fixed block the table's figures go unused.
+FIXED_BLOCK_COSTS = RoundCosts(1.0, {b: 1.0 for b in range(2, 9)}, {b: 0.0 for b in range(2, 9)})
 
 
 def differing(actual: mx.array, expected: mx.array) -> int:
@@ -132,9 +147,9 @@ def fixture_cases(model, processor, drafter, max_tokens):
     return cases
 
 
-def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, arrivals=None, **kwargs):
-    """Greedy tokens through generate_step; `arrivals` (a list) gets each token's
-    time.perf_counter() as it is handed on.
+def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, arrivals=None, sampler=None, **kwargs):
+    """Greedy tokens through generate_step, or with `sampler` (a PositionSampler) its seeded
+    draws; `arrivals` (a list) gets each token's time.perf_counter() as it is handed on.
 
     It runs on generate_step's own stream, as mlx-vlm's server runs plain generation on
     one stream: generate_step builds each step's input (`y[None]`) on the caller's
@@ -151,6 +166,7 @@ def greedy(model, input_ids, max_tokens, *, drafter=None, block_size=None, arriv
             None,
             max_tokens=max_tokens,
             temperature=0.0,
+            sampler=sampler,
             draft_model=drafter,
             draft_kind="dflash",
             draft_block_size=block_size,
@@ -304,13 +320,16 @@ def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
     ]
 
 
-def oracle_token_case(model, ids, plain, block, error_rate, max_tokens, **labels):
-    """Greedy speculative tokens (oracle drafter at one block and error rate) against plain."""
+def oracle_token_case(model, ids, plain, block, error_rate, max_tokens, sampler=None, **labels):
+    """Speculative tokens (oracle drafter proposing `plain`, at one block and error rate)
+    against plain's: greedy, or drawn by `sampler` with `plain` its plain seeded run."""
     vocab = model.language_model.lm_head.weight.shape[0]
     drafter = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=vocab, error_rate=error_rate, block_size=block)
-    spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block)
+    if sampler is not None:
+        drafter.round_costs, drafter.prefer_requested_block_size = FIXED_BLOCK_COSTS, True
+    spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block, sampler=sampler)
     return {
-        "check": "tokens",
+        "check": "tokens" if sampler is None else "sampled tokens",
         **labels,
         "block": block,
         "error_rate": error_rate,
@@ -345,8 +364,21 @@ def raw_token_cases(model, ids, max_tokens, blocks=range(2, 9), errors=(0.0, 0.3
     ]
 
 
+def sampled_token_cases(model, ids, max_tokens, blocks=range(2, 9)):
+    """Seeded sampled speculative tokens (the oracle proposing plain seeded sampling's, so
+    drafts are accepted at its rate) against plain seeded sampling's, per setting and block."""
+    cases = []
+    for seed, settings in enumerate(SAMPLED_SETTINGS):
+        sampler = PositionSampler(**settings, seed=seed)
+        plain = greedy(model, ids, max_tokens, sampler=sampler)
+        cases += [oracle_token_case(model, ids, plain, block, SAMPLED_ERROR_RATE, max_tokens, sampler,
+                                    settings=settings, seed=seed)
+                  for block in blocks]
+    return cases
+
+
 def case_mismatches(case) -> int:
-    if case["check"] == "tokens":
+    if case["check"] in ("tokens", "sampled tokens"):
         return 0 if case["identical"] else 1
     return case["logits"] + case.get("hidden", 0)
 
@@ -420,6 +452,12 @@ def main():
     else:
         exact += token_cases(model, processor.tokenizer, args.max_tokens, all_token_combos())
         fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
+    # As a server starts: the self-test picks one call over a block's rows or decode's call
+    # per row, and the sampled runs then draw as it chose.
+    vocab = lm.lm_head.weight.shape[0]
+    block_sampling = dflash2_sampling.choose_block_sampling(vocab)
+    log(f"{block_sampling.summary()}; sampled token runs")
+    exact += sampled_token_cases(model, ids, args.max_tokens)
     log("kernel self-test")
     shapes = list(dflash2_kernels.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
@@ -440,6 +478,11 @@ def main():
             "stock_mismatches": kernel.stock_mismatches,
             "cases": len(kernel.cases),
         },
+        # Rows whose one-call draw differed from decode's per-row call: not a mismatch, as
+        # the sampled runs then draw row by row (batched false).
+        "block_sampling": {"vocab": vocab, "differing_rows": block_sampling.differing,
+                           "batched": block_sampling.batched, "seconds": block_sampling.seconds,
+                           "summary": block_sampling.summary()},
         "stock_cases": stock,
         "cases": exact,
         "seconds": round(time.time() - started, 1),
@@ -498,6 +541,14 @@ def summary_markdown(record) -> str:
         f"| greedy tokens, oracle drafter | {len(tokens)} | "
         f"{sum(not c['identical'] for c in tokens)} runs differ |"
     )
+    sampled = [c for c in record["cases"] if c["check"] == "sampled tokens"]
+    if sampled:  # records from before sampled speculation have none
+        lines.append(
+            f"| seeded sampled tokens, oracle drafter proposing plain seeded sampling's (blocks "
+            f"{min(c['block'] for c in sampled)}..{max(c['block'] for c in sampled)}, "
+            f"{len({str(c['settings']) for c in sampled})} settings) | {len(sampled)} | "
+            f"{sum(not c['identical'] for c in sampled)} runs differ |"
+        )
     kernel = record["kernel_self_test"]
     lines.append(f"| exact kernel self-test | {kernel['cases']} | {kernel['mismatches']} |")
     stock = record["stock_cases"]
@@ -510,6 +561,9 @@ def summary_markdown(record) -> str:
     check = record["runtime_status"].get("verify_self_check")
     if check:
         lines += ["", f"Start-up {check['summary']}."]
+    block_sampling = record.get("block_sampling")
+    if block_sampling:
+        lines += ["", f"Block sampling self-test at vocabulary {block_sampling['vocab']}: {block_sampling['summary']}."]
     lines += [
         "",
         f"exact_mismatches = {record['exact_mismatches']}, "
