@@ -180,6 +180,12 @@ class RequestRecord:
     def note_round_counts(self, counts):
         self.round_counts = counts
 
+    def draft_counts(self) -> dict:
+        """The speculative route's draft counts, as mlx-vlm's final timings have them."""
+        if self.draft_n is None:
+            return {}
+        return {"draft_rounds": self.draft_rounds, "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted}
+
     def token_sources(self) -> dict:
         counts = self.round_counts
         return {"tokens_from_rounds": counts and counts.tokens_from_rounds,
@@ -251,8 +257,22 @@ def with_loopback_cors(app):
     OpenAI SDKs add their own (X-Stainless-*), and no header changes what the server does."""
     from starlette.middleware.cors import CORSMiddleware
 
-    return CORSMiddleware(app, allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "HEAD", "POST"],
+    cors = CORSMiddleware(app, allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "HEAD", "POST"],
                           allow_headers=["*"], expose_headers=["x-dflash2", SEED_HEADER.decode()])
+
+    async def vary_once(scope, receive, send):
+        # mlx-vlm's CORS layer names Origin in Vary and this one adds it again.
+        async def send_once(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"vary"]
+                tokens = dict.fromkeys(token.strip() for k, v in message.get("headers", []) if k.lower() == b"vary"
+                                       for token in v.split(b","))
+                message = {**message, "headers": headers + ([(b"vary", b", ".join(tokens))] if tokens else [])}
+            await send(message)
+
+        await cors(scope, receive, send_once if scope["type"] == "http" else send)
+
+    return vary_once
 
 
 class Gateway:
@@ -534,7 +554,8 @@ class EventStream:
 
 def with_token_sources(send, record):
     """Adds where the tokens came from (rounds or plain steps) to mlx-vlm's timings, in a
-    JSON body (sent with its new length) or in a stream's usage chunk."""
+    JSON body (sent with its new length) or in a stream's usage chunk; a stream's finish
+    chunk also gets the draft counts, which mlx-vlm puts in the usage chunk only."""
     held = {"start": None, "body": b""}
 
     async def respond(message):
@@ -547,7 +568,7 @@ def with_token_sources(send, record):
         if held["start"] is None:
             body = message.get("body", b"")
             if body.startswith(b"data: {") and b'"timings"' in body:
-                events = [b"data: " + with_timings(event[6:], record.token_sources())
+                events = [b"data: " + with_timings(event[6:], record.token_sources(), record.draft_counts())
                           if event.startswith(b"data: {") else event for event in body.split(b"\n\n")]
                 message = {**message, "body": b"\n\n".join(events)}
             return await send(message)
@@ -562,16 +583,22 @@ def with_token_sources(send, record):
     return respond
 
 
-def with_timings(payload: bytes, fields: dict) -> bytes:
-    """A JSON payload whose final `timings` object (the one with predicted_n) gains fields."""
+def with_timings(payload: bytes, fields: dict, finish_fields: dict = None) -> bytes:
+    """A JSON payload whose final `timings` object (the one with predicted_n) gains fields;
+    with finish_fields, a stream's finish chunk gains those and fields."""
     try:
         data = json.loads(payload)
     except ValueError:
         return payload
     timings = data.get("timings") if isinstance(data, dict) else None
-    if not isinstance(timings, dict) or "predicted_n" not in timings:
+    if not isinstance(timings, dict):
         return payload
-    timings.update(fields)
+    if "predicted_n" in timings:
+        timings.update(fields)
+    elif finish_fields is not None and any(choice.get("finish_reason") for choice in data.get("choices") or []):
+        timings.update({**finish_fields, **fields})
+    else:
+        return payload
     return json.dumps(data).encode()
 
 

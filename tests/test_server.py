@@ -488,6 +488,25 @@ def test_cross_origin_use_from_loopback_pages_only(servers):
         assert "access-control-allow-origin" not in response.headers
 
 
+def test_a_chat_reply_varies_by_origin_once(servers):
+    """mlx-vlm's own CORS layer and the pack's each named Origin in Vary: "Origin, Origin"."""
+    for origin in ({}, {"origin": "http://127.0.0.1:5173"}):
+        reply = request(servers["spec"], "POST", "/v1/chat/completions",
+                        {"messages": MESSAGES, "temperature": 0, "max_tokens": 1}, headers=origin)
+        assert reply.status == 200 and reply.headers["vary"] == "Origin", reply.headers
+
+
+def test_a_stream_without_usage_ends_with_its_draft_counts(servers):
+    """The finish chunk's timings carry the draft counts and token sources whether or not the
+    client asked for a usage chunk (without one they were missing)."""
+    body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": 4, "stream": True}).encode()
+    reply = request(servers["spec"], "POST", "/v1/chat/completions", body)
+    chunks = [json.loads(line[6:]) for line in reply.body.decode().splitlines() if line.startswith("data: {")]
+    timings = next(chunk for chunk in chunks if chunk["choices"] and chunk["choices"][0]["finish_reason"])["timings"]
+    assert timings["draft_n"] >= timings["draft_n_accepted"] >= 0 and timings["draft_rounds"] >= 1, timings
+    assert timings["tokens_from_rounds"] + timings["tokens_from_plain_steps"] == 3, timings
+
+
 def image_message(url):
     return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
             "temperature": 0}
