@@ -110,8 +110,9 @@ def test_the_self_test_catches_a_batched_step_that_rounds_differently(pair, plai
 
 
 @pytest.mark.parametrize("settings", SETTINGS[:2] + [dict(temperature=0.9, top_p=0.8, top_k=7)], ids=str)
-def test_without_min_p_the_draws_are_mlx_vlm_s(settings):
-    logits = mx.random.normal((6, 512), key=mx.random.key(3)).astype(mx.float16)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=str)
+def test_without_min_p_the_draws_are_mlx_vlm_s(settings, dtype):
+    logits = (mx.random.normal((6, 512), key=mx.random.key(3)) * 3).astype(dtype)
     logprobs = dflash2_sampling.logprobs_like_decode(logits)
     positions = list(range(10, 16))
     stock = _PositionedTargetSampler(**settings, seed=11).sample_target(logprobs, row_ids=[0] * 6, positions=positions)
