@@ -205,6 +205,9 @@ def error_param(body, error) -> str:
     value, parts = body, []
     loc = error["loc"]
     for index, key in enumerate(loc):
+        if (isinstance(value, dict) and key == value.get("type") and index < len(loc) - 1
+                and not isinstance(value.get(key), (dict, list))):
+            continue  # a discriminated union's tag, where its field of that name cannot hold the rest
         if isinstance(value, dict) and key in value:
             value = value[key]
         elif isinstance(value, list) and isinstance(key, int) and key < len(value):
@@ -372,7 +375,7 @@ def check_sampling(request, limits: PackLimits):
     if temperature and temperature < lowest:
         raise InvalidRequest("temperature", f"must be 0 (greedy) or at least {lowest:g}: sampling below that "
                                             "overflows the model's float16 log-probabilities")
-    if request.top_k is not None and request.top_k >= limits.vocab_size:
+    if getattr(request, "top_k", None) is not None and request.top_k >= limits.vocab_size:
         raise InvalidRequest("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
     for key in getattr(request, "logit_bias", None) or {}:
         if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= limits.vocab_size:
