@@ -495,9 +495,15 @@ def test_head_answers_like_get_without_a_body(client, path):
 def test_openapi_describes_the_served_endpoints(client):
     document = client.get("/openapi.json").json()
     assert document == json.loads(json.dumps(openapi_schema(MODEL_ID)))
-    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health"}
-    request = document["components"]["schemas"]["ChatRequest"]
-    assert request["additionalProperties"] is False and "stop" in request["properties"]
+    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                                      "/v1/models", "/v1/models/{model}", "/health"}
+    schemas = document["components"]["schemas"]
+    for name, field in (("ChatRequest", "stop"), ("MessagesRequest", "stop_sequences"), ("CountTokensRequest", "tools")):
+        assert schemas[name]["additionalProperties"] is False and field in schemas[name]["properties"]
+    assert "max_tokens" in schemas["MessagesRequest"]["required"]
+    assert "max_tokens" not in schemas["CountTokensRequest"]["properties"]
+    error = document["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/AnthropicError"}
 
 
 def test_cross_origin_preflight(client):
