@@ -202,3 +202,19 @@ def test_request_timeout_answers_504_in_anthropics_shape(client):
     response = post(client, {**BODY, "messages": [{"role": "user", "content": "hang"}]})
     assert response.status_code == 504
     assert response.json()["error"]["type"] == "timeout_error"
+
+
+def test_the_batterys_messages_probes_get_no_server_error():
+    """tools/battery.py's hostile Messages and count_tokens probes (--quick's), against both decide
+    functions in process: 4xx or a forwarded body, never a 5xx."""
+    import battery
+
+    probes = battery.messages_probes(quick=True)  # the full set: python tools/battery.py
+    assert len(probes) > 150
+    for server_reason in (None, "serve.py"):
+        client = make_client(server_reason=server_reason)
+        for label, method, path, headers, body in probes:
+            response = client.request(method, path, content=body, headers=headers)
+            assert response.status_code < 500, (label, response.text)
+            if response.status_code >= 400:
+                assert response.json()["type"] == "error", label
