@@ -128,7 +128,8 @@ def test_multimodal_plain_routes_images_plain():
     ({**BODY, "messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, 400, "invalid-request",
      "messages[0].content[0].type"),
     ({**BODY, "messages": [{"role": "user", "content": [
-        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "invalid-request", "messages[0].content[0]"),
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "invalid-request",
+     "messages[0].content[0]"),
     ({**BODY, "messages": [{"role": "assistant", "content": [image_block()]}]}, 400, "invalid-request",
      "messages[0].content[0]"),
     ({**BODY, "temperature": "hot"}, 400, "invalid-request", "temperature"),

@@ -51,7 +51,8 @@ IMAGE_URLS = [
 ]
 PATHS = [
     "/v1/chat/completions", "/chat/completions", "/v1/models", "/v1/models/x", "/health", "/openapi.json",
-    "/v1/messages", "/v1/messages/count_tokens", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/settings", "/unload",
+    "/v1/messages", "/v1/messages/count_tokens", "/v1/completions", "/v1/responses", "/v1/embeddings",
+    "/v1/settings", "/unload",
     "/v1/cache/reset", "/metrics", "/docs", "/redoc", "/v1/realtime", "/../../etc/passwd",
     "/v1/models/%2e%2e%2f%2e%2e%2fetc", "/" + "a" * 8000,
 ]
@@ -111,7 +112,8 @@ def messages_probes(quick):
     probes = [messages_probe(f"messages {name}={value!r:.40}", {**tiny, name: value})
               for name in MessagesRequest.model_fields if name != "messages" for value in values]
     probes += [messages_probe(f"count_tokens {name}={value!r:.40}", {"messages": tiny["messages"], name: value},
-                              "/v1/messages/count_tokens") for name in CountTokensRequest.model_fields for value in values]
+                              "/v1/messages/count_tokens")
+               for name in CountTokensRequest.model_fields for value in values]
     probes += [messages_probe(f"messages[0].{name}={value!r:.40}",
                               {**tiny, "messages": [{"role": "user", "content": "Hi", name: value}]})
                for name in AnthropicMessage.model_fields for value in values]
