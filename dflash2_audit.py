@@ -168,6 +168,12 @@ REPLACED = (
         "Extended by the engine: the check before a stream opens holds the tokenizer lock.",
     ),
     Audited(
+        "mlx_vlm.server.generation:ResponseGenerator._cpu_preprocess",
+        "92a8c02002bab16db0b85e51c0b4aa69de3d3f6cec19f0484b0f5ba43285ce35",
+        "Extended by the engine: holds the tokenizer lock (made reentrant), since Messages' "
+        "count_tokens calls it directly, beside generate()'s own locked call.",
+    ),
+    Audited(
         "mlx_vlm.server.app:get_cached_model",
         "32f3dcea3e7c0617bc3e3c787afa6cbc329de7fb768e43128e3c76148b053bde",
         "Swapped by the engine (under this name and mlx_vlm.server's, the same function): a "
@@ -534,6 +540,44 @@ AUDITED = (
         "add1641eb7503640c65547bceb977e5efe1d866ca5aed2d9807190a21d91be33",
         "dflash2_http's request models check a subset of what it accepts; the gateway forwards "
         "the checked body to it.",
+    ),
+    Audited(
+        "mlx_vlm.server.anthropic:anthropic_messages_endpoint",
+        "b2f9d25091feeb2ff825d1fe04a70858a86db62d006b0fa2b741f3fdca6113d9",
+        "The gateway forwards each checked Messages body to it (stop_sequences taken out: the "
+        "engine's RecordingTokens ends the text, and the gateway names the stop sequence) and "
+        "reshapes its answers (errors, events). It generates through response_generator.generate, "
+        "so the engine's routing, cancellation and records hold.",
+    ),
+    Audited(
+        "mlx_vlm.server.anthropic:anthropic_count_tokens_endpoint",
+        "f5fcaac381cd9932a76ff6a36c1e4d5a3c1bb2236f31b7058411d06e32205daf",
+        "The gateway forwards each checked count_tokens body to it; it tokenizes through "
+        "response_generator._cpu_preprocess, which the engine locks.",
+    ),
+    Audited(
+        "mlx_vlm.server.anthropic:_anthropic_request_with_derived_fields",
+        "ea28a3331ae5ee97f5ee4e7bcb31d1f943e87e3350d502444b1a6922a54c33ae",
+        "Relied on to derive nothing from a checked body: the gateway sends enable_thinking in "
+        "place of thinking (so no thinking_budget, which the pack does not serve) and no output_config.",
+    ),
+    Audited(
+        "mlx_vlm.server.anthropic:_anthropic_messages_to_internal",
+        "425b4452fe7f252f1d6a245728ffc62bb41de555e381796afc7284a95e7565e2",
+        "Relied on: turns the checked blocks into chat messages, images into data URLs or the "
+        "checked file paths.",
+    ),
+    Audited(
+        "mlx_vlm.server.schemas:AnthropicRequest",
+        "401e401ad36c39622f5407f261457a8b8bcbf3a18c7a004678b417c2fbc8cc1c",
+        "Relied on to keep unknown fields (extra=allow): the gateway's seed reaches _build_gen_args "
+        "through it, so a sampled Messages request draws as a chat request with that seed does.",
+    ),
+    Audited(
+        "mlx_vlm.server.request_normalization:_build_gen_args",
+        "0b2f2c384a2b1743f11696cecfd73b12bfd6cf0cce5f6857d09863a525336c18",
+        "Relied on for every API: reads seed, temperature, top_p, top_k and enable_thinking from "
+        "the request (getattr, so a Messages request's extra seed too), the pack's defaults where unset.",
     ),
 )
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,15 +190,18 @@ class RecordingTokens:
         if record is None:
             return token
         record.note_token(token)
-        return self.apply_stop(token, record.stop) if record.stop else token
+        return self.apply_stop(token, record.stop, record) if record.stop else token
 
-    def apply_stop(self, token, stops):
+    def apply_stop(self, token, stops, record=None):
         text = self._held + token.text
-        found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+        found = [(index, stop) for index, stop in ((text.find(stop), stop) for stop in stops) if index >= 0]
         if found:
             self._ended = True
             self.close()  # the rest is never generated
-            return dataclasses.replace(token, text=text[:min(found)], finish_reason="stop")
+            index, stop = min(found, key=lambda item: item[0])
+            if record is not None:  # Messages answers name it (dflash2_gateway.with_stop_reason)
+                record.stop_sequence = stop
+            return dataclasses.replace(token, text=text[:index], finish_reason="stop")
         held = 0 if token.finish_reason else max(
             (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
         self._held = text[len(text) - held:] if held else ""
@@ -312,6 +316,8 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
             self.waiting_records = {}
             self.speculative_route = dflash2_policy.SpeculativeRoute()
             super().__init__(*args, **kwargs)
+            # Reentrant: _cpu_preprocess takes it too, for count_tokens, which calls it directly.
+            self._tokenizer_lock = threading.RLock()
 
         def _initialize_model(self):
             super()._initialize_model()  # the target, through mlx-vlm's own loader
@@ -355,6 +361,11 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
                 if record.cancelled:  # while it waited for its turn
                     tokens.close()
             return ctx, tokens
+
+        def _cpu_preprocess(self, *args, **kwargs):
+            # Messages' count_tokens tokenizes here without the lock generate() holds.
+            with self._tokenizer_lock:
+                return super()._cpu_preprocess(*args, **kwargs)
 
         def validate_context_budget(self, *args, **kwargs):
             # mlx-vlm's check before a stream opens tokenizes without the lock generate()

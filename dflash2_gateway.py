@@ -136,6 +136,7 @@ class RequestRecord:
     reason: str = None
     speculative: bool = False
     stop: list = field(default_factory=list)  # the request's stop sequences
+    stop_sequence: str = None  # the one its answer ended at (dflash2_engine.RecordingTokens)
     seed: int = None  # a sampled request's, sent or picked (dflash2_http.with_seed)
     announced: bool = False  # arrival line logged
     cancelled: str = None  # disconnected | timeout | shutdown
@@ -228,7 +229,14 @@ CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 MODELS_PATHS = ("/v1/models", "/models")
 HEALTH_PATHS = ("/health", "/v1/health")
 OPENAPI_PATHS = ("/openapi.json", "/v1/openapi.json")
-ANTHROPIC_PATHS = ("/v1/messages", "/messages", "/v1/messages/count_tokens", "/messages/count_tokens")
+MESSAGES_PATHS = ("/v1/messages", "/messages")
+COUNT_TOKENS_PATHS = ("/v1/messages/count_tokens", "/messages/count_tokens")
+ANTHROPIC_PATHS = MESSAGES_PATHS + COUNT_TOKENS_PATHS
+# The APIs whose bodies the gateway checks (dflash2_http.REQUEST_CHECKS), by path.
+API_OF_PATH = {**dict.fromkeys(CHAT_PATHS, "chat"), **dict.fromkeys(MESSAGES_PATHS, "messages"),
+               **dict.fromkeys(COUNT_TOKENS_PATHS, "count_tokens")}
+ANTHROPIC_ERROR_TYPES = {404: "not_found_error", 413: "request_too_large", 504: "timeout_error",
+                         503: "overloaded_error"}
 
 
 def error_payload(status: int, reason: str, message: str, param: str = None) -> dict:
@@ -236,10 +244,26 @@ def error_payload(status: int, reason: str, message: str, param: str = None) -> 
     return {"error": {"message": message, "type": kind, "param": param, "code": reason}}
 
 
+def anthropic_error_payload(status: int, reason: str, message: str, param: str = None) -> dict:
+    """An error in Anthropic's shape; param and code as chat's errors have them."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message, "param": param, "code": reason}}
+
+
+def error_body(api: str, status: int, reason: str, message: str, param: str = None) -> dict:
+    """An error in the shape of the request's API: Anthropic's for Messages, else OpenAI's."""
+    payload = anthropic_error_payload if api in ("messages", "count_tokens") else error_payload
+    return payload(status, reason, message, param)
+
+
 def inner_error_message(body: bytes) -> str:
-    """The message of an error mlx-vlm produced ({"detail": ...}), without echoed input."""
+    """The message of an error mlx-vlm produced ({"detail": ...}, or an Anthropic-shaped
+    error), without echoed input."""
     try:
-        detail = json.loads(body)["detail"]
+        data = json.loads(body)
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return str(data["error"].get("message"))
+        detail = data["detail"]
     except (ValueError, KeyError, TypeError):
         return body.decode("utf-8", "replace")[:500] or "request failed"
     if isinstance(detail, list):  # FastAPI validation errors
@@ -305,6 +329,7 @@ class Gateway:
             await send({"type": "websocket.close", "code": 1008})
             return
         record = RequestRecord(next(self.ids), scope["method"], scope["path"])
+        api = API_OF_PATH.get(scope["path"], "chat")
         record.mode, record.reason = self.server_mode
         started = time.perf_counter()
         try:
@@ -316,8 +341,8 @@ class Gateway:
         except Exception:
             logger.exception("request %d failed", record.id)
             if record.status is None:  # nothing sent yet: answer it, without the traceback
-                await send_json(self.responder(send, record), 500, error_payload(
-                    500, "server-error", "internal error; the server log has the details"))
+                await send_json(self.responder(send, record), 500, error_body(
+                    api, 500, "server-error", "internal error; the server log has the details"))
         finally:
             logger.info("request %d finished in %.2fs: %s", record.id,
                         time.perf_counter() - started, record.finish_summary())
@@ -325,9 +350,10 @@ class Gateway:
     async def refuse(self, send, record, refusal: Refusal):
         record.mode, record.reason = "refused", refusal.reason
         record.log_arrival()
-        allow = b"POST" if record.path in CHAT_PATHS else b"GET, HEAD"
+        allow = b"POST" if record.path in API_OF_PATH else b"GET, HEAD"
         headers = [(b"allow", allow)] if refusal.status == 405 else []
-        payload = error_payload(refusal.status, refusal.reason, self.scrub(refusal.message), refusal.param)
+        payload = error_body(API_OF_PATH.get(record.path, "chat"), refusal.status, refusal.reason,
+                             self.scrub(refusal.message), refusal.param)
         await send_json(self.responder(send, record), refusal.status, payload, headers)
 
     async def handle(self, scope, receive, send, record):
@@ -336,18 +362,15 @@ class Gateway:
         if not LOOPBACK_HOST_HEADER.fullmatch(host):
             # A browser page reaching loopback through DNS rebinding sends a foreign Host.
             raise Refusal(421, "invalid-host", "requests must address 127.0.0.1 or localhost")
-        if path in ANTHROPIC_PATHS:
-            raise Refusal(404, "anthropic-messages",
-                          "the Anthropic Messages API is not served; use /v1/chat/completions")
-        if path in CHAT_PATHS:
+        if path in API_OF_PATH:
             if method != "POST":
                 raise Refusal(405, "method-not-allowed", f"{path} accepts POST only")
-            return await self.chat(scope, receive, send, record)
+            return await self.chat(scope, receive, send, record, API_OF_PATH[path])
         is_model = path.startswith(("/v1/models/", "/models/"))
         if not (is_model or path in MODELS_PATHS + HEALTH_PATHS + OPENAPI_PATHS):
             raise Refusal(404, "unsupported-endpoint",
-                          f"{path} is not served; this pack serves /v1/chat/completions, /v1/models, "
-                          "/health and /openapi.json")
+                          f"{path} is not served; this pack serves /v1/chat/completions, /v1/messages, "
+                          "/v1/messages/count_tokens, /v1/models, /health and /openapi.json")
         if method not in ("GET", "HEAD"):
             raise Refusal(405, "method-not-allowed", f"{path} accepts GET and HEAD only")
         if is_model:
@@ -368,41 +391,46 @@ class Gateway:
     def model_card(self):
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "local"}
 
-    async def chat(self, scope, receive, send, record):
+    async def chat(self, scope, receive, send, record, api="chat"):
+        """A chat completion, Messages or count_tokens request (api), checked, routed and forwarded."""
         content_type = dict(scope["headers"]).get(b"content-type", b"")
         if content_type.split(b";")[0].strip().lower() != b"application/json":
             raise Refusal(415, "unsupported-media-type",
-                          "chat requests must be sent with Content-Type: application/json")
+                          f"{scope['path']} requests must be sent with Content-Type: application/json")
         body = await read_body(scope, receive)
         # Up to 32 MiB of JSON and its images decoded: on a thread, so the event loop keeps
         # serving the other clients meanwhile, and one at a time, so their memory does not add up.
         async with self.checking:
-            decision = await asyncio.to_thread(self.check_body, body)
-        record.mode, record.reason = decision.mode, decision.reason
-        record.speculative = decision.mode == "speculative"
-        record.stop = decision.body.pop("stop", [])
+            decision = await asyncio.to_thread(self.check_body, body, api)
+        if api == "count_tokens":  # generates nothing: the header keeps the server's mode
+            record.log_arrival()
+        else:
+            record.mode, record.reason = decision.mode, decision.reason
+        record.speculative = decision.mode == "speculative" and api != "count_tokens"
+        # Stop sequences end the text here (dflash2_engine.RecordingTokens), on every route alike.
+        record.stop = decision.body.pop("stop_sequences" if api == "messages" else "stop", [])
         record.seed = decision.body.get("seed")
         forwarded = json.dumps(decision.body).encode()
         # Origin stays out: mlx-vlm's own CORS layer would allow any origin.
         headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"content-type", b"origin")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(forwarded)).encode())]
-        await self.generate({**scope, "headers": headers}, forwarded, receive, send, record)
+        await self.generate({**scope, "headers": headers}, forwarded, receive, send, record, api)
 
-    def check_body(self, body: bytes):
-        """The chat body parsed, checked and routed (self.decide): its decision, or a Refusal."""
+    def check_body(self, body: bytes, api="chat"):
+        """The body parsed, checked and routed (self.decide): its decision, or a Refusal."""
         try:
             request = json.loads(body, parse_constant=reject_constant)
         except (ValueError, RecursionError) as exc:
             raise Refusal(400, "invalid-json", f"the request body is not valid JSON ({exc})")
         try:
-            return self.decide(request)
+            return self.decide(request, api) if api != "chat" else self.decide(request)
         except RecursionError:
             raise Refusal(400, "invalid-json", "the request body is nested too deeply")
 
-    async def generate(self, scope, body, receive, send, record):
-        """Runs mlx-vlm's chat endpoint on the checked body. Its generation stops when the
-        client disconnects, at the request timeout (504) and at shutdown (503)."""
-        output = ChatOutput(send, record, self.scrub)
+    async def generate(self, scope, body, receive, send, record, api="chat"):
+        """Runs mlx-vlm's endpoint for the API on the checked body. Its generation stops when
+        the client disconnects, at the request timeout (504) and at shutdown (503)."""
+        output = ChatOutput(send, record, self.scrub, api)
         gone = asyncio.Event()
         body_sent = False
 
@@ -424,7 +452,8 @@ class Gateway:
             gone.set()
 
         token = current_request.set(record)  # tasks copy the context: mlx-vlm's threads see it
-        inner = asyncio.ensure_future(self.app(scope, replay, with_token_sources(output.send, record)))
+        finishing = with_token_sources if api == "chat" else with_stop_sequence
+        inner = asyncio.ensure_future(self.app(scope, replay, finishing(output.send, record)))
         watcher = asyncio.ensure_future(watch_client())
         current_request.reset(token)
         try:
@@ -460,14 +489,15 @@ class Gateway:
 
 
 class ChatOutput:
-    """A chat response on its way out: mlx-vlm's errors in OpenAI's shape with paths
-    scrubbed, its event stream tidied, and nothing more once the request was answered
-    here or its client is gone."""
+    """A response on its way out: mlx-vlm's errors in the API's shape (OpenAI's, or
+    Anthropic's for Messages) with paths scrubbed, its event stream tidied, and nothing more
+    once the request was answered here or its client is gone."""
 
-    def __init__(self, send, record, scrub):
+    def __init__(self, send, record, scrub, api="chat"):
         self._send = send
         self.record = record
         self.scrub = scrub
+        self.api = api
         self.started = False
         self.complete = False
         self.stream = None  # EventStream, for text/event-stream responses
@@ -482,7 +512,8 @@ class ChatOutput:
                 self.error_start = message
                 return
             if dict(message.get("headers", [])).get(b"content-type", b"").startswith(b"text/event-stream"):
-                self.stream = EventStream(self.scrub)
+                self.stream = EventStream(self.scrub) if self.api == "chat" else \
+                    AnthropicEventStream(self.scrub, self.record)
             self.started = True
             return await self._send(message)
         if self.error_start is not None:
@@ -498,9 +529,11 @@ class ChatOutput:
     async def reshape_error(self):
         status, code, param = self.error_start["status"], "server-error", None
         message = self.scrub(inner_error_message(self.error_body))
-        if status < 500:  # FastAPI validation (422) and mlx-vlm's own 4xx: the client's input
-            code, status = "invalid-request", 400 if status == 422 else status
-            budget = MLX_VLM_CONTEXT_BUDGET.fullmatch(message)
+        # mlx-vlm's Messages stream answers its context-budget refusal with a 500 ("400: Request needs ...")
+        budget = MLX_VLM_CONTEXT_BUDGET.search(message) if self.api != "chat" else None
+        if status < 500 or budget:  # FastAPI validation (422) and mlx-vlm's own 4xx: the client's input
+            code, status = "invalid-request", 400 if status in (422, 500) else status
+            budget = budget or MLX_VLM_CONTEXT_BUDGET.fullmatch(message)
             if budget:
                 refusal = context_refusal("the prompt is {1} tokens and max_tokens is {2}: {0} in all, above "
                                           "the model's context length of {3}".format(*budget.groups()))
@@ -508,7 +541,7 @@ class ChatOutput:
             self.record.mode, self.record.reason = "refused", code
         self.record.log_arrival()
         self.complete = True
-        await send_json(self._send, status, error_payload(status, code, message, param))
+        await send_json(self._send, status, error_body(self.api, status, code, message, param))
 
     async def end_with_error(self, status: int, code: str, text: str):
         """Ends the response here: an error response, or an error event once the stream has begun."""
@@ -516,9 +549,11 @@ class ChatOutput:
             return
         self.complete = True
         if not self.started:
-            await send_json(self._send, status, error_payload(status, code, text))
+            await send_json(self._send, status, error_body(self.api, status, code, text))
         elif self.stream is not None:
-            event = b"data: " + json.dumps(error_payload(status, code, text)).encode() + b"\n\n"
+            event = b"data: " + json.dumps(error_body(self.api, status, code, text)).encode() + b"\n\n"
+            if self.api != "chat":
+                event = b"event: error\n" + event
             await self._send({"type": "http.response.body", "body": event, "more_body": False})
 
 
@@ -550,6 +585,72 @@ class EventStream:
                     delta.pop("role", None)
                 self.role_sent = self.role_sent or "role" in delta
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode()
+
+
+class AnthropicEventStream:
+    """mlx-vlm's Messages events, with errors scrubbed and the stop sequence the gateway
+    ended the answer at in message_delta (mlx-vlm never sees the request's stop sequences)."""
+
+    def __init__(self, scrub, record):
+        self.scrub = scrub
+        self.record = record
+        self.pending = b""
+
+    def rewrite(self, data: bytes) -> bytes:
+        *events, self.pending = (self.pending + data).split(b"\n\n")
+        return b"".join(self.event(event) + b"\n\n" for event in events)
+
+    def event(self, event: bytes) -> bytes:
+        name, _, data = event.partition(b"\ndata: ")
+        if name == b"event: error":
+            message = self.scrub(inner_error_message(data))
+            data = json.dumps(anthropic_error_payload(500, "server-error", message)).encode()
+        elif name == b"event: message_delta" and self.record.stop_sequence is not None:
+            payload = json.loads(data)
+            with_stop_reason(payload.get("delta", {}), self.record.stop_sequence)
+            data = json.dumps(payload, ensure_ascii=False).encode()
+        else:
+            return event
+        return name + b"\ndata: " + data
+
+
+def with_stop_reason(message: dict, stop_sequence: str):
+    """A Messages answer (or message_delta) that ended at stop_sequence says so, as Anthropic's do."""
+    if message.get("stop_reason") in ("end_turn", None):
+        message["stop_reason"] = "stop_sequence"
+        message["stop_sequence"] = stop_sequence
+
+
+def with_stop_sequence(send, record):
+    """with_token_sources for Messages: a JSON answer that ended at one of the request's
+    stop sequences names it, with stop_reason stop_sequence."""
+    held = {"start": None, "body": b""}
+
+    async def respond(message):
+        if message["type"] == "http.response.start":
+            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+            if message["status"] != 200 or not content_type.startswith(b"application/json"):
+                return await send(message)
+            held["start"] = message
+            return
+        if held["start"] is None:
+            return await send(message)
+        held["body"] += message.get("body", b"")
+        if message.get("more_body"):
+            return
+        body = held["body"]
+        if record.stop_sequence is not None:
+            try:
+                data = json.loads(body)
+                with_stop_reason(data, record.stop_sequence)
+                body = json.dumps(data, ensure_ascii=False).encode()
+            except (ValueError, AttributeError):
+                pass
+        headers = [(k, v) for k, v in held["start"].get("headers", []) if k.lower() != b"content-length"]
+        await send({**held["start"], "headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return respond
 
 
 def with_token_sources(send, record):

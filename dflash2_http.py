@@ -205,6 +205,9 @@ def error_param(body, error) -> str:
     value, parts = body, []
     loc = error["loc"]
     for index, key in enumerate(loc):
+        if (isinstance(value, dict) and key == value.get("type") and index < len(loc) - 1
+                and not isinstance(value.get(key), (dict, list))):
+            continue  # a discriminated union's tag, where its field of that name cannot hold the rest
         if isinstance(value, dict) and key in value:
             value = value[key]
         elif isinstance(value, list) and isinstance(key, int) and key < len(value):
@@ -364,19 +367,20 @@ def lowest_temperature(vocab_size: int) -> float:
     return math.ceil(bound * scale) / scale
 
 
-def check_sampling(request: ChatRequest, limits: PackLimits):
+def check_sampling(request, limits: PackLimits):
     """Sampling values against the pack: a temperature its sampler can take, and values
     that index the vocabulary."""
     lowest = lowest_temperature(limits.vocab_size)
-    if request.temperature and request.temperature < lowest:
+    temperature = getattr(request, "temperature", None)
+    if temperature and temperature < lowest:
         raise InvalidRequest("temperature", f"must be 0 (greedy) or at least {lowest:g}: sampling below that "
                                             "overflows the model's float16 log-probabilities")
-    if request.top_k is not None and request.top_k >= limits.vocab_size:
+    if getattr(request, "top_k", None) is not None and request.top_k >= limits.vocab_size:
         raise InvalidRequest("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
-    for key in request.logit_bias or {}:
+    for key in getattr(request, "logit_bias", None) or {}:
         if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= limits.vocab_size:
             raise InvalidRequest("logit_bias", f"key {key!r} is not a token id from 0 to {limits.vocab_size - 1}")
-    if request.top_logprobs:
+    if getattr(request, "top_logprobs", None):
         if not request.logprobs:
             raise InvalidRequest("top_logprobs", 'needs "logprobs": true')
         if request.top_logprobs > limits.top_logprobs_k:
@@ -398,18 +402,18 @@ def rendered_text_chars(request: ChatRequest) -> int:
     return total
 
 
-def request_text_chars(body: dict) -> int:
+def request_text_chars(body: dict, fields=("messages", "tools"), skip=("role", "type", "image_url")) -> int:
     """Characters of every string in a request's messages and tools, whatever its role or
     field (assistant turns, tool calls' arguments, tool schemas): all the text the template
     may hand the tokenizer. Left out: roles and part types (the template's own markers) and
     image URLs (their own limits bound them)."""
-    total, stack = 0, [body.get("messages"), body.get("tools")]
+    total, stack = 0, [body.get(name) for name in fields]
     while stack:  # a walk, not recursion: JSON may nest deeper than Python's stack
         value = stack.pop()
         if isinstance(value, str):
             total += len(value)
         elif isinstance(value, dict):
-            stack.extend(item for key, item in value.items() if key not in ("role", "type", "image_url"))
+            stack.extend(item for key, item in value.items() if key not in skip)
         elif isinstance(value, list):
             stack.extend(value)
     return total
@@ -484,12 +488,271 @@ def check_chat_request(body, limits: PackLimits) -> dict:
     return body
 
 
+# ---------------------------------------------------------------------------------------
+# Anthropic Messages: the same checks, on Anthropic's request shape
+
+
+class CacheControl(Strict):
+    """Accepted and ignored: the exact prefix cache (--prefix-cache-gb) needs no markers."""
+
+    type: Literal["ephemeral"]
+    ttl: Optional[Literal["5m", "1h"]] = None
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: Optional[CacheControl] = None
+
+
+class Base64ImageSource(Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLImageSource(Strict):
+    """Checked as chat's image URLs are: remote ones refused, local files only from --allow-image-dir."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(Strict):
+    type: Literal["image"]
+    source: Annotated[Union[Base64ImageSource, URLImageSource], Field(discriminator="type")]
+    cache_control: Optional[CacheControl] = None
+
+
+ToolResultPart = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
+
+
+class ToolUseBlock(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: Optional[CacheControl] = None
+
+
+class ToolResultBlock(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, Annotated[list[ToolResultPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
+    is_error: Optional[bool] = None
+    cache_control: Optional[CacheControl] = None
+
+
+class ThinkingBlock(Strict):
+    """An earlier turn's thinking, sent back by agents: templates drop it."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None
+
+
+class RedactedThinkingBlock(Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
+                               RedactedThinkingBlock], Field(discriminator="type")]
+
+
+class AnthropicMessage(Strict):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[ContentBlock]]
+
+
+class AnthropicTool(Strict):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+    type: Optional[Literal["custom"]] = None
+    cache_control: Optional[CacheControl] = None
+
+
+class AnthropicToolChoiceKind(Strict):
+    type: Literal["auto", "any", "none"]
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class AnthropicToolChoiceTool(Strict):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class ThinkingEnabled(Strict):
+    """budget_tokens is accepted, not enforced (as chat's thinking_budget is not served):
+    max_tokens bounds the thinking and the answer together."""
+
+    type: Literal["enabled"]
+    budget_tokens: Annotated[int, Field(ge=1, le=1 << 31)]
+
+
+class ThinkingToggle(Strict):
+    type: Literal["disabled", "adaptive"]
+
+
+class AnthropicMetadata(Strict):
+    user_id: Optional[str] = None
+
+
+class CountTokensRequest(Strict):
+    """A Messages count_tokens request (Anthropic's fields this pack honours)."""
+
+    model: Optional[str] = None
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Annotated[Union[AnthropicToolChoiceKind, AnthropicToolChoiceTool, None],
+                           Field(discriminator="type")] = None
+    thinking: Annotated[Union[ThinkingEnabled, ThinkingToggle, None], Field(discriminator="type")] = None
+    cache_control: Optional[CacheControl] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """An Anthropic Messages request, as this pack serves it."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 31)]
+    temperature: number(0, 2) = None
+    top_p: number(0, 1) = None
+    top_k: whole(0, 1 << 31) = None
+    stop_sequences: Optional[Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)]] = None
+    stream: Optional[bool] = None
+    metadata: Optional[AnthropicMetadata] = None
+
+
+def message_blocks(messages):
+    """(message index, block's where, raw block) of every content block, tool results' parts too."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+            continue
+        for number_, block in enumerate(message["content"]):
+            where = f"messages[{index}].content[{number_}]"
+            yield index, where, block
+            if isinstance(block, dict) and isinstance(block.get("content"), list):
+                for part_index, part in enumerate(block["content"]):
+                    yield index, f"{where}.content[{part_index}]", part
+
+
+def check_messages_sizes(body: dict):
+    """check_sizes for a Messages body: messages, content blocks (tool results' parts
+    included) and images, before the body is parsed into models."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest("messages", f"holds {len(messages)} messages; this server takes at most {MAX_MESSAGES}")
+    blocks = [block for _, _, block in message_blocks(messages)]
+    if len(blocks) > MAX_CONTENT_PARTS:
+        raise InvalidRequest("messages", f"hold {len(blocks)} content blocks; this server takes at most "
+                                         f"{MAX_CONTENT_PARTS}")
+    images = sum(isinstance(block, dict) and block.get("type") == "image" for block in blocks)
+    if images > MAX_IMAGES:
+        raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
+
+
+ROLE_OF_BLOCK = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
+                 "tool_result": "user", "image": "user"}
+
+
+def messages_rendered_chars(request: CountTokensRequest) -> int:
+    """rendered_text_chars for a Messages request: the system prompt's, user text's and tool results'."""
+    def text(content):
+        if isinstance(content, str):
+            return len(content)
+        return sum(len(block.text) if isinstance(block, TextBlock) else
+                   text(block.content) if isinstance(block, ToolResultBlock) else 0 for block in content or ())
+    return text(request.system) + sum(text(message.content) for message in request.messages
+                                      if message.role == "user")
+
+
+def check_messages_request(body, limits: PackLimits, request_model=MessagesRequest) -> dict:
+    """Validates an Anthropic Messages (or, with CountTokensRequest, count_tokens) body with
+    chat's rules and limits; returns it normalised for mlx-vlm's Messages endpoint: null
+    fields dropped, model filled in, thinking turned into enable_thinking, image
+    references checked."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    where = find_lone_surrogate(body)
+    if where:
+        raise InvalidRequest(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
+    body = {key: value for key, value in body.items() if value is not None}
+    check_messages_sizes(body)
+    try:
+        request = request_model.model_validate(body)
+    except ValidationError as error:
+        raise refusal_for(body, error) from None
+    model = body.setdefault("model", limits.model_id)
+    if model != limits.model_id:
+        raise Refusal(404, "unknown-model", f"model {model!r} is not served here; this server "
+                                            f"serves {limits.model_id!r}", "model")
+    if body.get("max_tokens", 0) > limits.context_length:
+        raise InvalidRequest("max_tokens", f"must be at most {limits.context_length}, the model's context length")
+    check_sampling(request, limits)
+    names = [tool.name for tool in request.tools or []]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise InvalidRequest(f"tools[{index}].name", f"{name!r} names two tools")
+    if isinstance(request.tool_choice, AnthropicToolChoiceTool) and request.tool_choice.name not in names:
+        raise InvalidRequest("tool_choice.name", f"{request.tool_choice.name!r} is not one of the request's tools")
+    if limits.max_prompt_chars is not None and messages_rendered_chars(request) > limits.max_prompt_chars:
+        raise context_refusal(f"the system prompt, user messages and tool results hold more than "
+                              f"{limits.max_prompt_chars} characters, more than the model's context of "
+                              f"{limits.context_length} tokens can take")
+    chars = request_text_chars(body, ("system", "messages", "tools"), ("role", "type", "source", "cache_control"))
+    if limits.prompt_chars_limit is not None and chars > limits.prompt_chars_limit:
+        raise Refusal(400, "prompt-too-long", f"messages: the system prompt, messages and tools hold {chars} "
+                      f"characters of text; this server takes at most {limits.prompt_chars_limit} "
+                      "(its --max-prompt-chars)", "messages")
+    pixels = 0
+    for index, where, block in message_blocks(body["messages"]):
+        role = body["messages"][index]["role"]
+        kind = block["type"]
+        if ROLE_OF_BLOCK.get(kind, role) != role:
+            raise InvalidRequest(where, f"{kind} blocks are accepted in {ROLE_OF_BLOCK[kind]} messages only")
+        if kind == "image":
+            source = block["source"]
+            url = source["url"] if source["type"] == "url" else \
+                f"data:{source['media_type']};base64,{source['data']}"
+            reference, size = load_checked_image(url, f"{where}.source", limits.image_dir, MAX_REQUEST_PIXELS - pixels)
+            pixels += size
+            if source["type"] == "url":
+                source["url"] = reference  # the checked file, resolved
+    thinking = body.pop("thinking", None)
+    if thinking is not None:
+        body["enable_thinking"] = thinking["type"] != "disabled"
+    return body
+
+
+def check_count_tokens_request(body, limits: PackLimits) -> dict:
+    return check_messages_request(body, limits, CountTokensRequest)
+
+
+REQUEST_CHECKS = {"chat": check_chat_request, "messages": check_messages_request,
+                  "count_tokens": check_count_tokens_request}
+
+
+def decider(limits: PackLimits, route):
+    """A server's decide(body, api): the API's checks, then route (plain_decision or a
+    route_chat call) for requests that generate; count_tokens generates nothing."""
+    def decide(body, api="chat"):
+        checked = REQUEST_CHECKS[api](body, limits)
+        return Decision("plain", None, checked) if api == "count_tokens" else route(checked)
+    return decide
+
+
 def has_images(body: dict) -> bool:
-    return any(
-        isinstance(message.get("content"), list)
-        and any(part["type"] == "image_url" for part in message["content"])
-        for message in body["messages"]
-    )
+    """Whether a checked chat or Messages body holds an image (Messages: tool results' too)."""
+    def parts(content):
+        for part in content if isinstance(content, list) else ():
+            yield part
+            yield from parts(part.get("content"))
+    return any(part["type"] in ("image_url", "image") for message in body["messages"]
+               for part in parts(message.get("content")))
 
 
 # ---------------------------------------------------------------------------------------
@@ -584,9 +847,25 @@ def fallback_reason(body: dict, multimodal_plain: bool):
 # OpenAPI description of what the gateway serves
 
 
-def error_responses(*statuses):
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+def error_responses(*statuses, schema="Error"):
+    error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
     return {str(status): {"description": "error", **error} for status in statuses}
+
+
+def request_schemas(*models) -> dict:
+    """The models' JSON schemas and their shared definitions, as OpenAPI components."""
+    components = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, definition in schema.pop("$defs", {}).items():
+            assert components.setdefault(name, definition) == definition, name
+        components[model.__name__] = schema
+    return components
+
+
+def json_body(model):
+    return {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
 
 
 def json_response(schema, description="OK"):
@@ -595,13 +874,18 @@ def json_response(schema, description="OK"):
 
 def openapi_schema(model_id: str) -> dict:
     """OpenAPI 3.1 for the endpoints the gateway serves (aliases without /v1 left out)."""
-    schemas = ChatRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    components = schemas.pop("$defs", {})
-    components["ChatRequest"] = schemas
+    components = request_schemas(ChatRequest, MessagesRequest, CountTokensRequest)
     components["Error"] = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
+    components["AnthropicError"] = {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {
+            "type": "object", "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
+    message = {"type": "object", "required": ["type", "content", "stop_reason", "usage"],
+               "properties": {"type": {"const": "message"}, "content": {"type": "array"}}}
     model_card = {"type": "object", "required": ["id", "object"],
                   "properties": {"id": {"const": model_id}, "object": {"const": "model"}}}
     completion = {"type": "object", "required": ["choices"], "properties": {"choices": {"type": "array"}}}
@@ -620,6 +904,21 @@ def openapi_schema(model_id: str) -> dict:
                             "content": {"application/json": {"schema": completion},
                                         "text/event-stream": {"schema": {"type": "string"}}}},
                     **error_responses(400, 404, 405, 413, 415, 421, 503, 504)}}},
+            "/v1/messages": {"post": {
+                "operationId": "createMessage",
+                "requestBody": json_body(MessagesRequest),
+                "responses": {
+                    "200": {"description": "a message, or server-sent events when stream is true",
+                            "content": {"application/json": {"schema": message},
+                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                    **error_responses(400, 404, 405, 413, 415, 421, 503, 504, schema="AnthropicError")}}},
+            "/v1/messages/count_tokens": {"post": {
+                "operationId": "countMessageTokens",
+                "requestBody": json_body(CountTokensRequest),
+                "responses": {
+                    "200": json_response({"type": "object", "required": ["input_tokens"],
+                                          "properties": {"input_tokens": {"type": "integer"}}}),
+                    **error_responses(400, 404, 405, 413, 415, 421, 503, 504, schema="AnthropicError")}}},
             "/v1/models": {"get": {"operationId": "listModels", "responses": {
                 "200": json_response({"type": "object", "properties": {"data": {
                     "type": "array", "items": model_card}}}), **get_only}}},

@@ -30,7 +30,7 @@ runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
 
 from dflash2_engine import start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
-from dflash2_http import check_chat_request, plain_decision
+from dflash2_http import decider, plain_decision
 from dflash2_options import (
     DEMO_MODEL_ID,
     exit_if_address_taken,
@@ -82,7 +82,7 @@ def start(argv=None):
                                         prefix_cache_gb=prefix_cache_gb(args))
     warm_up(generator, "plain")
     return Gateway(inner_app, model_id=model_id, scrubber=scrubber, request_timeout=args.request_timeout,
-                   decide=lambda body: plain_decision(check_chat_request(body, limits))), args
+                   decide=decider(limits, plain_decision)), args
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ import logging
 
 from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
-from dflash2_http import check_chat_request, route_chat
+from dflash2_http import decider, route_chat
 from dflash2_options import (
     DEMO_MODEL_ID,
     exit_if_address_taken,
@@ -188,10 +188,9 @@ def start(argv=None):
 
     server_mode = ("fallback", server_reason) if server_reason else ("speculative", None)
 
-    def decide(body):
-        return route_chat(check_chat_request(body, limits), server_reason=server_reason,
-                          multimodal_plain=args.dflash2_multimodal == "plain",
-                          rounds_pay=generator.rounds_can_pay)
+    decide = decider(limits, lambda body: route_chat(body, server_reason=server_reason,
+                                                     multimodal_plain=args.dflash2_multimodal == "plain",
+                                                     rounds_pay=generator.rounds_can_pay))
 
     def health():
         speculation = generator.speculation

@@ -17,8 +17,8 @@ from starlette.testclient import TestClient
 
 from conftest import data_url, png
 from dflash2_gateway import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
-from dflash2_http import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, check_chat_request, lowest_temperature,
-                          openapi_schema, plain_decision, route_chat)
+from dflash2_http import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, check_chat_request, decider,
+                          lowest_temperature, openapi_schema, plain_decision, route_chat)
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
@@ -79,12 +79,17 @@ def make_gateway(image_dir=None, top_logprobs_k=5, server_reason=None, max_promp
     limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, top_logprobs_k, image_dir and image_dir.resolve(), max_prompt_chars,
                         prompt_chars_limit)
 
-    def decide(body):
+    if server_reason == "serve.py":
+        route = plain_decision
+    else:
+        def route(body):
+            return route_chat(body, server_reason=server_reason, multimodal_plain=multimodal_plain,
+                              rounds_pay=rounds_pay)
+    checked = decider(limits, route)
+
+    def decide(body, api="chat"):
         checking()
-        if server_reason == "serve.py":
-            return plain_decision(check_chat_request(body, limits))
-        return route_chat(check_chat_request(body, limits), server_reason=server_reason,
-                          multimodal_plain=multimodal_plain, rounds_pay=rounds_pay)
+        return checked(body, api)
 
     gateway = Gateway(stub_mlx_vlm, model_id=MODEL_ID, scrubber=PathScrubber(local_paths([], MODEL_ID)),
                       decide=decide, header="x-dflash2", request_timeout=TIMEOUT_S)
@@ -129,8 +134,6 @@ def image_body(url):
      400, "structured-output"),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "n-above-1"),
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "model": "mlx-community/other"}, 404, "unknown-model"),
-    ("POST", "/v1/messages", {"model": MODEL_ID, "max_tokens": 5, "messages": MESSAGES}, 404, "anthropic-messages"),
-    ("POST", "/v1/messages/count_tokens", {"messages": MESSAGES}, 404, "anthropic-messages"),
     ("GET", "/v1/settings", None, 404, "unsupported-endpoint"),
     ("PATCH", "/v1/settings", {"kv_bits": 4}, 404, "unsupported-endpoint"),
     ("POST", "/unload", None, 404, "unsupported-endpoint"),
@@ -492,9 +495,15 @@ def test_head_answers_like_get_without_a_body(client, path):
 def test_openapi_describes_the_served_endpoints(client):
     document = client.get("/openapi.json").json()
     assert document == json.loads(json.dumps(openapi_schema(MODEL_ID)))
-    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health"}
-    request = document["components"]["schemas"]["ChatRequest"]
-    assert request["additionalProperties"] is False and "stop" in request["properties"]
+    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                                      "/v1/models", "/v1/models/{model}", "/health"}
+    schemas = document["components"]["schemas"]
+    for name, field in (("ChatRequest", "stop"), ("MessagesRequest", "stop_sequences"), ("CountTokensRequest", "tools")):
+        assert schemas[name]["additionalProperties"] is False and field in schemas[name]["properties"]
+    assert "max_tokens" in schemas["MessagesRequest"]["required"]
+    assert "max_tokens" not in schemas["CountTokensRequest"]["properties"]
+    error = document["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/AnthropicError"}
 
 
 def test_cross_origin_preflight(client):

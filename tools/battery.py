@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash2_http import ChatRequest, Message  # noqa: E402
+from dflash2_http import AnthropicMessage, ChatRequest, CountTokensRequest, Message, MessagesRequest  # noqa: E402
 from records import write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -51,7 +51,8 @@ IMAGE_URLS = [
 ]
 PATHS = [
     "/v1/chat/completions", "/chat/completions", "/v1/models", "/v1/models/x", "/health", "/openapi.json",
-    "/v1/messages", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/settings", "/unload",
+    "/v1/messages", "/v1/messages/count_tokens", "/v1/completions", "/v1/responses", "/v1/embeddings",
+    "/v1/settings", "/unload",
     "/v1/cache/reset", "/metrics", "/docs", "/redoc", "/v1/realtime", "/../../etc/passwd",
     "/v1/models/%2e%2e%2f%2e%2e%2fetc", "/" + "a" * 8000,
 ]
@@ -97,6 +98,33 @@ def field_probes(quick):
         ("json_object", {"response_format": {"type": "json_object"}}),
         ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
         ("thinking_budget", {"thinking_budget": 4}), ("temperature 1e-7", {"temperature": 1e-7}))]
+    return probes
+
+
+def messages_probe(label, body, path="/v1/messages"):
+    return label, "POST", path, {"content-type": "application/json"}, json.dumps(body).encode()
+
+
+def messages_probes(quick):
+    """field_probes for Anthropic Messages and count_tokens: every field, block and image source."""
+    values = QUICK_VALUES if quick else HOSTILE_VALUES
+    tiny = {"max_tokens": 1, "temperature": 0, "messages": TINY["messages"]}
+    probes = [messages_probe(f"messages {name}={value!r:.40}", {**tiny, name: value})
+              for name in MessagesRequest.model_fields if name != "messages" for value in values]
+    probes += [messages_probe(f"count_tokens {name}={value!r:.40}", {"messages": tiny["messages"], name: value},
+                              "/v1/messages/count_tokens")
+               for name in CountTokensRequest.model_fields for value in values]
+    probes += [messages_probe(f"messages[0].{name}={value!r:.40}",
+                              {**tiny, "messages": [{"role": "user", "content": "Hi", name: value}]})
+               for name in AnthropicMessage.model_fields for value in values]
+    blocks = [{"type": "text", "text": "Hi"}, {"type": "tool_result", "tool_use_id": "t", "content": "x"},
+              {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]
+    probes += [messages_probe(f"block {block['type']}.{name}={value!r:.40}",
+                              {**tiny, "messages": [{"role": "user", "content": [{**block, name: value}]}]})
+               for block in blocks for name in block for value in values]
+    probes += [messages_probe(f"image source url={url:.40}", {**tiny, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": url}}]}]}) for url in IMAGE_URLS]
+    probes += [messages_probe(f"messages body {body!r}", body) for body in ([], "x", None, {})]
     return probes
 
 
@@ -259,7 +287,8 @@ def run_batches(server, quick=False) -> Tally:
     """Every batch against one running server; returns the tally."""
     tally = Tally(server)
     tally.check_after("start")
-    batches = [("fields", field_probes(quick)), ("endpoints", endpoint_probes(quick)),
+    batches = [("fields", field_probes(quick)), ("messages fields", messages_probes(quick)),
+               ("endpoints", endpoint_probes(quick)),
                ("headers", header_probes(quick))]
     for name, probes in batches:
         for label, method, path, headers, body in probes:
