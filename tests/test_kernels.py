@@ -14,6 +14,7 @@ import pytest
 
 import dflash2_kernels as dk
 from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
+from kernel_cases import patch_kernels
 
 SHAPE = (16, 512)
 
@@ -127,7 +128,7 @@ def test_exact_matmul_equals_single_row_calls(shape, leading):
 
 
 def test_failed_self_test_serves_row_by_row(monkeypatch):
-    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")  # a backend with a kernel
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")  # a backend with a kernel
     monkeypatch.setitem(dk._verified, "cuda", False)
     monkeypatch.setattr(dk, "_warned", set())
     weight, scales, biases = dk.make_weights(*SHAPE, mx.random.key(1))
@@ -321,7 +322,7 @@ def test_attention_kernels_serve_only_the_softmax_block_dims_their_self_test_cov
     block dim the self-test never ran takes the stock per-query calls."""
     shape = (1, 2, 2, 256)
     served = []
-    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     monkeypatch.setattr(dk, "cuda_attention_rows", lambda *args: served.append(args[-1]) or "kernel")
     monkeypatch.setitem(dk._attention_verified, ("cuda", shape), {32, 64})
     for first_length, rows, kernel in ((250, 8, True), (509, 4, True), (510, 4, False), (600, 1, False)):
@@ -354,7 +355,7 @@ def test_metal_attention_serves_multi_query_calls_only_where_its_self_test_passe
     from gpu_rounding import swap_row_variant_ops
 
     shape = (1, 12, 2, 64)  # GQA 6: five queries a call
-    monkeypatch.setattr(dk, "backend_name", lambda: "metal")
+    patch_kernels(monkeypatch, "backend_name", lambda: "metal")
     monkeypatch.setattr(dk, "_attention_verified", {})
     queries, keys, values, _, _ = dk._make_case(shape, 250, 8, "normal", mx.random.key(2))
     calls = []
@@ -381,7 +382,7 @@ def test_attention_self_test_lengths_cover_every_softmax_block_dim_at_the_pack_s
 
 
 def test_own_self_tests_have_nothing_to_test_without_kernels(monkeypatch):
-    monkeypatch.setattr(dk, "backend_name", lambda: "cpu")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cpu")
     serving = dict(dk._verified)
     for name, (_, test) in dk.SELF_TESTS.items():
         result = test(shapes=None)
@@ -648,7 +649,7 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     committed one, and activation rows split over 2 or 4 warps where that divides them)."""
     kernel = RecordingKernel()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: kernel)
-    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dk._verified, "cuda", True)
     if split > 1:
         monkeypatch.setattr(dk, "CUDA_LAUNCH", {
@@ -682,7 +683,7 @@ def test_cuda_kernel_takes_a_blocks_rows_as_they_are(monkeypatch, request):
     launch for the L rows in all, its output (1, L, N)."""
     kernel = RecordingKernel()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: kernel)
-    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dk._verified, "cuda", True)
     dk._cuda_launch.cache_clear()
     request.addfinalizer(dk._cuda_launch.cache_clear)
@@ -715,7 +716,7 @@ def test_rotated_rows_reach_the_qmv_swizzled_only_where_both_kernels_passed(monk
     qmv, rotation = RecordingKernel(), RecordingKernel()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
     monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda outputs=1: rotation)
-    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dk._verified, "cuda", True)
     monkeypatch.setattr(dk, "_rotate_plans", {})
     monkeypatch.setattr(dk, "_swizzled_rotations", {})
@@ -767,7 +768,7 @@ def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_p
     qmv, rotation, group = RecordingKernel(), RecordingKernel(), RecordingGroupRotation()
     monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
     monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda outputs=1: rotation if outputs == 1 else group)
-    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dk._verified, "cuda", True)
     monkeypatch.setattr(dk, "_rotate_plans", {})
     monkeypatch.setattr(dk, "_swizzled_rotations", {})
@@ -1060,7 +1061,7 @@ def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypat
         g, beta = dk._compute_g_beta(A_log, a, b, dt_bias)
         return g, flip_first_bit(beta) if variant == "half" else beta
 
-    monkeypatch.setattr(dk, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     monkeypatch.setattr(dk, "cuda_gdn_gates", stand_in)
     monkeypatch.setattr(dk, "_gates_serving", {})
     result = dk.self_test_gates([(4,)])

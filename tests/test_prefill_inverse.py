@@ -14,6 +14,7 @@ import dflash2_audit
 import dflash2_engine
 import dflash2_kernels
 import dflash2_runtime
+from kernel_cases import patch_kernels
 from parity import differing
 
 STOCK = gated_delta._invert_unit_lower  # never swapped: gated_delta_chunked is
@@ -54,7 +55,7 @@ def reversed_substitution(Tmat, C):
 
 
 def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")  # row-appending the only candidate
+    patch_kernels(monkeypatch, "backend_name", lambda: "cpu")  # row-appending the only candidate
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)  # undone after the test
     assert dflash2_kernels.self_test_inverse(heads=2, kernel=rows_ignored(reversed_substitution)) > 0
     monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda heads=48, chunks=2, kernel=None: 7)
@@ -62,7 +63,7 @@ def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
     assert "the row-appending one differed from it here in 7 elements" in line
     assert gated_delta.gated_delta_chunked is STOCK_CHUNKED
     monkeypatch.undo()
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cpu")
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)
     line = dflash2_engine.use_exact_prefill_inverse()
     assert "row-appending" in line and gated_delta.gated_delta_chunked is not STOCK_CHUNKED
@@ -77,7 +78,7 @@ def test_on_cuda_the_one_launch_append_is_tried_first_and_skipped_when_it_fails(
         pytest.skip("here the one-launch kernel builds: test_one_launch_inverse_on_cuda")
     assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["row-appending"]
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["one-launch append", "row-appending"]
     line = dflash2_engine.use_exact_prefill_inverse()
     assert line.startswith("prefill inverse: row-appending, bitwise") and "the one-launch append one failed" in line

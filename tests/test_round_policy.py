@@ -14,6 +14,7 @@ import pytest
 
 import dflash2_policy
 from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
+from kernel_cases import patch_kernels
 from oracle_drafter import OracleDrafter
 from parity import PROMPTS, chat_ids, greedy
 
@@ -391,7 +392,7 @@ def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkey
     try:
         choice = dflash2_runtime.choose_drafter_dtype(model, drafter)
         assert not choice.bf16 and not choice.pass_ms and not dflash2_runtime._drafter_in_bf16()
-        monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+        patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
         choice = dflash2_runtime.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
         assert set(choice.pass_ms) == {"bf16", "promoted"}
         assert choice.bf16 == (dflash2_policy.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
@@ -417,7 +418,7 @@ def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
     for case in cases:
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
         assert mx.array_equal(dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case), stock)
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     for case in cases:
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
         out = dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case)
