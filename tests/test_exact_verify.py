@@ -24,6 +24,7 @@ from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
 
 import dflash2_audit
+import dflash2_kernel_base
 import dflash2_kernels
 import dflash2_runtime
 from conftest import GENERATED, raw_ids
@@ -126,9 +127,9 @@ def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
     kind, at one position and eight (a copy of the rows, as the convolution's split makes)."""
     layer = next(layer.linear_attn for layer in target[0].language_model.model.layers if layer.is_linear)
     for dtype in (mx.float16, mx.float32):
-        for kind in dflash2_kernels.INPUT_KINDS:
+        for kind in dflash2_kernel_base.INPUT_KINDS:
             for rows in (1, 8):
-                x = dflash2_kernels.make_inputs(kind, rows, 2 * layer.key_dim, mx.random.key(rows))
+                x = dflash2_kernel_base.make_inputs(kind, rows, 2 * layer.key_dim, mx.random.key(rows))
                 x = x.astype(dtype).reshape(1, rows, 2, layer.num_k_heads, layer.head_k_dim)
                 q, k = x[:, :, 0], x[:, :, 1]
                 for got, want in zip(dflash2_runtime._normalize_qk(q, k), layer._normalize_qk(q, k)):

@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+import dflash2_kernel_base
 import dflash2_kernels as dk
 from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 from kernel_cases import patch_kernels
@@ -70,9 +71,9 @@ def test_serving_path_passes_the_self_test_here(gpu_like_rounding):
     assert result.reason is None
     assert result.stock_mismatches > 0
     assert result.mismatches == 0
-    assert len(result.cases) == len(dk.DEFAULT_SHAPES) * len(dk.INPUT_KINDS) * dk.MAX_ROWS
+    assert len(result.cases) == len(dk.DEFAULT_SHAPES) * len(dflash2_kernel_base.INPUT_KINDS) * dk.MAX_ROWS
     assert {case["rows"] for case in result.cases} == set(range(1, 9))
-    assert {case["input"] for case in result.cases} == set(dk.INPUT_KINDS)
+    assert {case["input"] for case in result.cases} == set(dflash2_kernel_base.INPUT_KINDS)
     assert all(case["mismatches"] == 0 for case in result.cases)
 
 
@@ -92,7 +93,7 @@ def test_wrong_kernel_fails_naming_the_case(kernel):
 
 def test_one_differing_bit_is_counted_exactly():
     result = dk.self_test(kernel=one_bit_off_at_eight_rows, shapes=[SHAPE])
-    assert result.mismatches == len(dk.INPUT_KINDS)  # y[7, 3] once per input kind
+    assert result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)  # y[7, 3] once per input kind
     assert "rows=8" in result.reason and "first at [7, 3]" in result.reason
     failing = [case for case in result.cases if case["mismatches"]]
     assert all(case["rows"] == 8 for case in failing)
@@ -110,7 +111,7 @@ def test_broken_kernel_fails_with_reason(kernel, words):
 def test_exact_matmul_equals_single_row_calls(shape, leading):
     n, k = shape
     weight, scales, biases = dk.make_weights(n, k, mx.random.key(1))
-    x = dk.make_inputs("normal", 8, k, mx.random.key(2))
+    x = dflash2_kernel_base.make_inputs("normal", 8, k, mx.random.key(2))
     rows = 1
     for size in leading:
         rows *= size
@@ -132,7 +133,7 @@ def test_failed_self_test_serves_row_by_row(monkeypatch):
     monkeypatch.setitem(dk._verified, "cuda", False)
     monkeypatch.setattr(dk, "_warned", set())
     weight, scales, biases = dk.make_weights(*SHAPE, mx.random.key(1))
-    x = dk.make_inputs("large", 5, SHAPE[1], mx.random.key(2))
+    x = dflash2_kernel_base.make_inputs("large", 5, SHAPE[1], mx.random.key(2))
     with pytest.warns(UserWarning, match="row by row"):
         y = dk.exact_quantized_matmul(x, weight, scales, biases)
     want = dk.stock_rows(x, weight, scales, biases)
@@ -141,7 +142,7 @@ def test_failed_self_test_serves_row_by_row(monkeypatch):
 
 def test_bad_arguments_are_clear_errors():
     weight, scales, biases = dk.make_weights(*SHAPE, mx.random.key(1))
-    x = dk.make_inputs("normal", 9, SHAPE[1], mx.random.key(2))
+    x = dflash2_kernel_base.make_inputs("normal", 9, SHAPE[1], mx.random.key(2))
     with pytest.raises(ValueError, match="1..8 rows, got 9"):
         dk.exact_quantized_matmul(x, weight, scales, biases)
     with pytest.raises(ValueError, match="1..8 rows, got 12"):
@@ -158,16 +159,16 @@ def test_bad_arguments_are_clear_errors():
 
 def test_input_kinds_are_what_they_say():
     key = mx.random.key(3)
-    subnormal = dk.make_inputs("subnormal", 8, 512, key)
+    subnormal = dflash2_kernel_base.make_inputs("subnormal", 8, 512, key)
     assert (mx.abs(subnormal) < 2.0**-14).all().item()
-    zeros = dk.make_inputs("signed_zero", 8, 512, key).view(mx.uint16)
+    zeros = dflash2_kernel_base.make_inputs("signed_zero", 8, 512, key).view(mx.uint16)
     assert (zeros[0] == 0x8000).all().item()  # row 0: all -0
     assert ((zeros[1] == 0) | (zeros[1] == 0x8000)).all().item()
-    cancel = dk.make_inputs("cancellation", 8, 512, key)
+    cancel = dflash2_kernel_base.make_inputs("cancellation", 8, 512, key)
     assert mx.array_equal(cancel[:, ::2], -cancel[:, 1::2]).item()
-    for kind in dk.INPUT_KINDS:  # odd widths too (the norms' self-test runs one, 1003)
-        assert dk.make_inputs(kind, 3, 1003, key).shape == (3, 1003), kind
-    large = dk.make_inputs("large", 8, 512, key)
+    for kind in dflash2_kernel_base.INPUT_KINDS:  # odd widths too (the norms' self-test runs one, 1003)
+        assert dflash2_kernel_base.make_inputs(kind, 3, 1003, key).shape == (3, 1003), kind
+    large = dflash2_kernel_base.make_inputs("large", 8, 512, key)
     assert mx.isfinite(large).all().item() and mx.abs(large).max().item() > 2048
 
 
@@ -259,7 +260,7 @@ def test_gdn_recurrence_equals_decode_steps():
 
 def test_dense_rows_equals_one_row_linears():
     weight = dk.make_dense_weight(7, 320, mx.random.key(1))
-    x = dk.make_inputs("large", 6, 320, mx.random.key(2)).reshape(2, 3, 320)
+    x = dflash2_kernel_base.make_inputs("large", 6, 320, mx.random.key(2)).reshape(2, 3, 320)
     want = mx.concatenate([x.reshape(6, 320)[m : m + 1] @ weight.T for m in range(6)])
     assert same_bits(dk.dense_rows(x, weight), want.reshape(2, 3, 7))
     with pytest.raises(ValueError, match="1..8 rows"):
@@ -386,7 +387,7 @@ def test_own_self_tests_have_nothing_to_test_without_kernels(monkeypatch):
     serving = dict(dk._verified)
     for name, (_, test) in dk.SELF_TESTS.items():
         result = test(shapes=None)
-        assert result.ok and result.reason == dk.NO_KERNEL and not result.cases, name
+        assert result.ok and result.reason == dflash2_kernel_base.NO_KERNEL and not result.cases, name
     assert dk._verified == serving
 
 
@@ -466,7 +467,7 @@ def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
 
 def test_wrong_dense_rows_fails_naming_the_case():
     result = dk.self_test_dense([(7, 320)], kernel=one_bit_off(dk.stock_dense_rows, 8))
-    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "(N, K)=(7, 320) rows=8 input=normal" in result.reason
     assert dk.self_test_dense([(7, 320)], kernel=dk.stock_dense_rows).ok
 
@@ -477,7 +478,7 @@ def test_wrong_convolution_fails_naming_the_case():
         return made, flip_first_bit(out) if x.shape[1] == 8 else out
 
     result = dk.self_test_conv([(1, 24, 3)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "(B, C, K)=(1, 24, 3) rows=8 input=normal, out" in result.reason
     assert dk.self_test_conv([(1, 24, 3)], kernel=dk.stock_conv_rows).ok
 
@@ -503,7 +504,7 @@ def test_wrong_attention_fails_naming_the_case():
 )
 def test_gemv_elements_per_lane(k, npt):
     # gemv.cu:242-249: 4 when K % 128 == 0, 2 when K % 64 == 0, else 1 (aligned pointers).
-    assert dk.gemv_elements_per_lane(k) == npt
+    assert dflash2_kernel_base.gemv_elements_per_lane(k) == npt
 
 
 @pytest.mark.parametrize(
@@ -577,7 +578,7 @@ def test_a_baked_kernel_is_made_once_per_template_under_mlx_s_name_and_source(mo
         return lambda **launch: calls.append((kwargs["name"], launch)) or ["y"]
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
-    kernel = dk.BakedCudaKernel(name="dflash2_qmv_2bit_g128", input_names=["x"], output_names=["y"],
+    kernel = dflash2_kernel_base.BakedCudaKernel(name="dflash2_qmv_2bit_g128", input_names=["x"], output_names=["y"],
                                 source="body();", header="#include <h>\n")
     template = [("M", 8), ("S", 1), ("R", 2), ("C", 2), ("PREFETCH", 1), ("TILES", True)]
     assert kernel(template=template, grid=(1, 1, 1)) == ["y"]
@@ -589,7 +590,7 @@ def test_a_baked_kernel_is_made_once_per_template_under_mlx_s_name_and_source(mo
                                  "\nbody();")
     assert made[1]["source"] == "body();" and made[0]["header"] == "#include <h>\n"
     assert [launch for _, launch in calls] == [{"grid": (1, 1, 1)}, {"grid": (2, 1, 1)}, {"grid": (3, 1, 1)}]
-    assert dk._template_suffix([("FMA", False), ("D", np.int64(256))]) == "_f_256"
+    assert dflash2_kernel_base._template_suffix([("FMA", False), ("D", np.int64(256))]) == "_f_256"
     with pytest.raises(TypeError, match="T must be an int or a bool"):
         kernel(template=[("T", mx.float16)])
 
@@ -599,9 +600,9 @@ def test_a_baked_kernel_compiles_the_source_mlx_writes_for_its_template(capfd):
     """On CUDA, MLX's own print of the source it generates (verbose=True): the served qmv's
     (baked) equals the same kernel's called with the template, name included."""
     weight, scales, biases = dk.make_weights(16, 512, mx.random.key(0))
-    x = dk.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
+    x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
     templated = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128", input_names=["x", "w", "scales", "biases"],
-                                    output_names=["y"], source=dk._CUDA_SOURCE, header=dk.cuda_header(dk._CUDA_HEADER))
+                                    output_names=["y"], source=dk._CUDA_SOURCE, header=dflash2_kernel_base.cuda_header(dk._CUDA_HEADER))
     for rows in (1, dk.MAX_ROWS):
         call = dk._cuda_launch((rows,), 16)
         capfd.readouterr()
@@ -658,7 +659,7 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     dk._cuda_launch.cache_clear()  # it keeps each (rows, n)'s arguments
     request.addfinalizer(dk._cuda_launch.cache_clear)
     weight, scales, biases = dk.make_weights(n, 512, mx.random.key(1))
-    x = dk.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(2))
+    x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(2))
     for rows in range(1, dk.MAX_ROWS + 1):
         assert dk.exact_quantized_matmul(x[:rows], weight, scales, biases).shape == (rows, n)
     for rows, launch in enumerate(kernel.launches, start=1):
@@ -689,7 +690,7 @@ def test_cuda_kernel_takes_a_blocks_rows_as_they_are(monkeypatch, request):
     request.addfinalizer(dk._cuda_launch.cache_clear)
     weight, scales, biases = dk.make_weights(42, 512, mx.random.key(1))
     for leading in ((1, 3), (2, 2, 2), (5,)):
-        x = dk.make_inputs("normal", math.prod(leading), 512, mx.random.key(2)).reshape(*leading, 512)
+        x = dflash2_kernel_base.make_inputs("normal", math.prod(leading), 512, mx.random.key(2)).reshape(*leading, 512)
         assert dk.exact_rows(x, weight, scales, biases).shape == (*leading, 42)
         launch = kernel.launches[-1]
         assert launch["x"] is x and launch["template"]["M"] == math.prod(leading)
@@ -724,7 +725,7 @@ def test_rotated_rows_reach_the_qmv_swizzled_only_where_both_kernels_passed(monk
     dk._cuda_launch.cache_clear()
     dk.cuda_rotate_plan.cache_clear()
     weight, scales, biases = dk.make_weights(16, k, mx.random.key(1))
-    x = dk.make_inputs("normal", 3, k, mx.random.key(2)).reshape(1, 3, k)
+    x = dflash2_kernel_base.make_inputs("normal", 3, k, mx.random.key(2)).reshape(1, 3, k)
     signs = dk.make_signs("pm1", k, mx.random.key(3))
     try:
         assert dk.exact_linear_rows(x, 512, signs, weight, scales, biases).shape == (1, 3, 16)
@@ -742,7 +743,7 @@ def test_group_rotation_self_test_fails_naming_the_output():
     """The group rotation's check, with stand-in kernels (CUDA has the real one; here the
     default says there is none): the chain per sign vector, in plain rows or swizzled as asked,
     passes; outputs in another order, or one layout whatever is asked, fail naming the case."""
-    assert dk.self_test_rotate_group().reason == (dk.NO_KERNEL if dk.backend_name() != "cuda" else None)
+    assert dk.self_test_rotate_group().reason == (dflash2_kernel_base.NO_KERNEL if dk.backend_name() != "cuda" else None)
     shape = [(1024, 512, 3)]
 
     def chain(x, block, signs, swizzled):
@@ -778,7 +779,7 @@ def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_p
         cached.cache_clear()
     matrices = [dk.make_weights(n, 1024, mx.random.key(n)) for n in (48, 16, 16)]
     signs = [dk.make_signs("pm1", 1024, mx.random.key(10 + index)) for index in range(3)]
-    x = dk.make_inputs("normal", 4, 1024, mx.random.key(2)).reshape(1, 4, 1024)
+    x = dflash2_kernel_base.make_inputs("normal", 4, 1024, mx.random.key(2)).reshape(1, 4, 1024)
     try:
         outputs = dk.exact_linear_group(x, 512, signs, matrices)
         decode_qmv, decode_group, decode_rotation = RecordingKernel(), RecordingGroupRotation(), RecordingKernel()
@@ -838,12 +839,12 @@ def test_group_rotation_and_qmvs_equal_the_stock_chain_and_single_row_calls_on_c
     matrices = [dk.make_weights(n, k, mx.random.key(n)) for n in (48, 16, 24)]
     signs = [dk.make_signs(kind, k, mx.random.key(index)) for index, kind in enumerate(("pm1", "general", "pm1"))]
     for rows in range(1, dk.MAX_ROWS + 1):
-        x = dk.make_inputs("normal", rows, k, mx.random.key(3 + rows))
+        x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3 + rows))
         got = dk.exact_linear_group(x, block, signs, matrices)
         for out, sign, matrix in zip(got, signs, matrices):
-            assert dk._differing(out, dk.stock_rows(dk.stock_rotate(x, block, sign), *matrix)) == 0
+            assert dflash2_kernel_base._differing(out, dk.stock_rows(dk.stock_rotate(x, block, sign), *matrix)) == 0
         for out, sign in zip(dk.rotate_group(x, block, signs), signs):  # decode's, in plain rows
-            assert dk._differing(out, dk.stock_rotate(x, block, sign)) == 0
+            assert dflash2_kernel_base._differing(out, dk.stock_rotate(x, block, sign)) == 0
     assert dk._rotate_group_verified[(k, block, 3)]  # the group kernel served, with the qmv:
     assert all(dk._serving_kernel("cuda", n, k, dk.MAX_ROWS) for n in (48, 16, 24))
 
@@ -857,9 +858,9 @@ def test_swizzled_rotation_and_qmv_equal_the_stock_chain_and_single_row_calls_on
     weight, scales, biases = dk.make_weights(24, k, mx.random.key(1))
     signs = dk.make_signs("pm1", k, mx.random.key(2))
     for rows in range(1, dk.MAX_ROWS + 1):
-        x = dk.make_inputs("normal", rows, k, mx.random.key(3 + rows))
+        x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3 + rows))
         want = dk.stock_rows(dk.stock_rotate(x, block, signs), weight, scales, biases)
-        assert dk._differing(dk.exact_linear_rows(x, block, signs, weight, scales, biases), want) == 0
+        assert dflash2_kernel_base._differing(dk.exact_linear_rows(x, block, signs, weight, scales, biases), want) == 0
     assert dk._swizzled_rotation(k, block) is not None and dk._serving_kernel("cuda", 24, k, dk.MAX_ROWS)
     plain_read_as_swizzled = dk.self_test(
         kernel=lambda x, w, s, b: dk.cuda_matmul(x, w, s, b, swizzled=True), shapes=[(16, k)])
@@ -925,10 +926,10 @@ def assert_single_row_bits(rows, launch, shapes, key):
     for n, k in shapes:
         key, weight_key, input_key = mx.random.split(key, 3)
         weight, scales, biases = dk.make_weights(n, k, weight_key)
-        for kind in dk.INPUT_KINDS:
-            x = dk.make_inputs(kind, rows, k, input_key)
+        for kind in dflash2_kernel_base.INPUT_KINDS:
+            x = dflash2_kernel_base.make_inputs(kind, rows, k, input_key)
             got = dk.cuda_matmul(x, weight, scales, biases, launch=launch)
-            assert dk._differing(got, dk.stock_rows(x, weight, scales, biases)) == 0, (launch, n, k, kind)
+            assert dflash2_kernel_base._differing(got, dk.stock_rows(x, weight, scales, biases)) == 0, (launch, n, k, kind)
 
 
 def capped_to_a_block_or_two():
@@ -949,15 +950,15 @@ def test_warps_taking_several_tiles_equal_single_row_calls_on_cuda(rows, launch)
 
 
 def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch):
-    monkeypatch.setattr(dk.tempfile, "gettempdir", lambda: str(tmp_path))
-    line = dk.cuda_header("namespace a { int x; }\n")
+    monkeypatch.setattr(dflash2_kernel_base.tempfile, "gettempdir", lambda: str(tmp_path))
+    line = dflash2_kernel_base.cuda_header("namespace a { int x; }\n")
     path = line.split('"')[1]
     assert line == f'#include "{path}"\n' and open(path).read() == "namespace a { int x; }\n"
-    assert dk.cuda_header("namespace a { int x; }\n") == line  # same text, same file
-    assert dk.cuda_header("namespace b {}\n") != line  # other text, other name: no stale PTX
+    assert dflash2_kernel_base.cuda_header("namespace a { int x; }\n") == line  # same text, same file
+    assert dflash2_kernel_base.cuda_header("namespace b {}\n") != line  # other text, other name: no stale PTX
     with open(path, "w") as tampered:
         tampered.write("changed")
-    dk.cuda_header("namespace a { int x; }\n")
+    dflash2_kernel_base.cuda_header("namespace a { int x; }\n")
     assert open(path).read() == "namespace a { int x; }\n"
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
 
@@ -965,8 +966,8 @@ def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch)
 def test_add_rms_norm_equals_decode_s_add_and_norm():
     """The residual add and the RMSNorm after it, both outputs, at 1 and 5 rows of a ragged
     width; on CUDA through the variant the kernel's self-test chose."""
-    x, residual = (dk.make_inputs("normal", 5, 1000, mx.random.key(seed)).reshape(1, 5, 1000) for seed in (1, 2))
-    weight = dk.make_inputs("normal", 1, 1000, mx.random.key(3))[0]
+    x, residual = (dflash2_kernel_base.make_inputs("normal", 5, 1000, mx.random.key(seed)).reshape(1, 5, 1000) for seed in (1, 2))
+    weight = dflash2_kernel_base.make_inputs("normal", 1, 1000, mx.random.key(3))[0]
     variant = None
     if dk.backend_name() == "cuda":
         dk.self_test_add_norm()
@@ -983,7 +984,7 @@ def test_gated_rms_norm_equals_mlx_vlm_s_gated_norm(target):
     module) at 1 and 5 positions of 3 heads; on CUDA through the kernel its self-test passed."""
     norm = next(layer.linear_attn.norm for layer in target[0].language_model.model.layers if layer.is_linear)
     width = norm.weight.shape[0]
-    x, gate = (dk.make_inputs("normal", 15, width, mx.random.key(seed)).reshape(1, 5, 3, width) for seed in (1, 2))
+    x, gate = (dflash2_kernel_base.make_inputs("normal", 15, width, mx.random.key(seed)).reshape(1, 5, 3, width) for seed in (1, 2))
     variant = None
     if dk.backend_name() == "cuda":
         dk.self_test_gated_norm()
@@ -1023,7 +1024,7 @@ def test_wrong_add_norm_fails_naming_the_case():
         return h, flip_first_bit(normed) if x.shape[1] == 8 else normed
 
     result = dk.self_test_add_norm([(512,)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "D=512 (B, L)=(1, 8) input=normal, norm" in result.reason
     assert dk.self_test_add_norm([(512,)], kernel=dk.stock_add_rms_norm).ok
 
@@ -1034,7 +1035,7 @@ def test_wrong_gated_norm_fails_naming_the_case():
         return flip_first_bit(out) if x.shape[1] == 3 else out
 
     result = dk.self_test_gated_norm([(2, 64)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "(heads, D)=(2, 64) L=3 input=normal, out" in result.reason
     assert dk.self_test_gated_norm([(2, 64)], kernel=dk.stock_gated_rms_norm).ok
 
@@ -1045,7 +1046,7 @@ def test_wrong_gates_fail_naming_the_case():
         return g, flip_first_bit(beta) if a.shape[1] == 4 else beta
 
     result = dk.self_test_gates([(4,)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "Hv=4 L=4 input=normal, beta" in result.reason
     assert dk.self_test_gates([(4,)], kernel=dk._compute_g_beta).ok
 
@@ -1065,7 +1066,7 @@ def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypat
     monkeypatch.setattr(dk, "cuda_gdn_gates", stand_in)
     monkeypatch.setattr(dk, "_gates_serving", {})
     result = dk.self_test_gates([(4,)])
-    cases = len(dk.INPUT_KINDS) * dk.MAX_ROWS
+    cases = len(dflash2_kernel_base.INPUT_KINDS) * dk.MAX_ROWS
     assert result.ok and result.variant == "float" and dk._gates_serving == {"cuda": "float"}
     assert result.controls == {"half": cases} and "half differs at Hv=4 L=1 input=normal, beta" in result.reason
     calls.clear()
@@ -1075,11 +1076,11 @@ def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypat
 
 
 def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
-    monkeypatch.setattr(dk.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(dflash2_kernel_base.tempfile, "gettempdir", lambda: str(tmp_path))
     shared = tmp_path / f"dflash2-cuda-{os.getuid()}"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
-    path = dk.cuda_header("namespace c {}\n").split('"')[1]
+    path = dflash2_kernel_base.cuda_header("namespace c {}\n").split('"')[1]
     assert os.path.dirname(path) != str(shared) and open(path).read() == "namespace c {}\n"
     assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
     # A link in the folder's place (to a folder of ours, or to a file) is left alone too.
@@ -1091,7 +1092,7 @@ def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
         else:
             target.write_text("")
         shared.symlink_to(target)
-        path = dk.cuda_header("namespace d {}\n").split('"')[1]
+        path = dflash2_kernel_base.cuda_header("namespace d {}\n").split('"')[1]
         assert os.path.dirname(path) not in (str(shared), str(target)) and open(path).read() == "namespace d {}\n"
 
 
@@ -1101,7 +1102,7 @@ def test_wrong_rope_fails_naming_the_case():
         return q_out, flip_first_bit(k_out) if q.shape[2] == 8 else k_out
 
     result = dk.self_test_rope([(1, 2, 1, 32, 16)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(dk.INPUT_KINDS)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "(B, Hq, Hk, D, R)=(1, 2, 1, 32, 16) rows=8 input=normal, k" in result.reason
     assert dk.self_test_rope([(1, 2, 1, 32, 16)], kernel=dk.stock_rope_rows).ok
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 
 import kernel_parity  # first: it puts the repository on sys.path
+import dflash2_kernel_base  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 import dflash2_policy  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -113,7 +114,7 @@ def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk, cup
             x = layout(bench.x[:rows])
             mx.eval(x)
             got = call(x, *bench.copies[0])
-            mismatches[f"{name} {rows}"] = dk._differing(got, bench.want[:rows])
+            mismatches[f"{name} {rows}"] = dflash2_kernel_base._differing(got, bench.want[:rows])
             arms[f"{name} {rows}"] = pass_ms(call, x, bench.copies)
             passes[f"{name} {rows}"] = one_pass(call, x, bench.copies)
     timings = dflash2_policy.interleaved_ms(arms, repeats)

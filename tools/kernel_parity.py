@@ -25,6 +25,7 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import dflash2_kernel_base  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -158,7 +159,7 @@ class Bench:
         count = max(1, min(MAX_COPIES, -(-ROTATION_BYTES // weight_bytes(n, k))))
         keys = mx.random.split(key, count + 1)
         self.copies = [dk.make_weights(n, k, keys[i]) for i in range(count)]
-        self.x = dk.make_inputs("normal", dk.MAX_ROWS, k, keys[-1])
+        self.x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, k, keys[-1])
         mx.eval(self.copies, self.x)
         self.want = dk.stock_rows(self.x, *self.copies[0])
 
@@ -168,7 +169,7 @@ class Bench:
         x = layout(self.x[:rows]) if layout else self.x[:rows]
         mx.eval(x)
         got = call(x, *self.copies[0])
-        mismatches = dk._differing(got, self.want[:rows])
+        mismatches = dflash2_kernel_base._differing(got, self.want[:rows])
         # One pass over all weight copies, per call; the device's time only.
         seconds = median_seconds(lambda: [call(x, *copy) for copy in self.copies], warmup=1)[1]
         seconds /= len(self.copies)
@@ -210,7 +211,7 @@ def measure_cuda_builds():
     """Seconds of the first call per row count (the NVRTC build: MLX keeps custom
     CUDA kernels in memory only, so every process pays this once per kernel)."""
     weight, scales, biases = dk.make_weights(16, 512, mx.random.key(0))
-    x = dk.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
+    x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
     mx.eval(weight, scales, biases, x)
     seconds = {}
     for rows in range(1, dk.MAX_ROWS + 1):
@@ -286,8 +287,8 @@ def summary_markdown(record):
         f"Command: `{record['command']}`  ",
         f"Versions: mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
         f"Python {record['versions']['python']}  ",
-        (f"Self-test: none, {dk.NO_KERNEL} (no kernel to prove; each row is MLX's own single-row call)"
-         if record["self_test"]["reason"] == dk.NO_KERNEL else
+        (f"Self-test: none, {dflash2_kernel_base.NO_KERNEL} (no kernel to prove; each row is MLX's own single-row call)"
+         if record["self_test"]["reason"] == dflash2_kernel_base.NO_KERNEL else
          f"Self-test: {'passed' if record['self_test']['ok'] else 'FAILED: ' + str(record['self_test']['reason'])}"
          f" in {record['self_test']['seconds']} s")
         + (f" (including building the kernels not built{' while tuning' if record.get('tuned') else ''})"
@@ -311,7 +312,7 @@ def summary_markdown(record):
         ]
     lines += [
         "Differing elements against one MLX single-row call per row, compared as bits,",
-        f"rows 1..8, inputs {', '.join(dk.INPUT_KINDS)}; on CUDA both the kernel's layouts (plain rows, and",
+        f"rows 1..8, inputs {', '.join(dflash2_kernel_base.INPUT_KINDS)}; on CUDA both the kernel's layouts (plain rows, and",
         "the swizzled rows the rotation hands it) where K is a multiple of 512.",
         "",
         "| shape (N, K) | cases | exact kernel | MLX multi-row call (negative control) |",
@@ -425,7 +426,7 @@ def bench_kernel(name):
         n, k = dk.DENSE_SHAPES_27B[0]
         weight = dk.make_dense_weight(n, k, mx.random.key(2))
         for rows in (1, 2, 4, 8):
-            x = dk.make_inputs("normal", rows, k, mx.random.key(3))
+            x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3))
             mx.eval(weight, x)
             rows_out.append(timing_row(
                 "dense_rows vs one-row calls", (n, k), rows,

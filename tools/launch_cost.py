@@ -20,6 +20,7 @@ import time
 import mlx.core as mx
 
 import kernel_parity  # first: it puts the repository on sys.path
+import dflash2_kernel_base  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from dflash2_policy import pass_order  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -54,10 +55,10 @@ def arms(backend: str) -> dict:
 def qmv_call_arms(weight, scales, biases) -> dict:
     """The exact qmv's 1-row call without dflash2_kernels.cuda_matmul around it, and the same
     kernel made as mx.fast.cuda_kernel takes it, its template passed at every call (what
-    dflash2_kernels.BakedCudaKernel saves): where a custom call's host time goes."""
+    dflash2_kernel_base.BakedCudaKernel saves): where a custom call's host time goes."""
     call = dk._cuda_launch((1,), WIDTH)
     templated = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128_templated", input_names=["x", "w", "scales", "biases"],
-                                    output_names=["y"], source=dk._CUDA_SOURCE, header=dk.cuda_header(dk._CUDA_HEADER))
+                                    output_names=["y"], source=dk._CUDA_SOURCE, header=dflash2_kernel_base.cuda_header(dk._CUDA_HEADER))
     return {
         "exact qmv kernel, 1 row, called directly":
             (1, 1, lambda y: dk._cuda_kernel()(inputs=[y, weight, scales, biases], **call)[0]),
@@ -68,7 +69,7 @@ def qmv_call_arms(weight, scales, biases) -> dict:
 
 def timed_pass(step, rows: int, calls: int) -> tuple:
     """(build us a call, eval us a call) of `calls` chained calls."""
-    y = dk.make_inputs("normal", rows, WIDTH, mx.random.key(2))
+    y = dflash2_kernel_base.make_inputs("normal", rows, WIDTH, mx.random.key(2))
     mx.eval(y)
     mx.synchronize()
     start = time.perf_counter()

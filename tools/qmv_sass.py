@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
+import dflash2_kernel_base  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 
 ARCH = "sm_90a"  # the H200's, as MLX's NVRTC call names it (jit_module.cpp: sm_90 + "a")
@@ -42,7 +43,7 @@ def translation_unit(rows: int, launch=None) -> str:
         "__global__ void qmv(\n    const __half* x,\n    const uint32_t* w,\n"
         "    const __grid_constant__ Shape w_shape,\n    const __half* scales,\n    const __half* biases,\n"
         "    __half* y) {\n"
-        + dk._template_lines(template) + dk._CUDA_SOURCE
+        + dflash2_kernel_base._template_lines(template) + dk._CUDA_SOURCE
         + "\n}\n\n} // namespace mlx::core::cu\n"
     )
 

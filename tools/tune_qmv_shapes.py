@@ -21,6 +21,7 @@ import argparse
 import mlx.core as mx
 
 import kernel_parity  # first: it puts the repository on sys.path
+import dflash2_kernel_base  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 import dflash2_policy  # noqa: E402
 from compare_qmv_launch import pass_ms, per_step_ms, timings_us  # noqa: E402
@@ -52,7 +53,7 @@ def launch_arm(bench, rows: int, launch: tuple):
     x = layout(bench.x[:rows])
     mx.eval(x)
     try:
-        differing = dk._differing(call(x, *bench.copies[0]), bench.want[:rows])
+        differing = dflash2_kernel_base._differing(call(x, *bench.copies[0]), bench.want[:rows])
     except Exception as error:
         print(f"  rows {rows} launch {launch} failed: {error}", flush=True)
         return None
