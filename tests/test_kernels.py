@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dflash2_kernel_base
+import dflash2_kernel_qmv
 import dflash2_kernels as dk
 from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 from kernel_cases import patch_kernels
@@ -22,7 +23,7 @@ SHAPE = (16, 512)
 
 def stock_float32_dequantized(x, weight, scales, biases):
     """Right maths, other rounding: dequantize, multiply in float32."""
-    w = mx.dequantize(weight, scales, biases, group_size=dk.GROUP_SIZE, bits=dk.BITS)
+    w = mx.dequantize(weight, scales, biases, group_size=dflash2_kernel_qmv.GROUP_SIZE, bits=dflash2_kernel_qmv.BITS)
     return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(mx.float16)
 
 
@@ -31,9 +32,9 @@ def split_k_halves(x, weight, scales, biases):
     halves are copied contiguous: MLX CUDA's qmv takes only row-contiguous weights (and
     has no other kernel for a column slice of them)."""
     half = x.shape[-1] // 2
-    words, groups = half // 16, half // dk.GROUP_SIZE
+    words, groups = half // 16, half // dflash2_kernel_qmv.GROUP_SIZE
     first, second = (
-        dk.stock_quantized_matmul(*(mx.contiguous(a) for a in arrays))
+        dflash2_kernel_qmv.stock_quantized_matmul(*(mx.contiguous(a) for a in arrays))
         for arrays in (
             (x[:, :half], weight[:, :words], scales[:, :groups], biases[:, :groups]),
             (x[:, half:], weight[:, words:], scales[:, groups:], biases[:, groups:]),
@@ -71,7 +72,7 @@ def test_serving_path_passes_the_self_test_here(gpu_like_rounding):
     assert result.reason is None
     assert result.stock_mismatches > 0
     assert result.mismatches == 0
-    assert len(result.cases) == len(dk.DEFAULT_SHAPES) * len(dflash2_kernel_base.INPUT_KINDS) * dk.MAX_ROWS
+    assert len(result.cases) == len(dflash2_kernel_qmv.DEFAULT_SHAPES) * len(dflash2_kernel_base.INPUT_KINDS) * dk.MAX_ROWS
     assert {case["rows"] for case in result.cases} == set(range(1, 9))
     assert {case["input"] for case in result.cases} == set(dflash2_kernel_base.INPUT_KINDS)
     assert all(case["mismatches"] == 0 for case in result.cases)
@@ -82,13 +83,13 @@ def test_serving_path_passes_the_self_test_here(gpu_like_rounding):
     [stock_float32_dequantized, split_k_halves, one_bit_off_at_eight_rows],
 )
 def test_wrong_kernel_fails_naming_the_case(kernel):
-    serving = dict(dk._verified)
+    serving = dict(dflash2_kernel_qmv._verified)
     result = dk.self_test(kernel=kernel, shapes=[SHAPE])
     assert not result.ok
     assert result.mismatches > 0
     assert "N=16, K=512" in result.reason and "rows=" in result.reason
     assert "input=" in result.reason and "got 0x" in result.reason
-    assert dk._verified == serving  # an injected kernel never switches serving
+    assert dflash2_kernel_qmv._verified == serving  # an injected kernel never switches serving
 
 
 def test_one_differing_bit_is_counted_exactly():
@@ -110,7 +111,7 @@ def test_broken_kernel_fails_with_reason(kernel, words):
 @pytest.mark.parametrize("leading", [(1,), (3,), (8,), (2, 4)])
 def test_exact_matmul_equals_single_row_calls(shape, leading):
     n, k = shape
-    weight, scales, biases = dk.make_weights(n, k, mx.random.key(1))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(n, k, mx.random.key(1))
     x = dflash2_kernel_base.make_inputs("normal", 8, k, mx.random.key(2))
     rows = 1
     for size in leading:
@@ -130,9 +131,9 @@ def test_exact_matmul_equals_single_row_calls(shape, leading):
 
 def test_failed_self_test_serves_row_by_row(monkeypatch):
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")  # a backend with a kernel
-    monkeypatch.setitem(dk._verified, "cuda", False)
-    monkeypatch.setattr(dk, "_warned", set())
-    weight, scales, biases = dk.make_weights(*SHAPE, mx.random.key(1))
+    monkeypatch.setitem(dflash2_kernel_qmv._verified, "cuda", False)
+    monkeypatch.setattr(dflash2_kernel_qmv, "_warned", set())
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(*SHAPE, mx.random.key(1))
     x = dflash2_kernel_base.make_inputs("large", 5, SHAPE[1], mx.random.key(2))
     with pytest.warns(UserWarning, match="row by row"):
         y = dk.exact_quantized_matmul(x, weight, scales, biases)
@@ -141,7 +142,7 @@ def test_failed_self_test_serves_row_by_row(monkeypatch):
 
 
 def test_bad_arguments_are_clear_errors():
-    weight, scales, biases = dk.make_weights(*SHAPE, mx.random.key(1))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(*SHAPE, mx.random.key(1))
     x = dflash2_kernel_base.make_inputs("normal", 9, SHAPE[1], mx.random.key(2))
     with pytest.raises(ValueError, match="1..8 rows, got 9"):
         dk.exact_quantized_matmul(x, weight, scales, biases)
@@ -186,19 +187,19 @@ def test_every_cuda_launch_in_the_table_ran_bitwise_on_the_h200():
     ran = {(int(rows), tuple(launch)) for rows, launch in record["cuda_launch"].items()}
     compared = json.loads((evidence / "qmv-launch-cuda.json").read_text())
     shapes = {tuple(map(int, shape.split("x"))) for shape in compared["shapes"]}
-    assert shapes == set(dk.PACKED_SHAPES_27B)
+    assert shapes == set(dflash2_kernel_qmv.PACKED_SHAPES_27B)
     # The previous arm counts only where it ran this kernel (--previous-kernels can give it another).
-    same_kernel = compared.get("previous_kernel_source") in (None, dk.cuda_qmv_source_digest())
+    same_kernel = compared.get("previous_kernel_source") in (None, dflash2_kernel_qmv.cuda_qmv_source_digest())
     arms = ("previous", "current") if same_kernel else ("current",)
     for arm in arms:
         for rows, launch in compared[arm].items():
             if all(entry["mismatches_vs_single_rows"][f"{arm} {rows}"] == 0 for entry in compared["shapes"].values()):
                 ran.add((int(rows), tuple(launch)))
-    assert {(rows, tuple(launch)) for rows, launch in dk.CUDA_LAUNCH.items()} <= ran
+    assert {(rows, tuple(launch)) for rows, launch in dflash2_kernel_qmv.CUDA_LAUNCH.items()} <= ran
     # Records written since the kernel's source digest was recorded must have run this source
     # (session 24's predate it: their kernel is this one, its launch check added after them).
     for written in (record, compared):
-        assert written.get("cuda_kernel_source", dk.cuda_qmv_source_digest()) == dk.cuda_qmv_source_digest()
+        assert written.get("cuda_kernel_source", dflash2_kernel_qmv.cuda_qmv_source_digest()) == dflash2_kernel_qmv.cuda_qmv_source_digest()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
@@ -210,7 +211,7 @@ def test_every_cuda_launch_keeps_its_accumulators_in_registers():
     from qmv_sass import compile_report, translation_unit
 
     assert compile_report(translation_unit(8, (4, 2, 1, 1)))["spill_bytes"] > 0
-    for rows, launch in dk.CUDA_LAUNCH.items():
+    for rows, launch in dflash2_kernel_qmv.CUDA_LAUNCH.items():
         assert compile_report(translation_unit(rows, launch))["spill_bytes"] == 0, (rows, launch)
 
 
@@ -384,11 +385,11 @@ def test_attention_self_test_lengths_cover_every_softmax_block_dim_at_the_pack_s
 
 def test_own_self_tests_have_nothing_to_test_without_kernels(monkeypatch):
     patch_kernels(monkeypatch, "backend_name", lambda: "cpu")
-    serving = dict(dk._verified)
+    serving = dict(dflash2_kernel_qmv._verified)
     for name, (_, test) in dk.SELF_TESTS.items():
         result = test(shapes=None)
         assert result.ok and result.reason == dflash2_kernel_base.NO_KERNEL and not result.cases, name
-    assert dk._verified == serving
+    assert dflash2_kernel_qmv._verified == serving
 
 
 def test_verify_kernel_self_tests_runs_each_kernel_at_the_pack_shapes(monkeypatch):
@@ -537,10 +538,10 @@ def test_scale_bits(block, bits):
 @pytest.mark.parametrize(
     ("backend", "n", "k", "rows", "want"),
     [
-        ("cuda", 16, 512, 1, dk.cuda_matmul),  # one row too: faster than MLX's, same bits
-        ("cuda", 42, 640, 8, dk.cuda_matmul),  # every shape
+        ("cuda", 16, 512, 1, dflash2_kernel_qmv.cuda_matmul),  # one row too: faster than MLX's, same bits
+        ("cuda", 42, 640, 8, dflash2_kernel_qmv.cuda_matmul),  # every shape
         ("metal", 16, 512, 1, None),  # one row is MLX's own call
-        ("metal", 16, 512, 5, dk.metal_matmul),
+        ("metal", 16, 512, 5, dflash2_kernel_qmv.metal_matmul),
         ("metal", 42, 512, 5, None),  # N % 8: MLX itself leaves qmv_fast
         ("metal", 16, 640, 5, None),  # K % 512
         ("cpu", 16, 512, 1, None),
@@ -548,23 +549,23 @@ def test_scale_bits(block, bits):
     ],
 )
 def test_serving_kernel_by_backend_shape_and_rows(monkeypatch, backend, n, k, rows, want):
-    monkeypatch.setitem(dk._verified, backend, True)
-    assert dk._serving_kernel(backend, n, k, rows) is want
+    monkeypatch.setitem(dflash2_kernel_qmv._verified, backend, True)
+    assert dflash2_kernel_qmv._serving_kernel(backend, n, k, rows) is want
 
 
 def test_a_backend_without_kernel_serves_without_a_self_test(monkeypatch):
-    monkeypatch.setattr(dk, "_verified", {})
-    monkeypatch.setattr(dk, "self_test", lambda **_: pytest.fail("self-tested"))
-    assert dk._serving_kernel("cpu", 16, 512, 8) is None
-    assert dk._verified == {}
+    monkeypatch.setattr(dflash2_kernel_qmv, "_verified", {})
+    monkeypatch.setattr(dflash2_kernel_qmv, "self_test", lambda **_: pytest.fail("self-tested"))
+    assert dflash2_kernel_qmv._serving_kernel("cpu", 16, 512, 8) is None
+    assert dflash2_kernel_qmv._verified == {}
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 def test_kernel_that_failed_its_self_test_never_serves(monkeypatch, backend):
-    monkeypatch.setitem(dk._verified, backend, False)
-    monkeypatch.setattr(dk, "_warned", set())
+    monkeypatch.setitem(dflash2_kernel_qmv._verified, backend, False)
+    monkeypatch.setattr(dflash2_kernel_qmv, "_warned", set())
     with pytest.warns(UserWarning, match=f"{backend} kernel failed its self-test"):
-        assert dk._serving_kernel(backend, 16, 512, 4) is None
+        assert dflash2_kernel_qmv._serving_kernel(backend, 16, 512, 4) is None
 
 
 def test_a_baked_kernel_is_made_once_per_template_under_mlx_s_name_and_source(monkeypatch):
@@ -599,16 +600,16 @@ def test_a_baked_kernel_is_made_once_per_template_under_mlx_s_name_and_source(mo
 def test_a_baked_kernel_compiles_the_source_mlx_writes_for_its_template(capfd):
     """On CUDA, MLX's own print of the source it generates (verbose=True): the served qmv's
     (baked) equals the same kernel's called with the template, name included."""
-    weight, scales, biases = dk.make_weights(16, 512, mx.random.key(0))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(16, 512, mx.random.key(0))
     x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
     templated = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128", input_names=["x", "w", "scales", "biases"],
-                                    output_names=["y"], source=dk._CUDA_SOURCE, header=dflash2_kernel_base.cuda_header(dk._CUDA_HEADER))
+                                    output_names=["y"], source=dflash2_kernel_qmv._CUDA_SOURCE, header=dflash2_kernel_base.cuda_header(dflash2_kernel_qmv._CUDA_HEADER))
     for rows in (1, dk.MAX_ROWS):
-        call = dk._cuda_launch((rows,), 16)
+        call = dflash2_kernel_qmv._cuda_launch((rows,), 16)
         capfd.readouterr()
         mx.eval(templated(inputs=[x[:rows], weight, scales, biases], verbose=True, **call))
         want = capfd.readouterr().out
-        mx.eval(dk._cuda_kernel()(inputs=[x[:rows], weight, scales, biases], verbose=True, **call))
+        mx.eval(dflash2_kernel_qmv._cuda_kernel()(inputs=[x[:rows], weight, scales, biases], verbose=True, **call))
         got = capfd.readouterr().out
         assert "Generated source code for `custom_kernel_dflash2_qmv_2bit_g128_" in want and got == want
 
@@ -649,32 +650,32 @@ def test_cuda_launch_follows_the_table_and_covers_every_output_once(monkeypatch,
     """Every output row once per part of the activation rows, whatever the table (the
     committed one, and activation rows split over 2 or 4 warps where that divides them)."""
     kernel = RecordingKernel()
-    monkeypatch.setattr(dk, "_cuda_kernel", lambda: kernel)
+    monkeypatch.setattr(dflash2_kernel_qmv, "_cuda_kernel", lambda: kernel)
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
-    monkeypatch.setitem(dk._verified, "cuda", True)
+    monkeypatch.setitem(dflash2_kernel_qmv._verified, "cuda", True)
     if split > 1:
-        monkeypatch.setattr(dk, "CUDA_LAUNCH", {
+        monkeypatch.setattr(dflash2_kernel_qmv, "CUDA_LAUNCH", {
             rows: (*launch[:3], split, *launch[4:]) if rows % split == 0 else launch
-            for rows, launch in dk.CUDA_LAUNCH.items()})
-    dk._cuda_launch.cache_clear()  # it keeps each (rows, n)'s arguments
-    request.addfinalizer(dk._cuda_launch.cache_clear)
-    weight, scales, biases = dk.make_weights(n, 512, mx.random.key(1))
+            for rows, launch in dflash2_kernel_qmv.CUDA_LAUNCH.items()})
+    dflash2_kernel_qmv._cuda_launch.cache_clear()  # it keeps each (rows, n)'s arguments
+    request.addfinalizer(dflash2_kernel_qmv._cuda_launch.cache_clear)
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(n, 512, mx.random.key(1))
     x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(2))
     for rows in range(1, dk.MAX_ROWS + 1):
         assert dk.exact_quantized_matmul(x[:rows], weight, scales, biases).shape == (rows, n)
     for rows, launch in enumerate(kernel.launches, start=1):
-        rows_per_warp, chunk, prefetch, parts, max_blocks = dk.cuda_launch_fields(dk.CUDA_LAUNCH[rows])
+        rows_per_warp, chunk, prefetch, parts, max_blocks = dflash2_kernel_qmv.cuda_launch_fields(dflash2_kernel_qmv.CUDA_LAUNCH[rows])
         assert rows % parts == 0
         assert launch["template"] == {"M": rows, "S": parts, "R": rows_per_warp, "C": chunk,
                                       "PREFETCH": prefetch, "TILES": max_blocks is not None, "SWIZZLED": False}
-        assert launch["threadgroup"] == (32, dk.CUDA_WARPS_PER_BLOCK, 1)
-        assert launch["grid"][0] % 32 == 0 and launch["grid"][1:] == (dk.CUDA_WARPS_PER_BLOCK, 1)
+        assert launch["threadgroup"] == (32, dflash2_kernel_qmv.CUDA_WARPS_PER_BLOCK, 1)
+        assert launch["grid"][0] % 32 == 0 and launch["grid"][1:] == (dflash2_kernel_qmv.CUDA_WARPS_PER_BLOCK, 1)
         blocks = launch["grid"][0] // 32
         assert max_blocks is None or blocks <= max_blocks
         stored = rows_stored(n, rows_per_warp, parts, launch["grid"], launch["threadgroup"], max_blocks is not None)
         assert sorted(stored) == [(row, part) for row in range(n) for part in range(parts)]
         # and no block is launched with nothing to do
-        assert (blocks - 1) * dk.CUDA_WARPS_PER_BLOCK < -(-n // rows_per_warp) * parts
+        assert (blocks - 1) * dflash2_kernel_qmv.CUDA_WARPS_PER_BLOCK < -(-n // rows_per_warp) * parts
     assert len(kernel.launches) == dk.MAX_ROWS
 
 
@@ -683,12 +684,12 @@ def test_cuda_kernel_takes_a_blocks_rows_as_they_are(monkeypatch, request):
     (L, K) and back (two view primitives per packed linear, about 800 a verify round): one
     launch for the L rows in all, its output (1, L, N)."""
     kernel = RecordingKernel()
-    monkeypatch.setattr(dk, "_cuda_kernel", lambda: kernel)
+    monkeypatch.setattr(dflash2_kernel_qmv, "_cuda_kernel", lambda: kernel)
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
-    monkeypatch.setitem(dk._verified, "cuda", True)
-    dk._cuda_launch.cache_clear()
-    request.addfinalizer(dk._cuda_launch.cache_clear)
-    weight, scales, biases = dk.make_weights(42, 512, mx.random.key(1))
+    monkeypatch.setitem(dflash2_kernel_qmv._verified, "cuda", True)
+    dflash2_kernel_qmv._cuda_launch.cache_clear()
+    request.addfinalizer(dflash2_kernel_qmv._cuda_launch.cache_clear)
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(42, 512, mx.random.key(1))
     for leading in ((1, 3), (2, 2, 2), (5,)):
         x = dflash2_kernel_base.make_inputs("normal", math.prod(leading), 512, mx.random.key(2)).reshape(*leading, 512)
         assert dk.exact_rows(x, weight, scales, biases).shape == (*leading, 42)
@@ -700,12 +701,12 @@ def test_swizzled_rows_put_each_lane_s_halves_where_the_cuda_kernels_read_them()
     """The qmv's swizzled layout: in each 512-wide step, lane l's first 8 elements
     (16 l .. 16 l + 7) at 8 l, its last 8 at 256 + 8 l; rows and steps stay in place."""
     x = mx.arange(2 * 1024).reshape(2, 1024)
-    got = np.array(dk.swizzle_steps(x))
+    got = np.array(dflash2_kernel_qmv.swizzle_steps(x))
     for row, step, lane, half in itertools.product((0, 1), (0, 1), (0, 5, 31), (0, 1)):
         source = row * 1024 + step * 512 + 16 * lane + 8 * half
         at = step * 512 + 256 * half + 8 * lane
         assert got[row, at : at + 8].tolist() == list(range(source, source + 8))
-    assert same_bits(dk.swizzle_steps(x.reshape(2, 1, 1024)).reshape(2, 1024), dk.swizzle_steps(x))
+    assert same_bits(dflash2_kernel_qmv.swizzle_steps(x.reshape(2, 1, 1024)).reshape(2, 1024), dflash2_kernel_qmv.swizzle_steps(x))
 
 
 @pytest.mark.parametrize("rotation_passed", [True, False])
@@ -715,22 +716,22 @@ def test_rotated_rows_reach_the_qmv_swizzled_only_where_both_kernels_passed(monk
     512 or more); otherwise the stock chain rotates and the qmv reads plain rows."""
     k = 1024
     qmv, rotation = RecordingKernel(), RecordingKernel()
-    monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
+    monkeypatch.setattr(dflash2_kernel_qmv, "_cuda_kernel", lambda: qmv)
     monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda outputs=1: rotation)
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
-    monkeypatch.setitem(dk._verified, "cuda", True)
+    monkeypatch.setitem(dflash2_kernel_qmv._verified, "cuda", True)
     monkeypatch.setattr(dk, "_rotate_plans", {})
     monkeypatch.setattr(dk, "_swizzled_rotations", {})
     monkeypatch.setattr(dk, "_rotate_verified", {("cuda", k, 512): rotation_passed})
-    dk._cuda_launch.cache_clear()
+    dflash2_kernel_qmv._cuda_launch.cache_clear()
     dk.cuda_rotate_plan.cache_clear()
-    weight, scales, biases = dk.make_weights(16, k, mx.random.key(1))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(16, k, mx.random.key(1))
     x = dflash2_kernel_base.make_inputs("normal", 3, k, mx.random.key(2)).reshape(1, 3, k)
     signs = dk.make_signs("pm1", k, mx.random.key(3))
     try:
         assert dk.exact_linear_rows(x, 512, signs, weight, scales, biases).shape == (1, 3, 16)
     finally:
-        dk._cuda_launch.cache_clear()
+        dflash2_kernel_qmv._cuda_launch.cache_clear()
         dk.cuda_rotate_plan.cache_clear()
     assert qmv.launches[-1]["template"]["SWIZZLED"] is rotation_passed
     if rotation_passed:
@@ -748,7 +749,7 @@ def test_group_rotation_self_test_fails_naming_the_output():
 
     def chain(x, block, signs, swizzled):
         rotated = [dk.stock_rotate(x, block, sign) for sign in signs]
-        return [dk.swizzle_steps(out) for out in rotated] if swizzled else rotated
+        return [dflash2_kernel_qmv.swizzle_steps(out) for out in rotated] if swizzled else rotated
 
     assert dk.self_test_rotate_group(shape, kernel=chain).ok
     swapped = dk.self_test_rotate_group(shape, kernel=lambda x, block, signs, swizzled:
@@ -767,30 +768,30 @@ def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_p
     swizzled rows; otherwise a rotation each, as exact_linear_rows runs them. rotate_group
     (decode's, for MLX's matmuls) likewise, in plain rows."""
     qmv, rotation, group = RecordingKernel(), RecordingKernel(), RecordingGroupRotation()
-    monkeypatch.setattr(dk, "_cuda_kernel", lambda: qmv)
+    monkeypatch.setattr(dflash2_kernel_qmv, "_cuda_kernel", lambda: qmv)
     monkeypatch.setattr(dk, "_cuda_rotate_kernel", lambda outputs=1: rotation if outputs == 1 else group)
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
-    monkeypatch.setitem(dk._verified, "cuda", True)
+    monkeypatch.setitem(dflash2_kernel_qmv._verified, "cuda", True)
     monkeypatch.setattr(dk, "_rotate_plans", {})
     monkeypatch.setattr(dk, "_swizzled_rotations", {})
     monkeypatch.setattr(dk, "_rotate_verified", {("cuda", 1024, 512): True})
     monkeypatch.setattr(dk, "_rotate_group_verified", {(1024, 512, 3): group_passed})
-    for cached in (dk._cuda_launch, dk.cuda_rotate_plan):
+    for cached in (dflash2_kernel_qmv._cuda_launch, dk.cuda_rotate_plan):
         cached.cache_clear()
-    matrices = [dk.make_weights(n, 1024, mx.random.key(n)) for n in (48, 16, 16)]
+    matrices = [dflash2_kernel_qmv.make_weights(n, 1024, mx.random.key(n)) for n in (48, 16, 16)]
     signs = [dk.make_signs("pm1", 1024, mx.random.key(10 + index)) for index in range(3)]
     x = dflash2_kernel_base.make_inputs("normal", 4, 1024, mx.random.key(2)).reshape(1, 4, 1024)
     try:
         outputs = dk.exact_linear_group(x, 512, signs, matrices)
         decode_qmv, decode_group, decode_rotation = RecordingKernel(), RecordingGroupRotation(), RecordingKernel()
-        monkeypatch.setattr(dk, "_cuda_kernel", lambda: decode_qmv)
+        monkeypatch.setattr(dflash2_kernel_qmv, "_cuda_kernel", lambda: decode_qmv)
         monkeypatch.setattr(dk, "_cuda_rotate_kernel",
                             lambda outputs=1: decode_rotation if outputs == 1 else decode_group)
         monkeypatch.setattr(dk, "_rotate_plans", {})  # each plan holds the kernel it was made with
         dk.cuda_rotate_plan.cache_clear()
         rotated = dk.rotate_group(x, 512, signs)
     finally:
-        for cached in (dk._cuda_launch, dk.cuda_rotate_plan):
+        for cached in (dflash2_kernel_qmv._cuda_launch, dk.cuda_rotate_plan):
             cached.cache_clear()
     assert len(rotated) == 3 and not decode_qmv.launches
     if group_passed:
@@ -836,7 +837,7 @@ def test_group_rotation_and_qmvs_equal_the_stock_chain_and_single_row_calls_on_c
     row of every output is the stock chain's and MLX's single-row call's; decode's group
     rotation (plain rows, for MLX's matmuls) the stock chain's."""
     k, block = 1024, 512
-    matrices = [dk.make_weights(n, k, mx.random.key(n)) for n in (48, 16, 24)]
+    matrices = [dflash2_kernel_qmv.make_weights(n, k, mx.random.key(n)) for n in (48, 16, 24)]
     signs = [dk.make_signs(kind, k, mx.random.key(index)) for index, kind in enumerate(("pm1", "general", "pm1"))]
     for rows in range(1, dk.MAX_ROWS + 1):
         x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3 + rows))
@@ -846,7 +847,7 @@ def test_group_rotation_and_qmvs_equal_the_stock_chain_and_single_row_calls_on_c
         for out, sign in zip(dk.rotate_group(x, block, signs), signs):  # decode's, in plain rows
             assert dflash2_kernel_base._differing(out, dk.stock_rotate(x, block, sign)) == 0
     assert dk._rotate_group_verified[(k, block, 3)]  # the group kernel served, with the qmv:
-    assert all(dk._serving_kernel("cuda", n, k, dk.MAX_ROWS) for n in (48, 16, 24))
+    assert all(dflash2_kernel_qmv._serving_kernel("cuda", n, k, dk.MAX_ROWS) for n in (48, 16, 24))
 
 
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernels")
@@ -855,15 +856,15 @@ def test_swizzled_rotation_and_qmv_equal_the_stock_chain_and_single_row_calls_on
     every row the stock chain's and MLX's single-row bits; each kernel reading or writing
     the other layout is caught by its self-test (the layout check can fail)."""
     k, block = 1024, 512
-    weight, scales, biases = dk.make_weights(24, k, mx.random.key(1))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(24, k, mx.random.key(1))
     signs = dk.make_signs("pm1", k, mx.random.key(2))
     for rows in range(1, dk.MAX_ROWS + 1):
         x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3 + rows))
         want = dk.stock_rows(dk.stock_rotate(x, block, signs), weight, scales, biases)
         assert dflash2_kernel_base._differing(dk.exact_linear_rows(x, block, signs, weight, scales, biases), want) == 0
-    assert dk._swizzled_rotation(k, block) is not None and dk._serving_kernel("cuda", 24, k, dk.MAX_ROWS)
+    assert dk._swizzled_rotation(k, block) is not None and dflash2_kernel_qmv._serving_kernel("cuda", 24, k, dk.MAX_ROWS)
     plain_read_as_swizzled = dk.self_test(
-        kernel=lambda x, w, s, b: dk.cuda_matmul(x, w, s, b, swizzled=True), shapes=[(16, k)])
+        kernel=lambda x, w, s, b: dflash2_kernel_qmv.cuda_matmul(x, w, s, b, swizzled=True), shapes=[(16, k)])
     assert not plain_read_as_swizzled.ok and "layout=rows" in plain_read_as_swizzled.reason
     swizzled_as_plain = dk.self_test_rotate(
         [(k, block)], kernel=lambda x, block, signs: dk.cuda_rotate_plan(k, block, swizzled=True)(x, signs))
@@ -884,7 +885,7 @@ def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_regi
     # part of the rows across its tiles only then): 6 rows over 4 warps become 2, not 3.
     assert launch_for_rows((2, 4, 1, 4, 264), 6) == (2, 4, 1, 2, 264)
     with pytest.raises(ValueError, match="a capped grid needs S"):
-        dk._cuda_launch.__wrapped__((6,), 1024, (2, 4, 1, 3, 264))
+        dflash2_kernel_qmv._cuda_launch.__wrapped__((6,), 1024, (2, 4, 1, 3, 264))
 
     def accumulators(launch, rows):
         return launch[0] * rows // (launch[3] if len(launch) > 3 else 1)
@@ -897,7 +898,7 @@ def test_tuned_launch_splits_only_rows_it_divides_and_keeps_accumulators_in_regi
             split = launch_for_rows(launch, rows)
             assert rows % (split[3] if len(split) > 3 else 1) == 0
             assert accumulators(split, rows) <= MAX_ACCUMULATORS
-    assert all(accumulators(launch, rows) <= MAX_ACCUMULATORS for rows, launch in dk.CUDA_LAUNCH.items())
+    assert all(accumulators(launch, rows) <= MAX_ACCUMULATORS for rows, launch in dflash2_kernel_qmv.CUDA_LAUNCH.items())
 
 
 def tuned_launches_beyond_one_warps_loads():
@@ -917,7 +918,7 @@ def test_split_and_prefetching_launches_equal_single_row_calls_on_cuda(rows, lau
     serve, for every input kind and shape (K under one step, one step with a tail, several
     steps with a tail; warps past the last output row): a wrong part offset or prefetch
     address would give some row another row's outputs, another step's or none."""
-    assert_single_row_bits(rows, launch, (*dk.DEFAULT_SHAPES, (24, 1152)), mx.random.key(7))
+    assert_single_row_bits(rows, launch, (*dflash2_kernel_qmv.DEFAULT_SHAPES, (24, 1152)), mx.random.key(7))
 
 
 def assert_single_row_bits(rows, launch, shapes, key):
@@ -925,10 +926,10 @@ def assert_single_row_bits(rows, launch, shapes, key):
     for every input kind."""
     for n, k in shapes:
         key, weight_key, input_key = mx.random.split(key, 3)
-        weight, scales, biases = dk.make_weights(n, k, weight_key)
+        weight, scales, biases = dflash2_kernel_qmv.make_weights(n, k, weight_key)
         for kind in dflash2_kernel_base.INPUT_KINDS:
             x = dflash2_kernel_base.make_inputs(kind, rows, k, input_key)
-            got = dk.cuda_matmul(x, weight, scales, biases, launch=launch)
+            got = dflash2_kernel_qmv.cuda_matmul(x, weight, scales, biases, launch=launch)
             assert dflash2_kernel_base._differing(got, dk.stock_rows(x, weight, scales, biases)) == 0, (launch, n, k, kind)
 
 
@@ -936,7 +937,7 @@ def capped_to_a_block_or_two():
     """(rows, launch) of every capped launch in the table and the tuning, its cap cut to one
     or two blocks: on the small test shapes each warp then takes several tiles."""
     pairs = {(rows, launch) for rows, launches in TUNE_LAUNCHES.items() for launch in launches}
-    pairs |= set(dk.CUDA_LAUNCH.items())
+    pairs |= set(dflash2_kernel_qmv.CUDA_LAUNCH.items())
     return sorted({(rows, (*launch[:4], blocks)) for rows, launch in pairs if len(launch) > 4 for blocks in (1, 2)})
 
 
@@ -946,7 +947,7 @@ def test_warps_taking_several_tiles_equal_single_row_calls_on_cuda(rows, launch)
     """A grid capped below its tiles (a warp then loads its next tile's first chunk during its
     last one) gives every row MLX's single-row bits, with a tail step (K % 512), K under one
     step, chunks that do not divide the steps and a ragged last tile (n odd)."""
-    assert_single_row_bits(rows, launch, (*dk.DEFAULT_SHAPES, (43, 1152), (37, 2560)), mx.random.key(11))
+    assert_single_row_bits(rows, launch, (*dflash2_kernel_qmv.DEFAULT_SHAPES, (43, 1152), (37, 2560)), mx.random.key(11))
 
 
 def test_cuda_header_includes_a_file_named_by_its_content(tmp_path, monkeypatch):

@@ -385,7 +385,6 @@ def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, pr
 def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkeypatch):
     """choose_drafter_dtype off CPU (the backend name says cuda; MLX still runs on CPU):
     both dtypes timed side by side, the faster one served; on CPU promoted, untimed."""
-    import dflash2_kernels
     import dflash2_runtime
 
     model, _, drafter = target
@@ -405,7 +404,6 @@ def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkey
 def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
     """On CUDA a bf16 drafter's attention runs in fp32 (cuDNN would build a graph for every
     new key length); elsewhere, and for fp32 inputs, it is MLX's own call, bit for bit."""
-    import dflash2_kernels
     import dflash2_runtime
     from mlx_vlm.models.base import create_causal_mask
 

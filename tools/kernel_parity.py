@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import dflash2_kernel_base  # noqa: E402
+import dflash2_kernel_qmv  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -104,10 +105,10 @@ REPEATS = 15
 def launch_for_rows(launch: tuple, rows: int) -> tuple:
     """A launch chosen for another row count: its split cut to a divisor of `rows` (and, for a
     capped grid, of a block's warps), its output rows per warp to what MAX_ACCUMULATORS allows."""
-    rows_per_warp, chunk, prefetch, split, max_blocks = dk.cuda_launch_fields(launch)
+    rows_per_warp, chunk, prefetch, split, max_blocks = dflash2_kernel_qmv.cuda_launch_fields(launch)
     # a capped grid's split also divides a block's warps (_cuda_launch)
     split = max(s for s in range(1, split + 1)
-                if rows % s == 0 and not (max_blocks and dk.CUDA_WARPS_PER_BLOCK % s))
+                if rows % s == 0 and not (max_blocks and dflash2_kernel_qmv.CUDA_WARPS_PER_BLOCK % s))
     rows_per_warp = min(rows_per_warp, max(1, MAX_ACCUMULATORS // (rows // split)))
     if max_blocks:  # the grid's cap on blocks stays
         return rows_per_warp, chunk, prefetch, split, max_blocks
@@ -115,7 +116,7 @@ def launch_for_rows(launch: tuple, rows: int) -> tuple:
 
 
 def weight_bytes(n, k):
-    return n * k // 4 + 2 * n * (k // dk.GROUP_SIZE) * 2
+    return n * k // 4 + 2 * n * (k // dflash2_kernel_qmv.GROUP_SIZE) * 2
 
 
 def median_seconds(build, warmup=3, runs=REPEATS):
@@ -158,7 +159,7 @@ class Bench:
         self.n, self.k = n, k
         count = max(1, min(MAX_COPIES, -(-ROTATION_BYTES // weight_bytes(n, k))))
         keys = mx.random.split(key, count + 1)
-        self.copies = [dk.make_weights(n, k, keys[i]) for i in range(count)]
+        self.copies = [dflash2_kernel_qmv.make_weights(n, k, keys[i]) for i in range(count)]
         self.x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, k, keys[-1])
         mx.eval(self.copies, self.x)
         self.want = dk.stock_rows(self.x, *self.copies[0])
@@ -189,19 +190,19 @@ class Bench:
 
 def bench_shape(n, k, backend, key):
     bench = Bench(n, k, key)
-    kernel = dk.backend_kernel(backend) or dk.stock_rows  # CPU: the per-row calls serve
+    kernel = dflash2_kernel_qmv.backend_kernel(backend) or dk.stock_rows  # CPU: the per-row calls serve
     timings = [
-        bench.time("mlx single row", 1, dk.stock_quantized_matmul),
-        bench.time("mlx 8 rows (inexact)", 8, dk.stock_quantized_matmul),
+        bench.time("mlx single row", 1, dflash2_kernel_qmv.stock_quantized_matmul),
+        bench.time("mlx 8 rows (inexact)", 8, dflash2_kernel_qmv.stock_quantized_matmul),
         # Below 8 rows MLX's own multi-row call gave every row its single-row bits on the
         # H200 (the negative control's rows 1-7): its speed there, beside the exact kernel's.
-        *(bench.time(f"mlx {rows} rows", rows, dk.stock_quantized_matmul) for rows in (2, 4)),
+        *(bench.time(f"mlx {rows} rows", rows, dflash2_kernel_qmv.stock_quantized_matmul) for rows in (2, 4)),
         bench.time("mlx 8 single-row calls", 8, dk.stock_rows),
     ]
     for rows in BENCH_ROWS:
         if backend == "cuda":
-            layout, call = served_cuda_matmul(dk, dk.CUDA_LAUNCH[rows])
-            timings.append(bench.time("exact kernel", rows, call, dk.CUDA_LAUNCH[rows], layout))
+            layout, call = served_cuda_matmul(dk, dflash2_kernel_qmv.CUDA_LAUNCH[rows])
+            timings.append(bench.time("exact kernel", rows, call, dflash2_kernel_qmv.CUDA_LAUNCH[rows], layout))
         else:
             timings.append(bench.time("exact kernel", rows, kernel))
     return timings
@@ -210,14 +211,14 @@ def bench_shape(n, k, backend, key):
 def measure_cuda_builds():
     """Seconds of the first call per row count (the NVRTC build: MLX keeps custom
     CUDA kernels in memory only, so every process pays this once per kernel)."""
-    weight, scales, biases = dk.make_weights(16, 512, mx.random.key(0))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(16, 512, mx.random.key(0))
     x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
     mx.eval(weight, scales, biases, x)
     seconds = {}
     for rows in range(1, dk.MAX_ROWS + 1):
         start = time.perf_counter()
         try:
-            mx.eval(dk.cuda_matmul(x[:rows], weight, scales, biases))
+            mx.eval(dflash2_kernel_qmv.cuda_matmul(x[:rows], weight, scales, biases))
         except Exception as error:  # the self-test reports it
             print(f"build for {rows} rows failed: {error}", flush=True)
             continue
@@ -247,7 +248,7 @@ def tune_cuda_launch(key):
                 if row["mismatches_vs_single_rows"]:
                     cost[rows, launch] = float("inf")  # never pick an inexact launch
                 else:
-                    cost[rows, launch] = cost.get((rows, launch), 0.0) + row["us"] * dk.PACKED_SHAPES_27B[n, k][1]
+                    cost[rows, launch] = cost.get((rows, launch), 0.0) + row["us"] * dflash2_kernel_qmv.PACKED_SHAPES_27B[n, k][1]
         del bench
     table = {
         rows: min(launches, key=lambda launch: cost[rows, launch])
@@ -262,7 +263,7 @@ def decode_step_estimate(timings):
     per-shape timings above with each shape's calls per step."""
     def total(name, rows):
         seconds = 0.0
-        for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items():
+        for (n, k), (_, calls) in dflash2_kernel_qmv.PACKED_SHAPES_27B.items():
             match = [t for t in timings if t["shape"] == [n, k] and t["name"] == name and t["rows"] == rows]
             if not match:
                 return None
@@ -513,8 +514,8 @@ def run_qmv(args, backend):
     """The exact 2-bit matmul's parity (and --tune, --bench); True if it passed."""
     # The 27B run also takes the small default shapes: they cover K % 512 != 0
     # and a partial last warp, which no 27B matrix has.
-    bench_shapes = list(dk.PACKED_SHAPES_27B) if args.shapes == "27b" else list(dk.DEFAULT_SHAPES)
-    shapes = bench_shapes + list(dk.DEFAULT_SHAPES) * (args.shapes == "27b")
+    bench_shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.shapes == "27b" else list(dflash2_kernel_qmv.DEFAULT_SHAPES)
+    shapes = bench_shapes + list(dflash2_kernel_qmv.DEFAULT_SHAPES) * (args.shapes == "27b")
     command = f"python3 tools/kernel_parity.py --shapes {args.shapes} --seed {args.seed}"
     command += " --bench" * args.bench + " --tune" * args.tune
 
@@ -523,8 +524,8 @@ def run_qmv(args, backend):
     tuned = args.tune and backend == "cuda"
     if tuned:
         tuning, table = tune_cuda_launch(mx.random.key(args.seed + 2))
-        dk.CUDA_LAUNCH.update(table)
-        dk._cuda_launch.cache_clear()  # measure_cuda_builds cached the table before tuning's
+        dflash2_kernel_qmv.CUDA_LAUNCH.update(table)
+        dflash2_kernel_qmv._cuda_launch.cache_clear()  # measure_cuda_builds cached the table before tuning's
         print("tuned CUDA_LAUNCH =", table)
 
     result, seconds = timed_self_test("qmv", shapes, args.seed)
@@ -533,14 +534,14 @@ def run_qmv(args, backend):
         "backend": backend,
         **run_environment("kernel_parity.py", f"{args.shapes} kernel shapes"),
         "command": command,
-        "cuda_kernel_source": dk.cuda_qmv_source_digest(),
+        "cuda_kernel_source": dflash2_kernel_qmv.cuda_qmv_source_digest(),
         "exact_mismatches": result.mismatches,
         "stock_mismatches": result.stock_mismatches,
         "self_test": {"ok": result.ok, "reason": result.reason, "seconds": seconds},
         "cases": result.cases,
     }
     if backend == "cuda":
-        record["cuda_launch"] = {rows: list(launch) for rows, launch in dk.CUDA_LAUNCH.items()}
+        record["cuda_launch"] = {rows: list(launch) for rows, launch in dflash2_kernel_qmv.CUDA_LAUNCH.items()}
         record["tuned"] = tuned
         record["kernel_build_seconds"] = builds
     if args.bench or tuning:
