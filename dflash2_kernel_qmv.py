@@ -13,7 +13,6 @@
   row (MLX's batched CPU call happens to equal it today, but nothing promises that;
   the tests' GPU-like CPU backend, tests/gpu_rounding.py, makes it differ). One row on Metal or CPU
   is MLX's own call; on CUDA it takes the kernel (about twice as fast, H200).
-- `rotate(x, block, signs)`: mlx-vlm's four-primitive `hadamard_transform`
 """
 
 import hashlib

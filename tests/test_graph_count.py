@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_kernel_qmv
+import dflash2_kernel_rotate
 import dflash2_kernels as dk
 import dflash2_runtime
 from graph_count import count_steps, gpu_primitives, graph_kinds, load_target, one_launch_calls, views_outside_calls
@@ -28,7 +29,7 @@ def test_views_are_free_and_one_launch_calls_count_once():
     assert count(lambda: [x.reshape(8, 4, 128).transpose(1, 0, 2)[:, 2:]]) == 0
     assert count(lambda: [mx.fast.rms_norm(x, weight, 1e-6), mx.fast.rms_norm(x, None, 1e-6)]) == 2
     assert count(lambda: [dk.exact_quantized_matmul(x, *packed)]) == 1
-    signs = [dk.make_signs("pm1", 512, mx.random.key(index)) for index in range(3)]
+    signs = [dflash2_kernel_rotate.make_signs("pm1", 512, mx.random.key(index)) for index in range(3)]
     mx.eval(signs)
     assert count(lambda: list(dk.exact_linear_group(x, 512, signs, [packed] * 3))) == 4  # one rotation for three
     assert count(lambda: list(dk.rotate_group(x, 512, signs))) == 1

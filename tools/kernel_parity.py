@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 import dflash2_kernel_base  # noqa: E402
 import dflash2_kernel_qmv  # noqa: E402
+import dflash2_kernel_rotate  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -380,8 +381,8 @@ def write_and_print(out, stem, record, markdown):
 
 # Kernel -> (27B shapes, small shapes) of its self-test.
 KERNEL_SHAPES = {
-    "rotate": (dk.ROTATE_SHAPES_27B, dk.ROTATE_SHAPES_SMALL),
-    "rotate_group": (dk.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
+    "rotate": (dflash2_kernel_rotate.ROTATE_SHAPES_27B, dflash2_kernel_rotate.ROTATE_SHAPES_SMALL),
+    "rotate_group": (dflash2_kernel_rotate.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
     "gdn": (dk.GDN_SHAPES_27B, dk.GDN_SHAPES_SMALL),
     "dense": (dk.DENSE_SHAPES_27B, dk.DENSE_SHAPES_SMALL),
     "attention": ((dk.ATTENTION_PACK_SHAPE,), dk.ATTENTION_TINY_SHAPES),
@@ -408,12 +409,12 @@ def bench_kernel(name):
     rows_out = []
     if name == "rotate":
         for k, block in ((5120, 512), (17408, 1024)):
-            signs = dk.make_signs("pm1", k, key)
+            signs = dflash2_kernel_rotate.make_signs("pm1", k, key)
             for rows in (1, 8):
-                x = dk.make_rotate_inputs("normal", rows, k, key)
+                x = dflash2_kernel_rotate.make_rotate_inputs("normal", rows, k, key)
                 rows_out.append(timing_row(
                     "rotate vs the stock chain", (k, block), rows,
-                    lambda: dk.rotate(x, block, signs), lambda: dk.stock_rotate(x, block, signs)))
+                    lambda: dk.rotate(x, block, signs), lambda: dflash2_kernel_rotate.stock_rotate(x, block, signs)))
     elif name == "gdn":
         shape = dk.GDN_SHAPES_27B[0]
         B, Hk, Hv, Dk, Dv = shape

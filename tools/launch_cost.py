@@ -22,6 +22,7 @@ import mlx.core as mx
 import kernel_parity  # first: it puts the repository on sys.path
 import dflash2_kernel_base  # noqa: E402
 import dflash2_kernel_qmv  # noqa: E402
+import dflash2_kernel_rotate  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from dflash2_policy import pass_order  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -34,16 +35,16 @@ def arms(backend: str) -> dict:
     """name -> (primitives a call builds, rows, step(y) -> next y), on fp16 (rows, WIDTH) inputs."""
     weight, scales, biases = dflash2_kernel_qmv.make_weights(WIDTH, WIDTH, mx.random.key(0))
     norm_weight = mx.ones((WIDTH,), dtype=mx.float16)
-    signs = dk.make_signs("pm1", WIDTH, mx.random.key(1))
+    signs = dflash2_kernel_rotate.make_signs("pm1", WIDTH, mx.random.key(1))
     mx.eval(weight, scales, biases, norm_weight, signs)
     table = {
         "mlx add": (1, 1, lambda y: y + y),
         "mlx rms_norm": (1, 1, lambda y: mx.fast.rms_norm(y, norm_weight, 1e-6)),
         "mlx quantized_matmul, 1 row": (1, 1, lambda y: dflash2_kernel_qmv.stock_quantized_matmul(y, weight, scales, biases)),
-        "mlx hadamard chain (4 primitives)": (4, 1, lambda y: dk.stock_rotate(y, WIDTH, signs)),
+        "mlx hadamard chain (4 primitives)": (4, 1, lambda y: dflash2_kernel_rotate.stock_rotate(y, WIDTH, signs)),
     }
     if backend == "cuda":
-        rotate = dk.cuda_rotate_plan(WIDTH, WIDTH)
+        rotate = dflash2_kernel_rotate.cuda_rotate_plan(WIDTH, WIDTH)
         table.update({
             "exact qmv kernel, 1 row": (1, 1, lambda y: dflash2_kernel_qmv.cuda_matmul(y, weight, scales, biases)),
             "exact qmv kernel, 8 rows": (1, 8, lambda y: dflash2_kernel_qmv.cuda_matmul(y, weight, scales, biases)),
