@@ -25,6 +25,7 @@ from mlx_vlm.speculative.cache_state import abort_speculative_round
 
 import dflash2_audit
 import dflash2_kernel_base
+import dflash2_kernel_gdn
 import dflash2_kernels
 import dflash2_runtime
 from conftest import GENERATED, raw_ids
@@ -386,12 +387,12 @@ def test_start_up_self_check_passes_where_decode_runs_a_fused_recurrence_kernel(
     from gpu_rounding import metal_like_recurrence
 
     metal_like_recurrence(monkeypatch)
-    monkeypatch.setattr(dflash2_kernels, "_gdn_serving", {})
+    monkeypatch.setattr(dflash2_kernel_gdn, "_gdn_serving", {})
     lm = target[0].language_model
     check = dflash2_runtime.self_check_verify(lm)
-    assert check.differing == 0 and dflash2_kernels._gdn_serving == {"metal": "with_states"}
-    monkeypatch.setattr(dflash2_kernels, "decode_recurrence_on_metal", lambda: False)
-    monkeypatch.setattr(dflash2_kernels, "_gdn_serving", {})
+    assert check.differing == 0 and dflash2_kernel_gdn._gdn_serving == {"metal": "with_states"}
+    monkeypatch.setattr(dflash2_kernel_gdn, "decode_recurrence_on_metal", lambda: False)
+    monkeypatch.setattr(dflash2_kernel_gdn, "_gdn_serving", {})
     assert dflash2_runtime.self_check_verify(lm).differing > 0
 
 

@@ -15,6 +15,7 @@ import pytest
 import dflash2_kernel_base
 import dflash2_kernel_qmv
 import dflash2_kernel_rotate
+import dflash2_kernel_gdn
 import dflash2_kernels as dk
 from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 from kernel_cases import patch_kernels
@@ -253,15 +254,15 @@ def test_rotate_equals_the_stock_chain():
 
 
 def test_gdn_recurrence_equals_decode_steps():
-    inputs = dk.make_gdn_inputs("normal", 1, 3, 1, 2, 64, 64, mx.random.key(1))
+    inputs = dflash2_kernel_gdn.make_gdn_inputs("normal", 1, 3, 1, 2, 64, 64, mx.random.key(1))
     y, states = dk.gdn_recurrence(*inputs)
-    want_y, want_states = dk.stock_recurrence(*inputs, eval_each_step=True)
+    want_y, want_states = dflash2_kernel_gdn.stock_recurrence(*inputs, eval_each_step=True)
     assert y.shape == (1, 3, 2, 64) and states.shape == (1, 3, 2, 64, 64)
     assert same_bits(y, want_y) and same_bits(states, want_states)
 
 
 def test_dense_rows_equals_one_row_linears():
-    weight = dk.make_dense_weight(7, 320, mx.random.key(1))
+    weight = dflash2_kernel_gdn.make_dense_weight(7, 320, mx.random.key(1))
     x = dflash2_kernel_base.make_inputs("large", 6, 320, mx.random.key(2)).reshape(2, 3, 320)
     want = mx.concatenate([x.reshape(6, 320)[m : m + 1] @ weight.T for m in range(6)])
     assert same_bits(dk.dense_rows(x, weight), want.reshape(2, 3, 7))
@@ -425,14 +426,14 @@ def test_wrong_rotation_fails_naming_the_case():
 
 def test_wrong_recurrence_fails_naming_the_case():
     def wrong(q, k, v, g, beta, state):
-        return one_bit_off(dk.stock_recurrence, 3)(q, k, v, g, beta, state, axis=1)
+        return one_bit_off(dflash2_kernel_gdn.stock_recurrence, 3)(q, k, v, g, beta, state, axis=1)
 
-    result = dk.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=wrong)
+    result = dflash2_kernel_gdn.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=wrong)
     assert not result.ok and result.variant is None
-    assert result.variants == {"kernel": len(dk.GDN_INPUT_KINDS)}
+    assert result.variants == {"kernel": len(dflash2_kernel_gdn.GDN_INPUT_KINDS)}
     assert "(B, Hk, Hv, Dk, Dv)=(1, 1, 2, 64, 64) L=3 input=normal" in result.reason
     assert "1 of y, 0 of states" in result.reason
-    assert dk.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=dk.stock_recurrence).ok
+    assert dflash2_kernel_gdn.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=dflash2_kernel_gdn.stock_recurrence).ok
 
 
 def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
@@ -444,14 +445,14 @@ def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
     from mlx_vlm.models.qwen3_5 import gated_delta
 
     metal_like_recurrence(monkeypatch)
-    monkeypatch.setattr(dk, "_gdn_serving", {})
-    inputs = dk.make_gdn_inputs("normal", 1, 4, 1, 2, 64, 64, mx.random.key(1))
-    want_y, want_states = dk.stock_recurrence(*inputs, eval_each_step=True)
+    monkeypatch.setattr(dflash2_kernel_gdn, "_gdn_serving", {})
+    inputs = dflash2_kernel_gdn.make_gdn_inputs("normal", 1, 4, 1, 2, 64, 64, mx.random.key(1))
+    want_y, want_states = dflash2_kernel_gdn.stock_recurrence(*inputs, eval_each_step=True)
     kernel_y, kernel_state = gated_delta.gated_delta_kernel(*inputs)  # T=4 in one call
     assert same_bits(want_y, kernel_y) and same_bits(want_states[:, -1], kernel_state)
-    assert not same_bits(want_states[:, -1], dk.gated_delta_ops(*inputs)[1])  # the stand-in has teeth
+    assert not same_bits(want_states[:, -1], dflash2_kernel_gdn.gated_delta_ops(*inputs)[1])  # the stand-in has teeth
     shape = [(1, 1, 2, 64, 64)]
-    served = dk.self_test_gdn(shape, max_steps=3)
+    served = dflash2_kernel_gdn.self_test_gdn(shape, max_steps=3)
     assert served.ok and served.backend == "metal" and served.variant == "with_states"
     y, states = dk.gdn_recurrence(*inputs)
     assert same_bits(y, want_y) and same_bits(states, want_states)
@@ -461,17 +462,17 @@ def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
         return y, state, flip_first_bit(states)
 
     monkeypatch.setattr(gated_delta, "_gated_delta_with_states_kernel", off_by_one_bit)
-    refused = dk.self_test_gdn(shape, max_steps=3)
+    refused = dflash2_kernel_gdn.self_test_gdn(shape, max_steps=3)
     assert not refused.ok and refused.variant is None and "0 of y, 1 of states" in refused.reason
     y, states = dk.gdn_recurrence(*inputs)
     assert same_bits(y, want_y) and same_bits(states, want_states)
 
 
 def test_wrong_dense_rows_fails_naming_the_case():
-    result = dk.self_test_dense([(7, 320)], kernel=one_bit_off(dk.stock_dense_rows, 8))
+    result = dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=one_bit_off(dflash2_kernel_gdn.stock_dense_rows, 8))
     assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "(N, K)=(7, 320) rows=8 input=normal" in result.reason
-    assert dk.self_test_dense([(7, 320)], kernel=dk.stock_dense_rows).ok
+    assert dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=dflash2_kernel_gdn.stock_dense_rows).ok
 
 
 def test_wrong_convolution_fails_naming_the_case():

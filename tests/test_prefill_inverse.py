@@ -270,7 +270,7 @@ def test_a_calibration_cut_short_serves_no_plan(monkeypatch):
 
 def chunk_inputs(T, seed, heads=(2, 4), Dk=16, Dv=16, batch=1):
     """gated_delta_chunked's inputs for a T-token prompt: normalized keys, gates in (0, 1).
-    float32 throughout, not dflash2_kernels.make_gdn_inputs' fp16 q, k, v: with those, a
+    float32 throughout, not dflash2_kernel_gdn.make_gdn_inputs' fp16 q, k, v: with those, a
     wrapper that miscounts a short prompt's rows still gave stock's bits under GPU-like
     rounding (checked), so only these let the output comparison catch it."""
     Hk, Hv = heads

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 import dflash2_kernel_base  # noqa: E402
 import dflash2_kernel_qmv  # noqa: E402
 import dflash2_kernel_rotate  # noqa: E402
+import dflash2_kernel_gdn  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -383,8 +384,8 @@ def write_and_print(out, stem, record, markdown):
 KERNEL_SHAPES = {
     "rotate": (dflash2_kernel_rotate.ROTATE_SHAPES_27B, dflash2_kernel_rotate.ROTATE_SHAPES_SMALL),
     "rotate_group": (dflash2_kernel_rotate.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
-    "gdn": (dk.GDN_SHAPES_27B, dk.GDN_SHAPES_SMALL),
-    "dense": (dk.DENSE_SHAPES_27B, dk.DENSE_SHAPES_SMALL),
+    "gdn": (dflash2_kernel_gdn.GDN_SHAPES_27B, dflash2_kernel_gdn.GDN_SHAPES_SMALL),
+    "dense": (dflash2_kernel_gdn.DENSE_SHAPES_27B, dflash2_kernel_gdn.DENSE_SHAPES_SMALL),
     "attention": ((dk.ATTENTION_PACK_SHAPE,), dk.ATTENTION_TINY_SHAPES),
 }
 
@@ -416,23 +417,23 @@ def bench_kernel(name):
                     "rotate vs the stock chain", (k, block), rows,
                     lambda: dk.rotate(x, block, signs), lambda: dflash2_kernel_rotate.stock_rotate(x, block, signs)))
     elif name == "gdn":
-        shape = dk.GDN_SHAPES_27B[0]
+        shape = dflash2_kernel_gdn.GDN_SHAPES_27B[0]
         B, Hk, Hv, Dk, Dv = shape
         for steps in (1, 2, 4, 8):
-            inputs = dk.make_gdn_inputs("normal", B, steps, Hk, Hv, Dk, Dv, key)
+            inputs = dflash2_kernel_gdn.make_gdn_inputs("normal", B, steps, Hk, Hv, Dk, Dv, key)
             mx.eval(inputs)
             rows_out.append(timing_row(
                 "gdn_recurrence vs stock per-step", shape, steps,
-                lambda: dk.gdn_recurrence(*inputs), lambda: dk.stock_recurrence(*inputs)))
+                lambda: dk.gdn_recurrence(*inputs), lambda: dflash2_kernel_gdn.stock_recurrence(*inputs)))
     elif name == "dense":
-        n, k = dk.DENSE_SHAPES_27B[0]
-        weight = dk.make_dense_weight(n, k, mx.random.key(2))
+        n, k = dflash2_kernel_gdn.DENSE_SHAPES_27B[0]
+        weight = dflash2_kernel_gdn.make_dense_weight(n, k, mx.random.key(2))
         for rows in (1, 2, 4, 8):
             x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3))
             mx.eval(weight, x)
             rows_out.append(timing_row(
                 "dense_rows vs one-row calls", (n, k), rows,
-                lambda: dk.dense_rows(x, weight), lambda: dk.stock_dense_rows(x, weight),
+                lambda: dk.dense_rows(x, weight), lambda: dflash2_kernel_gdn.stock_dense_rows(x, weight),
                 mlx_multi_row_ms=lambda: x @ weight.T))
     elif name == "attention":
         shape = dk.ATTENTION_PACK_SHAPE
