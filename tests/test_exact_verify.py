@@ -26,6 +26,7 @@ from mlx_vlm.speculative.cache_state import abort_speculative_round
 import dflash2_audit
 import dflash2_kernel_base
 import dflash2_kernel_gdn
+import dflash2_kernel_fused
 import dflash2_kernels
 import dflash2_runtime
 from conftest import GENERATED, raw_ids
@@ -90,12 +91,12 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         return positions(layer, inputs, cache, linear, linears)
 
     def counted_rope(q, k, cos, sin, variant=None):
-        rotary_calls.append(dflash2_kernels.rope_kernel_supports(q, k, cos, sin))
+        rotary_calls.append(dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin))
         return rope_rows(q, k, cos, sin, variant)
 
     monkeypatch.setattr(dflash2_runtime, "gated_delta_positions", counted)
     def counted_norm(x, residual, weight, eps, variant=None):
-        norm_calls.append(dflash2_kernels.norm_kernel_supports(x, weight, residual))
+        norm_calls.append(dflash2_kernel_fused.norm_kernel_supports(x, weight, residual))
         return add_rms_norm(x, residual, weight, eps, variant)
 
     monkeypatch.setattr(dflash2_kernels, "rope_rows", counted_rope)
@@ -215,16 +216,16 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
 
 @pytest.mark.parametrize("name, arm, call_shape, serving", [
     ("rope_rows", "rotation+recurrence+convolution+rope",
-     lambda q, k, cos, sin: (q.shape[2], dflash2_kernels.rope_kernel_supports(q, k, cos, sin)),
+     lambda q, k, cos, sin: (q.shape[2], dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin)),
      lambda layer: not layer.is_linear),
     ("add_rms_norm", "rotation+recurrence+convolution+rope+residual",
-     lambda x, residual, weight, eps: (x.shape[1], dflash2_kernels.norm_kernel_supports(x, weight, residual)),
+     lambda x, residual, weight, eps: (x.shape[1], dflash2_kernel_fused.norm_kernel_supports(x, weight, residual)),
      lambda layer: True),
     ("gated_rms_norm", "rotation+recurrence+convolution",
-     lambda x, weight, eps, gate: (x.shape[1], dflash2_kernels.norm_kernel_supports(x, weight, gate)),
+     lambda x, weight, eps, gate: (x.shape[1], dflash2_kernel_fused.norm_kernel_supports(x, weight, gate)),
      lambda layer: layer.is_linear),
     ("gdn_gates", "rotation+recurrence+convolution",
-     lambda A_log, a, b, dt_bias: (a.shape[1], dflash2_kernels.gates_kernel_supports(A_log, a, b, dt_bias)),
+     lambda A_log, a, b, dt_bias: (a.shape[1], dflash2_kernel_fused.gates_kernel_supports(A_log, a, b, dt_bias)),
      lambda layer: layer.is_linear),
 ])
 def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch, name, arm, call_shape, serving):

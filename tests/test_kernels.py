@@ -16,6 +16,7 @@ import dflash2_kernel_base
 import dflash2_kernel_qmv
 import dflash2_kernel_rotate
 import dflash2_kernel_gdn
+import dflash2_kernel_fused
 import dflash2_kernels as dk
 from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 from kernel_cases import patch_kernels
@@ -273,10 +274,10 @@ def test_dense_rows_equals_one_row_linears():
 def test_conv_rows_equals_decode_per_window():
     """Each position: decode's convolution of the window that ends there, silu after it,
     and the concatenated window the cache keeps."""
-    assert dk.stock_decode_conv.__name__ == "_qwen3_5_decode_depthwise_conv"  # mlx-vlm's own
-    state, x, weight = dk.make_conv_case("normal", 2, 40, 4, mx.random.key(1))
+    assert dflash2_kernel_fused.stock_decode_conv.__name__ == "_qwen3_5_decode_depthwise_conv"  # mlx-vlm's own
+    state, x, weight = dflash2_kernel_fused.make_conv_case("normal", 2, 40, 4, mx.random.key(1))
     window = mx.concatenate([state, x[:, :5]], axis=1)
-    want = mx.concatenate([dk.stock_decode_conv(window[:, t : t + 4], weight) for t in range(5)], axis=1)
+    want = mx.concatenate([dflash2_kernel_fused.stock_decode_conv(window[:, t : t + 4], weight) for t in range(5)], axis=1)
     kernel = "taps" if dk.backend_name() == "cuda" else None  # on CUDA the kernel itself, ungated
     got_window, got = dk.conv_rows(state, x[:, :5], weight, variant=kernel)
     assert same_bits(got_window, window) and same_bits(got, nn.silu(want))
@@ -288,12 +289,12 @@ def test_rope_rows_equals_mlx_vlm_rotary():
     CUDA through the variant the kernel's self-test chose."""
     from mlx_vlm.models.rope_utils import rotate_half
 
-    q, k, cos, sin = dk.make_rope_case("normal", 2, 3, 1, 32, 16, 5, mx.random.key(1))
+    q, k, cos, sin = dflash2_kernel_fused.make_rope_case("normal", 2, 3, 1, 32, 16, 5, mx.random.key(1))
     variant = None
     if dk.backend_name() == "cuda":
-        dk.self_test_rope()
-        variant = dk._rope_serving["cuda"]
-        assert variant in dk.ROPE_VARIANTS
+        dflash2_kernel_fused.self_test_rope()
+        variant = dflash2_kernel_fused._rope_serving["cuda"]
+        assert variant in dflash2_kernel_fused.ROPE_VARIANTS
     got = dk.rope_rows(q, k, cos, sin, variant=variant)
     for x, rotated in zip((q, k), got):
         head, tail = x[..., :16], x[..., 16:]
@@ -301,7 +302,7 @@ def test_rope_rows_equals_mlx_vlm_rotary():
         assert rotated.shape == x.shape
         if variant is None:  # MLX's ops one at a time; a GPU contracts one product (rope_rows)
             assert same_bits(rotated, want)
-        assert same_bits(rotated, dk.stock_rope_rows(q, k, cos, sin)[x is k])
+        assert same_bits(rotated, dflash2_kernel_fused.stock_rope_rows(q, k, cos, sin)[x is k])
 
 
 def test_decode_attention_rows_equals_single_query_calls():
@@ -477,13 +478,13 @@ def test_wrong_dense_rows_fails_naming_the_case():
 
 def test_wrong_convolution_fails_naming_the_case():
     def wrong(state, x, weight):  # the first output's last bit off at 8 rows
-        made, out = dk.stock_conv_rows(state, x, weight)
+        made, out = dflash2_kernel_fused.stock_conv_rows(state, x, weight)
         return made, flip_first_bit(out) if x.shape[1] == 8 else out
 
-    result = dk.self_test_conv([(1, 24, 3)], kernel=wrong)
+    result = dflash2_kernel_fused.self_test_conv([(1, 24, 3)], kernel=wrong)
     assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "(B, C, K)=(1, 24, 3) rows=8 input=normal, out" in result.reason
-    assert dk.self_test_conv([(1, 24, 3)], kernel=dk.stock_conv_rows).ok
+    assert dflash2_kernel_fused.self_test_conv([(1, 24, 3)], kernel=dflash2_kernel_fused.stock_conv_rows).ok
 
 
 def test_wrong_attention_fails_naming_the_case():
@@ -973,8 +974,8 @@ def test_add_rms_norm_equals_decode_s_add_and_norm():
     weight = dflash2_kernel_base.make_inputs("normal", 1, 1000, mx.random.key(3))[0]
     variant = None
     if dk.backend_name() == "cuda":
-        dk.self_test_add_norm()
-        variant = dk._add_norm_serving["cuda"]
+        dflash2_kernel_fused.self_test_add_norm()
+        variant = dflash2_kernel_fused._add_norm_serving["cuda"]
         assert variant == "fused"
     for rows in (1, 5):
         h, normed = dk.add_rms_norm(x[:, :rows], residual[:, :rows], weight, 1e-6, variant=variant)
@@ -990,8 +991,8 @@ def test_gated_rms_norm_equals_mlx_vlm_s_gated_norm(target):
     x, gate = (dflash2_kernel_base.make_inputs("normal", 15, width, mx.random.key(seed)).reshape(1, 5, 3, width) for seed in (1, 2))
     variant = None
     if dk.backend_name() == "cuda":
-        dk.self_test_gated_norm()
-        variant = dk._gated_norm_serving["cuda"]
+        dflash2_kernel_fused.self_test_gated_norm()
+        variant = dflash2_kernel_fused._gated_norm_serving["cuda"]
         assert variant == "fused"
     for rows in (1, 5):
         got = dk.gated_rms_norm(x[:, :rows], norm.weight, norm.eps, gate[:, :rows], variant=variant)
@@ -1001,12 +1002,12 @@ def test_gated_rms_norm_equals_mlx_vlm_s_gated_norm(target):
 def test_gdn_gates_equal_mlx_vlm_s_compute_g_beta():
     """g and beta of slices of one projection (as the model hands them over), at 1 and 5
     positions; on CUDA through the variant the kernel's self-test chose."""
-    A_log, a, b, dt_bias = dk.make_gates_case("normal", 5, 6, mx.random.key(1))
+    A_log, a, b, dt_bias = dflash2_kernel_fused.make_gates_case("normal", 5, 6, mx.random.key(1))
     variant = None
     if dk.backend_name() == "cuda":
-        dk.self_test_gates()
-        variant = dk._gates_serving["cuda"]
-        assert variant in dk.GATE_VARIANTS
+        dflash2_kernel_fused.self_test_gates()
+        variant = dflash2_kernel_fused._gates_serving["cuda"]
+        assert variant in dflash2_kernel_fused.GATE_VARIANTS
     for rows in (1, 5):
         got = dk.gdn_gates(A_log, a[:, :rows], b[:, :rows], dt_bias, variant=variant)
         want = mx.exp(-mx.exp(A_log) * nn.softplus(a[:, :rows] + dt_bias)), mx.sigmoid(b[:, :rows])
@@ -1017,41 +1018,41 @@ def test_rms_norm_launch_is_mlx_s_for_each_width():
     """MLX's (block, chunks) for an fp16 row (rms_norm.cu dispatch_num_chunks): 64 threads
     up to 512 features, 128 where the 8-wide vectors split evenly over 128, else 64, else
     128 with the chunks rounded up."""
-    assert [dk.rms_norm_launch(width) for width in (100, 512, 1000, 1024, 2560, 4096, 5120, 5128, 8192)] == [
+    assert [dflash2_kernel_fused.rms_norm_launch(width) for width in (100, 512, 1000, 1024, 2560, 4096, 5120, 5128, 8192)] == [
         (64, 1), (64, 1), (128, 1), (128, 1), (64, 5), (128, 4), (128, 5), (128, 6), (128, 8)]
 
 
 def test_wrong_add_norm_fails_naming_the_case():
     def wrong(x, residual, weight, eps):  # the norm's first element one bit off at 8 rows
-        h, normed = dk.stock_add_rms_norm(x, residual, weight, eps)
+        h, normed = dflash2_kernel_fused.stock_add_rms_norm(x, residual, weight, eps)
         return h, flip_first_bit(normed) if x.shape[1] == 8 else normed
 
-    result = dk.self_test_add_norm([(512,)], kernel=wrong)
+    result = dflash2_kernel_fused.self_test_add_norm([(512,)], kernel=wrong)
     assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "D=512 (B, L)=(1, 8) input=normal, norm" in result.reason
-    assert dk.self_test_add_norm([(512,)], kernel=dk.stock_add_rms_norm).ok
+    assert dflash2_kernel_fused.self_test_add_norm([(512,)], kernel=dflash2_kernel_fused.stock_add_rms_norm).ok
 
 
 def test_wrong_gated_norm_fails_naming_the_case():
     def wrong(x, weight, eps, gate):  # the first element one bit off at 3 positions
-        out = dk.stock_gated_rms_norm(x, weight, eps, gate)
+        out = dflash2_kernel_fused.stock_gated_rms_norm(x, weight, eps, gate)
         return flip_first_bit(out) if x.shape[1] == 3 else out
 
-    result = dk.self_test_gated_norm([(2, 64)], kernel=wrong)
+    result = dflash2_kernel_fused.self_test_gated_norm([(2, 64)], kernel=wrong)
     assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "(heads, D)=(2, 64) L=3 input=normal, out" in result.reason
-    assert dk.self_test_gated_norm([(2, 64)], kernel=dk.stock_gated_rms_norm).ok
+    assert dflash2_kernel_fused.self_test_gated_norm([(2, 64)], kernel=dflash2_kernel_fused.stock_gated_rms_norm).ok
 
 
 def test_wrong_gates_fail_naming_the_case():
     def wrong(A_log, a, b, dt_bias):  # beta's first element one bit off at 4 positions
-        g, beta = dk._compute_g_beta(A_log, a, b, dt_bias)
+        g, beta = dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)
         return g, flip_first_bit(beta) if a.shape[1] == 4 else beta
 
-    result = dk.self_test_gates([(4,)], kernel=wrong)
+    result = dflash2_kernel_fused.self_test_gates([(4,)], kernel=wrong)
     assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "Hv=4 L=4 input=normal, beta" in result.reason
-    assert dk.self_test_gates([(4,)], kernel=dk._compute_g_beta).ok
+    assert dflash2_kernel_fused.self_test_gates([(4,)], kernel=dflash2_kernel_fused._compute_g_beta).ok
 
 
 def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypatch):
@@ -1062,19 +1063,19 @@ def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypat
 
     def stand_in(A_log, a, b, dt_bias, variant):
         calls.append(variant)
-        g, beta = dk._compute_g_beta(A_log, a, b, dt_bias)
+        g, beta = dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)
         return g, flip_first_bit(beta) if variant == "half" else beta
 
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
-    monkeypatch.setattr(dk, "cuda_gdn_gates", stand_in)
-    monkeypatch.setattr(dk, "_gates_serving", {})
-    result = dk.self_test_gates([(4,)])
+    monkeypatch.setattr(dflash2_kernel_fused, "cuda_gdn_gates", stand_in)
+    monkeypatch.setattr(dflash2_kernel_fused, "_gates_serving", {})
+    result = dflash2_kernel_fused.self_test_gates([(4,)])
     cases = len(dflash2_kernel_base.INPUT_KINDS) * dk.MAX_ROWS
-    assert result.ok and result.variant == "float" and dk._gates_serving == {"cuda": "float"}
+    assert result.ok and result.variant == "float" and dflash2_kernel_fused._gates_serving == {"cuda": "float"}
     assert result.controls == {"half": cases} and "half differs at Hv=4 L=1 input=normal, beta" in result.reason
     calls.clear()
-    A_log, a, b, dt_bias = dk.make_gates_case("normal", 3, 4, mx.random.key(2))
-    assert all(same_bits(x, y) for x, y in zip(dk.gdn_gates(A_log, a, b, dt_bias), dk._compute_g_beta(A_log, a, b, dt_bias)))
+    A_log, a, b, dt_bias = dflash2_kernel_fused.make_gates_case("normal", 3, 4, mx.random.key(2))
+    assert all(same_bits(x, y) for x, y in zip(dk.gdn_gates(A_log, a, b, dt_bias), dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)))
     assert calls == ["float"]
 
 
@@ -1101,13 +1102,13 @@ def test_cuda_header_leaves_a_folder_others_can_write(tmp_path, monkeypatch):
 
 def test_wrong_rope_fails_naming_the_case():
     def wrong(q, k, cos, sin):  # the keys' first element one bit off at 8 positions
-        q_out, k_out = dk.stock_rope_rows(q, k, cos, sin)
+        q_out, k_out = dflash2_kernel_fused.stock_rope_rows(q, k, cos, sin)
         return q_out, flip_first_bit(k_out) if q.shape[2] == 8 else k_out
 
-    result = dk.self_test_rope([(1, 2, 1, 32, 16)], kernel=wrong)
+    result = dflash2_kernel_fused.self_test_rope([(1, 2, 1, 32, 16)], kernel=wrong)
     assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
     assert "(B, Hq, Hk, D, R)=(1, 2, 1, 32, 16) rows=8 input=normal, k" in result.reason
-    assert dk.self_test_rope([(1, 2, 1, 32, 16)], kernel=dk.stock_rope_rows).ok
+    assert dflash2_kernel_fused.self_test_rope([(1, 2, 1, 32, 16)], kernel=dflash2_kernel_fused.stock_rope_rows).ok
 
 
 def test_packed_weights_must_hold_whole_groups():
@@ -1123,7 +1124,7 @@ def test_packed_weights_must_hold_whole_groups():
 def test_convolution_kernel_equals_decode_at_the_27b_shape_on_cuda():
     """The 27B's GatedDeltaNet convolution (10240 channels, 4 taps) and the small shapes,
     rows 1..8, silu after it, the window too: the kernel serves."""
-    result = dk.self_test_conv([(1, 10240, 4), *dk.CONV_SHAPES_SMALL])
+    result = dflash2_kernel_fused.self_test_conv([(1, 10240, 4), *dflash2_kernel_fused.CONV_SHAPES_SMALL])
     assert result.ok and result.variant == "taps", result.reason
 
 
@@ -1131,8 +1132,8 @@ def test_convolution_kernel_equals_decode_at_the_27b_shape_on_cuda():
 def test_rope_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
     """The 27B's attention rotary (24 query and 4 key heads of 256, the first 64 rotated)
     and the small shapes, 1..8 positions and a prefill's: a variant serves."""
-    result = dk.self_test_rope([(1, 24, 4, 256, 64), *dk.ROPE_SHAPES_SMALL])
-    assert result.ok and result.variant in dk.ROPE_VARIANTS, result.reason
+    result = dflash2_kernel_fused.self_test_rope([(1, 24, 4, 256, 64), *dflash2_kernel_fused.ROPE_SHAPES_SMALL])
+    assert result.ok and result.variant in dflash2_kernel_fused.ROPE_VARIANTS, result.reason
     print("rope variants, differing elements:", result.variants)
 
 
@@ -1140,7 +1141,7 @@ def test_rope_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
 def test_add_norm_kernel_equals_mlx_at_the_27b_shape_on_cuda():
     """The 27B's residual add and post-attention norm (5120 features) and the small widths,
     rows 1..8: the kernel serves."""
-    result = dk.self_test_add_norm([(5120,), *dk.NORM_WIDTHS_SMALL])
+    result = dflash2_kernel_fused.self_test_add_norm([(5120,), *dflash2_kernel_fused.NORM_WIDTHS_SMALL])
     assert result.ok and result.variant == "fused", result.reason
 
 
@@ -1148,8 +1149,8 @@ def test_add_norm_kernel_equals_mlx_at_the_27b_shape_on_cuda():
 def test_gates_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
     """The 27B's GatedDeltaNet gates (48 value heads) and the small shapes, 1..8 positions:
     a variant serves."""
-    result = dk.self_test_gates([(48,), *dk.GATE_SHAPES_SMALL])
-    assert result.ok and result.variant in dk.GATE_VARIANTS, result.reason
+    result = dflash2_kernel_fused.self_test_gates([(48,), *dflash2_kernel_fused.GATE_SHAPES_SMALL])
+    assert result.ok and result.variant in dflash2_kernel_fused.GATE_VARIANTS, result.reason
     print("gates variants, differing elements:", result.variants)
 
 
@@ -1157,5 +1158,5 @@ def test_gates_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
 def test_gated_norm_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
     """The 27B's GatedDeltaNet output norm (48 heads of 128) and the small shapes, 1..8
     positions: the kernel serves."""
-    result = dk.self_test_gated_norm([(48, 128), *dk.GATED_NORM_SHAPES_SMALL])
+    result = dflash2_kernel_fused.self_test_gated_norm([(48, 128), *dflash2_kernel_fused.GATED_NORM_SHAPES_SMALL])
     assert result.ok and result.variant == "fused", result.reason
