@@ -29,6 +29,7 @@ import dflash2_kernel_base  # noqa: E402
 import dflash2_kernel_qmv  # noqa: E402
 import dflash2_kernel_rotate  # noqa: E402
 import dflash2_kernel_gdn  # noqa: E402
+import dflash2_kernel_attention  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -386,7 +387,7 @@ KERNEL_SHAPES = {
     "rotate_group": (dflash2_kernel_rotate.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
     "gdn": (dflash2_kernel_gdn.GDN_SHAPES_27B, dflash2_kernel_gdn.GDN_SHAPES_SMALL),
     "dense": (dflash2_kernel_gdn.DENSE_SHAPES_27B, dflash2_kernel_gdn.DENSE_SHAPES_SMALL),
-    "attention": ((dk.ATTENTION_PACK_SHAPE,), dk.ATTENTION_TINY_SHAPES),
+    "attention": ((dflash2_kernel_attention.ATTENTION_PACK_SHAPE,), dflash2_kernel_attention.ATTENTION_TINY_SHAPES),
 }
 
 
@@ -436,16 +437,16 @@ def bench_kernel(name):
                 lambda: dk.dense_rows(x, weight), lambda: dflash2_kernel_gdn.stock_dense_rows(x, weight),
                 mlx_multi_row_ms=lambda: x @ weight.T))
     elif name == "attention":
-        shape = dk.ATTENTION_PACK_SHAPE
+        shape = dflash2_kernel_attention.ATTENTION_PACK_SHAPE
         scale = shape[3] ** -0.5
         for first_length in (1030, 4000):
-            for rows in range(1, dk.MAX_QUERIES + 1):
-                queries, keys, values, _, _ = dk._make_case(shape, first_length, rows, "normal", key)
+            for rows in range(1, dflash2_kernel_attention.MAX_QUERIES + 1):
+                queries, keys, values, _, _ = dflash2_kernel_attention._make_case(shape, first_length, rows, "normal", key)
                 mx.eval(queries, keys, values)
                 args = (queries, keys, values, scale, first_length)
                 rows_out.append(timing_row(
                     f"decode_attention_rows vs per-query calls, {first_length} keys", shape, rows,
-                    lambda: dk.decode_attention_rows(*args), lambda: dk.stock_attention_rows(*args)))
+                    lambda: dk.decode_attention_rows(*args), lambda: dflash2_kernel_attention.stock_attention_rows(*args)))
     return rows_out
 
 
