@@ -25,8 +25,8 @@ from mlx_vlm.speculative.cache_state import abort_speculative_round
 
 import dflash2_audit
 import dflash2_kernel_base
-import dflash2_kernel_gdn
 import dflash2_kernel_fused
+import dflash2_kernel_gdn
 import dflash2_kernels
 import dflash2_runtime
 from conftest import GENERATED, raw_ids

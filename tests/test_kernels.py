@@ -12,12 +12,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+import dflash2_kernel_attention
 import dflash2_kernel_base
+import dflash2_kernel_fused
+import dflash2_kernel_gdn
 import dflash2_kernel_qmv
 import dflash2_kernel_rotate
-import dflash2_kernel_gdn
-import dflash2_kernel_fused
-import dflash2_kernel_attention
 import dflash2_kernels as dk
 from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 from kernel_cases import patch_kernels

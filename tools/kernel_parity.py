@@ -25,11 +25,11 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import dflash2_kernel_attention  # noqa: E402
 import dflash2_kernel_base  # noqa: E402
+import dflash2_kernel_gdn  # noqa: E402
 import dflash2_kernel_qmv  # noqa: E402
 import dflash2_kernel_rotate  # noqa: E402
-import dflash2_kernel_gdn  # noqa: E402
-import dflash2_kernel_attention  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
