@@ -19,14 +19,8 @@ import numpy as np
 from mlx_vlm.models.cache import KVCache
 
 from dflash2_kernel_base import (
-    BakedCudaKernel,
-    SelfTestResult,
-    _differing,
-    _first_difference,
-    _no_kernel_result,
-    backend_name,
-    cuda_header,
-    gemv_elements_per_lane,
+    BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result, backend_name,
+    cuda_header, gemv_elements_per_lane,
 )
 
 # ===========================================================================

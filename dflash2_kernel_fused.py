@@ -26,18 +26,8 @@ from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 
 from dflash2_kernel_base import (
-    INPUT_KINDS,
-    MAX_ROWS,
-    BakedCudaKernel,
-    SelfTestResult,
-    _differing,
-    _first_difference,
-    _no_kernel_result,
-    _variants_result,
-    backend_name,
-    cuda_header,
-    cuda_serving_variant,
-    make_inputs,
+    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
+    _variants_result, backend_name, cuda_header, cuda_serving_variant, make_inputs,
 )
 
 # ===========================================================================

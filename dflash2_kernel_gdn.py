@@ -25,19 +25,8 @@ from mlx_vlm.models.qwen3_5.gated_delta import (
 )
 
 from dflash2_kernel_base import (
-    INPUT_KINDS,
-    MAX_ROWS,
-    BakedCudaKernel,
-    SelfTestResult,
-    _differing,
-    _first_difference,
-    _no_kernel_result,
-    _variants_result,
-    backend_name,
-    cuda_header,
-    cuda_serving_variant,
-    gemv_elements_per_lane,
-    make_inputs,
+    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
+    _variants_result, backend_name, cuda_header, cuda_serving_variant, gemv_elements_per_lane, make_inputs,
 )
 
 # ===========================================================================

@@ -25,16 +25,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from dflash2_kernel_base import (
-    INPUT_KINDS,
-    MAX_ROWS,
-    BakedCudaKernel,
-    SelfTestResult,
-    _differing,
-    _first_difference,
-    _no_kernel_result,
-    backend_name,
-    cuda_header,
-    make_inputs,
+    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
+    backend_name, cuda_header, make_inputs,
 )
 
 # ===========================================================================

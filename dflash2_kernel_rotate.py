@@ -19,16 +19,8 @@ import mlx.core as mx
 from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import hadamard_transform
 
 from dflash2_kernel_base import (
-    INPUT_KINDS,
-    MAX_ROWS,
-    BakedCudaKernel,
-    SelfTestResult,
-    _differing,
-    _first_difference,
-    _no_kernel_result,
-    backend_name,
-    cuda_header,
-    make_inputs,
+    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
+    backend_name, cuda_header, make_inputs,
 )
 from dflash2_kernel_qmv import SWIZZLE_WIDTH, _serving_kernel, cuda_matmul, exact_rows, swizzle_steps
 

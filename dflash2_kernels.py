@@ -28,59 +28,26 @@ import time
 from dataclasses import fields
 
 from dflash2_kernel_attention import (  # noqa: F401
-    _attention_verified,
-    decode_attention_rows,
-    self_test_attention,
+    _attention_verified, decode_attention_rows, self_test_attention,
 )
 from dflash2_kernel_base import MAX_ROWS, SelfTestResult, backend_name, raw_bits  # noqa: F401
 from dflash2_kernel_fused import (  # noqa: F401
-    _add_norm_serving,
-    _conv_serving,
-    _gated_norm_serving,
-    _gates_serving,
-    _rope_serving,
-    add_rms_norm,
-    conv_rows,
-    gated_rms_norm,
-    gdn_gates,
-    rope_rows,
-    self_test_add_norm,
-    self_test_conv,
-    self_test_gated_norm,
-    self_test_gates,
-    self_test_rope,
+    _add_norm_serving, _conv_serving, _gated_norm_serving, _gates_serving, _rope_serving, add_rms_norm,
+    conv_rows, gated_rms_norm, gdn_gates, rope_rows, self_test_add_norm, self_test_conv, self_test_gated_norm,
+    self_test_gates, self_test_rope,
 )
 from dflash2_kernel_gdn import (  # noqa: F401
-    _dense_serving,
-    _gdn_serving,
-    dense_rows,
-    gdn_recurrence,
-    self_test_dense,
-    self_test_gdn,
+    _dense_serving, _gdn_serving, dense_rows, gdn_recurrence, self_test_dense, self_test_gdn,
 )
 from dflash2_kernel_prefill import (  # noqa: F401
-    calibrate_fused_inverse,
-    inverse_candidates,
-    self_test_inverse,
+    calibrate_fused_inverse, inverse_candidates, self_test_inverse,
 )
 from dflash2_kernel_qmv import (  # noqa: F401
-    _verified,
-    check_packed_weights,
-    exact_quantized_matmul,
-    exact_rows,
-    packed_width,
-    self_test,
-    stock_rows,
+    _verified, check_packed_weights, exact_quantized_matmul, exact_rows, packed_width, self_test, stock_rows,
 )
 from dflash2_kernel_rotate import (  # noqa: F401
-    _rotate_group_verified,
-    _rotate_verified,
-    exact_linear_group,
-    exact_linear_rows,
-    rotate,
-    rotate_group,
-    self_test_rotate,
-    self_test_rotate_group,
+    _rotate_group_verified, _rotate_verified, exact_linear_group, exact_linear_rows, rotate, rotate_group,
+    self_test_rotate, self_test_rotate_group,
 )
 
 # ===========================================================================
