@@ -345,7 +345,7 @@ AUDITED = (
         "74738066cd31a354aa31fe22082c38b4b713d54925cee16a7f55886ae7cd2bfe",
         "Decode's convolution of one window (astype, multiply, column sum, astype): the "
         "convolution kernel reproduces it, and its self-test compares with it "
-        "(dflash2_kernels.stock_decode_conv).",
+        "(dflash2_kernel_fused.stock_decode_conv).",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._causal_conv1d_decode",
@@ -377,14 +377,14 @@ AUDITED = (
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:_invert_unit_lower",
         "bf5313477baa147b47ae80d53cca3f1828ef6ff7280d295cf5b606ea5dff5e64",
-        "Mirrored by dflash2_kernels.invert_unit_lower, whose start-up check compares with it; "
-        "its row products' matmul shapes are replicated by dflash2_kernels.stock_rows_on, which "
+        "Mirrored by dflash2_kernel_prefill.invert_unit_lower, whose start-up check compares with it; "
+        "its row products' matmul shapes are replicated by dflash2_kernel_prefill.stock_rows_on, which "
         "calibrates the one-launch inverse.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update",
         "66b3e98fcd83bed63869d1fcf6b3b130b8f4b7cbd25fee5988b288457c6615f0",
-        "Mirrored: its test for the fused Metal kernel (dflash2_kernels.decode_recurrence_on_metal) "
+        "Mirrored: its test for the fused Metal kernel (dflash2_kernel_gdn.decode_recurrence_on_metal) "
         "decides which recurrence step verify reproduces. Relied on: it calls gated_delta_chunked "
         "through its module's globals, where the engine swaps it.",
     ),
@@ -403,13 +403,13 @@ AUDITED = (
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:_make_gated_delta_with_states_kernel",
         "a8161134335e6e89552ad1d30f66caaf4048d9655bdad20d0e377d220cfc163e",
-        "Its kernel runs all verify steps in one launch on Metal (dflash2_kernels.metal_recurrence) "
+        "Its kernel runs all verify steps in one launch on Metal (dflash2_kernel_gdn.metal_recurrence) "
         "where the start-up self-test found it bitwise decode's fused kernel a step at a time.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_update_with_states",
         "a815e51717ae9d78e2fba99a6d5ad5d91790e9d6307a7d2cb1d551b0223a44e7",
-        "Mirrored: dflash2_kernels.metal_recurrence launches the with-states kernel as it does.",
+        "Mirrored: dflash2_kernel_gdn.metal_recurrence launches the with-states kernel as it does.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._normalize_qk",

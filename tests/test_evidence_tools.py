@@ -197,14 +197,14 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
     """compare_qmv_launch: each arm's per-step figure is its per-shape medians times the
     shapes' calls in a 27B decode step; the committed record's figures are those sums; on a
     machine without CUDA the tool says so and times nothing."""
-    import dflash2_kernels as dk
+    import dflash2_kernel_qmv
     from compare_qmv_launch import step_sums, summary_markdown
 
     arms = ("mlx single row", "previous 8", "current 8")
     shapes = {f"{n}x{k}": {"timings_us": {arm: {"median": 1000.0 * (i + 1)} for i, arm in enumerate(arms)}}
-              for n, k in dk.PACKED_SHAPES_27B}
+              for n, k in dflash2_kernel_qmv.PACKED_SHAPES_27B}
     shapes["248320x5120"]["timings_us"]["current 8"]["median"] = 0.0  # the lm_head: one call a step
-    calls = sum(calls for _, calls in dk.PACKED_SHAPES_27B.values())
+    calls = sum(calls for _, calls in dflash2_kernel_qmv.PACKED_SHAPES_27B.values())
     assert step_sums(shapes) == {"mlx single row": calls, "previous 8": 2 * calls, "current 8": 3 * (calls - 1)}
     # GPU times (CUPTI): an arm without a figure at some shape (its kernel not told apart) has no sum
     for entry in shapes.values():
@@ -234,34 +234,34 @@ def test_the_kernel_tools_time_the_rows_as_the_served_verify_hands_them():
 
     import mlx.core as mx
 
-    import dflash2_kernels as dk
+    import dflash2_kernel_qmv
     from kernel_parity import served_cuda_matmul
 
     calls = []
     x = mx.arange(2 * 1024).reshape(2, 1024)
-    for module, swizzled in ((types.SimpleNamespace(swizzle_steps=dk.swizzle_steps), True),
+    for module, swizzled in ((types.SimpleNamespace(swizzle_steps=dflash2_kernel_qmv.swizzle_steps), True),
                              (types.SimpleNamespace(), False)):
         module.cuda_matmul = lambda x, w, s, b, **options: calls.append((x, options))
         layout, call = served_cuda_matmul(module, [2, 2, 3])
         call(layout(x), None, None, None)
         rows, options = calls[-1]
         assert options == {"launch": (2, 2, 3), **({"swizzled": True} if swizzled else {})}
-        assert mx.array_equal(rows, dk.swizzle_steps(x) if swizzled else x)
+        assert mx.array_equal(rows, dflash2_kernel_qmv.swizzle_steps(x) if swizzled else x)
 
 
 def test_the_launch_comparison_can_time_another_revisions_kernel(tmp_path):
-    """--previous-kernels: another revision's dflash2_kernels.py loads as a module of its own
+    """--previous-kernels: another revision's dflash2_kernel_qmv.py loads as a module of its own
     (its kernel source, not this one's), and a record whose previous arm ran it says so in
     place of the same-launch control sentence."""
-    import dflash2_kernels as dk
+    import dflash2_kernel_qmv
     from compare_qmv_launch import load_kernels, summary_markdown
 
     before = tmp_path / "before.py"
-    source = (REPO / "dflash2_kernels.py").read_text()
+    source = (REPO / "dflash2_kernel_qmv.py").read_text()
     before.write_text(source.replace('_CUDA_HEADER = r"""', '_CUDA_HEADER = r"""// an earlier kernel\n', 1))
     previous = load_kernels(before)
-    assert previous is not dk and previous.CUDA_LAUNCH == dk.CUDA_LAUNCH
-    assert previous.cuda_qmv_source_digest() != dk.cuda_qmv_source_digest()
+    assert previous is not dflash2_kernel_qmv and previous.CUDA_LAUNCH == dflash2_kernel_qmv.CUDA_LAUNCH
+    assert previous.cuda_qmv_source_digest() != dflash2_kernel_qmv.cuda_qmv_source_digest()
 
     record = json.loads((EVIDENCE / "qmv-launch-cuda.json").read_text())
     # the same launches and kernel: one kernel against itself
@@ -301,18 +301,18 @@ def test_the_shape_tuning_sums_its_check_pass_and_refuses_off_cuda():
     """tune_qmv_shapes: per row count, the table's launch everywhere against each shape's pick,
     both from the check pass's medians times the shapes' calls in a 27B decode step; the
     committed record's figures are those sums, its picks bitwise; off CUDA it times nothing."""
-    import dflash2_kernels as dk
+    import dflash2_kernel_qmv
     from tune_qmv_shapes import step_sums, summary_markdown
 
-    table = f"8 {list(dk.CUDA_LAUNCH[8])}"
+    table = f"8 {list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}"
     shapes = {f"{n}x{k}": {"check_us": {"mlx single row": {"median": 1000.0}, table: {"median": 2000.0},
                                         "8 [9, 9, 9]": {"median": 500.0}},
-                           "picks": {"8": list(dk.CUDA_LAUNCH[8])}}
-              for n, k in dk.PACKED_SHAPES_27B}
+                           "picks": {"8": list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}}
+              for n, k in dflash2_kernel_qmv.PACKED_SHAPES_27B}
     shapes["1024x5120"]["picks"]["8"] = [9, 9, 9]  # one shape picks another launch
-    calls = sum(calls for _, calls in dk.PACKED_SHAPES_27B.values())
-    kv_calls = dk.PACKED_SHAPES_27B[1024, 5120][1]
-    assert step_sums(shapes, {"8": list(dk.CUDA_LAUNCH[8])}) == {"mlx single row": calls, "8 table": 2 * calls,
+    calls = sum(calls for _, calls in dflash2_kernel_qmv.PACKED_SHAPES_27B.values())
+    kv_calls = dflash2_kernel_qmv.PACKED_SHAPES_27B[1024, 5120][1]
+    assert step_sums(shapes, {"8": list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}) == {"mlx single row": calls, "8 table": 2 * calls,
                                       "8 picks": 2 * calls - 1.5 * kv_calls}
     record = json.loads((EVIDENCE / "qmv-shapes-cuda.json").read_text())
     assert record["pick_differing"] == 0 and step_sums(record["shapes"], record["table"]) == record["step_ms"]

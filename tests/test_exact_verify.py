@@ -24,6 +24,9 @@ from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
 
 import dflash2_audit
+import dflash2_kernel_base
+import dflash2_kernel_fused
+import dflash2_kernel_gdn
 import dflash2_kernels
 import dflash2_runtime
 from conftest import GENERATED, raw_ids
@@ -88,12 +91,12 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         return positions(layer, inputs, cache, linear, linears)
 
     def counted_rope(q, k, cos, sin, variant=None):
-        rotary_calls.append(dflash2_kernels.rope_kernel_supports(q, k, cos, sin))
+        rotary_calls.append(dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin))
         return rope_rows(q, k, cos, sin, variant)
 
     monkeypatch.setattr(dflash2_runtime, "gated_delta_positions", counted)
     def counted_norm(x, residual, weight, eps, variant=None):
-        norm_calls.append(dflash2_kernels.norm_kernel_supports(x, weight, residual))
+        norm_calls.append(dflash2_kernel_fused.norm_kernel_supports(x, weight, residual))
         return add_rms_norm(x, residual, weight, eps, variant)
 
     monkeypatch.setattr(dflash2_kernels, "rope_rows", counted_rope)
@@ -126,9 +129,9 @@ def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
     kind, at one position and eight (a copy of the rows, as the convolution's split makes)."""
     layer = next(layer.linear_attn for layer in target[0].language_model.model.layers if layer.is_linear)
     for dtype in (mx.float16, mx.float32):
-        for kind in dflash2_kernels.INPUT_KINDS:
+        for kind in dflash2_kernel_base.INPUT_KINDS:
             for rows in (1, 8):
-                x = dflash2_kernels.make_inputs(kind, rows, 2 * layer.key_dim, mx.random.key(rows))
+                x = dflash2_kernel_base.make_inputs(kind, rows, 2 * layer.key_dim, mx.random.key(rows))
                 x = x.astype(dtype).reshape(1, rows, 2, layer.num_k_heads, layer.head_k_dim)
                 q, k = x[:, :, 0], x[:, :, 1]
                 for got, want in zip(dflash2_runtime._normalize_qk(q, k), layer._normalize_qk(q, k)):
@@ -213,16 +216,16 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
 
 @pytest.mark.parametrize("name, arm, call_shape, serving", [
     ("rope_rows", "rotation+recurrence+convolution+rope",
-     lambda q, k, cos, sin: (q.shape[2], dflash2_kernels.rope_kernel_supports(q, k, cos, sin)),
+     lambda q, k, cos, sin: (q.shape[2], dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin)),
      lambda layer: not layer.is_linear),
     ("add_rms_norm", "rotation+recurrence+convolution+rope+residual",
-     lambda x, residual, weight, eps: (x.shape[1], dflash2_kernels.norm_kernel_supports(x, weight, residual)),
+     lambda x, residual, weight, eps: (x.shape[1], dflash2_kernel_fused.norm_kernel_supports(x, weight, residual)),
      lambda layer: True),
     ("gated_rms_norm", "rotation+recurrence+convolution",
-     lambda x, weight, eps, gate: (x.shape[1], dflash2_kernels.norm_kernel_supports(x, weight, gate)),
+     lambda x, weight, eps, gate: (x.shape[1], dflash2_kernel_fused.norm_kernel_supports(x, weight, gate)),
      lambda layer: layer.is_linear),
     ("gdn_gates", "rotation+recurrence+convolution",
-     lambda A_log, a, b, dt_bias: (a.shape[1], dflash2_kernels.gates_kernel_supports(A_log, a, b, dt_bias)),
+     lambda A_log, a, b, dt_bias: (a.shape[1], dflash2_kernel_fused.gates_kernel_supports(A_log, a, b, dt_bias)),
      lambda layer: layer.is_linear),
 ])
 def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch, name, arm, call_shape, serving):
@@ -385,12 +388,12 @@ def test_start_up_self_check_passes_where_decode_runs_a_fused_recurrence_kernel(
     from gpu_rounding import metal_like_recurrence
 
     metal_like_recurrence(monkeypatch)
-    monkeypatch.setattr(dflash2_kernels, "_gdn_serving", {})
+    monkeypatch.setattr(dflash2_kernel_gdn, "_gdn_serving", {})
     lm = target[0].language_model
     check = dflash2_runtime.self_check_verify(lm)
-    assert check.differing == 0 and dflash2_kernels._gdn_serving == {"metal": "with_states"}
-    monkeypatch.setattr(dflash2_kernels, "decode_recurrence_on_metal", lambda: False)
-    monkeypatch.setattr(dflash2_kernels, "_gdn_serving", {})
+    assert check.differing == 0 and dflash2_kernel_gdn._gdn_serving == {"metal": "with_states"}
+    monkeypatch.setattr(dflash2_kernel_gdn, "decode_recurrence_on_metal", lambda: False)
+    monkeypatch.setattr(dflash2_kernel_gdn, "_gdn_serving", {})
     assert dflash2_runtime.self_check_verify(lm).differing > 0
 
 

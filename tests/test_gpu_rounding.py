@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_vlm.models.qwen3_5 import gated_delta
 
-import dflash2_kernels as dk
+import dflash2_kernel_qmv
 import gpu_rounding
 
 ROWS = 8
@@ -23,7 +23,7 @@ def by_rows(fn, x):
 
 
 def quantized_matmul():
-    weight, scales, biases = dk.make_weights(64, 512, mx.random.key(0))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(64, 512, mx.random.key(0))
 
     def fn(x):
         return mx.quantized_matmul(x, weight, scales, biases, transpose=True, group_size=128, bits=2)

@@ -3,6 +3,8 @@
 import mlx.core as mx
 import pytest
 
+import dflash2_kernel_qmv
+import dflash2_kernel_rotate
 import dflash2_kernels as dk
 import dflash2_runtime
 from graph_count import count_steps, gpu_primitives, graph_kinds, load_target, one_launch_calls, views_outside_calls
@@ -22,12 +24,12 @@ def count_views(build):
 
 def test_views_are_free_and_one_launch_calls_count_once():
     x, weight = mx.ones((8, 512), mx.float16), mx.ones((512,), mx.float16)
-    packed = dk.make_weights(16, 512, mx.random.key(0))
+    packed = dflash2_kernel_qmv.make_weights(16, 512, mx.random.key(0))
     mx.eval(x, weight, packed)
     assert count(lambda: [x.reshape(8, 4, 128).transpose(1, 0, 2)[:, 2:]]) == 0
     assert count(lambda: [mx.fast.rms_norm(x, weight, 1e-6), mx.fast.rms_norm(x, None, 1e-6)]) == 2
     assert count(lambda: [dk.exact_quantized_matmul(x, *packed)]) == 1
-    signs = [dk.make_signs("pm1", 512, mx.random.key(index)) for index in range(3)]
+    signs = [dflash2_kernel_rotate.make_signs("pm1", 512, mx.random.key(index)) for index in range(3)]
     mx.eval(signs)
     assert count(lambda: list(dk.exact_linear_group(x, 512, signs, [packed] * 3))) == 4  # one rotation for three
     assert count(lambda: list(dk.rotate_group(x, 512, signs))) == 1
@@ -39,7 +41,7 @@ def test_views_are_free_and_one_launch_calls_count_once():
 
 def test_views_are_counted_apart_those_inside_one_launch_calls_left_out():
     x, rows = mx.ones((8, 512), mx.float16), mx.ones((1, 8, 512), mx.float16)
-    packed = dk.make_weights(16, 512, mx.random.key(0))
+    packed = dflash2_kernel_qmv.make_weights(16, 512, mx.random.key(0))
     mx.eval(x, rows, packed)
     assert count_views(lambda: [x.reshape(8, 4, 128).transpose(1, 0, 2)[:, 2:]]) == 3
     # CPU's per-row calls slice and reshape inside the call: none of that is the step's.

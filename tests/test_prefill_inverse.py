@@ -1,4 +1,4 @@
-"""The prefill inverse (dflash2_kernels.invert_unit_lower), in process: bitwise mlx-vlm's
+"""The prefill inverse (dflash2_kernel_prefill.invert_unit_lower), in process: bitwise mlx-vlm's
 forward substitution, whole chunks and prompts shorter than one, swapped into
 gated_delta_chunked by the engine only when the start-up check finds it so; test_server.py
 checks both servers' logs say it serves."""
@@ -12,8 +12,10 @@ import pytest
 
 import dflash2_audit
 import dflash2_engine
+import dflash2_kernel_prefill
 import dflash2_kernels
 import dflash2_runtime
+from kernel_cases import patch_kernels
 from parity import differing
 
 STOCK = gated_delta._invert_unit_lower  # never swapped: gated_delta_chunked is
@@ -34,7 +36,7 @@ def test_row_appending_inverse_is_stock_bit_for_bit(shape, scale):
     Tmat = unit_lower(shape, scale, seed=sum(shape))
     C = shape[-1]
     want = STOCK(Tmat, C)
-    assert differing(dflash2_kernels.invert_unit_lower(Tmat, C), want) == 0
+    assert differing(dflash2_kernel_prefill.invert_unit_lower(Tmat, C), want) == 0
     # The test sees arithmetic: the same substitution summing each row's products in
     # reverse order is the same matrix in other bits.
     assert differing(reversed_substitution(Tmat, C), want) > 0
@@ -54,7 +56,7 @@ def reversed_substitution(Tmat, C):
 
 
 def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")  # row-appending the only candidate
+    patch_kernels(monkeypatch, "backend_name", lambda: "cpu")  # row-appending the only candidate
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)  # undone after the test
     assert dflash2_kernels.self_test_inverse(heads=2, kernel=rows_ignored(reversed_substitution)) > 0
     monkeypatch.setattr(dflash2_kernels, "self_test_inverse", lambda heads=48, chunks=2, kernel=None: 7)
@@ -62,7 +64,7 @@ def test_swapped_in_only_when_the_start_up_check_passes(monkeypatch):
     assert "the row-appending one differed from it here in 7 elements" in line
     assert gated_delta.gated_delta_chunked is STOCK_CHUNKED
     monkeypatch.undo()
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cpu")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cpu")
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)
     line = dflash2_engine.use_exact_prefill_inverse()
     assert "row-appending" in line and gated_delta.gated_delta_chunked is not STOCK_CHUNKED
@@ -77,7 +79,7 @@ def test_on_cuda_the_one_launch_append_is_tried_first_and_skipped_when_it_fails(
         pytest.skip("here the one-launch kernel builds: test_one_launch_inverse_on_cuda")
     assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["row-appending"]
     monkeypatch.setattr(gated_delta, "gated_delta_chunked", STOCK_CHUNKED)
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     assert [name for name, _ in dflash2_kernels.inverse_candidates()] == ["one-launch append", "row-appending"]
     line = dflash2_engine.use_exact_prefill_inverse()
     assert line.startswith("prefill inverse: row-appending, bitwise") and "the one-launch append one failed" in line
@@ -103,8 +105,8 @@ def test_the_one_launch_kernels_row_formula_is_stocks_bits():
     stock's bits; the shortcut -product where the identity is 0 does not (signed zeros)."""
     Tmat = unit_lower((1, 3, 2, 64, 64), 0.5, seed=5)
     want = STOCK(Tmat, 64)
-    assert differing(dflash2_kernels.invert_unit_lower(Tmat, 64, append=identity_row_minus(False)), want) == 0
-    assert differing(dflash2_kernels.invert_unit_lower(Tmat, 64, append=identity_row_minus(True)), want) > 0
+    assert differing(dflash2_kernel_prefill.invert_unit_lower(Tmat, 64, append=identity_row_minus(False)), want) == 0
+    assert differing(dflash2_kernel_prefill.invert_unit_lower(Tmat, 64, append=identity_row_minus(True)), want) > 0
 
 
 @pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
@@ -113,13 +115,13 @@ def test_the_one_launch_kernels_row_formula_is_stocks_bits():
 def test_one_launch_inverse_on_cuda(shape, scale):
     """The CUDA kernel itself (CPU tests hold only its formula): stock's bits."""
     Tmat = unit_lower(shape, scale, seed=sum(shape))
-    assert differing(dflash2_kernels.invert_unit_lower_one_launch(Tmat, shape[-1]), STOCK(Tmat, shape[-1])) == 0
+    assert differing(dflash2_kernel_prefill.invert_unit_lower_one_launch(Tmat, shape[-1]), STOCK(Tmat, shape[-1])) == 0
 
 
 @pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
 def test_one_launch_inverse_passes_the_start_up_check_on_cuda():
     """The engine's check at the 27B's heads, whole chunks and short prompts' rows."""
-    assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernels.invert_unit_lower_one_launch) == 0
+    assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernel_prefill.invert_unit_lower_one_launch) == 0
 
 
 @pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
@@ -128,21 +130,21 @@ def test_fused_inverse_on_cuda(monkeypatch):
     counts: every count it serves gives stock's bits on inputs the calibration never saw
     (signed zeros of the inverse's structure included), and another count's plan does not
     (on the H200, cuBLASLt sums these rows in one chain at 32 chunks, in halves at 2)."""
-    monkeypatch.setattr(dflash2_kernels, "_fused_inverse_plans", {})
+    monkeypatch.setattr(dflash2_kernel_prefill, "_fused_inverse_plans", {})
     summary = dflash2_kernels.calibrate_fused_inverse(48, 32)
-    plans = dflash2_kernels._fused_inverse_plans
+    plans = dflash2_kernel_prefill._fused_inverse_plans
     served = sorted(batch // 48 for batch in plans)
     assert served, summary
     for chunks in served:
         for scale in (0.3, 1.0):
             Tmat = unit_lower((1, 48, chunks, 64, 64), scale, seed=7 * chunks + int(10 * scale))
-            assert differing(dflash2_kernels.invert_unit_lower_fused(Tmat, 64), STOCK(Tmat, 64)) == 0, (chunks, summary)
+            assert differing(dflash2_kernel_prefill.invert_unit_lower_fused(Tmat, 64), STOCK(Tmat, 64)) == 0, (chunks, summary)
     by_plan = {str(plans[48 * chunks].tolist()): chunks for chunks in served}
     assert len(by_plan) >= 2, summary
     chunks, other = list(by_plan.values())[:2]
     Tmat = unit_lower((1, 48, chunks, 64, 64), 0.3, seed=3)
-    assert differing(dflash2_kernels.fused_inverse_rows(Tmat, plans[48 * other]), STOCK(Tmat, 64)) > 0
-    assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernels.invert_unit_lower_fused) == 0
+    assert differing(dflash2_kernel_prefill.fused_inverse_rows(Tmat, plans[48 * other]), STOCK(Tmat, 64)) > 0
+    assert dflash2_kernels.self_test_inverse(kernel=dflash2_kernel_prefill.invert_unit_lower_fused) == 0
 
 
 @pytest.mark.skipif(dflash2_kernels.backend_name() != "cuda", reason="the kernel is CUDA's")
@@ -151,14 +153,14 @@ def test_fused_inverse_in_the_swapped_prefill_on_cuda(T, monkeypatch):
     """gated_delta_chunked swapped with the one-launch inverse, calibrated for chunk_inputs'
     4 value heads: stock's output and state bits for one prompt and for two in a batch
     (left-padded, with a mask), prompts shorter than a chunk included."""
-    monkeypatch.setattr(dflash2_kernels, "_fused_inverse_plans", {})
+    monkeypatch.setattr(dflash2_kernel_prefill, "_fused_inverse_plans", {})
     summary = dflash2_kernels.calibrate_fused_inverse(4, 4)
-    assert {4, 8} <= set(dflash2_kernels._fused_inverse_plans), summary  # 1 and 2 chunks
+    assert {4, 8} <= set(dflash2_kernel_prefill._fused_inverse_plans), summary  # 1 and 2 chunks
     for batch in (1, 2):
         inputs = chunk_inputs(T, seed=200 + T, batch=batch)
         mask = None if batch == 1 else mx.array([[True] * T, [False] * (T // 2) + [True] * (T - T // 2)])
         want_y, want_state = STOCK_CHUNKED(*inputs, mask)
-        got_y, got_state = dflash2_runtime.prefill_chunked(dflash2_kernels.invert_unit_lower_fused)(*inputs, mask)
+        got_y, got_state = dflash2_runtime.prefill_chunked(dflash2_kernel_prefill.invert_unit_lower_fused)(*inputs, mask)
         assert differing(got_y, want_y) == 0 and differing(got_state, want_state) == 0, (batch, summary)
 
 
@@ -212,11 +214,11 @@ def emulated_stock(orders):
     """(_invert_unit_lower, stock_rows_on) for a stock whose row sums follow the batch count."""
     def inverse(Tmat, C):
         labels = orders.get(Tmat.size // (C * C))
-        return emulated_fused_rows(Tmat, dflash2_kernels.row_sum_plan(labels)) if labels else reversed_substitution(Tmat, C)
+        return emulated_fused_rows(Tmat, dflash2_kernel_prefill.row_sum_plan(labels)) if labels else reversed_substitution(Tmat, C)
 
     def rows_on(Tmat, X):
         labels = orders.get(Tmat.size // 4096)
-        return emulated_fused_rows(Tmat, dflash2_kernels.row_sum_plan(labels), stock=X) if labels else reversed_rows_on(Tmat, X)
+        return emulated_fused_rows(Tmat, dflash2_kernel_prefill.row_sum_plan(labels), stock=X) if labels else reversed_rows_on(Tmat, X)
 
     return inverse, rows_on
 
@@ -227,9 +229,9 @@ def test_the_calibration_finds_each_batch_counts_row_sums(monkeypatch):
     where they still do; per row where no one order does), and a count no order matches is
     left to the one-launch append."""
     inverse, rows_on = emulated_stock(EMULATED_ORDERS)
-    monkeypatch.setattr(dflash2_kernels, "_invert_unit_lower", inverse)
-    monkeypatch.setattr(dflash2_kernels, "stock_rows_on", rows_on)
-    monkeypatch.setattr(dflash2_kernels, "_fused_inverse_plans", {})
+    monkeypatch.setattr(dflash2_kernel_prefill, "_invert_unit_lower", inverse)
+    monkeypatch.setattr(dflash2_kernel_prefill, "stock_rows_on", rows_on)
+    monkeypatch.setattr(dflash2_kernel_prefill, "_fused_inverse_plans", {})
     isolated_runs = []
 
     def run(Tmat, plan, stock=None):
@@ -241,20 +243,20 @@ def test_the_calibration_finds_each_batch_counts_row_sums(monkeypatch):
     assert summary == ("one launch at 4 of 5 chunk counts (2 heads); 1-2: 2 spans s; 3: width 4 b; "
                        "4: 4 spans s + 2 spans s; the one-launch append at 5")
     assert isolated_runs.count(4) == 1  # count 1's orders, checked once
-    assert sorted(dflash2_kernels._fused_inverse_plans) == [2, 4, 6, 8]
+    assert sorted(dflash2_kernel_prefill._fused_inverse_plans) == [2, 4, 6, 8]
     # Rows 1 and 2 sum the same in both orders: they take the order of the most rows.
     chosen = {**EMULATED_ORDERS, 8: ["4 spans s"] * 2 + EMULATED_ORDERS[8][2:]}
     for batch, labels in chosen.items():
-        assert dflash2_kernels._fused_inverse_plans[batch].tolist() == dflash2_kernels.row_sum_plan(labels).tolist()
+        assert dflash2_kernel_prefill._fused_inverse_plans[batch].tolist() == dflash2_kernel_prefill.row_sum_plan(labels).tolist()
 
 
 def test_a_calibration_cut_short_serves_no_plan(monkeypatch):
     """Plans take effect only once every count is calibrated: a failure part way (here the
     third count's kernel) leaves none behind for the fused inverse to serve."""
     inverse, rows_on = emulated_stock(EMULATED_ORDERS)
-    monkeypatch.setattr(dflash2_kernels, "_invert_unit_lower", inverse)
-    monkeypatch.setattr(dflash2_kernels, "stock_rows_on", rows_on)
-    monkeypatch.setattr(dflash2_kernels, "_fused_inverse_plans", {})
+    monkeypatch.setattr(dflash2_kernel_prefill, "_invert_unit_lower", inverse)
+    monkeypatch.setattr(dflash2_kernel_prefill, "stock_rows_on", rows_on)
+    monkeypatch.setattr(dflash2_kernel_prefill, "_fused_inverse_plans", {})
 
     def run(Tmat, plan, stock=None):
         if Tmat.size // 4096 == 6:
@@ -263,13 +265,13 @@ def test_a_calibration_cut_short_serves_no_plan(monkeypatch):
 
     with pytest.raises(RuntimeError):
         dflash2_kernels.calibrate_fused_inverse(2, 4, run=run)
-    assert dflash2_kernels._fused_inverse_plans == {}
+    assert dflash2_kernel_prefill._fused_inverse_plans == {}
     assert "fused" not in dict(dflash2_kernels.inverse_candidates())
 
 
 def chunk_inputs(T, seed, heads=(2, 4), Dk=16, Dv=16, batch=1):
     """gated_delta_chunked's inputs for a T-token prompt: normalized keys, gates in (0, 1).
-    float32 throughout, not dflash2_kernels.make_gdn_inputs' fp16 q, k, v: with those, a
+    float32 throughout, not dflash2_kernel_gdn.make_gdn_inputs' fp16 q, k, v: with those, a
     wrapper that miscounts a short prompt's rows still gave stock's bits under GPU-like
     rounding (checked), so only these let the output comparison catch it."""
     Hk, Hv = heads
@@ -291,7 +293,7 @@ def test_swapped_chunked_prefill_is_stock_bit_for_bit(T, gpu_like_rounding):
     inputs = chunk_inputs(T, seed=T)
     want_y, want_state = STOCK_CHUNKED(*inputs)
     appended = []
-    inverse = functools.partial(dflash2_kernels.invert_unit_lower, append=counting_append(appended))
+    inverse = functools.partial(dflash2_kernel_prefill.invert_unit_lower, append=counting_append(appended))
     got_y, got_state = dflash2_runtime.prefill_chunked(inverse)(*inputs)
     assert differing(got_y, want_y) == 0 and differing(got_state, want_state) == 0
     assert len(appended) == min(T, 64) - 1  # rows past a short prompt's are not substituted
@@ -307,19 +309,19 @@ def test_swapped_chunked_prefill_with_a_padding_mask_is_stock_bit_for_bit(T, gpu
     inputs = chunk_inputs(T, seed=100 + T, batch=2)
     mask = mx.array([[True] * T, [False] * (T // 2) + [True] * (T - T // 2)])
     want_y, want_state = STOCK_CHUNKED(*inputs, mask)
-    got_y, got_state = dflash2_runtime.prefill_chunked(dflash2_kernels.invert_unit_lower)(*inputs, mask)
+    got_y, got_state = dflash2_runtime.prefill_chunked(dflash2_kernel_prefill.invert_unit_lower)(*inputs, mask)
     assert differing(got_y, want_y) == 0 and differing(got_state, want_state) == 0
 
 
 def counting_append(counter):
     def append(done, x_row, product):
         counter.append(done.shape[-2])
-        return dflash2_kernels.append_by_concatenate(done, x_row, product)
+        return dflash2_kernel_prefill.append_by_concatenate(done, x_row, product)
 
     return append
 
 
-@pytest.mark.parametrize("rows", dflash2_kernels.INVERSE_TEST_ROWS)
+@pytest.mark.parametrize("rows", dflash2_kernel_prefill.INVERSE_TEST_ROWS)
 def test_short_prompts_substitute_only_their_rows(rows, gpu_like_rounding):
     """A prompt of `rows` tokens substitutes rows - 1 rows one by one (the padding rows in
     one matmul, whose products are sums of zeros in any order) and is stock's bits; told one
@@ -330,8 +332,8 @@ def test_short_prompts_substitute_only_their_rows(rows, gpu_like_rounding):
     held = lower if rows is None else lower * (mx.arange(C) < rows)[:, None]
     Tmat = mx.eye(C, dtype=mx.float32) + held
     appended = []
-    got = dflash2_kernels.invert_unit_lower(Tmat, C, append=counting_append(appended), rows=rows)
+    got = dflash2_kernel_prefill.invert_unit_lower(Tmat, C, append=counting_append(appended), rows=rows)
     assert len(appended) == (C if rows is None else rows) - 1
     assert differing(got, STOCK(Tmat, C)) == 0
     if rows is not None and rows > 1:
-        assert differing(dflash2_kernels.invert_unit_lower(Tmat, C, rows=rows - 1), STOCK(Tmat, C)) > 0
+        assert differing(dflash2_kernel_prefill.invert_unit_lower(Tmat, C, rows=rows - 1), STOCK(Tmat, C)) > 0

@@ -14,6 +14,7 @@ import pytest
 
 import dflash2_policy
 from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
+from kernel_cases import patch_kernels
 from oracle_drafter import OracleDrafter
 from parity import PROMPTS, chat_ids, greedy
 
@@ -384,14 +385,13 @@ def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, pr
 def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkeypatch):
     """choose_drafter_dtype off CPU (the backend name says cuda; MLX still runs on CPU):
     both dtypes timed side by side, the faster one served; on CPU promoted, untimed."""
-    import dflash2_kernels
     import dflash2_runtime
 
     model, _, drafter = target
     try:
         choice = dflash2_runtime.choose_drafter_dtype(model, drafter)
         assert not choice.bf16 and not choice.pass_ms and not dflash2_runtime._drafter_in_bf16()
-        monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+        patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
         choice = dflash2_runtime.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
         assert set(choice.pass_ms) == {"bf16", "promoted"}
         assert choice.bf16 == (dflash2_policy.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
@@ -404,7 +404,6 @@ def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkey
 def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
     """On CUDA a bf16 drafter's attention runs in fp32 (cuDNN would build a graph for every
     new key length); elsewhere, and for fp32 inputs, it is MLX's own call, bit for bit."""
-    import dflash2_kernels
     import dflash2_runtime
     from mlx_vlm.models.base import create_causal_mask
 
@@ -417,7 +416,7 @@ def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
     for case in cases:
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
         assert mx.array_equal(dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case), stock)
-    monkeypatch.setattr(dflash2_kernels, "backend_name", lambda: "cuda")
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     for case in cases:
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
         out = dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case)

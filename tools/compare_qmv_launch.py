@@ -1,12 +1,12 @@
 """The exact packed matmul's GPU time per 27B decode step under two CUDA launch tables, side by side.
 
     python tools/compare_qmv_launch.py --previous '{"8": [4, 2, 1, 2]}' --out evidence/
-    git show REV:dflash2_kernels.py > /tmp/before.py    # another revision's kernel as well
+    git show REV:dflash2_kernel_qmv.py > /tmp/before.py    # another revision's kernel as well
     python tools/compare_qmv_launch.py --previous '{}' --previous-kernels /tmp/before.py --out /tmp/
 
 CUDA only. For every packed shape of the 27B target (weights rotated past the L2, as
 tools/kernel_parity.py times them) and every row count 2..8, times MLX's single-row call,
-the kernel under the previous launch and under dflash2_kernels.CUDA_LAUNCH (each on rows in
+the kernel under the previous launch and under dflash2_kernel_qmv.CUDA_LAUNCH (each on rows in
 the layout the served verify hands it: swizzled, where the kernel has that layout), interleaved
 (ABAB, warm-up first, median of the repeats with min and max); each is checked bitwise
 against MLX's single-row calls first. With --previous-kernels the previous arm runs that
@@ -27,11 +27,11 @@ from pathlib import Path
 import mlx.core as mx
 
 import kernel_parity  # first: it puts the repository on sys.path
-import dflash2_kernels as dk  # noqa: E402
+import dflash2_kernel_qmv as qmv  # noqa: E402
 import dflash2_policy  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
-ROWS = tuple(range(2, dk.MAX_ROWS + 1))
+ROWS = tuple(range(2, qmv.MAX_ROWS + 1))
 
 
 def pass_ms(call, x, copies):
@@ -92,28 +92,29 @@ def kernel_us(passes: dict, calls: int, repeats: int) -> dict:
 
 
 def load_kernels(path: Path):
-    """Another revision's dflash2_kernels.py as a module of its own (MLX names a custom
-    kernel's module by a hash of its source, so both kernels build side by side)."""
+    """Another revision's dflash2_kernel_qmv.py (dflash2_kernels.py before the split) as a
+    module of its own (MLX names a custom kernel's module by a hash of its source, so both
+    kernels build side by side)."""
     spec = importlib.util.spec_from_file_location("previous_dflash2_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=dk, cupti_repeats=0) -> dict:
+def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=qmv, cupti_repeats=0) -> dict:
     bench = kernel_parity.Bench(n, k, key)
     one = bench.x[:1]
-    arms, mismatches = {"mlx single row": pass_ms(dk.stock_quantized_matmul, one, bench.copies)}, {}
-    passes = {"mlx single row": one_pass(dk.stock_quantized_matmul, one, bench.copies)}
+    arms, mismatches = {"mlx single row": pass_ms(qmv.stock_quantized_matmul, one, bench.copies)}, {}
+    passes = {"mlx single row": one_pass(qmv.stock_quantized_matmul, one, bench.copies)}
     for rows in ROWS:
         for name, kernels, launch in (("previous", previous_kernels, previous[rows]),
-                                      ("current", dk, dk.CUDA_LAUNCH[rows])):
+                                      ("current", qmv, qmv.CUDA_LAUNCH[rows])):
             # Each kernel reads its rows as the served verify hands them.
             layout, call = kernel_parity.served_cuda_matmul(kernels, launch)
             x = layout(bench.x[:rows])
             mx.eval(x)
             got = call(x, *bench.copies[0])
-            mismatches[f"{name} {rows}"] = dk._differing(got, bench.want[:rows])
+            mismatches[f"{name} {rows}"] = qmv._differing(got, bench.want[:rows])
             arms[f"{name} {rows}"] = pass_ms(call, x, bench.copies)
             passes[f"{name} {rows}"] = one_pass(call, x, bench.copies)
     timings = dflash2_policy.interleaved_ms(arms, repeats)
@@ -136,7 +137,7 @@ def per_step_ms(shapes: dict, timings: str, arm_of, stat: str = "median") -> flo
     Python: 3.12's sum compensates, 3.11's does not, and a total on a rounding boundary came
     out 0.001 apart)."""
     return round(math.fsum(shapes[f"{n}x{k}"][timings][arm_of(n, k)][stat] * calls
-                           for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items()) / 1000, 3)
+                           for (n, k), (_, calls) in qmv.PACKED_SHAPES_27B.items()) / 1000, 3)
 
 
 def step_sums(shapes: dict, timings: str = "timings_us", stat: str = "median") -> dict:
@@ -202,29 +203,29 @@ def main():
                         help="JSON: rows -> launch (R, C, prefetch[, S[, B]]); rows not named take the previous "
                              "kernel's CUDA_LAUNCH")
     parser.add_argument("--previous-kernels", type=Path,
-                        help="another revision's dflash2_kernels.py: the previous arm runs its CUDA kernel")
+                        help="another revision's dflash2_kernel_qmv.py: the previous arm runs its CUDA kernel")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cupti-repeats", type=int, default=0,
                         help="then this many interleaved passes under PyTorch's profiler: each arm's GPU time alone")
     parser.add_argument("--out", default=str(kernel_parity.REPO / "evidence"))
     args = parser.parse_args()
-    if dk.backend_name() != "cuda":
+    if qmv.backend_name() != "cuda":
         parser.error("CUDA only: the launch tables are the CUDA kernel's")
-    previous_kernels = load_kernels(args.previous_kernels) if args.previous_kernels else dk
+    previous_kernels = load_kernels(args.previous_kernels) if args.previous_kernels else qmv
     previous = {rows: tuple(previous_kernels.CUDA_LAUNCH[rows]) for rows in ROWS}
     previous.update({int(rows): tuple(launch) for rows, launch in json.loads(args.previous).items()})
     key = mx.random.key(0)
     shapes = {}
-    for n, k in dk.PACKED_SHAPES_27B:
+    for n, k in qmv.PACKED_SHAPES_27B:
         key, shape_key = mx.random.split(key)
         shapes[f"{n}x{k}"] = time_shape(n, k, previous, args.repeats, shape_key, previous_kernels, args.cupti_repeats)
     record = {
         **run_environment("compare_qmv_launch.py", "27b kernel shapes"),
-        "cuda_kernel_source": dk.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": list(ROWS),
+        "cuda_kernel_source": qmv.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": list(ROWS),
         "previous_kernel_source": previous_kernels.cuda_qmv_source_digest(),
         "previous_kernels": args.previous_kernels.name if args.previous_kernels else None,
         "previous": {str(rows): list(launch) for rows, launch in previous.items()},
-        "current": {str(rows): list(dk.CUDA_LAUNCH[rows]) for rows in ROWS},
+        "current": {str(rows): list(qmv.CUDA_LAUNCH[rows]) for rows in ROWS},
         "mismatches": sum(sum(entry["mismatches_vs_single_rows"].values()) for entry in shapes.values()),
         "shapes": shapes,
     }

@@ -86,6 +86,6 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     "$ncu" --import "$OUT/ncu-qmv.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
     python3 tools/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
-    t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
+    t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
   *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|tune-shapes|compare|launch-cost|profile|ncu|parity|kernels|graphs" >&2; exit 2 ;;
 esac

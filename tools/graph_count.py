@@ -106,6 +106,15 @@ def placeholder(sig):
     return sig
 
 
+def bindings(owner, name) -> list:
+    """owner and every kernel module that binds the same function under `name`: the face
+    re-exports what a family defines, and a family's own calls look up its own binding."""
+    stock = getattr(owner, name)
+    return [owner] + [module for module_name, module in sorted(sys.modules.items())
+                      if module_name.startswith("dflash2_kernel") and module is not owner
+                      and getattr(module, name, None) is stock]
+
+
 @contextmanager
 def one_launch_calls():
     """While active, records each call of a ONE_LAUNCH function: yields a Counter of
@@ -124,8 +133,9 @@ def one_launch_calls():
             finally:
                 inside.pop()
 
-        swapped.append((owner, name, stock))
-        setattr(owner, name, counted)
+        for binding in bindings(owner, name):
+            swapped.append((binding, name, stock))
+            setattr(binding, name, counted)
     try:
         yield calls
     finally:

@@ -25,6 +25,11 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import dflash2_kernel_attention  # noqa: E402
+import dflash2_kernel_base  # noqa: E402
+import dflash2_kernel_gdn  # noqa: E402
+import dflash2_kernel_qmv  # noqa: E402
+import dflash2_kernel_rotate  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -103,10 +108,10 @@ REPEATS = 15
 def launch_for_rows(launch: tuple, rows: int) -> tuple:
     """A launch chosen for another row count: its split cut to a divisor of `rows` (and, for a
     capped grid, of a block's warps), its output rows per warp to what MAX_ACCUMULATORS allows."""
-    rows_per_warp, chunk, prefetch, split, max_blocks = dk.cuda_launch_fields(launch)
+    rows_per_warp, chunk, prefetch, split, max_blocks = dflash2_kernel_qmv.cuda_launch_fields(launch)
     # a capped grid's split also divides a block's warps (_cuda_launch)
     split = max(s for s in range(1, split + 1)
-                if rows % s == 0 and not (max_blocks and dk.CUDA_WARPS_PER_BLOCK % s))
+                if rows % s == 0 and not (max_blocks and dflash2_kernel_qmv.CUDA_WARPS_PER_BLOCK % s))
     rows_per_warp = min(rows_per_warp, max(1, MAX_ACCUMULATORS // (rows // split)))
     if max_blocks:  # the grid's cap on blocks stays
         return rows_per_warp, chunk, prefetch, split, max_blocks
@@ -114,7 +119,7 @@ def launch_for_rows(launch: tuple, rows: int) -> tuple:
 
 
 def weight_bytes(n, k):
-    return n * k // 4 + 2 * n * (k // dk.GROUP_SIZE) * 2
+    return n * k // 4 + 2 * n * (k // dflash2_kernel_qmv.GROUP_SIZE) * 2
 
 
 def median_seconds(build, warmup=3, runs=REPEATS):
@@ -157,8 +162,8 @@ class Bench:
         self.n, self.k = n, k
         count = max(1, min(MAX_COPIES, -(-ROTATION_BYTES // weight_bytes(n, k))))
         keys = mx.random.split(key, count + 1)
-        self.copies = [dk.make_weights(n, k, keys[i]) for i in range(count)]
-        self.x = dk.make_inputs("normal", dk.MAX_ROWS, k, keys[-1])
+        self.copies = [dflash2_kernel_qmv.make_weights(n, k, keys[i]) for i in range(count)]
+        self.x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, k, keys[-1])
         mx.eval(self.copies, self.x)
         self.want = dk.stock_rows(self.x, *self.copies[0])
 
@@ -168,7 +173,7 @@ class Bench:
         x = layout(self.x[:rows]) if layout else self.x[:rows]
         mx.eval(x)
         got = call(x, *self.copies[0])
-        mismatches = dk._differing(got, self.want[:rows])
+        mismatches = dflash2_kernel_base._differing(got, self.want[:rows])
         # One pass over all weight copies, per call; the device's time only.
         seconds = median_seconds(lambda: [call(x, *copy) for copy in self.copies], warmup=1)[1]
         seconds /= len(self.copies)
@@ -188,19 +193,19 @@ class Bench:
 
 def bench_shape(n, k, backend, key):
     bench = Bench(n, k, key)
-    kernel = dk.backend_kernel(backend) or dk.stock_rows  # CPU: the per-row calls serve
+    kernel = dflash2_kernel_qmv.backend_kernel(backend) or dk.stock_rows  # CPU: the per-row calls serve
     timings = [
-        bench.time("mlx single row", 1, dk.stock_quantized_matmul),
-        bench.time("mlx 8 rows (inexact)", 8, dk.stock_quantized_matmul),
+        bench.time("mlx single row", 1, dflash2_kernel_qmv.stock_quantized_matmul),
+        bench.time("mlx 8 rows (inexact)", 8, dflash2_kernel_qmv.stock_quantized_matmul),
         # Below 8 rows MLX's own multi-row call gave every row its single-row bits on the
         # H200 (the negative control's rows 1-7): its speed there, beside the exact kernel's.
-        *(bench.time(f"mlx {rows} rows", rows, dk.stock_quantized_matmul) for rows in (2, 4)),
+        *(bench.time(f"mlx {rows} rows", rows, dflash2_kernel_qmv.stock_quantized_matmul) for rows in (2, 4)),
         bench.time("mlx 8 single-row calls", 8, dk.stock_rows),
     ]
     for rows in BENCH_ROWS:
         if backend == "cuda":
-            layout, call = served_cuda_matmul(dk, dk.CUDA_LAUNCH[rows])
-            timings.append(bench.time("exact kernel", rows, call, dk.CUDA_LAUNCH[rows], layout))
+            layout, call = served_cuda_matmul(dk, dflash2_kernel_qmv.CUDA_LAUNCH[rows])
+            timings.append(bench.time("exact kernel", rows, call, dflash2_kernel_qmv.CUDA_LAUNCH[rows], layout))
         else:
             timings.append(bench.time("exact kernel", rows, kernel))
     return timings
@@ -209,14 +214,14 @@ def bench_shape(n, k, backend, key):
 def measure_cuda_builds():
     """Seconds of the first call per row count (the NVRTC build: MLX keeps custom
     CUDA kernels in memory only, so every process pays this once per kernel)."""
-    weight, scales, biases = dk.make_weights(16, 512, mx.random.key(0))
-    x = dk.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(16, 512, mx.random.key(0))
+    x = dflash2_kernel_base.make_inputs("normal", dk.MAX_ROWS, 512, mx.random.key(1))
     mx.eval(weight, scales, biases, x)
     seconds = {}
     for rows in range(1, dk.MAX_ROWS + 1):
         start = time.perf_counter()
         try:
-            mx.eval(dk.cuda_matmul(x[:rows], weight, scales, biases))
+            mx.eval(dflash2_kernel_qmv.cuda_matmul(x[:rows], weight, scales, biases))
         except Exception as error:  # the self-test reports it
             print(f"build for {rows} rows failed: {error}", flush=True)
             continue
@@ -246,7 +251,7 @@ def tune_cuda_launch(key):
                 if row["mismatches_vs_single_rows"]:
                     cost[rows, launch] = float("inf")  # never pick an inexact launch
                 else:
-                    cost[rows, launch] = cost.get((rows, launch), 0.0) + row["us"] * dk.PACKED_SHAPES_27B[n, k][1]
+                    cost[rows, launch] = cost.get((rows, launch), 0.0) + row["us"] * dflash2_kernel_qmv.PACKED_SHAPES_27B[n, k][1]
         del bench
     table = {
         rows: min(launches, key=lambda launch: cost[rows, launch])
@@ -261,7 +266,7 @@ def decode_step_estimate(timings):
     per-shape timings above with each shape's calls per step."""
     def total(name, rows):
         seconds = 0.0
-        for (n, k), (_, calls) in dk.PACKED_SHAPES_27B.items():
+        for (n, k), (_, calls) in dflash2_kernel_qmv.PACKED_SHAPES_27B.items():
             match = [t for t in timings if t["shape"] == [n, k] and t["name"] == name and t["rows"] == rows]
             if not match:
                 return None
@@ -286,8 +291,8 @@ def summary_markdown(record):
         f"Command: `{record['command']}`  ",
         f"Versions: mlx {record['versions']['mlx']}, mlx-vlm {record['versions']['mlx_vlm']}, "
         f"Python {record['versions']['python']}  ",
-        (f"Self-test: none, {dk.NO_KERNEL} (no kernel to prove; each row is MLX's own single-row call)"
-         if record["self_test"]["reason"] == dk.NO_KERNEL else
+        (f"Self-test: none, {dflash2_kernel_base.NO_KERNEL} (no kernel to prove; each row is MLX's own single-row call)"
+         if record["self_test"]["reason"] == dflash2_kernel_base.NO_KERNEL else
          f"Self-test: {'passed' if record['self_test']['ok'] else 'FAILED: ' + str(record['self_test']['reason'])}"
          f" in {record['self_test']['seconds']} s")
         + (f" (including building the kernels not built{' while tuning' if record.get('tuned') else ''})"
@@ -311,7 +316,7 @@ def summary_markdown(record):
         ]
     lines += [
         "Differing elements against one MLX single-row call per row, compared as bits,",
-        f"rows 1..8, inputs {', '.join(dk.INPUT_KINDS)}; on CUDA both the kernel's layouts (plain rows, and",
+        f"rows 1..8, inputs {', '.join(dflash2_kernel_base.INPUT_KINDS)}; on CUDA both the kernel's layouts (plain rows, and",
         "the swizzled rows the rotation hands it) where K is a multiple of 512.",
         "",
         "| shape (N, K) | cases | exact kernel | MLX multi-row call (negative control) |",
@@ -378,11 +383,11 @@ def write_and_print(out, stem, record, markdown):
 
 # Kernel -> (27B shapes, small shapes) of its self-test.
 KERNEL_SHAPES = {
-    "rotate": (dk.ROTATE_SHAPES_27B, dk.ROTATE_SHAPES_SMALL),
-    "rotate_group": (dk.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
-    "gdn": (dk.GDN_SHAPES_27B, dk.GDN_SHAPES_SMALL),
-    "dense": (dk.DENSE_SHAPES_27B, dk.DENSE_SHAPES_SMALL),
-    "attention": ((dk.ATTENTION_PACK_SHAPE,), dk.ATTENTION_TINY_SHAPES),
+    "rotate": (dflash2_kernel_rotate.ROTATE_SHAPES_27B, dflash2_kernel_rotate.ROTATE_SHAPES_SMALL),
+    "rotate_group": (dflash2_kernel_rotate.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
+    "gdn": (dflash2_kernel_gdn.GDN_SHAPES_27B, dflash2_kernel_gdn.GDN_SHAPES_SMALL),
+    "dense": (dflash2_kernel_gdn.DENSE_SHAPES_27B, dflash2_kernel_gdn.DENSE_SHAPES_SMALL),
+    "attention": ((dflash2_kernel_attention.ATTENTION_PACK_SHAPE,), dflash2_kernel_attention.ATTENTION_TINY_SHAPES),
 }
 
 
@@ -406,42 +411,42 @@ def bench_kernel(name):
     rows_out = []
     if name == "rotate":
         for k, block in ((5120, 512), (17408, 1024)):
-            signs = dk.make_signs("pm1", k, key)
+            signs = dflash2_kernel_rotate.make_signs("pm1", k, key)
             for rows in (1, 8):
-                x = dk.make_rotate_inputs("normal", rows, k, key)
+                x = dflash2_kernel_rotate.make_rotate_inputs("normal", rows, k, key)
                 rows_out.append(timing_row(
                     "rotate vs the stock chain", (k, block), rows,
-                    lambda: dk.rotate(x, block, signs), lambda: dk.stock_rotate(x, block, signs)))
+                    lambda: dk.rotate(x, block, signs), lambda: dflash2_kernel_rotate.stock_rotate(x, block, signs)))
     elif name == "gdn":
-        shape = dk.GDN_SHAPES_27B[0]
+        shape = dflash2_kernel_gdn.GDN_SHAPES_27B[0]
         B, Hk, Hv, Dk, Dv = shape
         for steps in (1, 2, 4, 8):
-            inputs = dk.make_gdn_inputs("normal", B, steps, Hk, Hv, Dk, Dv, key)
+            inputs = dflash2_kernel_gdn.make_gdn_inputs("normal", B, steps, Hk, Hv, Dk, Dv, key)
             mx.eval(inputs)
             rows_out.append(timing_row(
                 "gdn_recurrence vs stock per-step", shape, steps,
-                lambda: dk.gdn_recurrence(*inputs), lambda: dk.stock_recurrence(*inputs)))
+                lambda: dk.gdn_recurrence(*inputs), lambda: dflash2_kernel_gdn.stock_recurrence(*inputs)))
     elif name == "dense":
-        n, k = dk.DENSE_SHAPES_27B[0]
-        weight = dk.make_dense_weight(n, k, mx.random.key(2))
+        n, k = dflash2_kernel_gdn.DENSE_SHAPES_27B[0]
+        weight = dflash2_kernel_gdn.make_dense_weight(n, k, mx.random.key(2))
         for rows in (1, 2, 4, 8):
-            x = dk.make_inputs("normal", rows, k, mx.random.key(3))
+            x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3))
             mx.eval(weight, x)
             rows_out.append(timing_row(
                 "dense_rows vs one-row calls", (n, k), rows,
-                lambda: dk.dense_rows(x, weight), lambda: dk.stock_dense_rows(x, weight),
+                lambda: dk.dense_rows(x, weight), lambda: dflash2_kernel_gdn.stock_dense_rows(x, weight),
                 mlx_multi_row_ms=lambda: x @ weight.T))
     elif name == "attention":
-        shape = dk.ATTENTION_PACK_SHAPE
+        shape = dflash2_kernel_attention.ATTENTION_PACK_SHAPE
         scale = shape[3] ** -0.5
         for first_length in (1030, 4000):
-            for rows in range(1, dk.MAX_QUERIES + 1):
-                queries, keys, values, _, _ = dk._make_case(shape, first_length, rows, "normal", key)
+            for rows in range(1, dflash2_kernel_attention.MAX_QUERIES + 1):
+                queries, keys, values, _, _ = dflash2_kernel_attention._make_case(shape, first_length, rows, "normal", key)
                 mx.eval(queries, keys, values)
                 args = (queries, keys, values, scale, first_length)
                 rows_out.append(timing_row(
                     f"decode_attention_rows vs per-query calls, {first_length} keys", shape, rows,
-                    lambda: dk.decode_attention_rows(*args), lambda: dk.stock_attention_rows(*args)))
+                    lambda: dk.decode_attention_rows(*args), lambda: dflash2_kernel_attention.stock_attention_rows(*args)))
     return rows_out
 
 
@@ -512,8 +517,8 @@ def run_qmv(args, backend):
     """The exact 2-bit matmul's parity (and --tune, --bench); True if it passed."""
     # The 27B run also takes the small default shapes: they cover K % 512 != 0
     # and a partial last warp, which no 27B matrix has.
-    bench_shapes = list(dk.PACKED_SHAPES_27B) if args.shapes == "27b" else list(dk.DEFAULT_SHAPES)
-    shapes = bench_shapes + list(dk.DEFAULT_SHAPES) * (args.shapes == "27b")
+    bench_shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.shapes == "27b" else list(dflash2_kernel_qmv.DEFAULT_SHAPES)
+    shapes = bench_shapes + list(dflash2_kernel_qmv.DEFAULT_SHAPES) * (args.shapes == "27b")
     command = f"python3 tools/kernel_parity.py --shapes {args.shapes} --seed {args.seed}"
     command += " --bench" * args.bench + " --tune" * args.tune
 
@@ -522,8 +527,8 @@ def run_qmv(args, backend):
     tuned = args.tune and backend == "cuda"
     if tuned:
         tuning, table = tune_cuda_launch(mx.random.key(args.seed + 2))
-        dk.CUDA_LAUNCH.update(table)
-        dk._cuda_launch.cache_clear()  # measure_cuda_builds cached the table before tuning's
+        dflash2_kernel_qmv.CUDA_LAUNCH.update(table)
+        dflash2_kernel_qmv._cuda_launch.cache_clear()  # measure_cuda_builds cached the table before tuning's
         print("tuned CUDA_LAUNCH =", table)
 
     result, seconds = timed_self_test("qmv", shapes, args.seed)
@@ -532,14 +537,14 @@ def run_qmv(args, backend):
         "backend": backend,
         **run_environment("kernel_parity.py", f"{args.shapes} kernel shapes"),
         "command": command,
-        "cuda_kernel_source": dk.cuda_qmv_source_digest(),
+        "cuda_kernel_source": dflash2_kernel_qmv.cuda_qmv_source_digest(),
         "exact_mismatches": result.mismatches,
         "stock_mismatches": result.stock_mismatches,
         "self_test": {"ok": result.ok, "reason": result.reason, "seconds": seconds},
         "cases": result.cases,
     }
     if backend == "cuda":
-        record["cuda_launch"] = {rows: list(launch) for rows, launch in dk.CUDA_LAUNCH.items()}
+        record["cuda_launch"] = {rows: list(launch) for rows, launch in dflash2_kernel_qmv.CUDA_LAUNCH.items()}
         record["tuned"] = tuned
         record["kernel_build_seconds"] = builds
     if args.bench or tuning:

@@ -20,6 +20,9 @@ import time
 import mlx.core as mx
 
 import kernel_parity  # first: it puts the repository on sys.path
+import dflash2_kernel_base  # noqa: E402
+import dflash2_kernel_qmv  # noqa: E402
+import dflash2_kernel_rotate  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from dflash2_policy import pass_order  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -30,21 +33,21 @@ WIDTH = 512  # K = N: a square 2-bit weight, so a matmul's output feeds the next
 
 def arms(backend: str) -> dict:
     """name -> (primitives a call builds, rows, step(y) -> next y), on fp16 (rows, WIDTH) inputs."""
-    weight, scales, biases = dk.make_weights(WIDTH, WIDTH, mx.random.key(0))
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(WIDTH, WIDTH, mx.random.key(0))
     norm_weight = mx.ones((WIDTH,), dtype=mx.float16)
-    signs = dk.make_signs("pm1", WIDTH, mx.random.key(1))
+    signs = dflash2_kernel_rotate.make_signs("pm1", WIDTH, mx.random.key(1))
     mx.eval(weight, scales, biases, norm_weight, signs)
     table = {
         "mlx add": (1, 1, lambda y: y + y),
         "mlx rms_norm": (1, 1, lambda y: mx.fast.rms_norm(y, norm_weight, 1e-6)),
-        "mlx quantized_matmul, 1 row": (1, 1, lambda y: dk.stock_quantized_matmul(y, weight, scales, biases)),
-        "mlx hadamard chain (4 primitives)": (4, 1, lambda y: dk.stock_rotate(y, WIDTH, signs)),
+        "mlx quantized_matmul, 1 row": (1, 1, lambda y: dflash2_kernel_qmv.stock_quantized_matmul(y, weight, scales, biases)),
+        "mlx hadamard chain (4 primitives)": (4, 1, lambda y: dflash2_kernel_rotate.stock_rotate(y, WIDTH, signs)),
     }
     if backend == "cuda":
-        rotate = dk.cuda_rotate_plan(WIDTH, WIDTH)
+        rotate = dflash2_kernel_rotate.cuda_rotate_plan(WIDTH, WIDTH)
         table.update({
-            "exact qmv kernel, 1 row": (1, 1, lambda y: dk.cuda_matmul(y, weight, scales, biases)),
-            "exact qmv kernel, 8 rows": (1, 8, lambda y: dk.cuda_matmul(y, weight, scales, biases)),
+            "exact qmv kernel, 1 row": (1, 1, lambda y: dflash2_kernel_qmv.cuda_matmul(y, weight, scales, biases)),
+            "exact qmv kernel, 8 rows": (1, 8, lambda y: dflash2_kernel_qmv.cuda_matmul(y, weight, scales, biases)),
             "rotation kernel": (1, 1, lambda y: rotate(y, signs)),
             **qmv_call_arms(weight, scales, biases),
         })
@@ -52,15 +55,15 @@ def arms(backend: str) -> dict:
 
 
 def qmv_call_arms(weight, scales, biases) -> dict:
-    """The exact qmv's 1-row call without dflash2_kernels.cuda_matmul around it, and the same
+    """The exact qmv's 1-row call without dflash2_kernel_qmv.cuda_matmul around it, and the same
     kernel made as mx.fast.cuda_kernel takes it, its template passed at every call (what
-    dflash2_kernels.BakedCudaKernel saves): where a custom call's host time goes."""
-    call = dk._cuda_launch((1,), WIDTH)
+    dflash2_kernel_base.BakedCudaKernel saves): where a custom call's host time goes."""
+    call = dflash2_kernel_qmv._cuda_launch((1,), WIDTH)
     templated = mx.fast.cuda_kernel(name="dflash2_qmv_2bit_g128_templated", input_names=["x", "w", "scales", "biases"],
-                                    output_names=["y"], source=dk._CUDA_SOURCE, header=dk.cuda_header(dk._CUDA_HEADER))
+                                    output_names=["y"], source=dflash2_kernel_qmv._CUDA_SOURCE, header=dflash2_kernel_base.cuda_header(dflash2_kernel_qmv._CUDA_HEADER))
     return {
         "exact qmv kernel, 1 row, called directly":
-            (1, 1, lambda y: dk._cuda_kernel()(inputs=[y, weight, scales, biases], **call)[0]),
+            (1, 1, lambda y: dflash2_kernel_qmv._cuda_kernel()(inputs=[y, weight, scales, biases], **call)[0]),
         "exact qmv kernel, 1 row, template passed at each call":
             (1, 1, lambda y: templated(inputs=[y, weight, scales, biases], **call)[0]),
     }
@@ -68,7 +71,7 @@ def qmv_call_arms(weight, scales, biases) -> dict:
 
 def timed_pass(step, rows: int, calls: int) -> tuple:
     """(build us a call, eval us a call) of `calls` chained calls."""
-    y = dk.make_inputs("normal", rows, WIDTH, mx.random.key(2))
+    y = dflash2_kernel_base.make_inputs("normal", rows, WIDTH, mx.random.key(2))
     mx.eval(y)
     mx.synchronize()
     start = time.perf_counter()

@@ -398,6 +398,7 @@ def main():
     parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
     args = parser.parse_args()
 
+    import dflash2_kernel_qmv
     import dflash2_kernels
     import dflash2_runtime
     from dflash2_pack import find_pack, load_pack
@@ -459,7 +460,7 @@ def main():
     log(f"{block_sampling.summary()}; sampled token runs")
     exact += sampled_token_cases(model, ids, args.max_tokens)
     log("kernel self-test")
-    shapes = list(dflash2_kernels.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
+    shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
     kernel = dflash2_kernels.self_test(shapes=shapes)
 
     environment = run_environment(

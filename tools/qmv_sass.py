@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
-import dflash2_kernels as dk  # noqa: E402
+import dflash2_kernel_base  # noqa: E402
+import dflash2_kernel_qmv as qmv  # noqa: E402
 
 ARCH = "sm_90a"  # the H200's, as MLX's NVRTC call names it (jit_module.cpp: sm_90 + "a")
 
@@ -33,16 +34,16 @@ ARCH = "sm_90a"  # the H200's, as MLX's NVRTC call names it (jit_module.cpp: sm_
 def translation_unit(rows: int, launch=None) -> str:
     """The source MLX's build_kernel writes for the kernel's call at `rows` rows (launch: the
     table's by default; K and N are read at run time, so any call of that launch)."""
-    template = dk._cuda_launch.__wrapped__((rows,), 17408, launch and tuple(launch))["template"]
+    template = qmv._cuda_launch.__wrapped__((rows,), 17408, launch and tuple(launch))["template"]
     return (
         "#include <cooperative_groups.h>\n#include <cuda_fp16.h>\n#include <cuda/std/array>\n"
         "using Shape = cuda::std::array<int32_t, 10>;  // MLX's, MAX_NDIM 10\n"
-        + dk._CUDA_HEADER
+        + qmv._CUDA_HEADER
         + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
         "__global__ void qmv(\n    const __half* x,\n    const uint32_t* w,\n"
         "    const __grid_constant__ Shape w_shape,\n    const __half* scales,\n    const __half* biases,\n"
         "    __half* y) {\n"
-        + dk._template_lines(template) + dk._CUDA_SOURCE
+        + dflash2_kernel_base._template_lines(template) + qmv._CUDA_SOURCE
         + "\n}\n\n} // namespace mlx::core::cu\n"
     )
 
@@ -93,11 +94,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launch", default="{}", help="JSON: rows -> launch (R, C, prefetch[, S[, B]]); "
                                                       "rows not named take CUDA_LAUNCH's")
-    parser.add_argument("--rows", default=",".join(map(str, dk.CUDA_LAUNCH)), help="comma-separated row counts")
+    parser.add_argument("--rows", default=",".join(map(str, qmv.CUDA_LAUNCH)), help="comma-separated row counts")
     args = parser.parse_args()
     if not shutil.which("nvcc"):
         parser.error("needs nvcc on PATH (the CUDA toolkit)")
-    launches = {**dk.CUDA_LAUNCH, **{int(rows): tuple(launch) for rows, launch in json.loads(args.launch).items()}}
+    launches = {**qmv.CUDA_LAUNCH, **{int(rows): tuple(launch) for rows, launch in json.loads(args.launch).items()}}
     print("| rows | launch | registers | spill bytes | loops (instructions / HFMA2) |\n|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
         report = compile_report(translation_unit(rows, launches[rows]))

@@ -21,7 +21,7 @@ import argparse
 import mlx.core as mx
 
 import kernel_parity  # first: it puts the repository on sys.path
-import dflash2_kernels as dk  # noqa: E402
+import dflash2_kernel_qmv as qmv  # noqa: E402
 import dflash2_policy  # noqa: E402
 from compare_qmv_launch import pass_ms, per_step_ms, timings_us  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -42,17 +42,17 @@ CANDIDATES = {
 
 def candidates(rows: int) -> list:
     """The table's launch for `rows` first, then CANDIDATES' others."""
-    table = tuple(dk.CUDA_LAUNCH[rows])
+    table = tuple(qmv.CUDA_LAUNCH[rows])
     return [table] + [launch for launch in CANDIDATES.get(rows, []) if launch != table]
 
 
 def launch_arm(bench, rows: int, launch: tuple):
     """(ms of one call per weight copy, differing elements), or None where it fails to build or run."""
-    layout, call = kernel_parity.served_cuda_matmul(dk, launch)
+    layout, call = kernel_parity.served_cuda_matmul(qmv, launch)
     x = layout(bench.x[:rows])
     mx.eval(x)
     try:
-        differing = dk._differing(call(x, *bench.copies[0]), bench.want[:rows])
+        differing = qmv._differing(call(x, *bench.copies[0]), bench.want[:rows])
     except Exception as error:
         print(f"  rows {rows} launch {launch} failed: {error}", flush=True)
         return None
@@ -61,7 +61,7 @@ def launch_arm(bench, rows: int, launch: tuple):
 
 def tune_shape(n: int, k: int, rows_list, repeats: int, key) -> dict:
     bench = kernel_parity.Bench(n, k, key)
-    arms, differing = {"mlx single row": pass_ms(dk.stock_quantized_matmul, bench.x[:1], bench.copies)}, {}
+    arms, differing = {"mlx single row": pass_ms(qmv.stock_quantized_matmul, bench.x[:1], bench.copies)}, {}
     for rows in rows_list:
         for launch in candidates(rows):
             arm = launch_arm(bench, rows, launch)
@@ -75,13 +75,13 @@ def tune_shape(n: int, k: int, rows_list, repeats: int, key) -> dict:
     # The check: fresh samples of the table's launch against each pick (one arm where they agree).
     check_arms = {"mlx single row": arms["mlx single row"]}
     for rows in rows_list:
-        for launch in {tuple(dk.CUDA_LAUNCH[rows]), picks[rows]}:
+        for launch in {tuple(qmv.CUDA_LAUNCH[rows]), picks[rows]}:
             check_arms[f"{rows} {list(launch)}"] = arms[f"{rows} {list(launch)}"]
     check = dflash2_policy.interleaved_ms(check_arms, repeats)
 
     print(f"N={n} K={k}: picks " + ", ".join(
         f"{rows}: {list(picks[rows])} {check[f'{rows} {list(picks[rows])}']['median'] * 1000:.1f} us "
-        f"(table {check[f'{rows} {list(dk.CUDA_LAUNCH[rows])}']['median'] * 1000:.1f})" for rows in rows_list),
+        f"(table {check[f'{rows} {list(qmv.CUDA_LAUNCH[rows])}']['median'] * 1000:.1f})" for rows in rows_list),
         flush=True)
     return {"sweep_us": timings_us(sweep), "check_us": timings_us(check), "differing": differing,
             "picks": {str(rows): list(launch) for rows, launch in picks.items()}}
@@ -137,21 +137,21 @@ def main():
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default=str(kernel_parity.REPO / "evidence"))
     args = parser.parse_args()
-    if dk.backend_name() != "cuda":
+    if qmv.backend_name() != "cuda":
         parser.error("CUDA only: the launches are the CUDA kernel's")
     rows_list = sorted({int(rows) for rows in args.rows.split(",")})
     key = mx.random.key(0)
     shapes = {}
-    for n, k in dk.PACKED_SHAPES_27B:
+    for n, k in qmv.PACKED_SHAPES_27B:
         key, shape_key = mx.random.split(key)
         shapes[f"{n}x{k}"] = tune_shape(n, k, rows_list, args.repeats, shape_key)
-    table = {str(rows): list(dk.CUDA_LAUNCH[rows]) for rows in rows_list}
+    table = {str(rows): list(qmv.CUDA_LAUNCH[rows]) for rows in rows_list}
     by_shape = [((rows, n, k), shapes[f"{n}x{k}"]["picks"][str(rows)])
-                for rows in rows_list for n, k in dk.PACKED_SHAPES_27B
+                for rows in rows_list for n, k in qmv.PACKED_SHAPES_27B
                 if shapes[f"{n}x{k}"]["picks"][str(rows)] != table[str(rows)]]
     record = {
         **run_environment("tune_qmv_shapes.py", "27b kernel shapes"),
-        "cuda_kernel_source": dk.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": rows_list,
+        "cuda_kernel_source": qmv.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": rows_list,
         "table": table,
         "pick_differing": sum(entry["differing"][f"{rows} {entry['picks'][str(rows)]}"]
                               for entry in shapes.values() for rows in rows_list),

@@ -1,0 +1,768 @@
+"""Decode attention at L queries: stock reference, CUDA stages, Metal sdpa_vector, dispatch,
+self-test.
+
+- `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
+  queries, query j seeing first_length + j keys, each decode's single-query
+  `mx.fast.scaled_dot_product_attention`. cuda, where decode runs MLX's unfused
+  fallback (fp16, head dim > 128): gemv scores, MLX's softmax, decode's own p @ v
+  call. metal, where decode runs sdpa_vector (GQA 6 to 16): MLX's multi-query
+  sdpa_vector, split where decode's routing would change. Gated per (B, Hq, Hkv, D)
+  and per softmax block dim (cuda) or routing regime (metal).
+"""
+
+import bisect
+import warnings
+from functools import cache, partial
+
+import mlx.core as mx
+import numpy as np
+from mlx_vlm.models.cache import KVCache
+
+from dflash2_kernel_base import (
+    BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result, backend_name,
+    cuda_header, gemv_elements_per_lane,
+)
+
+# ===========================================================================
+# Decode attention
+
+# `decode_attention_rows(queries, keys, values, scale, first_length)`: query j of
+# queries (B, Hq, L, D) sees keys[..., :first_length + j]. Decode (mlx-vlm 0.7.2,
+# models/base.py:418) calls `mx.fast.scaled_dot_product_attention` with one query,
+# the KV cache's views up to its position and mask=None. At head dim 256 MLX 0.32.2's
+# CUDA backend has no fused kernel for that (cuDNN takes D <= 128,
+# cuda/scaled_dot_product_attention.cpp:343-346; sdpa_vector D in {64, 96, 128},
+# scaled_dot_product_attention.cu:676-682), so decode runs the unfused fallback
+# (mlx/fast.cpp:718-790, called at :869), which with GQA (n_rep = Hq / Hkv) is:
+#   q = multiply(array(scale, fp16), q)            :725  fp16 multiply, element-wise
+#   q: (B, Hkv, n_rep, 1, D); k, v: (B, Hkv, 1, T, D)  :730-732
+#   scores = matmul(q, swapaxes(k))                :734  M = 1, k transposed: gemv
+#   scores = softmax(scores, -1, precise=True)     :777  fp16 in/out, fp32 inside
+#   out = matmul(scores, v)                        :785  M = 1, v not transposed: cuBLASLt
+#   out = flatten(out, 1, 2)                       :787  (B, Hq, 1, D)
+# Here each step takes all L queries at once, each query's arithmetic as decode's:
+# 1. the scale multiply, fused into step 2: fp16 x fp16 rounded to nearest, as
+#    MLX's Multiply on __half (device/binary_ops.cuh:194-199) rounds it;
+# 2. scores: one warp per (batch, kv head, key t), for every query head of the group
+#    and every query j that sees key t, with gemv_impl's arithmetic
+#    (gemms/gemv.cu:55-84, batched over (B*Hkv, n_rep) by matmul.cpp:98-111 and
+#    gemv.cu:92-116; the keys are read in place, no copy): lane l sums
+#    float(k) * float(q) over columns NPT*l + 32*NPT*r (+0..NPT-1) in that order
+#    from +0, then cg::reduce, then a round-to-nearest fp16 store. NPT is the n_per_thread gemv picks at
+#    gemv.cu:242-249 (the cache and q buffers start at offset 0, so aligned): 4 when
+#    D % 128 == 0, 2 when D % 64 == 0, else 1. Products of two fp16 are exact in
+#    fp32, so FMA contraction cannot change a bit; only the order counts;
+# 3. softmax: cu::softmax<__half, float, BLOCK_DIM, 8> (softmax.cu:30-104) copied
+#    with each row's own axis size T_j and MLX's block dim for it
+#    (softmax.cu:145-147, kernel_utils.cuh:48-62: 32..1024 by ceil(T_j / 8)); one
+#    launch per block-dim bucket (one unless the queries straddle T = 256 * 2^k),
+#    each query's probabilities written to its own fresh contiguous array of
+#    decode's shape (B, Hkv, n_rep, 1, T_j);
+# 4. p @ v: decode's own call per query, `mx.matmul(p_j, expand_dims(v[:T_j], 2))`,
+#    on the same shapes and strides, so MLX builds the identical cuBLASLt call
+#    (matmul.cpp:115-138; cublas_gemm.cpp:146-158 sends it to the pointer-array
+#    batched run of cublas_gemm_batched_12_9.cu:150-229 over (B*Hkv, n_rep), whose
+#    descriptors hold n_rep's strides (T_j and 0) but not the cache's capacity,
+#    which only moves the pointers). Without GQA (n_rep = 1) the call is a strided
+#    batch whose descriptor holds the value buffer's head stride, capacity * D; a
+#    verify buffer may have another capacity than decode's (cache.py:509-531), so
+#    there the self-test (whose cases include such capacities) decides;
+# 5. the L outputs gathered by one copy kernel into (B, L, Hq, D) (instead of a
+#    concatenate's L copies), returned as the (B, Hq, L, D) transpose, so the
+#    model's `transpose(0, 2, 1, 3).reshape(B, L, -1)` (qwen3_5/language.py:928)
+#    of it is a view.
+# Where decode does not run that fallback (D <= 128, other dtypes, or B*Hkv == 1
+# with n_rep > 1, where matmul.cpp:86-96 folds the heads into M and leaves gemv),
+# or Metal's multi-query call cannot keep decode's routing (metal_attention_supports),
+# for more than MAX_QUERIES queries, and on CPU, each query is the stock single-query call.
+
+SOFTMAX_READS = 8  # N_READS = 16 / sizeof(__half) (softmax.cu:144)
+ATTENTION_PACK_SHAPE = (1, 24, 4, 256)  # (B, Hq, Hkv, D) of the 27B's full-attention layers
+# Tiny shapes: D 192 (NPT 2, B 2), 136 (NPT 1, lanes past D idle), one head per
+# group (no GQA reshape), and the tiny pack's 2/1/64, which decode runs fused
+# (sdpa_vector) and this module per query.
+ATTENTION_TINY_SHAPES = ((2, 4, 2, 192), (1, 6, 3, 136), (1, 2, 2, 256), (1, 2, 1, 64))
+# Key lengths of query 0: past the cache's 256 growth steps (mlx_vlm cache.py:501-531)
+# and across every softmax block dim's edge (T = 256, 512, 1024, 2048, 4096): each block
+# dim is its own compiled kernel, served only at block dims its self-test covered.
+PACK_FIRST_LENGTHS = (1, 7) + tuple(range(250, 263)) + (508, 1020, 1030, 2044, 4092)
+TINY_FIRST_LENGTHS = (1, 7, 250, 255, 256, 257, 262)
+MAX_QUERIES = 8  # queries one kernel call takes (its softmax has this many output slots)
+QUERY_SLOTS = MAX_QUERIES
+ATTENTION_INPUT_KINDS = ("normal", "wide")  # wide: keys x16, scores spread over ~+-50 (exp underflows)
+
+
+# ---------------------------------------------------------------------------
+# attention: stock reference
+
+
+def stock_attention_rows(queries, keys, values, scale, first_length):
+    """One stock single-query call per query: exactly what decode does."""
+    outputs = [
+        mx.fast.scaled_dot_product_attention(
+            queries[:, :, j : j + 1],
+            keys[:, :, : first_length + j],
+            values[:, :, : first_length + j],
+            scale=scale,
+            mask=None,
+        )
+        for j in range(queries.shape[2])
+    ]
+    return mx.concatenate(outputs, axis=2)
+
+
+def attention_kernel_supports(batch, q_heads, kv_heads, head_dim, dtype) -> bool:
+    """Whether decode runs the gemv + softmax + cuBLASLt fallback the kernels copy."""
+    return (
+        dtype == mx.float16
+        and head_dim > 128  # neither cuDNN nor sdpa_vector takes it
+        and q_heads % kv_heads == 0
+        and not (batch * kv_heads == 1 and q_heads > kv_heads)  # q.k leaves gemv there
+    )
+
+
+def softmax_block_dim(axis_size: int) -> int:
+    """dispatch_block_dim(ceil(axis_size / N_READS)) (kernel_utils.cuh:48-62)."""
+    threads = -(-axis_size // SOFTMAX_READS)
+    for block_dim in (32, 64, 128, 256, 512):
+        if threads <= block_dim:
+            return block_dim
+    return 1024
+
+
+# ---------------------------------------------------------------------------
+# attention: CUDA (Metal: MLX's own multi-query call, below)
+
+# MIT License, Copyright (c) 2025 Apple Inc. (arithmetic of gemv_impl,
+# mlx/backend/cuda/gemms/gemv.cu, and cu::softmax, mlx/backend/cuda/softmax.cu,
+# MLX 0.32.2). See NOTICE.txt.
+_ATTENTION_CUDA_HEADER = r"""
+#include <cooperative_groups/reduce.h>
+
+namespace mlx::core::cu {
+namespace dflash2_attention {
+
+namespace cg = cooperative_groups;
+
+// Scores of one (batch b, kv head g, key t) for every query head h of the group
+// and every query j that sees key t (t < first + j): gemv_impl's sum for each.
+// q (B, Hq, L, D) and k (B, Hkv, T, D) strided; scores (B, Hq, L, T) contiguous,
+// entries t >= T_j left unwritten. Launch: one warp per (b, g, t).
+template <int D, int NPT>
+__device__ void query_key_scores(
+    const __half* q,
+    const Shape& q_shape,
+    const Strides& q_strides,
+    const __half* k,
+    const Shape& k_shape,
+    const Strides& k_strides,
+    const __half* scale,
+    __half* scores) {
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<WARP_SIZE>(block);
+  const int batch = q_shape[0];
+  const int q_heads = q_shape[1];
+  const int rows = q_shape[2];
+  const int kv_heads = k_shape[1];
+  const int keys = k_shape[2];
+  const int first = keys - rows + 1;
+  const int repeats = q_heads / kv_heads;
+
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / WARP_SIZE;
+  if (w >= int64_t(batch) * kv_heads * keys) {
+    return;
+  }
+  const int t = w % keys;
+  const int g = (w / keys) % kv_heads;
+  const int b = w / (int64_t(keys) * kv_heads);
+  const int lane = warp.thread_rank();
+
+  // gemv's columns of this lane: NPT * lane + 32 * NPT * c + e, c in order.
+  constexpr int kStep = WARP_SIZE * NPT;
+  constexpr int kChunks = (D + kStep - 1) / kStep;
+  const __half* key = k + b * k_strides[0] + g * k_strides[1] + t * k_strides[2];
+  __half key_lane[kChunks][NPT];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+    for (int e = 0; e < NPT; ++e) {
+      const int col = c * kStep + NPT * lane + e;
+      key_lane[c][e] = col < D ? key[col * k_strides[3]] : __float2half(0.0f);
+    }
+  }
+  const __half s = scale[0];
+
+  for (int r = 0; r < repeats; ++r) {
+    const int h = g * repeats + r;
+    for (int j = t < first ? 0 : t - first + 1; j < rows; ++j) {
+      const __half* query = q + b * q_strides[0] + h * q_strides[1] + j * q_strides[2];
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if (c * kStep + NPT * lane < D) {
+#pragma unroll
+          for (int e = 0; e < NPT; ++e) {
+            // fast.cpp's multiply(scale, q) in fp16, then gemv's fp32 product.
+            const __half qs = __hmul(s, query[(c * kStep + NPT * lane + e) * q_strides[3]]);
+            sum += static_cast<float>(key_lane[c][e]) * static_cast<float>(qs);
+          }
+        }
+      }
+      sum = cg::reduce(warp, sum, cg::plus<float>{});
+      if (warp.thread_rank() == 0) {
+        scores[((int64_t(b) * q_heads + h) * rows + j) * keys + t] = static_cast<__half>(sum);
+      }
+    }
+  }
+}
+
+// dispatch_block_dim(ceil_div(axis_size, 8)) (softmax.cu:145-147, kernel_utils.cuh:48-62).
+__device__ __forceinline__ int softmax_block_dim(int axis_size) {
+  const int threads = (axis_size + 7) / 8;
+  return threads <= 32 ? 32 : threads <= 64 ? 64 : threads <= 128 ? 128
+      : threads <= 256 ? 256 : threads <= 512 ? 512 : 1024;
+}
+
+// softmax.cu:23-28, unchanged.
+template <typename T>
+inline __device__ T softmax_exp(T x) {
+  return __expf(x);
+}
+
+// cu::softmax (softmax.cu:30-104) with T = __half, AccT = float, for the one row
+// at `in` / `out` of `axis_size` elements; the body is MLX's, unchanged but for
+// the row pointers (MLX: in += grid.block_rank() * axis_size) and spelling
+// cuda::ceil_div and cast_to out. Launch: one block of BLOCK_DIM threads per row.
+template <typename T, typename AccT, int BLOCK_DIM, int N_READS>
+__device__ void softmax_row(const T* in, T* out, int axis_size) {
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<WARP_SIZE>(block);
+
+  cg::greater<AccT> max_op;
+  cg::plus<AccT> plus_op;
+
+  // Thread reduce.
+  AccT prevmax;
+  AccT maxval = Limits<AccT>::finite_min();
+  AccT normalizer = AccT(0);
+  for (int r = 0; r < (axis_size + BLOCK_DIM * N_READS - 1) / (BLOCK_DIM * N_READS); r++) {
+    auto index = r * BLOCK_DIM + block.thread_rank();
+    auto vals = load_vector<N_READS>(in, index, axis_size, Limits<T>::min());
+    prevmax = maxval;
+#pragma unroll
+    for (int i = 0; i < N_READS; ++i) {
+      maxval = max_op(maxval, static_cast<AccT>(vals[i]));
+    }
+
+    // Online normalizer calculation for softmax:
+    // https://github.com/NVIDIA/online-softmax
+    normalizer = normalizer * softmax_exp(prevmax - maxval);
+#pragma unroll
+    for (int i = 0; i < N_READS; i++) {
+      normalizer =
+          normalizer + softmax_exp(static_cast<AccT>(vals[i]) - maxval);
+    }
+  }
+
+  // First warp reduce.
+  prevmax = maxval;
+  maxval = cg::reduce(warp, maxval, max_op);
+  normalizer = normalizer * softmax_exp(prevmax - maxval);
+  normalizer = cg::reduce(warp, normalizer, plus_op);
+
+  __shared__ AccT local_max[WARP_SIZE];
+  __shared__ AccT local_normalizer[WARP_SIZE];
+
+  // Write to shared memory and do second warp reduce.
+  prevmax = maxval;
+  if (warp.thread_rank() == 0) {
+    local_max[warp.meta_group_rank()] = maxval;
+  }
+  block.sync();
+  maxval = warp.thread_rank() < warp.meta_group_size()
+      ? local_max[warp.thread_rank()]
+      : Limits<AccT>::min();
+  maxval = cg::reduce(warp, maxval, max_op);
+  normalizer = normalizer * softmax_exp(prevmax - maxval);
+  if (warp.thread_rank() == 0) {
+    local_normalizer[warp.meta_group_rank()] = normalizer;
+  }
+  block.sync();
+  normalizer = warp.thread_rank() < warp.meta_group_size()
+      ? local_normalizer[warp.thread_rank()]
+      : AccT{};
+  normalizer = cg::reduce(warp, normalizer, plus_op);
+  normalizer = 1 / normalizer;
+
+  // Write output.
+  for (int r = 0; r < (axis_size + BLOCK_DIM * N_READS - 1) / (BLOCK_DIM * N_READS); r++) {
+    auto index = r * BLOCK_DIM + block.thread_rank();
+    auto vals = load_vector<N_READS>(in, index, axis_size, T(0));
+    for (int i = 0; i < N_READS; i++) {
+      vals[i] = softmax_exp(static_cast<AccT>(vals[i]) - maxval) * normalizer;
+    }
+    store_vector<N_READS>(out, index, vals, axis_size);
+  }
+}
+
+}  // namespace dflash2_attention
+}  // namespace mlx::core::cu
+"""
+
+_SCORES_SOURCE = (
+    "dflash2_attention::query_key_scores<D, NPT>("
+    "q, q_shape, q_strides, k, k_shape, k_strides, scale, scores);"
+)
+
+
+_SOFTMAX_SOURCE = f"""
+  // This launch: the queries j whose softmax block dim is BD, from the first such
+  // j (start) on, since T_j grows with j; block (j - start) * B * Hq + b * Hq + h
+  // writes row b * Hq + h of output p{{j - start}}. Slots past the run stay unused.
+  const int heads = scores_shape[0] * scores_shape[1];
+  const int rows = scores_shape[2];
+  const int keys = scores_shape[3];
+  const int first = keys - rows + 1;
+  int start = 0;
+  while (dflash2_attention::softmax_block_dim(first + start) != BD) {{
+    ++start;
+  }}
+  const int local = blockIdx.x / heads;
+  const int head = blockIdx.x % heads;
+  const int j = start + local;
+  const int axis_size = first + j;
+  __half* outputs[{QUERY_SLOTS}] = {{{", ".join(f"p{i}" for i in range(QUERY_SLOTS))}}};
+  dflash2_attention::softmax_row<__half, float, BD, {SOFTMAX_READS}>(
+      scores + (int64_t(head) * rows + j) * keys,
+      outputs[local] + int64_t(head) * axis_size,
+      axis_size);
+"""
+
+# y (B, L, Hq, D) from the L per-query outputs (B, Hq, 1, D) (scores only gives the sizes).
+_GATHER_SOURCE = f"""
+  const __half* rows_in[{QUERY_SLOTS}] = {{{", ".join(f"o{i}" for i in range(QUERY_SLOTS))}}};
+  const int64_t queries = scores_shape[2];
+  const int64_t row = int64_t(scores_shape[1]) * D;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < scores_shape[0] * queries * row) {{
+    const int64_t b = i / (queries * row);
+    const int j = (i / row) % queries;
+    y[i] = rows_in[j][b * row + i % row];
+  }}
+"""
+
+
+@cache
+def _scores_kernel():
+    return BakedCudaKernel(
+        name="dflash2_attention_scores",
+        input_names=["q", "k", "scale"],
+        output_names=["scores"],
+        source=_SCORES_SOURCE,
+        header=cuda_header(_ATTENTION_CUDA_HEADER),
+        ensure_row_contiguous=False,  # keys are views into the cache's buffer
+    )
+
+
+@cache
+def _softmax_kernel():
+    return BakedCudaKernel(
+        name="dflash2_attention_softmax",
+        input_names=["scores"],
+        output_names=[f"p{i}" for i in range(QUERY_SLOTS)],
+        source=_SOFTMAX_SOURCE,
+        header=cuda_header(_ATTENTION_CUDA_HEADER),
+        ensure_row_contiguous=False,
+    )
+
+
+@cache
+def _gather_kernel():
+    return BakedCudaKernel(
+        name="dflash2_attention_gather",
+        input_names=["scores"] + [f"o{i}" for i in range(QUERY_SLOTS)],
+        output_names=["y"],
+        source=_GATHER_SOURCE,
+    )
+
+
+@cache
+def _fp16_scale(scale: float) -> mx.array:
+    """fast.cpp's array(scale, float16): nanobind's float, then round to fp16."""
+    return mx.array(np.array([scale], dtype=np.float32).astype(np.float16))
+
+
+def _block_dim_runs(first_length: int, rows: int):
+    """(first query, end, block dim) for runs of queries sharing a softmax block dim."""
+    runs = []
+    for j in range(rows):
+        block_dim = softmax_block_dim(first_length + j)
+        if runs and runs[-1][2] == block_dim:
+            runs[-1][1] = j + 1
+        else:
+            runs.append([j, j + 1, block_dim])
+    return runs
+
+
+def cuda_attention_stages(queries, keys, values, scale, first_length):
+    """(scores, [p_j], [out_j], out) through the CUDA kernels; no self-test gate.
+
+    keys, values: (B, Hkv, first_length + L - 1, D) views; scores (B, Hq, L, T) with
+    row j valid up to T_j; p_j decode's (B, Hkv, n_rep, 1, T_j) probabilities
+    ((B, Hq, 1, T_j) without GQA); out (B, Hq, L, D) as a transposed view."""
+    batch, q_heads, rows, head_dim = queries.shape
+    kv_heads, keys_total = keys.shape[1], keys.shape[2]
+    repeats = q_heads // kv_heads
+    scores = _scores_kernel()(
+        inputs=[queries, keys, _fp16_scale(scale)],
+        template=[("D", head_dim), ("NPT", gemv_elements_per_lane(head_dim))],
+        grid=(32 * batch * kv_heads * keys_total, 1, 1),
+        threadgroup=(256, 1, 1),  # 8 warps a block, like gemv
+        output_shapes=[(batch, q_heads, rows, keys_total)],
+        output_dtypes=[mx.float16],
+    )[0]
+
+    def probability_shape(j):
+        length = first_length + j
+        if repeats > 1:
+            return (batch, kv_heads, repeats, 1, length)
+        return (batch, q_heads, 1, length)
+
+    probabilities = []
+    for start, end, block_dim in _block_dim_runs(first_length, rows):
+        count = end - start
+        unused = [(1,)] * (QUERY_SLOTS - count)  # 2-byte outputs for the slots left over
+        probabilities += _softmax_kernel()(
+            inputs=[scores],
+            template=[("BD", block_dim)],
+            grid=(count * batch * q_heads * block_dim, 1, 1),
+            threadgroup=(block_dim, 1, 1),
+            output_shapes=[probability_shape(j) for j in range(start, end)] + unused,
+            output_dtypes=[mx.float16] * QUERY_SLOTS,
+        )[:count]
+
+    outputs = []
+    for j, p in enumerate(probabilities):
+        v = values[:, :, : first_length + j]
+        outputs.append(mx.matmul(p, mx.expand_dims(v, 2) if repeats > 1 else v))
+
+    gathered = _gather_kernel()(
+        inputs=[scores] + outputs + outputs[:1] * (QUERY_SLOTS - rows),
+        template=[("D", head_dim)],
+        grid=(batch * rows * q_heads * head_dim, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(batch, rows, q_heads, head_dim)],
+        output_dtypes=[mx.float16],
+    )[0]
+    return scores, probabilities, outputs, gathered.transpose(0, 2, 1, 3)
+
+
+def cuda_attention_rows(queries, keys, values, scale, first_length):
+    return cuda_attention_stages(queries, keys, values, scale, first_length)[-1]
+
+
+# ---------------------------------------------------------------------------
+# attention: Metal (MLX's sdpa_vector over several queries, split as decode routes them)
+
+# MLX 0.32.2's Metal sdpa_vector (metal/scaled_dot_product_attention.cpp:469-530, 661-708,
+# 868-880), which decode runs at one query, takes up to 8 queries while queries x GQA <= 32.
+# Each query's statements are the single-query call's (its causal test skips exactly the
+# keys decode never sees); the one- or two-pass route and the two-pass block count follow
+# the key length N, and n_simds = GQA x queries. Key lengths where either changes, on any
+# GPU class ('s', 'd' and the rest):
+METAL_SDPA_KEY_EDGES = (1024, 1025, 4096, 8192, 8193, 16384, 32769, 65536, 65537)
+# From a GQA of 6, n_simds takes every branch (> 4, <= 2, >= 4, >= 6) as at one query.
+METAL_SDPA_GQA = range(6, 17)  # 16: two queries a call at least
+METAL_SDPA_HEAD_DIMS = (64, 96, 128, 256)  # sdpa_vector's; at 192 decode runs the unfused path
+# One query, GQA 8, head dim 64 or 128 and N >= 8192: decode takes sdpa_vector_2pass_1_gqa
+# (:469-473), which splits the keys otherwise; a multi-query call never does.
+METAL_SDPA_ONE_QUERY_GQA = (8, (64, 128), 8192)
+
+
+def metal_sdpa_regime(shape, keys: int):
+    """Which of MLX's Metal routing regimes a (B, Hq, Hkv, D) call with `keys` keys falls
+    in (an index), or None where no multi-query call can route as decode's does."""
+    gqa, head_dims, first_keys = METAL_SDPA_ONE_QUERY_GQA
+    if shape[1] // shape[2] == gqa and shape[3] in head_dims and keys >= first_keys:
+        return None
+    return bisect.bisect_right(METAL_SDPA_KEY_EDGES, keys)
+
+
+def metal_attention_spans(shape, rows: int, first_length: int) -> list:
+    """[start, end) spans of the L verify queries of a (B, Hq, Hkv, D) call, one sdpa_vector
+    call each: at most min(8, 32 // GQA) queries, all in one routing regime (query j sees
+    first_length + j keys); one query a span where no regime is shared (decode's call)."""
+    limit = min(MAX_QUERIES, 32 // (shape[1] // shape[2]))
+    regime = partial(metal_sdpa_regime, shape)
+    spans, start = [], 0
+    for j in range(1, rows):
+        current = regime(first_length + j)
+        if j - start == limit or current is None or current != regime(first_length + start):
+            spans.append((start, j))
+            start = j
+    return spans + [(start, rows)]
+
+
+def metal_attention_supports(batch, q_heads, kv_heads, head_dim, dtype) -> bool:
+    """Whether decode runs sdpa_vector here and several queries keep its routing."""
+    return (
+        q_heads % kv_heads == 0
+        and q_heads // kv_heads in METAL_SDPA_GQA
+        and head_dim in METAL_SDPA_HEAD_DIMS
+        and dtype == mx.float16  # the self-test's (and the pack's) dtype
+    )
+
+
+def metal_attention_rows(queries, keys, values, scale, first_length):
+    """The L queries in metal_attention_spans' calls of MLX's causal multi-query attention:
+    a span's last query sees all its keys, each earlier one its own prefix. Each span's
+    queries are made row-contiguous, so MLX runs its kernel with the query layout decode's
+    one-query call and the self-test have, whatever view verify passes."""
+    shape = (queries.shape[0], queries.shape[1], keys.shape[1], queries.shape[3])
+    outputs = [
+        mx.fast.scaled_dot_product_attention(
+            mx.contiguous(queries[:, :, start:end]),
+            keys[:, :, : first_length + end - 1],
+            values[:, :, : first_length + end - 1],
+            scale=scale,
+            mask="causal",
+        )
+        for start, end in metal_attention_spans(shape, queries.shape[2], first_length)
+    ]
+    return mx.concatenate(outputs, axis=2)
+
+
+# ---------------------------------------------------------------------------
+# attention: dispatch
+
+# (backend, (B, Hq, Hkv, D)) -> the variants the shape's self-test passed at (empty where
+# it failed): CUDA's softmax block dims, Metal's routing regimes. A longer context needs a
+# variant never tested (on CUDA never compiled either: ~1.5 s of JIT in the middle of a
+# request): its queries run the stock calls.
+_attention_verified: dict = {}
+
+
+def attention_path(backend: str):
+    """(supports(B, Hq, Hkv, D, dtype), the multi-query rows, variant(shape, key length):
+    what must have passed the self-test) of this backend's attention path; None where each
+    query is the stock call."""
+    if backend == "cuda":
+        return attention_kernel_supports, cuda_attention_rows, lambda shape, keys: softmax_block_dim(keys)
+    if backend == "metal":
+        return metal_attention_supports, metal_attention_rows, metal_sdpa_regime
+    return None
+
+
+def _check_attention_arguments(queries, keys, values, first_length):
+    if queries.ndim != 4 or keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(
+            f"queries, keys, values must be 4-D, got {queries.shape}, {keys.shape}, {values.shape}"
+        )
+    batch, q_heads, rows, head_dim = queries.shape
+    needed = first_length + rows - 1
+    if first_length < 1 or keys.shape[2] < needed or values.shape[2] < needed:
+        raise ValueError(
+            f"{rows} queries from first_length {first_length} need {needed} keys and values, "
+            f"got {keys.shape[2]} and {values.shape[2]}"
+        )
+    if keys.shape[:2] != values.shape[:2] or keys.shape[0] != batch or keys.shape[3] != head_dim:
+        raise ValueError(f"mismatched shapes {queries.shape}, {keys.shape}, {values.shape}")
+
+
+def decode_attention_rows(queries, keys, values, scale: float, first_length: int):
+    """Attention of L queries (B, Hq, L, D); query j sees keys[..., :first_length + j].
+
+    keys, values: (B, Hkv, >= first_length + L - 1, D), the KV cache's fetched views.
+    Query j of the result is bitwise decode's single-query
+    `mx.fast.scaled_dot_product_attention(queries[:, :, j:j+1], keys[..., :T_j, :],
+    values[..., :T_j, :], scale=scale, mask=None)`, T_j = first_length + j. On CUDA,
+    where decode runs MLX's unfused fallback, through the kernels, and on Metal
+    through MLX's multi-query sdpa_vector, once their self-test passed; elsewhere one
+    stock call per query. Returns (B, Hq, L, D) (on CUDA a transposed view of a
+    contiguous (B, L, Hq, D) array).
+    """
+    _check_attention_arguments(queries, keys, values, first_length)
+    batch, q_heads, rows, head_dim = queries.shape
+    needed = first_length + rows - 1
+    if keys.shape[2] > needed:
+        keys, values = keys[:, :, :needed], values[:, :, :needed]
+    backend = backend_name()
+    shape = (batch, q_heads, keys.shape[1], head_dim)
+    path = attention_path(backend)
+    if path and rows <= MAX_QUERIES and path[0](*shape, queries.dtype):
+        _, attend, variant = path
+        if (backend, shape) not in _attention_verified:
+            result = self_test_attention([shape])
+            if not result.ok:
+                warnings.warn(f"dflash2 {backend} attention failed its self-test: {result.reason}")
+        variants = {variant(shape, first_length + j) for j in range(rows)}
+        if variants <= _attention_verified.get((backend, shape), set()):
+            return attend(queries, keys, values, scale, first_length)
+    return stock_attention_rows(queries, keys, values, scale, first_length)
+
+
+# ---------------------------------------------------------------------------
+# attention: self-test
+
+
+def _fallback_stages(query, keys, values, scale):
+    """fast.cpp:718-790 for one query (B, Hq, 1, D) with MLX ops: (scores, p, out)."""
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    repeats = q_heads // kv_heads
+    q = mx.multiply(_fp16_scale(scale)[0], query)
+    if repeats > 1:
+        q = q.reshape(batch, kv_heads, repeats, 1, head_dim)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = mx.matmul(q, mx.swapaxes(keys, -1, -2))
+    p = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.matmul(p, values).reshape(batch, q_heads, 1, head_dim)
+    return scores, p, out
+
+
+def _make_case(shape, first_length, rows, kind, key):
+    """Random fp16 inputs and the caches' views: the verify's (all rows appended at
+    once) and decode's per query (one row appended at a time), both mlx-vlm KVCache;
+    then the two buffers' capacities at the end."""
+    batch, q_heads, kv_heads, head_dim = shape
+    total = first_length + rows - 1
+    kq, kk, kv = mx.random.split(key, 3)
+    queries = mx.random.normal((batch, q_heads, rows, head_dim), key=kq).astype(mx.float16)
+    keys = mx.random.normal((batch, kv_heads, total, head_dim), key=kk)
+    keys = (keys * (16.0 if kind == "wide" else 1.0)).astype(mx.float16)
+    values = mx.random.normal((batch, kv_heads, total, head_dim), key=kv).astype(mx.float16)
+    prefix = first_length - 1
+    verify_cache, decode_cache = KVCache(), KVCache()
+    if prefix:
+        for cache_ in (verify_cache, decode_cache):
+            cache_.update_and_fetch(keys[:, :, :prefix], values[:, :, :prefix])
+    verify_keys, verify_values = verify_cache.update_and_fetch(
+        keys[:, :, prefix:], values[:, :, prefix:]
+    )
+    decode_views = []
+    for j in range(prefix, total):
+        decode_views.append(decode_cache.update_and_fetch(keys[:, :, j : j + 1], values[:, :, j : j + 1]))
+    capacities = [verify_cache.keys.shape[2], decode_cache.keys.shape[2]]
+    return queries, verify_keys, verify_values, decode_views, capacities
+
+
+def _describe_attention_difference(got, want, case, scale, first_length, served):
+    """Where the first differing element is, and, for the kernels, which step differs.
+    case: _make_case's inputs and views."""
+    queries, verify_keys, verify_values, decode_views, _ = case
+    text, (_, _, j, _) = _first_difference(got, want)  # (batch, head, query, column)
+    text += f", query {j} sees {first_length + j} keys"
+    if not served:
+        return text
+    query = mx.contiguous(queries[:, :, j : j + 1])
+    step_keys, step_values = decode_views[j]
+    scores, p, out = _fallback_stages(query, step_keys, step_values, scale)
+    ours_scores, ours_p, ours_out, _ = cuda_attention_stages(
+        queries, verify_keys, verify_values, scale, first_length
+    )
+    length = first_length + j
+    ours_scores = ours_scores[:, :, j : j + 1, :length].reshape(scores.shape)
+
+    return text + (
+        f"; query {j} by step, kernels vs MLX ops: scores {_differing(ours_scores, scores)}, "
+        f"softmax {_differing(ours_p[j], p)}, "
+        f"p@v {_differing(ours_out[j], out.reshape(ours_out[j].shape))} "
+        f"differing; MLX ops vs the SDPA call: {_differing(out, want[:, :, j : j + 1])}"
+    )
+
+
+def _test_shape(backend, shape, key, first_lengths, max_queries, kernel):
+    """Cases of one (B, Hq, Hkv, D): (case records, reason of the first difference).
+    kernel: the attention under test; None: this backend's path for the shape."""
+    batch, q_heads, kv_heads, head_dim = shape
+    path = attention_path(backend)
+    served = kernel is None and path is not None and path[0](*shape, mx.float16)
+    attend = kernel or (path[1] if served else stock_attention_rows)
+    scale = head_dim**-0.5
+    lengths = first_lengths or (
+        PACK_FIRST_LENGTHS if shape == ATTENTION_PACK_SHAPE else TINY_FIRST_LENGTHS
+    )
+    cases, reason = [], None
+    try:
+        for kind in ATTENTION_INPUT_KINDS:
+            for first_length in lengths:
+                for rows in range(1, max_queries + 1):
+                    key, case_key = mx.random.split(key)
+                    case = _make_case(shape, first_length, rows, kind, case_key)
+                    queries, verify_keys, verify_values, decode_views, capacities = case
+                    want = mx.concatenate(
+                        [
+                            mx.fast.scaled_dot_product_attention(
+                                mx.contiguous(queries[:, :, j : j + 1]), k, v, scale=scale, mask=None
+                            )
+                            for j, (k, v) in enumerate(decode_views)
+                        ],
+                        axis=2,
+                    )
+                    got = attend(queries, verify_keys, verify_values, scale, first_length)
+                    stock = mx.fast.scaled_dot_product_attention(
+                        queries, verify_keys, verify_values, scale=scale, mask="causal"
+                    )
+                    mx.eval(want, got, stock)
+                    differ = _differing(got, want)
+                    cases.append(
+                        {
+                            "shape": list(shape),
+                            "first_length": first_length,
+                            "queries": rows,
+                            "input": kind,
+                            "kernel": served,
+                            "capacity": capacities,  # verify's, decode's
+                            "mismatches": differ,
+                            "stock_mismatches": _differing(stock, want),
+                        }
+                    )
+                    if differ and reason is None:
+                        reason = (
+                            f"{backend} {'kernels' if served else 'attention'} differ from decode at "
+                            f"(B, Hq, Hkv, D)={shape}, first_length={first_length}, L={rows}, input={kind}: "
+                        ) + _describe_attention_difference(
+                            got, want, case, scale, first_length, served and backend == "cuda")
+    except Exception as error:  # a kernel that fails to build or run fails the test
+        reason = f"{backend} attention at {shape} raised {type(error).__name__}: {error}"
+    return cases, reason
+
+
+def self_test_attention(
+    shapes=None, seed: int = 0, first_lengths=None, max_queries: int = MAX_QUERIES, kernel=None
+) -> SelfTestResult:
+    """Check decode_attention_rows' path on this backend bit for bit against decode.
+
+    kernel: (queries, keys, values, scale, first_length) -> (B, Hq, L, D) to test
+    instead; default: this backend's path, switched on or off per shape (off CUDA
+    and Metal there is nothing to test).
+    shapes: (B, Hq, Hkv, D) tuples; default the pack's and the tiny ones. first_lengths: key
+    lengths of query 0; default PACK_FIRST_LENGTHS for the pack's shape and
+    TINY_FIRST_LENGTHS otherwise. For each shape, input kind, first length and
+    L = 1..max_queries: fp16 inputs, KV views from mlx-vlm's KVCache (the verify's
+    buffer after appending L rows, which may have grown to a capacity decode's
+    never had), and the reference: per query, the stock call on decode's own cache
+    views. `stock_mismatches` counts the stock multi-query call with
+    mask="causal" (negative control on CUDA; on Metal, within 32 / GQA queries, the very
+    call the path makes). Switches the kernels on or off per shape.
+    """
+    backend = backend_name()
+    if kernel is None and attention_path(backend) is None:
+        return _no_kernel_result(backend)
+    cases, reason = [], None
+    key = mx.random.key(seed)
+    for shape in [tuple(s) for s in (shapes or (ATTENTION_PACK_SHAPE,) + ATTENTION_TINY_SHAPES)]:
+        key, shape_key = mx.random.split(key)
+        shape_cases, shape_reason = _test_shape(
+            backend, shape, shape_key, first_lengths, max_queries, kernel
+        )
+        cases += shape_cases
+        reason = reason or shape_reason
+        if kernel is None:
+            variant = attention_path(backend)[2]
+            _attention_verified[(backend, shape)] = set() if shape_reason else {
+                variant(shape, case["first_length"] + query) for case in shape_cases for query in range(case["queries"])
+            }
+    mismatches = sum(c["mismatches"] for c in cases)
+    stock_mismatches = sum(c["stock_mismatches"] for c in cases)
+    return SelfTestResult(reason is None, backend, reason, mismatches, stock_mismatches, cases)

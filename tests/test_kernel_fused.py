@@ -1,0 +1,221 @@
+"""dflash2_kernel_fused on CPU: the convolution, rotary, norms and gates equal decode's calls
+bit for bit, and their self-tests catch wrong kernels."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import dflash2_kernel_base
+import dflash2_kernel_fused
+import dflash2_kernels as dk
+from kernel_cases import flip_first_bit, patch_kernels, same_bits
+
+
+def test_conv_rows_equals_decode_per_window():
+    """Each position: decode's convolution of the window that ends there, silu after it,
+    and the concatenated window the cache keeps."""
+    assert dflash2_kernel_fused.stock_decode_conv.__name__ == "_qwen3_5_decode_depthwise_conv"  # mlx-vlm's own
+    state, x, weight = dflash2_kernel_fused.make_conv_case("normal", 2, 40, 4, mx.random.key(1))
+    window = mx.concatenate([state, x[:, :5]], axis=1)
+    want = mx.concatenate([dflash2_kernel_fused.stock_decode_conv(window[:, t : t + 4], weight) for t in range(5)], axis=1)
+    kernel = "taps" if dk.backend_name() == "cuda" else None  # on CUDA the kernel itself, ungated
+    got_window, got = dk.conv_rows(state, x[:, :5], weight, variant=kernel)
+    assert same_bits(got_window, window) and same_bits(got, nn.silu(want))
+
+
+def test_rope_rows_equals_mlx_vlm_rotary():
+    """Queries and keys (transposed views, as the model hands them over) rotated in their
+    first R features, the rest passed through, as arrays of their shapes; on
+    CUDA through the variant the kernel's self-test chose."""
+    from mlx_vlm.models.rope_utils import rotate_half
+
+    q, k, cos, sin = dflash2_kernel_fused.make_rope_case("normal", 2, 3, 1, 32, 16, 5, mx.random.key(1))
+    variant = None
+    if dk.backend_name() == "cuda":
+        dflash2_kernel_fused.self_test_rope()
+        variant = dflash2_kernel_fused._rope_serving["cuda"]
+        assert variant in dflash2_kernel_fused.ROPE_VARIANTS
+    got = dk.rope_rows(q, k, cos, sin, variant=variant)
+    for x, rotated in zip((q, k), got):
+        head, tail = x[..., :16], x[..., 16:]
+        want = mx.concatenate([head * cos[:, None] + rotate_half(head) * sin[:, None], tail], axis=-1)
+        assert rotated.shape == x.shape
+        if variant is None:  # MLX's ops one at a time; a GPU contracts one product (rope_rows)
+            assert same_bits(rotated, want)
+        assert same_bits(rotated, dflash2_kernel_fused.stock_rope_rows(q, k, cos, sin)[x is k])
+
+
+def test_wrong_convolution_fails_naming_the_case():
+    def wrong(state, x, weight):  # the first output's last bit off at 8 rows
+        made, out = dflash2_kernel_fused.stock_conv_rows(state, x, weight)
+        return made, flip_first_bit(out) if x.shape[1] == 8 else out
+
+    result = dflash2_kernel_fused.self_test_conv([(1, 24, 3)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
+    assert "(B, C, K)=(1, 24, 3) rows=8 input=normal, out" in result.reason
+    assert dflash2_kernel_fused.self_test_conv([(1, 24, 3)], kernel=dflash2_kernel_fused.stock_conv_rows).ok
+
+
+def test_add_rms_norm_equals_decode_s_add_and_norm():
+    """The residual add and the RMSNorm after it, both outputs, at 1 and 5 rows of a ragged
+    width; on CUDA through the variant the kernel's self-test chose."""
+    x, residual = (dflash2_kernel_base.make_inputs("normal", 5, 1000, mx.random.key(seed)).reshape(1, 5, 1000) for seed in (1, 2))
+    weight = dflash2_kernel_base.make_inputs("normal", 1, 1000, mx.random.key(3))[0]
+    variant = None
+    if dk.backend_name() == "cuda":
+        dflash2_kernel_fused.self_test_add_norm()
+        variant = dflash2_kernel_fused._add_norm_serving["cuda"]
+        assert variant == "fused"
+    for rows in (1, 5):
+        h, normed = dk.add_rms_norm(x[:, :rows], residual[:, :rows], weight, 1e-6, variant=variant)
+        want = x[:, :rows] + residual[:, :rows]
+        assert same_bits(h, want) and same_bits(normed, mx.fast.rms_norm(want, weight, 1e-6))
+
+
+def test_gated_rms_norm_equals_mlx_vlm_s_gated_norm(target):
+    """The GatedDeltaNet's output norm with its gate (Qwen3_5RMSNormGated, the pack's own
+    module) at 1 and 5 positions of 3 heads; on CUDA through the kernel its self-test passed."""
+    norm = next(layer.linear_attn.norm for layer in target[0].language_model.model.layers if layer.is_linear)
+    width = norm.weight.shape[0]
+    x, gate = (dflash2_kernel_base.make_inputs("normal", 15, width, mx.random.key(seed)).reshape(1, 5, 3, width) for seed in (1, 2))
+    variant = None
+    if dk.backend_name() == "cuda":
+        dflash2_kernel_fused.self_test_gated_norm()
+        variant = dflash2_kernel_fused._gated_norm_serving["cuda"]
+        assert variant == "fused"
+    for rows in (1, 5):
+        got = dk.gated_rms_norm(x[:, :rows], norm.weight, norm.eps, gate[:, :rows], variant=variant)
+        assert same_bits(got, norm(x[:, :rows], gate[:, :rows]))
+
+
+def test_gdn_gates_equal_mlx_vlm_s_compute_g_beta():
+    """g and beta of slices of one projection (as the model hands them over), at 1 and 5
+    positions; on CUDA through the variant the kernel's self-test chose."""
+    A_log, a, b, dt_bias = dflash2_kernel_fused.make_gates_case("normal", 5, 6, mx.random.key(1))
+    variant = None
+    if dk.backend_name() == "cuda":
+        dflash2_kernel_fused.self_test_gates()
+        variant = dflash2_kernel_fused._gates_serving["cuda"]
+        assert variant in dflash2_kernel_fused.GATE_VARIANTS
+    for rows in (1, 5):
+        got = dk.gdn_gates(A_log, a[:, :rows], b[:, :rows], dt_bias, variant=variant)
+        want = mx.exp(-mx.exp(A_log) * nn.softplus(a[:, :rows] + dt_bias)), mx.sigmoid(b[:, :rows])
+        assert all(same_bits(x, y) for x, y in zip(got, want))
+
+
+def test_rms_norm_launch_is_mlx_s_for_each_width():
+    """MLX's (block, chunks) for an fp16 row (rms_norm.cu dispatch_num_chunks): 64 threads
+    up to 512 features, 128 where the 8-wide vectors split evenly over 128, else 64, else
+    128 with the chunks rounded up."""
+    assert [dflash2_kernel_fused.rms_norm_launch(width) for width in (100, 512, 1000, 1024, 2560, 4096, 5120, 5128, 8192)] == [
+        (64, 1), (64, 1), (128, 1), (128, 1), (64, 5), (128, 4), (128, 5), (128, 6), (128, 8)]
+
+
+def test_wrong_add_norm_fails_naming_the_case():
+    def wrong(x, residual, weight, eps):  # the norm's first element one bit off at 8 rows
+        h, normed = dflash2_kernel_fused.stock_add_rms_norm(x, residual, weight, eps)
+        return h, flip_first_bit(normed) if x.shape[1] == 8 else normed
+
+    result = dflash2_kernel_fused.self_test_add_norm([(512,)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
+    assert "D=512 (B, L)=(1, 8) input=normal, norm" in result.reason
+    assert dflash2_kernel_fused.self_test_add_norm([(512,)], kernel=dflash2_kernel_fused.stock_add_rms_norm).ok
+
+
+def test_wrong_gated_norm_fails_naming_the_case():
+    def wrong(x, weight, eps, gate):  # the first element one bit off at 3 positions
+        out = dflash2_kernel_fused.stock_gated_rms_norm(x, weight, eps, gate)
+        return flip_first_bit(out) if x.shape[1] == 3 else out
+
+    result = dflash2_kernel_fused.self_test_gated_norm([(2, 64)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
+    assert "(heads, D)=(2, 64) L=3 input=normal, out" in result.reason
+    assert dflash2_kernel_fused.self_test_gated_norm([(2, 64)], kernel=dflash2_kernel_fused.stock_gated_rms_norm).ok
+
+
+def test_wrong_gates_fail_naming_the_case():
+    def wrong(A_log, a, b, dt_bias):  # beta's first element one bit off at 4 positions
+        g, beta = dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)
+        return g, flip_first_bit(beta) if a.shape[1] == 4 else beta
+
+    result = dflash2_kernel_fused.self_test_gates([(4,)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
+    assert "Hv=4 L=4 input=normal, beta" in result.reason
+    assert dflash2_kernel_fused.self_test_gates([(4,)], kernel=dflash2_kernel_fused._compute_g_beta).ok
+
+
+def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypatch):
+    """The self-test's default path (CUDA's, here with a stand-in kernel whose "half"
+    variant is one bit off in every case): "float" serves, "half" is counted as its control,
+    and gdn_gates then calls the kernel with "float"."""
+    calls = []
+
+    def stand_in(A_log, a, b, dt_bias, variant):
+        calls.append(variant)
+        g, beta = dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)
+        return g, flip_first_bit(beta) if variant == "half" else beta
+
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dflash2_kernel_fused, "cuda_gdn_gates", stand_in)
+    monkeypatch.setattr(dflash2_kernel_fused, "_gates_serving", {})
+    result = dflash2_kernel_fused.self_test_gates([(4,)])
+    cases = len(dflash2_kernel_base.INPUT_KINDS) * dk.MAX_ROWS
+    assert result.ok and result.variant == "float" and dflash2_kernel_fused._gates_serving == {"cuda": "float"}
+    assert result.controls == {"half": cases} and "half differs at Hv=4 L=1 input=normal, beta" in result.reason
+    calls.clear()
+    A_log, a, b, dt_bias = dflash2_kernel_fused.make_gates_case("normal", 3, 4, mx.random.key(2))
+    assert all(same_bits(x, y) for x, y in zip(dk.gdn_gates(A_log, a, b, dt_bias), dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)))
+    assert calls == ["float"]
+
+
+def test_wrong_rope_fails_naming_the_case():
+    def wrong(q, k, cos, sin):  # the keys' first element one bit off at 8 positions
+        q_out, k_out = dflash2_kernel_fused.stock_rope_rows(q, k, cos, sin)
+        return q_out, flip_first_bit(k_out) if q.shape[2] == 8 else k_out
+
+    result = dflash2_kernel_fused.self_test_rope([(1, 2, 1, 32, 16)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
+    assert "(B, Hq, Hk, D, R)=(1, 2, 1, 32, 16) rows=8 input=normal, k" in result.reason
+    assert dflash2_kernel_fused.self_test_rope([(1, 2, 1, 32, 16)], kernel=dflash2_kernel_fused.stock_rope_rows).ok
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_convolution_kernel_equals_decode_at_the_27b_shape_on_cuda():
+    """The 27B's GatedDeltaNet convolution (10240 channels, 4 taps) and the small shapes,
+    rows 1..8, silu after it, the window too: the kernel serves."""
+    result = dflash2_kernel_fused.self_test_conv([(1, 10240, 4), *dflash2_kernel_fused.CONV_SHAPES_SMALL])
+    assert result.ok and result.variant == "taps", result.reason
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_rope_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
+    """The 27B's attention rotary (24 query and 4 key heads of 256, the first 64 rotated)
+    and the small shapes, 1..8 positions and a prefill's: a variant serves."""
+    result = dflash2_kernel_fused.self_test_rope([(1, 24, 4, 256, 64), *dflash2_kernel_fused.ROPE_SHAPES_SMALL])
+    assert result.ok and result.variant in dflash2_kernel_fused.ROPE_VARIANTS, result.reason
+    print("rope variants, differing elements:", result.variants)
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_add_norm_kernel_equals_mlx_at_the_27b_shape_on_cuda():
+    """The 27B's residual add and post-attention norm (5120 features) and the small widths,
+    rows 1..8: the kernel serves."""
+    result = dflash2_kernel_fused.self_test_add_norm([(5120,), *dflash2_kernel_fused.NORM_WIDTHS_SMALL])
+    assert result.ok and result.variant == "fused", result.reason
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_gates_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
+    """The 27B's GatedDeltaNet gates (48 value heads) and the small shapes, 1..8 positions:
+    a variant serves."""
+    result = dflash2_kernel_fused.self_test_gates([(48,), *dflash2_kernel_fused.GATE_SHAPES_SMALL])
+    assert result.ok and result.variant in dflash2_kernel_fused.GATE_VARIANTS, result.reason
+    print("gates variants, differing elements:", result.variants)
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_gated_norm_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
+    """The 27B's GatedDeltaNet output norm (48 heads of 128) and the small shapes, 1..8
+    positions: the kernel serves."""
+    result = dflash2_kernel_fused.self_test_gated_norm([(48, 128), *dflash2_kernel_fused.GATED_NORM_SHAPES_SMALL])
+    assert result.ok and result.variant == "fused", result.reason

@@ -1,0 +1,78 @@
+"""dflash2_kernel_gdn on CPU: the recurrence equals decode's steps and the dense rows decode's
+one-row linears, bit for bit, and their self-tests catch wrong kernels."""
+
+import mlx.core as mx
+import pytest
+
+import dflash2_kernel_base
+import dflash2_kernel_gdn
+import dflash2_kernels as dk
+from kernel_cases import flip_first_bit, one_bit_off, same_bits
+
+
+def test_gdn_recurrence_equals_decode_steps():
+    inputs = dflash2_kernel_gdn.make_gdn_inputs("normal", 1, 3, 1, 2, 64, 64, mx.random.key(1))
+    y, states = dk.gdn_recurrence(*inputs)
+    want_y, want_states = dflash2_kernel_gdn.stock_recurrence(*inputs, eval_each_step=True)
+    assert y.shape == (1, 3, 2, 64) and states.shape == (1, 3, 2, 64, 64)
+    assert same_bits(y, want_y) and same_bits(states, want_states)
+
+
+def test_dense_rows_equals_one_row_linears():
+    weight = dflash2_kernel_gdn.make_dense_weight(7, 320, mx.random.key(1))
+    x = dflash2_kernel_base.make_inputs("large", 6, 320, mx.random.key(2)).reshape(2, 3, 320)
+    want = mx.concatenate([x.reshape(6, 320)[m : m + 1] @ weight.T for m in range(6)])
+    assert same_bits(dk.dense_rows(x, weight), want.reshape(2, 3, 7))
+    with pytest.raises(ValueError, match="1..8 rows"):
+        dk.dense_rows(mx.zeros((9, 320), dtype=mx.float16), weight)
+
+
+def test_wrong_recurrence_fails_naming_the_case():
+    def wrong(q, k, v, g, beta, state):
+        return one_bit_off(dflash2_kernel_gdn.stock_recurrence, 3)(q, k, v, g, beta, state, axis=1)
+
+    result = dflash2_kernel_gdn.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=wrong)
+    assert not result.ok and result.variant is None
+    assert result.variants == {"kernel": len(dflash2_kernel_gdn.GDN_INPUT_KINDS)}
+    assert "(B, Hk, Hv, Dk, Dv)=(1, 1, 2, 64, 64) L=3 input=normal" in result.reason
+    assert "1 of y, 0 of states" in result.reason
+    assert dflash2_kernel_gdn.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=dflash2_kernel_gdn.stock_recurrence).ok
+
+
+def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
+    """Where decode runs mlx-vlm's fused Metal kernel (a Metal-like CPU backend: its stand-in
+    rounds unlike the ops step), the reference is that kernel a step at a time; the
+    with-states kernel serves all steps in one call only while its self-test finds it equal,
+    and one a bit off leaves verify on the fused kernel a step at a time."""
+    from gpu_rounding import metal_like_recurrence, metal_like_with_states_kernel
+    from mlx_vlm.models.qwen3_5 import gated_delta
+
+    metal_like_recurrence(monkeypatch)
+    monkeypatch.setattr(dflash2_kernel_gdn, "_gdn_serving", {})
+    inputs = dflash2_kernel_gdn.make_gdn_inputs("normal", 1, 4, 1, 2, 64, 64, mx.random.key(1))
+    want_y, want_states = dflash2_kernel_gdn.stock_recurrence(*inputs, eval_each_step=True)
+    kernel_y, kernel_state = gated_delta.gated_delta_kernel(*inputs)  # T=4 in one call
+    assert same_bits(want_y, kernel_y) and same_bits(want_states[:, -1], kernel_state)
+    assert not same_bits(want_states[:, -1], dflash2_kernel_gdn.gated_delta_ops(*inputs)[1])  # the stand-in has teeth
+    shape = [(1, 1, 2, 64, 64)]
+    served = dflash2_kernel_gdn.self_test_gdn(shape, max_steps=3)
+    assert served.ok and served.backend == "metal" and served.variant == "with_states"
+    y, states = dk.gdn_recurrence(*inputs)
+    assert same_bits(y, want_y) and same_bits(states, want_states)
+
+    def off_by_one_bit(**launch):  # the last bit of the first state's first element
+        y, state, states = metal_like_with_states_kernel(**launch)
+        return y, state, flip_first_bit(states)
+
+    monkeypatch.setattr(gated_delta, "_gated_delta_with_states_kernel", off_by_one_bit)
+    refused = dflash2_kernel_gdn.self_test_gdn(shape, max_steps=3)
+    assert not refused.ok and refused.variant is None and "0 of y, 1 of states" in refused.reason
+    y, states = dk.gdn_recurrence(*inputs)
+    assert same_bits(y, want_y) and same_bits(states, want_states)
+
+
+def test_wrong_dense_rows_fails_naming_the_case():
+    result = dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=one_bit_off(dflash2_kernel_gdn.stock_dense_rows, 8))
+    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
+    assert "(N, K)=(7, 320) rows=8 input=normal" in result.reason
+    assert dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=dflash2_kernel_gdn.stock_dense_rows).ok
