@@ -1128,7 +1128,7 @@ def json_response(schema, description="OK"):
 
 def openapi_schema(model_id: str) -> dict:
     """OpenAPI 3.1 for the endpoints the gateway serves (aliases without /v1 left out)."""
-    components = request_schemas(ChatRequest, MessagesRequest, CountTokensRequest)
+    components = request_schemas(ChatRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
     components["Error"] = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
@@ -1140,6 +1140,8 @@ def openapi_schema(model_id: str) -> dict:
                            "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
     message = {"type": "object", "required": ["type", "content", "stop_reason", "usage"],
                "properties": {"type": {"const": "message"}, "content": {"type": "array"}}}
+    response = {"type": "object", "required": ["id", "object", "output", "status"],
+                "properties": {"object": {"const": "response"}, "output": {"type": "array"}}}
     model_card = {"type": "object", "required": ["id", "object"],
                   "properties": {"id": {"const": model_id}, "object": {"const": "model"}}}
     completion = {"type": "object", "required": ["choices"], "properties": {"choices": {"type": "array"}}}
@@ -1173,6 +1175,14 @@ def openapi_schema(model_id: str) -> dict:
                     "200": json_response({"type": "object", "required": ["input_tokens"],
                                           "properties": {"input_tokens": {"type": "integer"}}}),
                     **error_responses(400, 404, 405, 413, 415, 421, 503, 504, schema="AnthropicError")}}},
+            "/v1/responses": {"post": {
+                "operationId": "createResponse",
+                "requestBody": json_body(ResponsesRequest),
+                "responses": {
+                    "200": {"description": "a response, or its typed server-sent events when stream is true",
+                            "content": {"application/json": {"schema": response},
+                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                    **error_responses(400, 404, 405, 413, 415, 421, 503, 504)}}},
             "/v1/models": {"get": {"operationId": "listModels", "responses": {
                 "200": json_response({"type": "object", "properties": {"data": {
                     "type": "array", "items": model_card}}}), **get_only}}},
