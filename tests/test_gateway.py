@@ -152,7 +152,7 @@ def image_body(url):
     ("GET", "/v1/cache/stats", None, 404, "unsupported-endpoint"),
     ("POST", "/v1/cache/reset", None, 404, "unsupported-endpoint"),
     ("GET", "/metrics", None, 404, "unsupported-endpoint"),
-    ("POST", "/v1/responses", {"input": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/responses/input_tokens", {"input": "Hi"}, 404, "unsupported-endpoint"),
     ("POST", "/v1/completions", {"prompt": "Hi"}, 404, "unsupported-endpoint"),
     ("POST", "/v1/embeddings", {"input": "Hi"}, 404, "unsupported-endpoint"),
     ("POST", "/v1/audio/speech", {"input": "Hi"}, 404, "unsupported-endpoint"),
