@@ -579,6 +579,71 @@ AUDITED = (
         "Relied on for every API: reads seed, temperature, top_p, top_k and enable_thinking from "
         "the request (getattr, so a Messages request's extra seed too), the pack's defaults where unset.",
     ),
+    Audited(
+        "mlx_vlm.server.openai:responses_endpoint",
+        "20586ff22a89ee6d050aa4c5fb23831b263d8a8d6642eb1b6ae66bd0d0f401fb",
+        "The gateway forwards each checked Responses body to it (no previous_response_id, store "
+        "false) and passes its typed events through, its failure event reshaped. It generates "
+        "through response_generator.generate, so the engine's routing, cancellation and records hold.",
+    ),
+    Audited(
+        "mlx_vlm.server.schemas:OpenAIRequest",
+        "ee6c4cbb9c75dc0d515d51acc2717eb984f5635dd255d0ac080e82371d474003",
+        "Relied on to keep unknown fields (extra=allow): the gateway's seed reaches _build_gen_args "
+        "through it, so a sampled Responses request draws as a chat request with that seed does.",
+    ),
+    Audited(
+        "mlx_vlm.server.responses_state:_response_chain_items",
+        "9c60baa1dc6c3828046b1c0f028cda8d4aade5c4fcb55349cf61d35a8cd572b5",
+        "Relied on to add nothing without previous_response_id, which the gateway refuses: the "
+        "chain it reads is mlx-vlm's in-process store, beyond the gateway's checks.",
+    ),
+    Audited(
+        "mlx_vlm.server.responses_state:_store_response",
+        "bbd2f2c7edfdec0382e8ab3695a475944cd388d30838cfba06245b4dd88f5de8",
+        "Relied on to store nothing when store is false, as the gateway always sends it.",
+    ),
+    Audited(
+        "mlx_vlm.server.responses_state:_normalize_response_input",
+        "15d4aeed5dceb319e270f6c7fc885a59da72e195f5e77eb038e03d67e87b0674",
+        "Relied on: a string input is one user message; items without a type are messages.",
+    ),
+    Audited(
+        "mlx_vlm.server.responses_state:_append_response_item_to_prompt",
+        "96f2caf01d71ff7e4e9ed532402f267a1ed36bd0a72b7965d9ac81d0dc3b270f",
+        "Relied on: turns the checked items into chat messages (function calls into tool calls, "
+        "their outputs into tool messages, images to the checked references), reasoning items dropped.",
+    ),
+    Audited(
+        "mlx_vlm.server.responses_state:_response_image_source",
+        "3b5320f3cb4730f18c2a95577b67de896d0356e6769e1f3c681e94b66c822d83",
+        "Relied on to load an input_image's image_url as given: the gateway has checked it.",
+    ),
+    Audited(
+        "mlx_vlm.server.responses_state:_response_tool_output_to_text_and_images",
+        "ecf1c44debbd968384c4bcc477da01de79e567d591e8787ce340e0c1d8429d7a",
+        "Relied on: a function call output's text and checked images go into the prompt.",
+    ),
+    Audited(
+        "mlx_vlm.server.responses_state:_response_tool_registry",
+        "26dc9b2e919bbf9d7558fb7562232c5a12d94b65e8de2aa4fb82db864f4cf3e1",
+        "Relied on: the checked function tools become chat tools for the template.",
+    ),
+    Audited(
+        "mlx_vlm.server.responses_state:_response_tool_to_chat_tool",
+        "fb6146b7ba5d1bf9b219f590aa3ffbae518d99b2f2bbf583ebe61579270f7836",
+        "Relied on: a function tool keeps its name, description and parameters.",
+    ),
+    Audited(
+        "mlx_vlm.server.openai:_normalize_instruction_messages",
+        "d81d7b728d319302e8caea64574ef6d65f9704e2dbaa48f5450d5e526913ae18",
+        "Relied on: instructions, system and developer messages become one leading system message.",
+    ),
+    Audited(
+        "mlx_vlm.server.request_normalization:_standard_reasoning_control",
+        "86d3597dc459d01cee43d32a975d9ae98ce6800766793beda947d568f4b90451",
+        "Relied on: reasoning.effort turns thinking on or off (none: off; any other: on).",
+    ),
 )
 
 def resolve(target: str):

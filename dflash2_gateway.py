@@ -1,6 +1,7 @@
 """The hardened HTTP layer both servers put in front of mlx-vlm's FastAPI app.
 
-- the gateway serves chat completions, /v1/models, /health and /openapi.json only,
+- the gateway serves chat completions, Anthropic Messages, OpenAI Responses, /v1/models,
+  /health and /openapi.json only,
   validates and routes every chat body through the decide function it is given
   (dflash2_http.py), answers mistakes with OpenAI-shaped 4xx errors, allows cross-origin
   use from loopback pages only, and replaces local paths with public names in headers,
@@ -232,9 +233,10 @@ OPENAPI_PATHS = ("/openapi.json", "/v1/openapi.json")
 MESSAGES_PATHS = ("/v1/messages", "/messages")
 COUNT_TOKENS_PATHS = ("/v1/messages/count_tokens", "/messages/count_tokens")
 ANTHROPIC_PATHS = MESSAGES_PATHS + COUNT_TOKENS_PATHS
+RESPONSES_PATHS = ("/v1/responses", "/responses")
 # The APIs whose bodies the gateway checks (dflash2_http.REQUEST_CHECKS), by path.
 API_OF_PATH = {**dict.fromkeys(CHAT_PATHS, "chat"), **dict.fromkeys(MESSAGES_PATHS, "messages"),
-               **dict.fromkeys(COUNT_TOKENS_PATHS, "count_tokens")}
+               **dict.fromkeys(COUNT_TOKENS_PATHS, "count_tokens"), **dict.fromkeys(RESPONSES_PATHS, "responses")}
 ANTHROPIC_ERROR_TYPES = {404: "not_found_error", 413: "request_too_large", 504: "timeout_error",
                          503: "overloaded_error"}
 
@@ -370,7 +372,7 @@ class Gateway:
         if not (is_model or path in MODELS_PATHS + HEALTH_PATHS + OPENAPI_PATHS):
             raise Refusal(404, "unsupported-endpoint",
                           f"{path} is not served; this pack serves /v1/chat/completions, /v1/messages, "
-                          "/v1/messages/count_tokens, /v1/models, /health and /openapi.json")
+                          "/v1/messages/count_tokens, /v1/responses, /v1/models, /health and /openapi.json")
         if method not in ("GET", "HEAD"):
             raise Refusal(405, "method-not-allowed", f"{path} accepts GET and HEAD only")
         if is_model:
@@ -408,7 +410,8 @@ class Gateway:
             record.mode, record.reason = decision.mode, decision.reason
         record.speculative = decision.mode == "speculative" and api != "count_tokens"
         # Stop sequences end the text here (dflash2_engine.RecordingTokens), on every route alike.
-        record.stop = decision.body.pop("stop_sequences" if api == "messages" else "stop", [])
+        # (The Responses API has no stop sequences.)
+        record.stop = decision.body.pop({"chat": "stop", "messages": "stop_sequences"}.get(api, "stop"), [])
         record.seed = decision.body.get("seed")
         forwarded = json.dumps(decision.body).encode()
         # Origin stays out: mlx-vlm's own CORS layer would allow any origin.
@@ -452,7 +455,7 @@ class Gateway:
             gone.set()
 
         token = current_request.set(record)  # tasks copy the context: mlx-vlm's threads see it
-        finishing = with_token_sources if api == "chat" else with_stop_sequence
+        finishing = {"chat": with_token_sources, "responses": passed_through}.get(api, with_stop_sequence)
         inner = asyncio.ensure_future(self.app(scope, replay, finishing(output.send, record)))
         watcher = asyncio.ensure_future(watch_client())
         current_request.reset(token)
@@ -513,6 +516,7 @@ class ChatOutput:
                 return
             if dict(message.get("headers", [])).get(b"content-type", b"").startswith(b"text/event-stream"):
                 self.stream = EventStream(self.scrub) if self.api == "chat" else \
+                    ResponsesEventStream(self.scrub) if self.api == "responses" else \
                     AnthropicEventStream(self.scrub, self.record)
             self.started = True
             return await self._send(message)
@@ -612,6 +616,38 @@ class AnthropicEventStream:
         else:
             return event
         return name + b"\ndata: " + data
+
+
+class ResponsesEventStream:
+    """mlx-vlm's typed Responses events, passed through; its failure event (data: {"error":
+    "..."}, no type) becomes an error event in OpenAI's shape with paths scrubbed, which the
+    openai client raises as an APIError."""
+
+    def __init__(self, scrub):
+        self.scrub = scrub
+        self.pending = b""
+
+    def rewrite(self, data: bytes) -> bytes:
+        *events, self.pending = (self.pending + data).split(b"\n\n")
+        return b"".join(self.event(event) + b"\n\n" for event in events)
+
+    def event(self, event: bytes) -> bytes:
+        name, _, data = event.rpartition(b"data: ")
+        if not data.startswith(b"{") or b'"error"' not in data:
+            return event
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return event
+        if not isinstance(payload, dict) or "error" not in payload or "type" in payload:
+            return event
+        message = self.scrub(inner_error_message(data) if isinstance(payload["error"], dict) else str(payload["error"]))
+        return b"event: error\ndata: " + json.dumps(error_payload(500, "server-error", message)).encode()
+
+
+def passed_through(send, record):
+    """with_token_sources for Responses: mlx-vlm's answer as it is."""
+    return send
 
 
 def with_stop_reason(message: dict, stop_sequence: str):

@@ -34,7 +34,8 @@ async def stub_mlx_vlm(scope, receive, send):
     if scope["type"] != "http":
         return
     body = json.loads((await receive())["body"])
-    if body["messages"][0]["content"] == "over budget":  # mlx-vlm's own context-budget refusal
+    first = first_content(body)
+    if first == "over budget":  # mlx-vlm's own context-budget refusal
         detail = "Request needs 32800 context tokens (32700 prompt + 100 max generation), but MAX_KV_SIZE is 32768."
         payload = json.dumps({"detail": detail}).encode()
         await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
@@ -48,7 +49,11 @@ async def stub_mlx_vlm(scope, receive, send):
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}}]}
             await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
                         "more_body": True})
-    while body["messages"][0]["content"] == "hang" and not current_request.get().cancelled:
+    if body.get("stream") and first == "stream failure":  # mlx-vlm's Responses stream failing: an untyped error event
+        error = json.dumps({"error": f"Generation failed: {os.path.expanduser('~')}/model/x.py"})
+        await send({"type": "http.response.body", "body": f"data: {error}\n\n".encode(), "more_body": False})
+        return
+    while first == "hang" and not current_request.get().cancelled:
         await asyncio.sleep(0.01)
     if body.get("stream"):
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
@@ -56,6 +61,13 @@ async def stub_mlx_vlm(scope, receive, send):
     payload = json.dumps({"forwarded": body}).encode()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": payload})
+
+
+def first_content(body):
+    """The first message's content: chat's and Messages' messages, or Responses' input."""
+    if "messages" in body:
+        return body["messages"][0]["content"]
+    return body["input"] if isinstance(body["input"], str) else body["input"][0].get("content")
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +152,7 @@ def image_body(url):
     ("GET", "/v1/cache/stats", None, 404, "unsupported-endpoint"),
     ("POST", "/v1/cache/reset", None, 404, "unsupported-endpoint"),
     ("GET", "/metrics", None, 404, "unsupported-endpoint"),
-    ("POST", "/v1/responses", {"input": "Hi"}, 404, "unsupported-endpoint"),
+    ("POST", "/v1/responses/input_tokens", {"input": "Hi"}, 404, "unsupported-endpoint"),
     ("POST", "/v1/completions", {"prompt": "Hi"}, 404, "unsupported-endpoint"),
     ("POST", "/v1/embeddings", {"input": "Hi"}, 404, "unsupported-endpoint"),
     ("POST", "/v1/audio/speech", {"input": "Hi"}, 404, "unsupported-endpoint"),
@@ -496,9 +508,10 @@ def test_openapi_describes_the_served_endpoints(client):
     document = client.get("/openapi.json").json()
     assert document == json.loads(json.dumps(openapi_schema(MODEL_ID)))
     assert set(document["paths"]) == {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-                                      "/v1/models", "/v1/models/{model}", "/health"}
+                                      "/v1/responses", "/v1/models", "/v1/models/{model}", "/health"}
     schemas = document["components"]["schemas"]
-    for name, field in (("ChatRequest", "stop"), ("MessagesRequest", "stop_sequences"), ("CountTokensRequest", "tools")):
+    for name, field in (("ChatRequest", "stop"), ("MessagesRequest", "stop_sequences"), ("CountTokensRequest", "tools"),
+                        ("ResponsesRequest", "input")):
         assert schemas[name]["additionalProperties"] is False and field in schemas[name]["properties"]
     assert "max_tokens" in schemas["MessagesRequest"]["required"]
     assert "max_tokens" not in schemas["CountTokensRequest"]["properties"]

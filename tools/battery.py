@@ -33,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash2_http import AnthropicMessage, ChatRequest, CountTokensRequest, Message, MessagesRequest  # noqa: E402
+from dflash2_http import (AnthropicMessage, ChatRequest, CountTokensRequest, Message, MessagesRequest,  # noqa: E402
+                          ResponseMessageItem, ResponsesRequest)
 from records import write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -125,6 +126,39 @@ def messages_probes(quick):
     probes += [messages_probe(f"image source url={url:.40}", {**tiny, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": url}}]}]}) for url in IMAGE_URLS]
     probes += [messages_probe(f"messages body {body!r}", body) for body in ([], "x", None, {})]
+    return probes
+
+
+def responses_probes(quick):
+    """field_probes for OpenAI Responses: every field, input item, content part and image URL."""
+    values = QUICK_VALUES if quick else HOSTILE_VALUES
+    tiny = {"max_output_tokens": 1, "temperature": 0, "input": "Hi"}
+
+    def probe(label, body):
+        return messages_probe(label, body, "/v1/responses")
+
+    probes = [probe(f"responses {name}={value!r:.40}", {**tiny, name: value})
+              for name in [*ResponsesRequest.model_fields, "previous_response_id", "conversation"]
+              for value in values]
+    probes += [probe(f"input[0].{name}={value!r:.40}",
+                     {**tiny, "input": [{"role": "user", "content": "Hi", name: value}]})
+               for name in ResponseMessageItem.model_fields for value in values]
+    items = [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c", "output": "x"},
+             {"type": "reasoning", "summary": []}]
+    probes += [probe(f"item {item['type']}.{name}={value!r:.40}",
+                     {**tiny, "input": [{**item, name: value}, {"role": "user", "content": "Hi"}]})
+               for item in items for name in item for value in values]
+    parts = [{"type": "input_text", "text": "Hi"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]
+    probes += [probe(f"part {part['type']}.{name}={value!r:.40}",
+                     {**tiny, "input": [{"role": "user", "content": [{**part, name: value}]}]})
+               for part in parts for name in part for value in values]
+    probes += [probe(f"input_image image_url={url:.40}", {**tiny, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": url}]}]}) for url in IMAGE_URLS]
+    probes += [probe(f"function_call_output image_url={url:.40}", {**tiny, "input": [
+        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image", "image_url": url}]}]})
+        for url in IMAGE_URLS]
+    probes += [probe(f"responses body {body!r}", body) for body in ([], "x", None, {})]
     return probes
 
 
@@ -288,6 +322,7 @@ def run_batches(server, quick=False) -> Tally:
     tally = Tally(server)
     tally.check_after("start")
     batches = [("fields", field_probes(quick)), ("messages fields", messages_probes(quick)),
+               ("responses fields", responses_probes(quick)),
                ("endpoints", endpoint_probes(quick)),
                ("headers", header_probes(quick))]
     for name, probes in batches:
