@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 EVIDENCE = REPO / "evidence"
 
@@ -521,8 +523,54 @@ def test_a_changed_record_changes_readme_s_results(tmp_path):
     (evidence / "parity-cuda.json").write_text(json.dumps(record))
     table = records.results_table(evidence)
     assert table != readme_results()
-    assert "| 3 (negative controls: 85,190,586) | NVIDIA H200 | [parity-cuda](evidence/parity-cuda.md) (0123456789ab) |" \
-        in table
+    assert ("| 3 (negative controls: 85,190,586) | NVIDIA H200 | [parity-cuda](evidence/parity-cuda.md) "
+            "(no commit recorded, code 0123456789ab) |") in table
+    # A record that names its commit shows it (short), marked where the tree had changes.
+    record.update(git_commit="89abcdef0123456789abcdef0123456789abcdef", git_clean=False)
+    (evidence / "parity-cuda.json").write_text(json.dumps(record))
+    assert "[parity-cuda](evidence/parity-cuda.md) (89abcdef0123, uncommitted changes) |" in records.results_table(evidence)
+
+
+def git(*args, env=None):
+    return subprocess.run(["git", *args], cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_records_readme_quotes_name_commits_head_descends_from(tmp_path):
+    """Every commit a record README quotes names (its own, its round phase's, each end-to-end
+    section's) is an ancestor of HEAD; records from before commits were recorded name none and
+    the table says so. Negative controls, fabricated records: an unknown commit, and a real
+    commit off HEAD's line (made in a scratch object store beside the repository's), fail;
+    HEAD's parent passes."""
+    import os
+
+    import records
+
+    try:
+        head = git("rev-parse", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no git history (a device's copy of the tree)")
+    assert records.commits_outside_history() == [], "a quoted record names a commit HEAD does not descend from"
+    for stem in records.quoted_stems():
+        record = json.loads((EVIDENCE / f"{stem}.json").read_text())
+        assert record.get("git_commit") or "no commit recorded" in records.measured_code(record)
+
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    env = {**os.environ, "GIT_OBJECT_DIRECTORY": str(objects),
+           "GIT_ALTERNATE_OBJECT_DIRECTORIES": git("rev-parse", "--path-format=absolute", "--git-common-dir") + "/objects"}
+    off_line = git("commit-tree", "HEAD^{tree}", "-m", "a commit no branch holds", env=env)
+    evidence = Path(shutil.copytree(EVIDENCE, tmp_path / "evidence"))
+    record = json.loads((evidence / "bench-cuda-27b.json").read_text())
+    sections = {"40": {"git_commit": "0" * 40}, "256": {"git_commit": head}}
+    record.update(git_commit=off_line, git_clean=True, round_process={**record.get("round_process", {}), "git_commit": head},
+                  e2e_by_tokens=sections)
+    (evidence / "bench-cuda-27b.json").write_text(json.dumps(record))
+    assert records.commits_outside_history(evidence, env=env) == [("bench-cuda-27b", off_line),
+                                                                  ("bench-cuda-27b", "0" * 40)]
+    parent = git("rev-parse", "HEAD~1")
+    record.update(git_commit=parent, e2e_by_tokens={"256": {"git_commit": head}})
+    (evidence / "bench-cuda-27b.json").write_text(json.dumps(record))
+    assert records.commits_outside_history(evidence, env=env) == []
 
 
 def test_the_parity_summary_counts_sampled_runs_and_says_how_block_rows_are_drawn():
