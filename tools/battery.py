@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash2_http import ChatRequest, Message  # noqa: E402
-from records import write_record  # noqa: E402
+from records import code_digest, git_state, write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 4}
@@ -382,7 +382,7 @@ def main(argv=None):
 
     pack = args.pack.resolve()
     record = {"command": "python tools/battery.py " + " ".join(argv or sys.argv[1:]), "backend": backend_name(),
-              "servers": {}}
+              "code": code_digest(), **git_state(), "servers": {}}
     with tempfile.TemporaryDirectory(prefix="battery-") as temp:
         workdir = Path(temp)
         for name, script in (("serve_dflash2.py", "serve_dflash2.py"), ("serve.py", "serve.py")):
