@@ -85,7 +85,7 @@ def test_a_split_bench_record_keeps_each_phase_s_own_process():
         rounds.pop(key)
     rounds.update(complete=False, command="python tools/bench.py --part rounds", repeats=7, code="c0de0f0a0000")
     rounds["plain_decode_path"] = {**rounds["plain_decode_path"], "arm": "rotation"}
-    first_phase = {key: rounds[key] for key in ROUND_PROCESS_KEYS}
+    first_phase = {key: rounds.get(key) for key in ROUND_PROCESS_KEYS}  # git_commit: None, from before it
     for run in range(2):
         process = {"command": f"python tools/bench.py --part e2e # {run}", "repeats": 5, "tokens": 32, "code": f"e2e{run}",
                    "plain_decode_path": {"arm": f"arm {run}", "why": "measured", "step_ms_by_arm": {}},
@@ -97,6 +97,72 @@ def test_a_split_bench_record_keeps_each_phase_s_own_process():
     assert "Round phase: `python tools/bench.py --part rounds`, 7 repeats, code c0de0f0a0000" in markdown
     assert "`rotation`" in markdown and "`arm 1`" in markdown
     assert "End-to-end phase, in a second process: `python tools/bench.py --part e2e # 1`, 5 repeats, code e2e1" in markdown
+
+
+def test_bench_keeps_each_token_count_s_pass_and_puts_the_longest_on_top():
+    """--part e2e at 256 tokens, then at 40 (separate device calls), then 256 again: each
+    count's section under e2e_by_tokens, the top-level keys (README's) always the 256 pass's,
+    git_commit and git_clean at top level beside the round phase's own."""
+    from bench import add_e2e_section, start_e2e_phase, summary_markdown, tokens_lines
+
+    record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    record.pop("round_process")
+    record.update(git_commit="a" * 40, git_clean=True)
+    keys = set(record)
+
+    def section(tokens, commit):
+        return {**{key: record[key] for key in ("runtime_status", "plain_decode_path", "round_costs",
+                                                  "drafter_dtype_by_form", "e2e_ms", "e2e_speedup")},
+                "command": f"python tools/bench.py --tokens {tokens}", "code": "c0de", "repeats": 3, "tokens": tokens,
+                "tokens_generated": tokens, "git_commit": commit, "git_clean": True, "tokens_identical": tokens != 40,
+                "e2e_tok_s": {arm: tokens / stats["median"] * 1000 for arm, stats in record["e2e_ms"].items()},
+                "e2e_speedup": {profile: speedup * (1 + tokens / 1000) for profile, speedup in record["e2e_speedup"].items()}}
+
+    for tokens, commit in ((256, "b" * 40), (40, "c" * 40), (256, "d" * 40)):
+        start_e2e_phase(record, {"command": "x", "code": "y", "tokens": tokens, "git_commit": commit})
+        add_e2e_section(record, section(tokens, commit))
+        assert record["tokens_generated"] == 256 and record["complete"]
+        assert record["e2e_speedup"] == record["e2e_by_tokens"]["256"]["e2e_speedup"]
+    assert keys <= set(record) and sorted(record["e2e_by_tokens"], key=int) == ["40", "256"]
+    assert record["git_commit"] == "d" * 40 and record["round_process"]["git_commit"] == "a" * 40
+    assert record["e2e_by_tokens"]["40"]["git_commit"] == "c" * 40
+    lines = tokens_lines(record)
+    assert lines[5].startswith("| 40 | ") and lines[5].endswith(" | False |") and lines[6].startswith("| 256 | ")
+    assert "(tok/s: tokens generated over the request's whole time" in summary_markdown(record)
+    assert " tok/s |" in summary_markdown(record)
+
+
+def test_bench_records_the_acceptance_curve_and_tokens_per_round_at_every_block():
+    """acceptance_model: per profile the curve, expected and measured (over the passes' draws)
+    tokens per round at blocks 2..8; a fixed-block arm that accepted other than its draws is
+    named; the summary renders it."""
+    from bench import PROFILE_TOKENS_PER_ROUND, acceptance_lines, acceptance_record
+
+    from oracle_drafter import DepthAcceptance
+
+    models = {p: DepthAcceptance.calibrated(t) for p, t in PROFILE_TOKENS_PER_ROUND.items()}
+    profiles, blocks, seeds = list(models), [2, 4, 8], [0, 1, 2]
+
+    def arm_name(profile, block):
+        return f"{profile}, block {block}"
+
+    runs = {arm_name(p, b): [(seed, models[p].simulate(b, 256, seed)) for seed in seeds] for p in profiles for b in blocks}
+    runs[arm_name("chat", 4)][1] = (1, [0, 0, 0])  # an arm that did not accept what its draws say
+    model = acceptance_record(models, runs, profiles, blocks, 256, arm_name)
+    assert model["kind"] == "stochastic" and model["seeds"] == seeds
+    assert model["fixed_block_arms_differing_from_draws"] == [["chat, block 4", 1]]
+    code = model["profiles"]["code"]
+    assert code["p_by_depth"][0] == pytest.approx(models["code"].first, abs=1e-6) and len(code["p_by_depth"]) == 7
+    assert list(code["measured_tokens_per_round_by_block"]) == [str(b) for b in range(2, 9)]
+    assert code["measured_tokens_per_round_by_block"]["8"] == code["measured_tokens_per_round_by_fixed_block_arm"]["8"]
+    assert code["measured_tokens_per_round_by_block"]["8"] == pytest.approx(4.5, rel=0.1)
+    assert code["expected_tokens_per_round_by_block"]["8"] == pytest.approx(4.5)
+    assert model["profiles"]["zero"]["measured_tokens_per_round_by_block"]["2"] == 1.0
+    lines = acceptance_lines(json.loads(json.dumps(model)))
+    assert "accepting other than the draws: chat, block 4 (seed 1)" in lines[1]
+    assert any(line.startswith("| code | 0.969 | 0.97 0.87 ") for line in lines)
+    exact = acceptance_record(None, runs, profiles, blocks, 256, arm_name)
+    assert exact["kind"] == "exact-rate" and "exact rate" in acceptance_lines(exact)[1]
 
 
 def test_profiles_are_named_by_their_full_rounds():
