@@ -670,3 +670,33 @@ def test_the_bench_summary_gives_sampled_requests_speedups_by_temperature():
     assert "Sampled requests (top_p 0.95, top_k 20, seed 0; sampled verify draws: per row)" in markdown
     assert "| temperature | chat | code |" in markdown
     assert "| 0.6 | 1.31x (30 / 9; 1) | 1.92x (30 / 9; 0) |" in markdown
+
+
+def test_device_27b_all_lists_the_calls_that_regenerate_readme_s_gpu_records(tmp_path):
+    """`bash tools/device_27b.sh all` names every GPU record README quotes and the device calls
+    that regenerate it at HEAD, each passing the commit; a part README quotes refuses to run
+    where there is no git history and no RECORD_GIT_COMMIT (a device's copy of the tree)."""
+    import os
+
+    import records
+
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    env.pop("RECORD_GIT_COMMIT", None)
+    plan = subprocess.run(["bash", str(REPO / "tools" / "device_27b.sh"), "all"], capture_output=True, text=True,
+                          env=env, timeout=30)
+    assert plan.returncode == 0, plan.stderr
+    gpu = [stem for stem in records.quoted_stems()
+           if json.loads((EVIDENCE / f"{stem}.json").read_text())["backend"] == "cuda"]
+    assert gpu and all(stem in plan.stdout.splitlines()[0] for stem in gpu)
+    calls = [line for line in plan.stdout.splitlines() if "bash tools/device_27b.sh " in line]
+    assert [line.split("device_27b.sh ")[1].split()[0] for line in calls] == ["rounds", "e2e-long", "e2e", "parity", "prefix-4k"]
+    try:
+        head = git("rev-parse", "HEAD")
+        assert all(f"RECORD_GIT_COMMIT={head} " in line for line in calls)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "tools", copy / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    refused = subprocess.run(["bash", str(copy / "tools" / "device_27b.sh"), "parity"], capture_output=True, text=True,
+                             env=env, timeout=30)
+    assert refused.returncode == 3 and "RECORD_GIT_COMMIT=<full hash>" in refused.stderr
