@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 EVIDENCE = REPO / "evidence"
 
@@ -83,7 +85,7 @@ def test_a_split_bench_record_keeps_each_phase_s_own_process():
         rounds.pop(key)
     rounds.update(complete=False, command="python tools/bench.py --part rounds", repeats=7, code="c0de0f0a0000")
     rounds["plain_decode_path"] = {**rounds["plain_decode_path"], "arm": "rotation"}
-    first_phase = {key: rounds[key] for key in ROUND_PROCESS_KEYS}
+    first_phase = {key: rounds.get(key) for key in ROUND_PROCESS_KEYS}  # git_commit: None, from before it
     for run in range(2):
         process = {"command": f"python tools/bench.py --part e2e # {run}", "repeats": 5, "tokens": 32, "code": f"e2e{run}",
                    "plain_decode_path": {"arm": f"arm {run}", "why": "measured", "step_ms_by_arm": {}},
@@ -95,6 +97,72 @@ def test_a_split_bench_record_keeps_each_phase_s_own_process():
     assert "Round phase: `python tools/bench.py --part rounds`, 7 repeats, code c0de0f0a0000" in markdown
     assert "`rotation`" in markdown and "`arm 1`" in markdown
     assert "End-to-end phase, in a second process: `python tools/bench.py --part e2e # 1`, 5 repeats, code e2e1" in markdown
+
+
+def test_bench_keeps_each_token_count_s_pass_and_puts_the_longest_on_top():
+    """--part e2e at 256 tokens, then at 40 (separate device calls), then 256 again: each
+    count's section under e2e_by_tokens, the top-level keys (README's) always the 256 pass's,
+    git_commit and git_clean at top level beside the round phase's own."""
+    from bench import add_e2e_section, start_e2e_phase, summary_markdown, tokens_lines
+
+    record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    record.pop("round_process")
+    record.update(git_commit="a" * 40, git_clean=True)
+    keys = set(record)
+
+    def section(tokens, commit):
+        return {**{key: record[key] for key in ("runtime_status", "plain_decode_path", "round_costs",
+                                                  "drafter_dtype_by_form", "e2e_ms", "e2e_speedup")},
+                "command": f"python tools/bench.py --tokens {tokens}", "code": "c0de", "repeats": 3, "tokens": tokens,
+                "tokens_generated": tokens, "git_commit": commit, "git_clean": True, "tokens_identical": tokens != 40,
+                "e2e_tok_s": {arm: tokens / stats["median"] * 1000 for arm, stats in record["e2e_ms"].items()},
+                "e2e_speedup": {profile: speedup * (1 + tokens / 1000) for profile, speedup in record["e2e_speedup"].items()}}
+
+    for tokens, commit in ((256, "b" * 40), (40, "c" * 40), (256, "d" * 40)):
+        start_e2e_phase(record, {"command": "x", "code": "y", "tokens": tokens, "git_commit": commit})
+        add_e2e_section(record, section(tokens, commit))
+        assert record["tokens_generated"] == 256 and record["complete"]
+        assert record["e2e_speedup"] == record["e2e_by_tokens"]["256"]["e2e_speedup"]
+    assert keys <= set(record) and sorted(record["e2e_by_tokens"], key=int) == ["40", "256"]
+    assert record["git_commit"] == "d" * 40 and record["round_process"]["git_commit"] == "a" * 40
+    assert record["e2e_by_tokens"]["40"]["git_commit"] == "c" * 40
+    lines = tokens_lines(record)
+    assert lines[5].startswith("| 40 | ") and lines[5].endswith(" | False |") and lines[6].startswith("| 256 | ")
+    assert "(tok/s: tokens generated over the request's whole time" in summary_markdown(record)
+    assert " tok/s |" in summary_markdown(record)
+
+
+def test_bench_records_the_acceptance_curve_and_tokens_per_round_at_every_block():
+    """acceptance_model: per profile the curve, expected and measured (over the passes' draws)
+    tokens per round at blocks 2..8; a fixed-block arm that accepted other than its draws is
+    named; the summary renders it."""
+    from bench import PROFILE_TOKENS_PER_ROUND, acceptance_lines, acceptance_record
+
+    from oracle_drafter import DepthAcceptance
+
+    models = {p: DepthAcceptance.calibrated(t) for p, t in PROFILE_TOKENS_PER_ROUND.items()}
+    profiles, blocks, seeds = list(models), [2, 4, 8], [0, 1, 2]
+
+    def arm_name(profile, block):
+        return f"{profile}, block {block}"
+
+    runs = {arm_name(p, b): [(seed, models[p].simulate(b, 256, seed)) for seed in seeds] for p in profiles for b in blocks}
+    runs[arm_name("chat", 4)][1] = (1, [0, 0, 0])  # an arm that did not accept what its draws say
+    model = acceptance_record(models, runs, profiles, blocks, 256, arm_name)
+    assert model["kind"] == "stochastic" and model["seeds"] == seeds
+    assert model["fixed_block_arms_differing_from_draws"] == [["chat, block 4", 1]]
+    code = model["profiles"]["code"]
+    assert code["p_by_depth"][0] == pytest.approx(models["code"].first, abs=1e-6) and len(code["p_by_depth"]) == 7
+    assert list(code["measured_tokens_per_round_by_block"]) == [str(b) for b in range(2, 9)]
+    assert code["measured_tokens_per_round_by_block"]["8"] == code["measured_tokens_per_round_by_fixed_block_arm"]["8"]
+    assert code["measured_tokens_per_round_by_block"]["8"] == pytest.approx(4.5, rel=0.1)
+    assert code["expected_tokens_per_round_by_block"]["8"] == pytest.approx(4.5)
+    assert model["profiles"]["zero"]["measured_tokens_per_round_by_block"]["2"] == 1.0
+    lines = acceptance_lines(json.loads(json.dumps(model)))
+    assert "accepting other than the draws: chat, block 4 (seed 1)" in lines[1]
+    assert any(line.startswith("| code | 0.969 | 0.97 0.87 ") for line in lines)
+    exact = acceptance_record(None, runs, profiles, blocks, 256, arm_name)
+    assert exact["kind"] == "exact-rate" and "exact rate" in acceptance_lines(exact)[1]
 
 
 def test_profiles_are_named_by_their_full_rounds():
@@ -521,8 +589,54 @@ def test_a_changed_record_changes_readme_s_results(tmp_path):
     (evidence / "parity-cuda.json").write_text(json.dumps(record))
     table = records.results_table(evidence)
     assert table != readme_results()
-    assert "| 3 (negative controls: 85,190,586) | NVIDIA H200 | [parity-cuda](evidence/parity-cuda.md) (0123456789ab) |" \
-        in table
+    assert ("| 3 (negative controls: 85,190,586) | NVIDIA H200 | [parity-cuda](evidence/parity-cuda.md) "
+            "(no commit recorded, code 0123456789ab) |") in table
+    # A record that names its commit shows it (short), marked where the tree had changes.
+    record.update(git_commit="89abcdef0123456789abcdef0123456789abcdef", git_clean=False)
+    (evidence / "parity-cuda.json").write_text(json.dumps(record))
+    assert "[parity-cuda](evidence/parity-cuda.md) (89abcdef0123, uncommitted changes) |" in records.results_table(evidence)
+
+
+def git(*args, env=None):
+    return subprocess.run(["git", *args], cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_records_readme_quotes_name_commits_head_descends_from(tmp_path):
+    """Every commit a record README quotes names (its own, its round phase's, each end-to-end
+    section's) is an ancestor of HEAD; records from before commits were recorded name none and
+    the table says so. Negative controls, fabricated records: an unknown commit, and a real
+    commit off HEAD's line (made in a scratch object store beside the repository's), fail;
+    HEAD's parent passes."""
+    import os
+
+    import records
+
+    try:
+        head = git("rev-parse", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no git history (a device's copy of the tree)")
+    assert records.commits_outside_history() == [], "a quoted record names a commit HEAD does not descend from"
+    for stem in records.quoted_stems():
+        record = json.loads((EVIDENCE / f"{stem}.json").read_text())
+        assert record.get("git_commit") or "no commit recorded" in records.measured_code(record)
+
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    env = {**os.environ, "GIT_OBJECT_DIRECTORY": str(objects),
+           "GIT_ALTERNATE_OBJECT_DIRECTORIES": git("rev-parse", "--path-format=absolute", "--git-common-dir") + "/objects"}
+    off_line = git("commit-tree", "HEAD^{tree}", "-m", "a commit no branch holds", env=env)
+    evidence = Path(shutil.copytree(EVIDENCE, tmp_path / "evidence"))
+    record = json.loads((evidence / "bench-cuda-27b.json").read_text())
+    sections = {"40": {"git_commit": "0" * 40}, "256": {"git_commit": head}}
+    record.update(git_commit=off_line, git_clean=True, round_process={**record.get("round_process", {}), "git_commit": head},
+                  e2e_by_tokens=sections)
+    (evidence / "bench-cuda-27b.json").write_text(json.dumps(record))
+    assert records.commits_outside_history(evidence, env=env) == [("bench-cuda-27b", off_line),
+                                                                  ("bench-cuda-27b", "0" * 40)]
+    parent = git("rev-parse", "HEAD~1")
+    record.update(git_commit=parent, e2e_by_tokens={"256": {"git_commit": head}})
+    (evidence / "bench-cuda-27b.json").write_text(json.dumps(record))
+    assert records.commits_outside_history(evidence, env=env) == []
 
 
 def test_the_parity_summary_counts_sampled_runs_and_says_how_block_rows_are_drawn():
@@ -556,3 +670,33 @@ def test_the_bench_summary_gives_sampled_requests_speedups_by_temperature():
     assert "Sampled requests (top_p 0.95, top_k 20, seed 0; sampled verify draws: per row)" in markdown
     assert "| temperature | chat | code |" in markdown
     assert "| 0.6 | 1.31x (30 / 9; 1) | 1.92x (30 / 9; 0) |" in markdown
+
+
+def test_device_27b_all_lists_the_calls_that_regenerate_readme_s_gpu_records(tmp_path):
+    """`bash tools/device_27b.sh all` names every GPU record README quotes and the device calls
+    that regenerate it at HEAD, each passing the commit; a part README quotes refuses to run
+    where there is no git history and no RECORD_GIT_COMMIT (a device's copy of the tree)."""
+    import os
+
+    import records
+
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    env.pop("RECORD_GIT_COMMIT", None)
+    plan = subprocess.run(["bash", str(REPO / "tools" / "device_27b.sh"), "all"], capture_output=True, text=True,
+                          env=env, timeout=30)
+    assert plan.returncode == 0, plan.stderr
+    gpu = [stem for stem in records.quoted_stems()
+           if json.loads((EVIDENCE / f"{stem}.json").read_text())["backend"] == "cuda"]
+    assert gpu and all(stem in plan.stdout.splitlines()[0] for stem in gpu)
+    calls = [line for line in plan.stdout.splitlines() if "bash tools/device_27b.sh " in line]
+    assert [line.split("device_27b.sh ")[1].split()[0] for line in calls] == ["rounds", "e2e-long", "e2e", "parity", "prefix-4k"]
+    try:
+        head = git("rev-parse", "HEAD")
+        assert all(f"RECORD_GIT_COMMIT={head} " in line for line in calls)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "tools", copy / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    refused = subprocess.run(["bash", str(copy / "tools" / "device_27b.sh"), "parity"], capture_output=True, text=True,
+                             env=env, timeout=30)
+    assert refused.returncode == 3 and "RECORD_GIT_COMMIT=<full hash>" in refused.stderr

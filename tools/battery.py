@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from dflash2_http import (AnthropicMessage, ChatRequest, CountTokensRequest, Message, MessagesRequest,  # noqa: E402
                           ResponseMessageItem, ResponsesRequest)
-from records import write_record  # noqa: E402
+from records import code_digest, git_state, write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 4}
@@ -446,7 +446,7 @@ def main(argv=None):
 
     pack = args.pack.resolve()
     record = {"command": "python tools/battery.py " + " ".join(argv or sys.argv[1:]), "backend": backend_name(),
-              "servers": {}}
+              "code": code_digest(), **git_state(), "servers": {}}
     with tempfile.TemporaryDirectory(prefix="battery-") as temp:
         workdir = Path(temp)
         for name, script in (("serve_dflash2.py", "serve_dflash2.py"), ("serve.py", "serve.py")):

@@ -14,7 +14,12 @@ plain against speculative with the oracle drafter (paying the real drafter's cos
 round) at the acceptance profiles below, under the round policy and at each fixed block of
 --fixed-blocks; for sampled requests (--sampled-temperatures), plain seeded sampling against
 the round policy with the oracle proposing plain seeded sampling's tokens at the same
-profiles; token identity. It writes
+profiles; token identity. The oracle's acceptance is stochastic by default (--acceptance:
+oracle_drafter.DepthAcceptance, each profile's per-depth curve calibrated to its tokens per
+round at block 8, the draws seeded by the pass so every arm of a pass sees the same ones),
+recorded with the tokens per round it gives at every block under acceptance_model. --tokens
+takes a list (40,256): one end-to-end pass per count, each under e2e_by_tokens with tok/s,
+the longest's figures on top of the record (tokens_generated says which). It writes
 evidence/bench-<backend>-<size>.json and .md. `--size tiny` runs the same on the tiny
 pack; `--pack DIR` measures a built pack's own target and drafter. `--part rounds` stops
 after the round phase and `--part e2e` runs only the end-to-end phase, in a second process,
@@ -51,7 +56,7 @@ import dflash2_runtime  # noqa: E402
 import dflash2_sampling  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
-from oracle_drafter import OracleDrafter  # noqa: E402
+from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
 from parity import greedy  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -73,7 +78,7 @@ PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.
 GB = 1e9
 # What a split run's round phase keeps of its own process when --part e2e adds to its record.
 ROUND_PROCESS_KEYS = ("runtime_status", "plain_decode_path", "round_costs", "drafter_dtype_by_form",
-                      "command", "repeats", "code")
+                      "command", "repeats", "code", "git_commit", "git_clean")
 
 
 def prefill(lm, tokens, taps):
@@ -210,8 +215,55 @@ def start_e2e_phase(record: dict, process: dict) -> None:
     """A round-phase record, ready for this process's end-to-end phase: the round phase's
     own process figures kept under round_process (a second e2e run keeps the first's), this
     process's start-up measurements, command, tokens and repeats on top."""
-    record.setdefault("round_process", {key: record[key] for key in ROUND_PROCESS_KEYS})
+    # (records from before git_commit was recorded: None)
+    record.setdefault("round_process", {key: record.get(key) for key in ROUND_PROCESS_KEYS})
     record.update(process)
+
+
+def add_e2e_section(record: dict, section: dict) -> None:
+    """An end-to-end pass's figures (at section["tokens"] tokens a request) into the record:
+    kept under e2e_by_tokens by their count, a pass at the same count replacing the earlier
+    one, and the longest count's section on top, where the record's end-to-end keys have
+    always been (whatever order separate --part e2e calls ran in)."""
+    by_tokens = record.setdefault("e2e_by_tokens", {})
+    by_tokens[str(section["tokens"])] = section
+    record.update(by_tokens[max(by_tokens, key=int)], complete=True)
+
+
+def acceptance_record(acceptance, accepted_runs: dict, profiles: list, fixed_blocks: list, tokens: int, arm_name) -> dict:
+    """The record's acceptance_model for one end-to-end pass: per profile the stochastic
+    model's per-depth curve, its expected tokens per round at every block, and the tokens per
+    round it gives at every block over the passes' draws (DepthAcceptance.simulate, with
+    each pass's seed: what a fixed-block arm accepts; the fixed-block arms that ran are
+    checked against it); for the exact-rate pattern, what its fixed-block arms measured."""
+    def measured(runs):
+        return statistics.mean(full_round_tokens(lens) for lens in runs)
+
+    by_arm = {profile: {str(block): measured([lens for _, lens in accepted_runs[arm_name(profile, block)]])
+                        for block in fixed_blocks} for profile in profiles}
+    if acceptance is None:
+        return {"kind": "exact-rate",
+                "accepted_per_round": {profile: PROFILE_TOKENS_PER_ROUND[profile] - 1 for profile in profiles},
+                "measured_tokens_per_round_by_fixed_block_arm": by_arm}
+    seeds = [seed for seed, _ in accepted_runs[arm_name(profiles[0], BLOCK)]]
+    differing = []  # (arm, seed) whose accepted drafts are not what the draws give
+    curves = {}
+    for profile in profiles:
+        model = acceptance[profile]
+        for block in fixed_blocks:
+            arm = arm_name(profile, block)
+            differing += [[arm, seed] for seed, lens in accepted_runs[arm] if lens != model.simulate(block, tokens, seed)]
+        curves[profile] = {
+            **model.to_json(BLOCK),
+            "target_tokens_per_round_at_block_8": PROFILE_TOKENS_PER_ROUND[profile],
+            "measured_tokens_per_round_by_block": {
+                str(block): measured([model.simulate(block, tokens, seed) for seed in seeds]) for block in range(2, BLOCK + 1)},
+            "measured_tokens_per_round_by_fixed_block_arm": by_arm[profile],
+        }
+    return {"kind": "stochastic",
+            "draws": "per continuation index and depth, seeded by the pass: the same in every arm of a pass",
+            "seeds": seeds, "tokens": tokens, "profiles": curves,
+            "fixed_block_arms_differing_from_draws": differing}
 
 
 def full_round_tokens(accepted: list) -> float:
@@ -238,7 +290,16 @@ def main():
     parser.add_argument("--pack", help="measure a built pack instead of random weights")
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--context", type=int, default=32, help="prompt tokens before timing")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per end-to-end run")
+    parser.add_argument("--tokens", default="64",
+                        help="tokens per end-to-end run; a list (40,256): one end-to-end pass per count, "
+                        "the longest's figures on top of the record, each under e2e_by_tokens")
+    parser.add_argument("--acceptance", choices=["stochastic", "exact-rate"], default="stochastic",
+                        help="which drafts the oracle gets right: stochastic (oracle_drafter.DepthAcceptance, "
+                        "calibrated per profile at block 8) or exact-rate (a fixed count a round, any block)")
+    parser.add_argument("--acceptance-depth-decay", type=float, default=DEFAULT_DEPTH_DECAY,
+                        help="r of the stochastic model's curve p_k = a r^(k-1)")
+    parser.add_argument("--acceptance-seed", type=int, default=0,
+                        help="the stochastic model's draws in the warm-up pass; pass n draws at this + n")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lead-in-tokens", type=int, default=8,
                         help="an untimed run this long of the same arm before each timed end-to-end run (0: none)")
@@ -270,6 +331,7 @@ def main():
     if BLOCK not in fixed_blocks or not all(2 <= block <= BLOCK for block in fixed_blocks):
         parser.error(f"--fixed-blocks: blocks 2..{BLOCK}, including {BLOCK} (the profiles are named at it)")
     profiles = args.profiles.split(",")
+    token_counts = sorted({int(count) for count in args.tokens.split(",")})
     temperatures = [float(t) for t in args.sampled_temperatures.split(",") if t]
     if not profiles or not set(profiles) <= set(PROFILE_TOKENS_PER_ROUND):
         parser.error(f"--profiles: some of {', '.join(PROFILE_TOKENS_PER_ROUND)}")
@@ -333,7 +395,7 @@ def main():
     }
     if args.part == "e2e":
         start_e2e_phase(record, {**process, "command": environment["command"], "code": environment["code"],
-                                 "tokens": args.tokens,
+                                 "tokens": token_counts[-1],
                                  "repeats": args.repeats})
     else:
         cache, hidden = prefill(lm, prompt, taps)
@@ -371,7 +433,7 @@ def main():
             "complete": False,  # the end-to-end part follows; a run cut short keeps this much
             **process,
             "context_tokens": args.context,
-            "tokens": args.tokens,
+            "tokens": token_counts[-1],
             "repeats": args.repeats,
             "decode_step_ms": decode_ms,
             "round_ms": rounds,
@@ -393,238 +455,268 @@ def main():
 
     # End to end: plain under each decode arm ("mlx" is stock), and per profile the round
     # policy and each fixed block, interleaved in one loop (each sample after a lead-in run
-    # of its own arm) so every arm sees the same machine.
+    # of its own arm) so every arm sees the same machine; one such loop per --tokens count.
     vocab = lm.lm_head.weight.shape[0]
     prompt_ids = mx.array([prompt[:8]])
     dflash2_runtime.use_decode_arm("mlx")
-    # Each arm's tokens must be its reference's: plain greedy's, or plain seeded sampling's at
-    # its temperature (what the oracle proposes for sampled requests).
-    references = {temperature: greedy(model, prompt_ids, args.tokens, sampler=sampled_sampler(temperature))
-                  for temperature in [None, *temperatures]}
     # As a server starts: how a verify block's rows are drawn (self-test at this vocabulary).
     block_sampling = dflash2_sampling.choose_block_sampling(vocab) if temperatures else None
     if block_sampling:
         log(block_sampling.summary())
-    identical_by_arm, oracles, tables_before, seeds_before = {}, {}, {}, {}
-    token_gaps = {}  # arm -> each full run's gaps between tokens handed on (the first: from the start)
+    # Which drafts the oracle gets right: per profile, the stochastic model's curve (the draws
+    # at seed --acceptance-seed + the pass, the warm-up pass 0: the same in every arm of a
+    # pass), or the exact-rate pattern (a fixed count a round, whatever the block).
+    acceptance = ({profile: DepthAcceptance.calibrated(PROFILE_TOKENS_PER_ROUND[profile], BLOCK,
+                                                       args.acceptance_depth_decay) for profile in profiles}
+                  if args.acceptance == "stochastic" else None)
 
-    def timed_greedy(key, tokens, **kwargs):
-        arrivals = [time.perf_counter()]
-        output = greedy(model, prompt_ids, tokens, arrivals=arrivals, **kwargs)
-        if tokens == args.tokens:
-            token_gaps.setdefault(key, []).append([1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])])
-        return output
+    def e2e_pass(count):
+        """The end-to-end arms at `count` tokens a request: this count's section of the record."""
+        # Each arm's tokens must be its reference's: plain greedy's, or plain seeded sampling's at
+        # its temperature (what the oracle proposes for sampled requests).
+        references = {temperature: greedy(model, prompt_ids, count, sampler=sampled_sampler(temperature))
+                      for temperature in [None, *temperatures]}
+        identical_by_arm, oracles, tables_before, seeds_before = {}, {}, {}, {}
+        token_gaps = {}  # arm -> each full run's gaps between tokens handed on (the first: from the start)
 
-    def plain_arm(arm, temperature=None):
-        key = plain_name(arm, temperature)
+        def timed_greedy(key, tokens, **kwargs):
+            arrivals = [time.perf_counter()]
+            output = greedy(model, prompt_ids, tokens, arrivals=arrivals, **kwargs)
+            if tokens == count:
+                token_gaps.setdefault(key, []).append([1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])])
+            return output
 
-        def run(tokens):
-            dflash2_runtime.use_decode_arm(arm)
-            output = timed_greedy(key, tokens, sampler=sampled_sampler(temperature))
-            if tokens == args.tokens:
-                identical_by_arm[key] = output == references[temperature]
+        def plain_arm(arm, temperature=None):
+            key = plain_name(arm, temperature)
 
-        return run
+            def run(tokens):
+                dflash2_runtime.use_decode_arm(arm)
+                output = timed_greedy(key, tokens, sampler=sampled_sampler(temperature))
+                if tokens == count:
+                    identical_by_arm[key] = output == references[temperature]
 
-    def plain_name(arm, temperature=None):
-        return f"plain {arm}" + (f", sampled {temperature:g}" if temperature is not None else "")
+            return run
 
-    memories = {}  # policy arm -> its AcceptanceMemory, kept across the arm's runs
-    routes = {}  # policy arm -> its SpeculativeRoute: each run routed as the server would
-    routed_plain = {}  # policy arm -> its full runs the route sent plain
+        def plain_name(arm, temperature=None):
+            return f"plain {arm}" + (f", sampled {temperature:g}" if temperature is not None else "")
 
-    def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False, prior_depth_decay=None,
-                        temperature=None):
-        """block None: the round policy (ceiling BLOCK), as the server runs it: each run
-        starts from the acceptance the arm's earlier runs left (the server's drafter keeps
-        an AcceptanceMemory across requests), or, with first_request, from none (a
-        server's first request, or a drafter the server did not measure); with
-        prior_depth_decay, under that value of the policy's constant instead; with
-        temperature, a sampled request (routed and remembered as the server does those)."""
-        accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
-        key = arm_name(profile, block, drafter, first_request, prior_depth_decay, temperature)
-        sampler = sampled_sampler(temperature)
-        kind = dflash2_policy.GREEDY if temperature is None else dflash2_policy.SAMPLED
-        if block is None and not first_request:
-            memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
-            routes[key] = dflash2_policy.SpeculativeRoute()
+        memories = {}  # policy arm -> its AcceptanceMemory, kept across the arm's runs
+        accepted_runs = {}  # arm -> each full run's (acceptance seed, accepted drafts per round)
+        routes = {}  # policy arm -> its SpeculativeRoute: each run routed as the server would
+        routed_plain = {}  # policy arm -> its full runs the route sent plain
 
-        def run(tokens):
-            dflash2_runtime.use_decode_arm(chosen_arm)
-            dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
-            oracle = OracleDrafter(
-                references[temperature], prompt_length=prompt_ids.shape[1], vocab_size=vocab, accepted_per_round=accepted, block_size=block or BLOCK,
-                target_layer_ids=taps, cost_drafter=drafter,
-            )
-            oracle.round_costs = costs
-            oracle.prefer_requested_block_size = block is not None
-            if key in memories:
-                oracle.acceptance_memory = memories[key]
-            table = costs.to_json()  # the learning table this run's policy starts from
-            # The acceptance its first choice reads (what the arm's earlier runs left), and how many
-            # requests the memory saw.
-            seed = ({"rates": memories[key].estimate.seeded(dflash2_policy.MEMORY_WEIGHT).conditional(),
-                     "requests_before": memories[key].requests} if key in memories else None)
-            default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
-            dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
-            try:
-                if key in routes and not routes[key](oracle, kind):  # the server would route it plain
-                    output = timed_greedy(key, tokens, sampler=sampler)
-                    oracle.round_counts = dflash2_policy.RoundCounts(tokens_from_plain_steps=len(output) - 1)
-                    routed_plain[key] = routed_plain.get(key, 0) + (tokens == args.tokens)
-                else:
-                    output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK, sampler=sampler)
-            finally:
-                dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
-            if tokens == args.tokens:
-                tables_before[key], oracles[key] = table, oracle
-                identical_by_arm[key] = output == references[temperature]
-                seeds_before[key] = seed
+        def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False, prior_depth_decay=None,
+                            temperature=None):
+            """block None: the round policy (ceiling BLOCK), as the server runs it: each run
+            starts from the acceptance the arm's earlier runs left (the server's drafter keeps
+            an AcceptanceMemory across requests), or, with first_request, from none (a
+            server's first request, or a drafter the server did not measure); with
+            prior_depth_decay, under that value of the policy's constant instead; with
+            temperature, a sampled request (routed and remembered as the server does those)."""
+            accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
+            key = arm_name(profile, block, drafter, first_request, prior_depth_decay, temperature)
+            sampler = sampled_sampler(temperature)
+            kind = dflash2_policy.GREEDY if temperature is None else dflash2_policy.SAMPLED
+            if block is None and not first_request:
+                memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
+                routes[key] = dflash2_policy.SpeculativeRoute()
 
-        return run
+            def run(tokens):
+                dflash2_runtime.use_decode_arm(chosen_arm)
+                dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
+                # The pass this run belongs to (each arm runs once a pass, the warm-up pass 0; a
+                # lead-in run takes the pass of the full run after it): its acceptance draws.
+                draws_seed = args.acceptance_seed + len(accepted_runs.get(key, []))
+                oracle = OracleDrafter(
+                    references[temperature], prompt_length=prompt_ids.shape[1], vocab_size=vocab,
+                    accepted_per_round=None if acceptance else accepted,
+                    acceptance=acceptance[profile] if acceptance else None, seed=draws_seed,
+                    block_size=block or BLOCK, target_layer_ids=taps, cost_drafter=drafter,
+                )
+                oracle.round_costs = costs
+                oracle.prefer_requested_block_size = block is not None
+                if key in memories:
+                    oracle.acceptance_memory = memories[key]
+                table = costs.to_json()  # the learning table this run's policy starts from
+                # The acceptance its first choice reads (what the arm's earlier runs left), and how many
+                # requests the memory saw.
+                seed = ({"rates": memories[key].estimate.seeded(dflash2_policy.MEMORY_WEIGHT).conditional(),
+                         "requests_before": memories[key].requests} if key in memories else None)
+                default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
+                dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
+                try:
+                    if key in routes and not routes[key](oracle, kind):  # the server would route it plain
+                        output = timed_greedy(key, tokens, sampler=sampler)
+                        oracle.round_counts = dflash2_policy.RoundCounts(tokens_from_plain_steps=len(output) - 1)
+                        routed_plain[key] = routed_plain.get(key, 0) + (tokens == count)
+                    else:
+                        output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK, sampler=sampler)
+                finally:
+                    dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
+                if tokens == count:
+                    accepted_runs.setdefault(key, []).append((draws_seed, list(oracle.accept_lens)))
+                    tables_before[key], oracles[key] = table, oracle
+                    identical_by_arm[key] = output == references[temperature]
+                    seeds_before[key] = seed
 
-    def arm_name(profile, block, drafter=cost_drafter, first_request=False, prior_depth_decay=None, temperature=None):
-        name = f"{profile}, {'policy' if block is None else f'block {block}'}"
-        name += ", first request" if first_request else ""
-        name += f", prior depth decay {prior_depth_decay:g}" if prior_depth_decay else ""
-        name += f", sampled {temperature:g}" if temperature is not None else ""
-        return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
+            return run
 
-    def after_lead_in(run):
-        """A sample: a short untimed run of the same arm, then the timed one. A server runs
-        one configuration request after request; without the lead-in each sample would
-        follow another arm's (decode path, block or drafter), which leaves MLX's CUDA graph
-        cache and buffer cache in states no server sees. (On the H200 zero acceptance once
-        lost about a fifth to plain here, with and without the lead-in; later, routed plain,
-        it ran 15-21% faster than the plain arm, which then always came right after stock
-        mlx's: dflash2_policy.pass_order now changes what comes before each arm.)"""
-        def sample():
-            if args.lead_in_tokens:
-                run(args.lead_in_tokens)
-            return dflash2_policy.timed_ms(lambda: run(args.tokens))()
+        def arm_name(profile, block, drafter=cost_drafter, first_request=False, prior_depth_decay=None, temperature=None):
+            name = f"{profile}, {'policy' if block is None else f'block {block}'}"
+            name += ", first request" if first_request else ""
+            name += f", prior depth decay {prior_depth_decay:g}" if prior_depth_decay else ""
+            name += f", sampled {temperature:g}" if temperature is not None else ""
+            return name if drafter is cost_drafter else f"{name}, {drafter_names[id(drafter)]} drafter"
 
-        return sample
+        def after_lead_in(run):
+            """A sample: a short untimed run of the same arm, then the timed one. A server runs
+            one configuration request after request; without the lead-in each sample would
+            follow another arm's (decode path, block or drafter), which leaves MLX's CUDA graph
+            cache and buffer cache in states no server sees. (On the H200 zero acceptance once
+            lost about a fifth to plain here, with and without the lead-in; later, routed plain,
+            it ran 15-21% faster than the plain arm, which then always came right after stock
+            mlx's: dflash2_policy.pass_order now changes what comes before each arm.)"""
+            def sample():
+                if args.lead_in_tokens:
+                    run(args.lead_in_tokens)
+                return dflash2_policy.timed_ms(lambda: run(count))()
 
-    drafted_profiles = [profile for profile in profiles if profile != "zero"]  # where drafter forms differ
-    decode_arms = [arm for arm in dflash2_runtime.DECODE_ARMS if args.all_decode_arms or arm in ("mlx", chosen_arm)]
-    arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in decode_arms}
-    for profile in profiles:
-        arms[arm_name(profile, None)] = after_lead_in(speculative_arm(profile))
-        if args.first_request_arms:
-            arms[arm_name(profile, None, first_request=True)] = after_lead_in(speculative_arm(profile, first_request=True))
-        for block in fixed_blocks:
-            arms[arm_name(profile, block)] = after_lead_in(speculative_arm(profile, block))
-        for decay in args.compare_prior_depth_decay:
-            arms[arm_name(profile, None, prior_depth_decay=decay)] = after_lead_in(
-                speculative_arm(profile, prior_depth_decay=decay))
-    # Sampled requests: plain seeded sampling on the chosen path, and the round policy per profile.
-    for temperature in temperatures:
-        arms[plain_name(chosen_arm, temperature)] = after_lead_in(plain_arm(chosen_arm, temperature))
+            return sample
+
+        drafted_profiles = [profile for profile in profiles if profile != "zero"]  # where drafter forms differ
+        decode_arms = [arm for arm in dflash2_runtime.DECODE_ARMS if args.all_decode_arms or arm in ("mlx", chosen_arm)]
+        arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in decode_arms}
         for profile in profiles:
-            arms[arm_name(profile, None, temperature=temperature)] = after_lead_in(
-                speculative_arm(profile, temperature=temperature))
-    # The other drafter forms' cost at the same acceptance, block 8 (proposals may differ
-    # with real weights; the tokens may not).
-    for form, drafter in drafters.items():
-        if drafter is not cost_drafter:
-            for profile in drafted_profiles:
-                arms[arm_name(profile, BLOCK, drafter)] = after_lead_in(speculative_arm(profile, BLOCK, drafter))
-    try:
-        e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats, deadline)
-    except TimeoutError as error:
-        sys.exit(f"error: --deadline-s {args.deadline_s:g}: {error}")
-    dflash2_runtime.use_decode_arm(chosen_arm)
-    plain = e2e_ms[f"plain {chosen_arm}"]
-    speedup = {name: dflash2_policy.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
-    e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
-    e2e_first = {profile: speedup[arm_name(profile, None, first_request=True)]
-                 for profile in profiles if args.first_request_arms}
-    e2e_fixed = {
-        profile: {str(block): speedup[arm_name(profile, block)] for block in fixed_blocks}
-        for profile in profiles
-    }
-    best_fixed = {profile: max(e2e_fixed[profile].values()) for profile in profiles}
-    policy_vs_best_fixed = {profile: e2e[profile] / best_fixed[profile] for profile in profiles}
-    # The policy / best fixed block under each candidate value of PRIOR_DEPTH_DECAY (memory arms).
-    candidate_decay_vs_best_fixed = {
-        f"{decay:g}": {profile: speedup[arm_name(profile, None, prior_depth_decay=decay)] / best_fixed[profile]
-                       for profile in profiles}
-        for decay in args.compare_prior_depth_decay
-    }
-    first_vs_best_fixed = {profile: first / best_fixed[profile] for profile, first in e2e_first.items()}
-    policy_arms = {f"{profile}{suffix}": arm_name(profile, None, first_request=bool(suffix))
-                   for profile in profiles for suffix in ("", ", first request")[: 1 + args.first_request_arms]}
-    round_counts = {name: vars(oracles[arm].round_counts) for name, arm in policy_arms.items()}
-    # Each round's drafts (block - 1) in the policy's last run per profile: what it chose.
-    policy_drafts = {name: oracles[arm].draft_lens for name, arm in policy_arms.items()}
-    # Profiles are named by tokens per round at block 8.
-    block_runs = {profile: oracles[arm_name(profile, BLOCK)] for profile in profiles}
-    tokens_per_round = {profile: full_round_tokens(run.accept_lens) for profile, run in block_runs.items()}
-    tokens_per_round_whole_run = {
-        profile: (args.tokens - 1) / max(1, len(run.accept_lens)) for profile, run in block_runs.items()
-    }
-    e2e_by_form = {
-        form: {profile: speedup[arm_name(profile, BLOCK, drafter)] for profile in drafted_profiles}
-        for form, drafter in drafters.items() if drafter is not cost_drafter
-    }
-    identical = all(identical_by_arm.values())
-    sampled_arms = {f"{t:g}": {profile: arm_name(profile, None, temperature=t) for profile in profiles}
-                    for t in temperatures}
-    e2e_sampled = {t: {profile: dflash2_policy.paired_ratio(e2e_ms[plain_name(chosen_arm, float(t))], e2e_ms[arm])
-                       for profile, arm in by_profile.items()}
-                   for t, by_profile in sampled_arms.items()}
-    # Where the time goes: per token position, the median gap over the timed runs (the
-    # warm-up pass left out), for plain on the chosen path and each profile's policy.
-    gap_arms = [f"plain {chosen_arm}", *policy_arms.values()]
-    token_gap_medians = {arm: [round(statistics.median(gaps), 2) for gaps in zip(*token_gaps[arm][1:])]
-                         for arm in gap_arms}
-    log(f"e2e (policy) {e2e}; policy / best fixed block {policy_vs_best_fixed}; "
-        f"tokens per round at block {BLOCK} {tokens_per_round}; identical {identical}")
+            arms[arm_name(profile, None)] = after_lead_in(speculative_arm(profile))
+            if args.first_request_arms:
+                arms[arm_name(profile, None, first_request=True)] = after_lead_in(speculative_arm(profile, first_request=True))
+            for block in fixed_blocks:
+                arms[arm_name(profile, block)] = after_lead_in(speculative_arm(profile, block))
+            for decay in args.compare_prior_depth_decay:
+                arms[arm_name(profile, None, prior_depth_decay=decay)] = after_lead_in(
+                    speculative_arm(profile, prior_depth_decay=decay))
+        # Sampled requests: plain seeded sampling on the chosen path, and the round policy per profile.
+        for temperature in temperatures:
+            arms[plain_name(chosen_arm, temperature)] = after_lead_in(plain_arm(chosen_arm, temperature))
+            for profile in profiles:
+                arms[arm_name(profile, None, temperature=temperature)] = after_lead_in(
+                    speculative_arm(profile, temperature=temperature))
+        # The other drafter forms' cost at the same acceptance, block 8 (proposals may differ
+        # with real weights; the tokens may not).
+        for form, drafter in drafters.items():
+            if drafter is not cost_drafter:
+                for profile in drafted_profiles:
+                    arms[arm_name(profile, BLOCK, drafter)] = after_lead_in(speculative_arm(profile, BLOCK, drafter))
+        try:
+            e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats, deadline)
+        except TimeoutError as error:
+            sys.exit(f"error: --deadline-s {args.deadline_s:g}: {error}")
+        dflash2_runtime.use_decode_arm(chosen_arm)
+        plain = e2e_ms[f"plain {chosen_arm}"]
+        speedup = {name: dflash2_policy.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
+        e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
+        e2e_first = {profile: speedup[arm_name(profile, None, first_request=True)]
+                     for profile in profiles if args.first_request_arms}
+        e2e_fixed = {
+            profile: {str(block): speedup[arm_name(profile, block)] for block in fixed_blocks}
+            for profile in profiles
+        }
+        best_fixed = {profile: max(e2e_fixed[profile].values()) for profile in profiles}
+        policy_vs_best_fixed = {profile: e2e[profile] / best_fixed[profile] for profile in profiles}
+        # The policy / best fixed block under each candidate value of PRIOR_DEPTH_DECAY (memory arms).
+        candidate_decay_vs_best_fixed = {
+            f"{decay:g}": {profile: speedup[arm_name(profile, None, prior_depth_decay=decay)] / best_fixed[profile]
+                           for profile in profiles}
+            for decay in args.compare_prior_depth_decay
+        }
+        first_vs_best_fixed = {profile: first / best_fixed[profile] for profile, first in e2e_first.items()}
+        policy_arms = {f"{profile}{suffix}": arm_name(profile, None, first_request=bool(suffix))
+                       for profile in profiles for suffix in ("", ", first request")[: 1 + args.first_request_arms]}
+        round_counts = {name: vars(oracles[arm].round_counts) for name, arm in policy_arms.items()}
+        # Each round's drafts (block - 1) in the policy's last run per profile: what it chose.
+        policy_drafts = {name: oracles[arm].draft_lens for name, arm in policy_arms.items()}
+        # Profiles are named by tokens per round at block 8: the mean over the arm's full runs
+        # (the passes' draws differ under the stochastic model).
+        block_runs = {profile: [lens for _, lens in accepted_runs[arm_name(profile, BLOCK)]] for profile in profiles}
+        tokens_per_round = {profile: statistics.mean(map(full_round_tokens, runs)) for profile, runs in block_runs.items()}
+        tokens_per_round_whole_run = {
+            profile: statistics.mean((count - 1) / max(1, len(lens)) for lens in runs) for profile, runs in block_runs.items()
+        }
+        acceptance_model = acceptance_record(acceptance, accepted_runs, profiles, fixed_blocks, count, arm_name)
+        e2e_by_form = {
+            form: {profile: speedup[arm_name(profile, BLOCK, drafter)] for profile in drafted_profiles}
+            for form, drafter in drafters.items() if drafter is not cost_drafter
+        }
+        identical = all(identical_by_arm.values())
+        sampled_arms = {f"{t:g}": {profile: arm_name(profile, None, temperature=t) for profile in profiles}
+                        for t in temperatures}
+        e2e_sampled = {t: {profile: dflash2_policy.paired_ratio(e2e_ms[plain_name(chosen_arm, float(t))], e2e_ms[arm])
+                           for profile, arm in by_profile.items()}
+                       for t, by_profile in sampled_arms.items()}
+        # Where the time goes: per token position, the median gap over the timed runs (the
+        # warm-up pass left out), for plain on the chosen path and each profile's policy.
+        gap_arms = [f"plain {chosen_arm}", *policy_arms.values()]
+        token_gap_medians = {arm: [round(statistics.median(gaps), 2) for gaps in zip(*token_gaps[arm][1:])]
+                             for arm in gap_arms}
+        log(f"e2e (policy) {e2e}; policy / best fixed block {policy_vs_best_fixed}; "
+            f"tokens per round at block {BLOCK} {tokens_per_round}; identical {identical}")
+        generated = len(references[None])
 
-    record.update({
-        "complete": True,
-        "e2e_ms": e2e_ms,
-        "e2e_lead_in_tokens": args.lead_in_tokens,  # each timed sample after an untimed run this long
-        "installed_plain_ratio": dflash2_policy.paired_ratio(e2e_ms["plain mlx"], plain),
-        "plain_ratio_by_arm": {arm: dflash2_policy.paired_ratio(e2e_ms["plain mlx"], e2e_ms[f"plain {arm}"])
-                               for arm in decode_arms},
-        # The round policy, as the server runs it (acceptance memory across requests, each run
-        # routed plain where the server would route its request plain); as
-        # it runs a server's first request (none); then each fixed block.
-        "e2e_speedup": e2e,
-        "e2e_speedup_first_request": e2e_first,
-        "e2e_speedup_fixed_block": e2e_fixed,
-        "policy_vs_best_fixed_block": policy_vs_best_fixed,
-        "first_request_vs_best_fixed_block": first_vs_best_fixed,
-        "prior_depth_decay": dflash2_policy.PRIOR_DEPTH_DECAY,
-        "policy_vs_best_fixed_block_by_candidate_prior_depth_decay": candidate_decay_vs_best_fixed,
-        "policy_round_counts": round_counts,
-        "policy_drafts_per_round": policy_drafts,
-        "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in profiles},
-        "policy_acceptance_seed_at_start": {profile: seeds_before[arm_name(profile, None)] for profile in profiles},
-        # Of the policy's full runs (warm-up included), how many its route sent plain.
-        "policy_runs_routed_plain": {profile: routed_plain.get(arm_name(profile, None), 0) for profile in profiles},
-        # The measured table after the end-to-end arms taught it (as a server's learns).
-        "round_costs_learned": costs.to_json(),
-        "cost_drafter_form": drafter_names[id(cost_drafter)],
-        "e2e_speedup_by_other_drafter_form": e2e_by_form,
-        # Sampled requests (seeded, SAMPLED_SETTINGS), by temperature and profile: the round policy
-        # over plain seeded sampling, the oracle proposing plain seeded sampling's tokens.
-        "e2e_speedup_sampled": e2e_sampled,
-        "e2e_sampled_settings": SAMPLED_SETTINGS if temperatures else None,
-        "sampled_block_sampling": block_sampling.summary() if block_sampling else None,
-        "policy_round_counts_sampled": {t: {profile: vars(oracles[arm].round_counts) for profile, arm in by_profile.items()}
-                                        for t, by_profile in sampled_arms.items()},
-        "policy_runs_routed_plain_sampled": {t: {profile: routed_plain.get(arm, 0) for profile, arm in by_profile.items()}
-                                             for t, by_profile in sampled_arms.items()},
-        "profile_target_tokens_per_round": PROFILE_TOKENS_PER_ROUND,
-        "tokens_per_round": tokens_per_round,
-        "tokens_per_round_whole_run": tokens_per_round_whole_run,
-        "tokens_identical": identical,
-        "e2e_token_gaps_ms": token_gap_medians,
-        "seconds": round(time.time() - started, 1),
-    })
-    write_record(args.out, name, record, summary_markdown(record))
+        return {
+            "tokens": count,
+            # Tokens each end-to-end request generated (the first from its prefill), which every
+            # figure of this section is at.
+            "tokens_generated": generated,
+            "acceptance_model": acceptance_model,
+            "e2e_ms": e2e_ms,
+            # Each arm's median run as tokens per second (the request's whole time, prefill included).
+            "e2e_tok_s": {arm: generated / (stats["median"] / 1000) for arm, stats in e2e_ms.items()},
+            "e2e_lead_in_tokens": args.lead_in_tokens,  # each timed sample after an untimed run this long
+            "installed_plain_ratio": dflash2_policy.paired_ratio(e2e_ms["plain mlx"], plain),
+            "plain_ratio_by_arm": {arm: dflash2_policy.paired_ratio(e2e_ms["plain mlx"], e2e_ms[f"plain {arm}"])
+                                   for arm in decode_arms},
+            # The round policy, as the server runs it (acceptance memory across requests, each run
+            # routed plain where the server would route its request plain); as
+            # it runs a server's first request (none); then each fixed block.
+            "e2e_speedup": e2e,
+            "e2e_speedup_first_request": e2e_first,
+            "e2e_speedup_fixed_block": e2e_fixed,
+            "policy_vs_best_fixed_block": policy_vs_best_fixed,
+            "first_request_vs_best_fixed_block": first_vs_best_fixed,
+            "prior_depth_decay": dflash2_policy.PRIOR_DEPTH_DECAY,
+            "policy_vs_best_fixed_block_by_candidate_prior_depth_decay": candidate_decay_vs_best_fixed,
+            "policy_round_counts": round_counts,
+            "policy_drafts_per_round": policy_drafts,
+            "policy_round_costs_at_start": {profile: tables_before[arm_name(profile, None)] for profile in profiles},
+            "policy_acceptance_seed_at_start": {profile: seeds_before[arm_name(profile, None)] for profile in profiles},
+            # Of the policy's full runs (warm-up included), how many its route sent plain.
+            "policy_runs_routed_plain": {profile: routed_plain.get(arm_name(profile, None), 0) for profile in profiles},
+            # The measured table after the end-to-end arms taught it (as a server's learns).
+            "round_costs_learned": costs.to_json(),
+            "cost_drafter_form": drafter_names[id(cost_drafter)],
+            "e2e_speedup_by_other_drafter_form": e2e_by_form,
+            # Sampled requests (seeded, SAMPLED_SETTINGS), by temperature and profile: the round policy
+            # over plain seeded sampling, the oracle proposing plain seeded sampling's tokens.
+            "e2e_speedup_sampled": e2e_sampled,
+            "e2e_sampled_settings": SAMPLED_SETTINGS if temperatures else None,
+            "sampled_block_sampling": block_sampling.summary() if block_sampling else None,
+            "policy_round_counts_sampled": {t: {profile: vars(oracles[arm].round_counts) for profile, arm in by_profile.items()}
+                                            for t, by_profile in sampled_arms.items()},
+            "policy_runs_routed_plain_sampled": {t: {profile: routed_plain.get(arm, 0) for profile, arm in by_profile.items()}
+                                                 for t, by_profile in sampled_arms.items()},
+            "profile_target_tokens_per_round": PROFILE_TOKENS_PER_ROUND,
+            "tokens_per_round": tokens_per_round,
+            "tokens_per_round_whole_run": tokens_per_round_whole_run,
+            "tokens_identical": identical,
+            "e2e_token_gaps_ms": token_gap_medians,
+            "seconds": round(time.time() - started, 1),
+        }
+    for count in token_counts:
+        section = {**process, "command": environment["command"], "code": environment["code"],
+                   "git_commit": environment["git_commit"], "git_clean": environment["git_clean"],
+                   "repeats": args.repeats, **e2e_pass(count)}
+        add_e2e_section(record, section)
+        write_record(args.out, name, record, summary_markdown(record))
     print(summary_markdown(record))
 
 
@@ -650,6 +742,56 @@ def prefix_figure_lines(r) -> list:
             + (f"median of {row['passes']} passes)" if row.get("passes", 1) > 1 else "one pass)") for row in rows)
             for context, rows in r["spec_extra_memory_gb"].items()]
     return lines + [""]
+
+
+def acceptance_lines(model) -> list:
+    """The acceptance model the end-to-end arms ran under, per profile."""
+    if model is None:
+        return []
+    if model["kind"] == "exact-rate":
+        return ["", "Acceptance: exact rate, a fixed count of drafts right a round whatever the block ("
+                + ", ".join(f"{p} {n:g}" for p, n in model["accepted_per_round"].items()) + "); fixed-block arms measured "
+                + "; ".join(f"{p}: " + ", ".join(f"block {b} {t:.2f}" for b, t in by_block.items())
+                            for p, by_block in model["measured_tokens_per_round_by_fixed_block_arm"].items()) + "."]
+    profiles = model["profiles"]
+    first = next(iter(profiles.values()))
+    blocks = list(first["expected_tokens_per_round_by_block"])
+    differing = model["fixed_block_arms_differing_from_draws"]
+    lines = ["", f"Acceptance: stochastic (tools/oracle_drafter.py DepthAcceptance), the draft at depth k of a block "
+             f"right with p_k = a r^(k-1), r = {first['r']:g}, a solved per profile for its tokens per round at "
+             f"block 8; draws {model['draws']} (seeds {', '.join(map(str, model['seeds']))}). Tokens per round "
+             f"by block at {model['tokens']} tokens, expected / measured over the passes' draws; fixed-block arms "
+             + ("all accepting what the draws give:" if not differing
+                else f"accepting other than the draws: {', '.join(f'{arm} (seed {seed})' for arm, seed in differing)}:"),
+             "", "| profile | a | p_1..p_" + str(len(first["p_by_depth"])) + " | "
+             + " | ".join(f"block {b}" for b in blocks) + " |", "|---|---|---|" + "---|" * len(blocks)]
+    for profile, curve in profiles.items():
+        measured = curve["measured_tokens_per_round_by_block"]
+        lines.append(f"| {profile} | {curve['a']:.3f} | " + " ".join(f"{p:.2f}" for p in curve["p_by_depth"]) + " | "
+                     + " | ".join(f"{e:.2f} / {measured[b]:.2f}" for b, e in curve["expected_tokens_per_round_by_block"].items())
+                     + " |")
+    return lines
+
+
+def tokens_lines(r) -> list:
+    """Each end-to-end pass by its tokens a request: plain's and each profile's policy's
+    tokens per second, the policy over plain (the record's top-level figures are the longest's)."""
+    by_tokens = r.get("e2e_by_tokens")
+    if not by_tokens:
+        return []
+    profiles = list(r["e2e_speedup"])
+    lines = ["", "End to end by tokens a request (tok/s: tokens generated over the request's whole time, prefill "
+             "included; policy over plain in brackets; the tables above are at "
+             f"{r['tokens_generated']} tokens):", "",
+             "| tokens | stock plain tok/s | plain tok/s | " + " | ".join(f"{p} policy" for p in profiles)
+             + " | tokens identical in every arm |", "|---|---|---|" + "---|" * (len(profiles) + 1)]
+    for count, section in sorted(by_tokens.items(), key=lambda kv: int(kv[0])):
+        tok_s, arm = section["e2e_tok_s"], section["plain_decode_path"]["arm"]
+        lines.append(f"| {section['tokens_generated']} | {tok_s['plain mlx']:.1f} | {tok_s[f'plain {arm}']:.1f} | "
+                     + " | ".join(f"{tok_s[f'{p}, policy']:.1f} ({section['e2e_speedup'][p]:.2f}x)"
+                                  if p in section["e2e_speedup"] else "-" for p in profiles)
+                     + f" | {section['tokens_identical']} |")
+    return lines
 
 
 def ratio_method(r) -> str:
@@ -780,8 +922,11 @@ def summary_markdown(r) -> str:
     if "policy_drafts_per_round" in r:
         lines += ["", "The policy's drafts per round (block - 1) in its last run: "
                   + "; ".join(f"{profile} {drafts}" for profile, drafts in r["policy_drafts_per_round"].items()) + "."]
-    lines += ["", "| arm | ms per run |", "|---|---|"]
-    lines += [f"| {arm} | {spread(stats)} |" for arm, stats in r["e2e_ms"].items()]
+    lines += acceptance_lines(r.get("acceptance_model"))  # absent from records before it
+    lines += tokens_lines(r)
+    tok_s = r.get("e2e_tok_s")  # absent from records before tok/s
+    lines += ["", "| arm | ms per run |" + (" tok/s |" if tok_s else ""), "|---|---|" + ("---|" if tok_s else "")]
+    lines += [f"| {arm} | {spread(stats)} |" + (f" {tok_s[arm]:.1f} |" if tok_s else "") for arm, stats in r["e2e_ms"].items()]
     if "e2e_token_gaps_ms" in r:
         plain_gaps = next(iter(r["e2e_token_gaps_ms"].values()))
         lines += ["", "Where the time goes (`e2e_token_gaps_ms`: per token, the median gap since the one "

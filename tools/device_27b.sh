@@ -1,6 +1,14 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | tune | tune-shapes | compare | launch-cost | profile | ncu | parity | kernels | graphs
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | e2e-long | prefix-4k | tune | tune-shapes | compare | launch-cost | profile | ncu | parity | kernels | graphs
+#   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
+#                                     regenerate every GPU record README quotes, at HEAD: five calls,
+#                                     one part each (no two of them fit one call's 585 s)
+# Records name the commit they measured (tools/records.py git_state). The device's copy of the
+# tree has no git history: pass RECORD_GIT_COMMIT (the full hash of the commit sent, `git
+# rev-parse HEAD` here) and RECORD_GIT_CLEAN (1: no uncommitted change to tracked files; 0: some)
+# in the device call's command, as `all` prints them. The parts whose records README quotes
+# (parity, rounds, e2e, e2e-long, prefix-4k) refuse to run without them where there is no git.
 # Runs in the repository root on the GPU machine, after ../shared/device's staging (mlx-cuda,
 # mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api; the kernels part
 # needs pytest's wheels: EXTRA_WHEELS="pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0
@@ -32,7 +40,40 @@ build_pack() {  # the 27B-shape pack with a 4-bit random drafter (zero acceptanc
 BENCH=(python3 tools/bench.py --size 27b --out /tmp/b27 --tokens 40 --repeats 5 --fixed-blocks 2,4,8
        --drafter-forms 4bit --no-all-decode-arms --no-first-request-arms)
 mkdir -p "$OUT" /tmp/b27
+
+need_commit() {  # a record README quotes must name its commit (tests/test_evidence_tools.py checks it)
+  [ -n "${RECORD_GIT_COMMIT:-}" ] || git rev-parse HEAD > /dev/null 2>&1 || {
+    echo "no git history here: run as RECORD_GIT_COMMIT=<full hash> RECORD_GIT_CLEAN=<1|0> bash tools/device_27b.sh $1" >&2
+    exit 3; }
+}
+
+plan() {  # the device calls that regenerate README's GPU records at this commit, then the local steps
+  local commit clean
+  commit=$(git rev-parse HEAD 2>/dev/null) || commit=${RECORD_GIT_COMMIT:-'<full hash of the commit sent>'}
+  if git rev-parse HEAD > /dev/null 2>&1; then
+    [ -z "$(git status --porcelain --untracked-files=no)" ] && clean=1 || clean=0
+  else clean=${RECORD_GIT_CLEAN:-'<1|0>'}; fi
+  cat <<PLAN
+Regenerating every GPU record README quotes (parity-cuda, bench-cuda-27b, prefix-cache-cuda-27b-4k)
+at $commit: five device calls of one H200 (nvidia-h200), in this order, each under 585 s
+(about 33 minutes of device time in all, start-up not counted):
+  1. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh rounds      # ~300 s: bench round phase
+  2. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e-long    # ~450 s: 256 tokens, greedy
+  3. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e         # ~370 s: 40 tokens, greedy + sampled
+  4. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity      # ~430 s
+  5. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh prefix-4k   # ~420 s
+Calls 2 and 3 add to the record call 1 left in /tmp/b27; if the machine went cold in between,
+carry the latest bench-cuda-27b.json back in as .gpu/b27/ (carry: [".gpu"]). Copy each call's
+\$OUT records into evidence/ as they come back (call 5's from \$OUT/p4k/). Then, here:
+  python tools/add_prefix_figures.py evidence/bench-cuda-27b.json evidence/prefix-cache-cuda-27b.json \\
+    evidence/prefix-cache-cuda-27b-{steps,1k,first-token,4k}.json
+  python tools/records.py --readme
+  python -m pytest -q tests/test_evidence_tools.py
+PLAN
+}
+
 case "${1:-}" in
+  all|plan) plan ;;
   server) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_server.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
   routes) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_routes.py --pack /tmp/pack27 --max-tokens 32 --repeats 5 --out "$OUT" ;;
   # starts: a first and a second start of serve_dflash2.py sharing one HOME (the verdict cache);
@@ -40,13 +81,25 @@ case "${1:-}" in
   starts) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_starts.py --pack /tmp/pack27 --out "$OUT" ;;
   # rounds: 9 repeats, not 5 (sessions 24 and 25 discarded five-repeat runs whose decode
   # steps spread several-fold; the repeats add about a minute to a call of about five)
-  rounds) t=$(left) || exit 124; timeout "$t" "${BENCH[@]}" --repeats 9 --part rounds; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
+  rounds) need_commit rounds; t=$(left) || exit 124; timeout "$t" "${BENCH[@]}" --repeats 9 --part rounds; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   # e2e: the greedy arms, and for sampled requests at temperatures $SAMPLED (default 0.6 and 1.0;
   # SAMPLED= leaves them out) plain seeded sampling and the policy per profile: 10 arms on top
   # of the greedy-only run's 18 (about 275 s), about 90 s more
-  e2e) [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
+  e2e) need_commit e2e; [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --sampled-temperatures "${SAMPLED-0.6,1.0}" \
          --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
+  # e2e-long: the greedy arms at 256 tokens a request (issue 49 item 2): plain (stock and the
+  # installed path), and per profile the policy and block 8 (where profiles are named; the
+  # stochastic model's tokens per round at every block are in acceptance_model), 3 repeats.
+  # About 75 s a pass at today's speed, 4 passes with the warm-up, after about 130 s of start-up.
+  # Its figures go on top of the record (the longest count's); e2e's 40 stay under e2e_by_tokens.
+  e2e-long) need_commit e2e-long; [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
+       t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --tokens 256 --repeats 3 --fixed-blocks 8 \
+         --sampled-temperatures "" --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
+  # prefix-4k: the prefix-cache record README quotes (next turn's first token at 4k, speculation's
+  # extra memory at 1k, 4k and 16k); about 420 s
+  prefix-4k) need_commit prefix-4k; t=$(left) || exit 124; timeout "$t" python3 tools/bench_prefix.py --size 27b \
+       --out "$OUT/p4k" --speculative --contexts 4096 --step-sizes 256 --memory-contexts 1024 4096 16384 --repeats 5 ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   # tune-shapes: the fastest launch per 27B shape and row count, then a fresh check against the table's
   tune-shapes) t=$(left) || exit 124; timeout "$t" python3 tools/tune_qmv_shapes.py --out "$OUT" ;;
@@ -65,7 +118,7 @@ case "${1:-}" in
   graphs) t=$(left) || exit 124; timeout "$t" python3 tools/graph_misses.py --out "$OUT" ;;
   # parity: about 430 s greedy-only; the sampled runs (3 settings x blocks 2..8, 16 tokens) and the
   # block sampling self-test add well under a minute
-  parity) t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
+  parity) need_commit parity; t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
   ncu)  # Nsight Compute on MLX's single-row qmv and the exact kernel at 1 and 8 rows, one
         # launch each at (17408, 5120): where the 8-row kernel stalls (issue 13 item 3)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -87,5 +140,5 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh server|routes|rounds|e2e|tune|tune-shapes|compare|launch-cost|profile|ncu|parity|kernels|graphs" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh all|server|routes|rounds|e2e|e2e-long|prefix-4k|tune|tune-shapes|compare|launch-cost|profile|ncu|parity|kernels|graphs" >&2; exit 2 ;;
 esac

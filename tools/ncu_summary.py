@@ -18,7 +18,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from records import write_record
+from records import code_digest, git_state, write_record
 
 METRICS = (
     "Duration", "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
@@ -122,7 +122,7 @@ def main():
     if not kernels:
         parser.error(f"{args.details}: no kernel sections of ncu's details page")
     record = {"command": f"python tools/ncu_summary.py {args.details.name}" + (f" {args.sass.name}" if args.sass else ""),
-              "backend": "cuda", "kernels": kernels}
+              "backend": "cuda", "code": code_digest(), **git_state(), "kernels": kernels}
     if args.sass:
         with args.sass.open(newline="") as rows:
             record["sass"] = read_sass(csv.reader(rows))

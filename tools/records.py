@@ -3,6 +3,7 @@ README's results table from the records.
 
     python tools/records.py            # print the results table
     python tools/records.py --readme   # write it into README.md, between its markers
+    python tools/records.py --check    # the commits README's records name that HEAD does not descend from
 """
 
 import argparse
@@ -128,16 +129,54 @@ RESULTS = [
 ]
 
 
+def measured_code(record: dict) -> str:
+    """What code a record measured, for the table: its git commit (short; marked where the
+    tree had uncommitted changes), else, for records from before commits were recorded, its
+    code digest and that it names no commit."""
+    if record.get("git_commit"):
+        return record["git_commit"][:12] + (", uncommitted changes" if record.get("git_clean") is False else "")
+    return f"no commit recorded, code {record.get('code', 'not recorded')}"
+
+
 def results_table(evidence: Path = ROOT / "evidence") -> str:
-    """README's results: one row per figure, with the record it comes from and the code
-    digest that record measured (records older than the digest say so)."""
-    lines = ["| measure | result | device | record (code) |", "|---|---|---|---|"]
+    """README's results: one row per figure, with the record it comes from and the commit
+    that record measured (or, for records older than commits, their code digest)."""
+    lines = ["| measure | result | device | record (commit) |", "|---|---|---|---|"]
     for what, stem, figure in RESULTS:
         record = json.loads((Path(evidence) / f"{stem}.json").read_text())
         device = record.get("device", record["backend"])
-        code = record.get("code", "not recorded")
-        lines.append(f"| {what} | {figure(record)} | {device} | [{stem}](evidence/{stem}.md) ({code}) |")
+        lines.append(f"| {what} | {figure(record)} | {device} | [{stem}](evidence/{stem}.md) ({measured_code(record)}) |")
     return "\n".join(lines) + "\n"
+
+
+def quoted_stems() -> list:
+    """The records README's results table quotes."""
+    return list(dict.fromkeys(stem for _, stem, _ in RESULTS))
+
+
+def named_commits(record: dict) -> list:
+    """Every git commit a record names: its own, a split run's round phase's (round_process)
+    and each end-to-end section's (e2e_by_tokens)."""
+    parts = [record, record.get("round_process") or {}, *(record.get("e2e_by_tokens") or {}).values()]
+    return list(dict.fromkeys(part["git_commit"] for part in parts if part.get("git_commit")))
+
+
+def commits_outside_history(evidence: Path = ROOT / "evidence", root: Path = ROOT, env=None) -> list:
+    """(record stem, commit) for each commit a quoted record names that is not an ancestor of
+    HEAD (`git merge-base --is-ancestor`: unknown commits, and commits off HEAD's line, such
+    as one of a branch never merged or rewritten away). Records naming no commit are left to
+    the table, which says so."""
+    import subprocess
+
+    outside = []
+    for stem in quoted_stems():
+        record = json.loads((Path(evidence) / f"{stem}.json").read_text())
+        for commit in named_commits(record):
+            ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=root, env=env,
+                                      capture_output=True, text=True)
+            if ancestor.returncode != 0:
+                outside.append((stem, commit))
+    return outside
 
 
 def readme_with_results(text: str, evidence: Path = ROOT / "evidence") -> str:
@@ -149,7 +188,14 @@ def readme_with_results(text: str, evidence: Path = ROOT / "evidence") -> str:
 def main():
     parser = argparse.ArgumentParser(description="README's results table, from evidence/*.json")
     parser.add_argument("--readme", action="store_true", help="write the table into README.md between its markers")
+    parser.add_argument("--check", action="store_true",
+                        help="list the commits quoted records name that are not ancestors of HEAD (exit 1 if any)")
     args = parser.parse_args()
+    if args.check:
+        outside = commits_outside_history()
+        for stem, commit in outside:
+            print(f"{stem}: {commit} is not an ancestor of HEAD")
+        sys.exit(1 if outside else 0)
     if args.readme:
         readme = ROOT / "README.md"
         readme.write_text(readme_with_results(readme.read_text()))
