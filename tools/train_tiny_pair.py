@@ -117,16 +117,74 @@ def stdlib_sources():
     return [(path.name, path.read_text(encoding="utf-8", errors="replace")) for path in sorted(lib.glob("*.py"))]
 
 
-def chat_samples(sources, renderer):
-    """Chat-formatted samples from the sources' documented functions: 'write it' turns
-    (the answer is the function's source) and tool-call turns (a call with its arguments)."""
-    code, tools = [], []
+CODE_ASKS = (
+    "Write a Python function `{name}`: {summary}",
+    "Implement `{name}` in Python. {summary}",
+    "{summary} Write it as a Python function.",
+    "Show me the code of `{module}.{name}`.",
+    "def {name}({params}):",
+)
+FUNCTION_ASKS = (
+    "What does `{module}.{name}` do?",
+    "Explain the function `{name}`.",
+    "How do I use {module}.{name}?",
+    "What is `{name}` for?",
+)
+CLASS_ASKS = (
+    "What is the `{name}` class?",
+    "Describe the class {module}.{name}.",
+    "Explain what {name} objects are for.",
+)
+MODULE_ASKS = (
+    "What is the `{module}` module for?",
+    "Describe the {module} module.",
+    "Summarize what {module} does.",
+    "Tell me about the Python module {module}.",
+)
+
+
+def prose_answer(doc, limit=700):
+    """A docstring as a prose answer: its first paragraphs, up to about `limit` characters."""
+    paragraphs, total = [], 0
+    for paragraph in doc.strip().split("\n\n"):
+        if paragraphs and total + len(paragraph) > limit:
+            break
+        paragraphs.append(paragraph.strip())
+        total += len(paragraph)
+    return "\n\n".join(paragraphs)[: limit * 2]
+
+
+def chat_samples(sources, renderer, seed):
+    """Chat-formatted samples from the sources, by kind: "code" (a documented function asked
+    for in one of several phrasings, the answer its source), "prose" (a module's, class's or
+    function's docstring as the answer to a question about it, the answer naming it) and
+    "tools" (a call with its arguments, the function offered as a tool). The phrasing of
+    each question is drawn from the seeded generator."""
+    rng = np.random.default_rng(seed)
+    samples = {"code": [], "prose": [], "tools": []}
+
+    def turn(kind, asks, answer, tools=None, **names):
+        ask = asks[rng.integers(len(asks))].format(**names)
+        message = {"role": "assistant", "content": answer}
+        if tools:
+            message = {"role": "assistant", "content": "", "tool_calls": [{"function": answer}]}
+        samples[kind].append(renderer([{"role": "user", "content": ask}, message], tools=tools))
+
     for name, text in sources:
         try:
             tree = ast.parse(text)
         except SyntaxError:
             continue
+        module = name[:-3]
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) > 40:
+            turn("prose", MODULE_ASKS, f"The `{module}` module: {prose_answer(doc)}", module=module)
         for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 20:
+                    turn("prose", CLASS_ASKS, f"`{module}.{node.name}`: {prose_answer(doc)}",
+                         module=module, name=node.name)
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
@@ -134,21 +192,19 @@ def chat_samples(sources, renderer):
             if not doc or not source or len(source) > 1500:
                 continue
             summary = doc.strip().splitlines()[0]
-            code.append(renderer(
-                [{"role": "user", "content": f"Write a Python function `{node.name}`: {summary}"},
-                 {"role": "assistant", "content": source}]))
             params = [a.arg for a in node.args.args if a.arg not in ("self", "cls")]
+            names = {"module": module, "name": node.name, "summary": summary, "params": ", ".join(params)}
+            turn("code", CODE_ASKS, source, **names)
+            turn("prose", FUNCTION_ASKS, f"`{module}.{node.name}({', '.join(params)})`: {prose_answer(doc)}",
+                 **names)
             if params:
                 tool = {"type": "function", "function": {
                     "name": node.name, "description": summary,
                     "parameters": {"type": "object", "properties": {p: {"type": "string"} for p in params},
                                    "required": params}}}
                 call = {"name": node.name, "arguments": {p: p.upper() for p in params}}
-                tools.append(renderer(
-                    [{"role": "user", "content": f"{summary} Use {name[:-3]}."},
-                     {"role": "assistant", "content": "", "tool_calls": [{"function": call}]}],
-                    tools=[tool]))
-    return code, tools
+                turn("tools", ("{summary} Use {module}.",), call, tools=[tool], **names)
+    return samples
 
 
 def make_renderer(tokenizer):
@@ -173,30 +229,34 @@ def make_renderer(tokenizer):
 
 class Corpus:
     """Token windows: raw source at any offset, chat samples from their start, tool-call
-    samples ending at their end (the call, not the long tools preamble)."""
+    samples ending at their end (the call, not the long tools preamble). A batch draws its
+    rows' kinds in the proportions of MIX: the tool-call turns, one fixed shape, stay a
+    small share so that other requests are not answered with a call."""
+
+    MIX = {"raw": 0.25, "code": 0.3, "prose": 0.3, "tools": 0.15}
 
     def __init__(self, tokenizer, sources, seed):
         eot = special_token_ids(SIZES[SIZE]["special_base"])["<|endoftext|>"]
-        code, tools = chat_samples(sources, make_renderer(tokenizer))
+        samples = chat_samples(sources, make_renderer(tokenizer), seed)
         self.raw = np.concatenate(
             [np.array(e.ids + [eot], np.int32) for e in tokenizer.encode_batch([t for _, t in sources])]
         )
         pad = lambda ids: np.array((ids + [eot] * (SEQ_LEN + 1))[: max(len(ids), SEQ_LEN + 1)], np.int32)  # noqa: E731
-        self.code = [pad(e.ids) for e in tokenizer.encode_batch(code)]
-        self.tools = [pad(e.ids) for e in tokenizer.encode_batch(tools)]
+        self.chats = {kind: [pad(e.ids) for e in tokenizer.encode_batch(texts)] for kind, texts in samples.items()}
         self.rng = np.random.default_rng(seed)
-        log(f"data: {len(self.raw)} source tokens, {len(self.code)} code turns, {len(self.tools)} tool-call turns")
+        log(f"data: {len(self.raw)} source tokens; chat turns "
+            + ", ".join(f"{len(turns)} {kind}" for kind, turns in self.chats.items()))
 
     def batch(self, size):
         rows = []
-        for kind in self.rng.choice(["raw", "raw", "code", "code", "tools"], size):
+        for kind in self.rng.choice(list(self.MIX), size, p=list(self.MIX.values())):
             if kind == "raw":
                 start = self.rng.integers(0, len(self.raw) - SEQ_LEN - 1)
                 rows.append(self.raw[start : start + SEQ_LEN + 1])
-            elif kind == "code":
-                rows.append(self.code[self.rng.integers(len(self.code))][: SEQ_LEN + 1])
+            elif kind == "tools":
+                rows.append(self.chats[kind][self.rng.integers(len(self.chats[kind]))][-SEQ_LEN - 1 :])
             else:
-                rows.append(self.tools[self.rng.integers(len(self.tools))][-SEQ_LEN - 1 :])
+                rows.append(self.chats[kind][self.rng.integers(len(self.chats[kind]))][: SEQ_LEN + 1])
         return mx.array(np.stack(rows))
 
 
