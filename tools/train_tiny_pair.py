@@ -24,8 +24,8 @@ Deterministic from --seed on one software stack (Python's stdlib version, MLX, t
 the same stack regenerates the same bytes. MLX's CPU wheel links the reference BLAS; where
 numpy's OpenBLAS and a C compiler are present the script routes MLX's sgemm to it (about
 10x faster training) by re-running itself with a small preloaded shim, with two OpenBLAS
-threads unless OPENBLAS_NUM_THREADS says otherwise (on a CPU that other processes share,
-one thread ran 3x faster here: spinning threads wait on each other).
+threads unless OPENBLAS_NUM_THREADS says otherwise (on a 2-core CPU other processes
+shared, one thread ran a target step 3x faster: spinning threads wait on each other).
 
 This pair is a fixture: a few million parameters trained for minutes. It is not a
 substitute for Ternary-Bonsai-2-27B and its drafter.
@@ -120,74 +120,16 @@ def stdlib_sources():
     return [(path.name, path.read_text(encoding="utf-8", errors="replace")) for path in sorted(lib.glob("*.py"))]
 
 
-CODE_ASKS = (
-    "Write a Python function `{name}`: {summary}",
-    "Implement `{name}` in Python. {summary}",
-    "{summary} Write it as a Python function.",
-    "Show me the code of `{module}.{name}`.",
-    "def {name}({params}):",
-)
-FUNCTION_ASKS = (
-    "What does `{module}.{name}` do?",
-    "Explain the function `{name}`.",
-    "How do I use {module}.{name}?",
-    "What is `{name}` for?",
-)
-CLASS_ASKS = (
-    "What is the `{name}` class?",
-    "Describe the class {module}.{name}.",
-    "Explain what {name} objects are for.",
-)
-MODULE_ASKS = (
-    "What is the `{module}` module for?",
-    "Describe the {module} module.",
-    "Summarize what {module} does.",
-    "Tell me about the Python module {module}.",
-)
-
-
-def prose_answer(doc, limit=700):
-    """A docstring as a prose answer: its first paragraphs, up to about `limit` characters."""
-    paragraphs, total = [], 0
-    for paragraph in doc.strip().split("\n\n"):
-        if paragraphs and total + len(paragraph) > limit:
-            break
-        paragraphs.append(paragraph.strip())
-        total += len(paragraph)
-    return "\n\n".join(paragraphs)[: limit * 2]
-
-
-def chat_samples(sources, renderer, seed):
-    """Chat-formatted samples from the sources, by kind: "code" (a documented function asked
-    for in one of several phrasings, the answer its source), "prose" (a module's, class's or
-    function's docstring as the answer to a question about it, the answer naming it) and
-    "tools" (a call with its arguments, the function offered as a tool). The phrasing of
-    each question is drawn from the seeded generator."""
-    rng = np.random.default_rng(seed)
-    samples = {"code": [], "prose": [], "tools": []}
-
-    def turn(kind, asks, answer, tools=None, **names):
-        ask = asks[rng.integers(len(asks))].format(**names)
-        message = {"role": "assistant", "content": answer}
-        if tools:
-            message = {"role": "assistant", "content": "", "tool_calls": [{"function": answer}]}
-        samples[kind].append(renderer([{"role": "user", "content": ask}, message], tools=tools))
-
+def chat_samples(sources, renderer):
+    """Chat-formatted samples from the sources' documented functions: 'write it' turns
+    (the answer is the function's source) and tool-call turns (a call with its arguments)."""
+    code, tools = [], []
     for name, text in sources:
         try:
             tree = ast.parse(text)
         except SyntaxError:
             continue
-        module = name[:-3]
-        doc = ast.get_docstring(tree)
-        if doc and len(doc) > 40:
-            turn("prose", MODULE_ASKS, f"The `{module}` module: {prose_answer(doc)}", module=module)
         for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 20:
-                    turn("prose", CLASS_ASKS, f"`{module}.{node.name}`: {prose_answer(doc)}",
-                         module=module, name=node.name)
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
@@ -195,19 +137,21 @@ def chat_samples(sources, renderer, seed):
             if not doc or not source or len(source) > 1500:
                 continue
             summary = doc.strip().splitlines()[0]
+            code.append(renderer(
+                [{"role": "user", "content": f"Write a Python function `{node.name}`: {summary}"},
+                 {"role": "assistant", "content": source}]))
             params = [a.arg for a in node.args.args if a.arg not in ("self", "cls")]
-            names = {"module": module, "name": node.name, "summary": summary, "params": ", ".join(params)}
-            turn("code", CODE_ASKS, source, **names)
-            turn("prose", FUNCTION_ASKS, f"`{module}.{node.name}({', '.join(params)})`: {prose_answer(doc)}",
-                 **names)
             if params:
                 tool = {"type": "function", "function": {
                     "name": node.name, "description": summary,
                     "parameters": {"type": "object", "properties": {p: {"type": "string"} for p in params},
                                    "required": params}}}
                 call = {"name": node.name, "arguments": {p: p.upper() for p in params}}
-                turn("tools", ("{summary} Use {module}.",), call, tools=[tool], **names)
-    return samples
+                tools.append(renderer(
+                    [{"role": "user", "content": f"{summary} Use {name[:-3]}."},
+                     {"role": "assistant", "content": "", "tool_calls": [{"function": call}]}],
+                    tools=[tool]))
+    return code, tools
 
 
 def make_renderer(tokenizer):
@@ -232,34 +176,30 @@ def make_renderer(tokenizer):
 
 class Corpus:
     """Token windows: raw source at any offset, chat samples from their start, tool-call
-    samples ending at their end (the call, not the long tools preamble). A batch draws its
-    rows' kinds in the proportions of MIX: the tool-call turns, one fixed shape, stay a
-    small share so that other requests are not answered with a call."""
-
-    MIX = {"raw": 0.1, "code": 0.3, "prose": 0.45, "tools": 0.15}
+    samples ending at their end (the call, not the long tools preamble)."""
 
     def __init__(self, tokenizer, sources, seed):
         eot = special_token_ids(SIZES[SIZE]["special_base"])["<|endoftext|>"]
-        samples = chat_samples(sources, make_renderer(tokenizer), seed)
+        code, tools = chat_samples(sources, make_renderer(tokenizer))
         self.raw = np.concatenate(
             [np.array(e.ids + [eot], np.int32) for e in tokenizer.encode_batch([t for _, t in sources])]
         )
         pad = lambda ids: np.array((ids + [eot] * (SEQ_LEN + 1))[: max(len(ids), SEQ_LEN + 1)], np.int32)  # noqa: E731
-        self.chats = {kind: [pad(e.ids) for e in tokenizer.encode_batch(texts)] for kind, texts in samples.items()}
+        self.code = [pad(e.ids) for e in tokenizer.encode_batch(code)]
+        self.tools = [pad(e.ids) for e in tokenizer.encode_batch(tools)]
         self.rng = np.random.default_rng(seed)
-        log(f"data: {len(self.raw)} source tokens; chat turns "
-            + ", ".join(f"{len(turns)} {kind}" for kind, turns in self.chats.items()))
+        log(f"data: {len(self.raw)} source tokens, {len(self.code)} code turns, {len(self.tools)} tool-call turns")
 
     def batch(self, size):
         rows = []
-        for kind in self.rng.choice(list(self.MIX), size, p=list(self.MIX.values())):
+        for kind in self.rng.choice(["raw", "raw", "code", "code", "tools"], size):
             if kind == "raw":
                 start = self.rng.integers(0, len(self.raw) - SEQ_LEN - 1)
                 rows.append(self.raw[start : start + SEQ_LEN + 1])
-            elif kind == "tools":
-                rows.append(self.chats[kind][self.rng.integers(len(self.chats[kind]))][-SEQ_LEN - 1 :])
+            elif kind == "code":
+                rows.append(self.code[self.rng.integers(len(self.code))][: SEQ_LEN + 1])
             else:
-                rows.append(self.chats[kind][self.rng.integers(len(self.chats[kind]))][: SEQ_LEN + 1])
+                rows.append(self.tools[self.rng.integers(len(self.tools))][-SEQ_LEN - 1 :])
         return mx.array(np.stack(rows))
 
 
@@ -484,8 +424,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "fixtures" / "tiny-pair")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target-steps", type=int, default=330)
-    parser.add_argument("--drafter-steps", type=int, default=60)
+    parser.add_argument("--target-steps", type=int, default=300)
+    parser.add_argument("--drafter-steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=12)
     args = parser.parse_args()
     rerun_with_openblas()
