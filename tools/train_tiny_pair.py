@@ -2,6 +2,7 @@
 """Train the tiny target + DFlash2 drafter pair in fixtures/tiny-pair (a test and demo fixture).
 
     python tools/train_tiny_pair.py --out fixtures/tiny-pair        # ~10-15 min on 2 CPU cores
+    OPENBLAS_NUM_THREADS=1 python tools/train_tiny_pair.py ...      # on a CPU other work shares
 
 The target has make_synthetic_pack's tiny geometry (3 GatedDeltaNet layers + 1 attention
 layer, hidden 512, vocab 512) and is trained aware of its 2-bit packing: every packed
@@ -22,7 +23,9 @@ formats are exactly the synthetic pack's.
 Deterministic from --seed on one software stack (Python's stdlib version, MLX, the BLAS):
 the same stack regenerates the same bytes. MLX's CPU wheel links the reference BLAS; where
 numpy's OpenBLAS and a C compiler are present the script routes MLX's sgemm to it (about
-10x faster training) by re-running itself with a small preloaded shim.
+10x faster training) by re-running itself with a small preloaded shim, with two OpenBLAS
+threads unless OPENBLAS_NUM_THREADS says otherwise (on a 2-core CPU other processes
+shared, one thread ran a target step 3x faster: spinning threads wait on each other).
 
 This pair is a fixture: a few million parameters trained for minutes. It is not a
 substitute for Ternary-Bonsai-2-27B and its drafter.
@@ -103,7 +106,7 @@ def rerun_with_openblas():
         log("no C compiler for the OpenBLAS shim: training on MLX's reference BLAS (slow)")
         return
     env = {**os.environ, "TINY_PAIR_BLAS": "openblas", "LD_PRELOAD": str(folder / "libshim.so"),
-           "OPENBLAS_NUM_THREADS": "2"}
+           "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "2")}
     sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
 
 
@@ -467,6 +470,7 @@ def main():
         "target_loss_last10": round(float(np.mean(target_loss[-10:])), 3),
         "drafter_block_loss_last10": round(float(np.mean(draft_loss[-10:])), 3),
         "blas": os.environ.get("TINY_PAIR_BLAS", "mlx reference"),
+        "blas_threads": int(os.environ.get("OPENBLAS_NUM_THREADS", "0")) or None,
         "python": sys.version.split()[0],
         "mlx": mx.__version__,
         "seconds": round(time.time() - started),
