@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import dflash2_audit
-from dflash2_gateway import RequestRecord, current_request
+from dflash2_record import RequestRecord, current_request
 
 logger = logging.getLogger("dflash2.server")
 

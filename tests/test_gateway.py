@@ -16,7 +16,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from conftest import data_url, png
-from dflash2_gateway import Gateway, PathScrubber, current_request, local_paths, with_loopback_cors
+from dflash2_gateway import Gateway, PathScrubber, local_paths, with_loopback_cors
+from dflash2_record import current_request
 from dflash2_http import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, check_chat_request, decider,
                           lowest_temperature, openapi_schema, plain_decision, route_chat)
 

@@ -102,7 +102,7 @@ def timed_request(generator, prompt, max_tokens: int, speculative: bool) -> dict
     """One greedy request on a route: ms per token after the first, tokens, token sources."""
     from mlx_vlm.server.generation import GenerationArguments
 
-    from dflash2_gateway import RequestRecord, current_request
+    from dflash2_record import RequestRecord, current_request
 
     record = RequestRecord(0, "POST", "/v1/chat/completions", mode="speculative" if speculative else "plain",
                            speculative=speculative, announced=True)
