@@ -437,6 +437,33 @@ def check_sizes(body: dict):
         raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
 
 
+def json_object(body) -> dict:
+    """A body every API takes further: a JSON object of valid Unicode, its null fields
+    dropped (null means unset)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    where = find_lone_surrogate(body)
+    if where:
+        raise InvalidRequest(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def validated(body: dict, request_model):
+    """The body as its API's request model, or the Refusal naming the first field wrong."""
+    try:
+        return request_model.model_validate(body)
+    except ValidationError as error:
+        raise refusal_for(body, error) from None
+
+
+def served_model(body: dict, limits: PackLimits) -> None:
+    """Fills in the served model where the body names none; refuses any other."""
+    model = body.setdefault("model", limits.model_id)
+    if model != limits.model_id:
+        raise Refusal(404, "unknown-model", f"model {model!r} is not served here; this server "
+                                            f"serves {limits.model_id!r}", "model")
+
+
 def check_chat_request(body, limits: PackLimits) -> dict:
     """Validates a chat completion body; returns it normalised for mlx-vlm.
 
@@ -444,21 +471,10 @@ def check_chat_request(body, limits: PackLimits) -> dict:
     max_completion_tokens renamed to max_tokens, stop made a list, image references
     checked.
     """
-    if not isinstance(body, dict):
-        raise InvalidRequest("body", "must be a JSON object")
-    where = find_lone_surrogate(body)
-    if where:
-        raise InvalidRequest(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
-    body = {key: value for key, value in body.items() if value is not None}
+    body = json_object(body)
     check_sizes(body)
-    try:
-        request = ChatRequest.model_validate(body)
-    except ValidationError as error:
-        raise refusal_for(body, error) from None
-    model = body.setdefault("model", limits.model_id)
-    if model != limits.model_id:
-        raise Refusal(404, "unknown-model", f"model {model!r} is not served here; this server "
-                                            f"serves {limits.model_id!r}", "model")
+    request = validated(body, ChatRequest)
+    served_model(body, limits)
     for name in ("max_tokens", "max_completion_tokens"):
         if body.get(name, 0) > limits.context_length:
             raise InvalidRequest(name, f"must be at most {limits.context_length}, the model's context length")
@@ -675,21 +691,10 @@ def check_messages_request(body, limits: PackLimits, request_model=MessagesReque
     chat's rules and limits; returns it normalised for mlx-vlm's Messages endpoint: null
     fields dropped, model filled in, thinking turned into enable_thinking, image
     references checked."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("body", "must be a JSON object")
-    where = find_lone_surrogate(body)
-    if where:
-        raise InvalidRequest(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
-    body = {key: value for key, value in body.items() if value is not None}
+    body = json_object(body)
     check_messages_sizes(body)
-    try:
-        request = request_model.model_validate(body)
-    except ValidationError as error:
-        raise refusal_for(body, error) from None
-    model = body.setdefault("model", limits.model_id)
-    if model != limits.model_id:
-        raise Refusal(404, "unknown-model", f"model {model!r} is not served here; this server "
-                                            f"serves {limits.model_id!r}", "model")
+    request = validated(body, request_model)
+    served_model(body, limits)
     if body.get("max_tokens", 0) > limits.context_length:
         raise InvalidRequest("max_tokens", f"must be at most {limits.context_length}, the model's context length")
     check_sampling(request, limits)
@@ -927,25 +932,14 @@ def check_responses_request(body, limits: PackLimits) -> dict:
 
     previous_response_id is refused: mlx-vlm would prepend an earlier conversation from its
     in-process store (any client's, by id), which none of these checks would see."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("body", "must be a JSON object")
-    where = find_lone_surrogate(body)
-    if where:
-        raise InvalidRequest(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
-    body = {key: value for key, value in body.items() if value is not None}
+    body = json_object(body)
     for name in STATEFUL_RESPONSES:
         if name in body:
             raise Refusal(400, "stateful-response", f"{name}: this server keeps no responses or conversations; "
                                                     "send the whole conversation in input", name)
     check_responses_sizes(body)
-    try:
-        request = ResponsesRequest.model_validate(body)
-    except ValidationError as error:
-        raise refusal_for(body, error) from None
-    model = body.setdefault("model", limits.model_id)
-    if model != limits.model_id:
-        raise Refusal(404, "unknown-model", f"model {model!r} is not served here; this server "
-                                            f"serves {limits.model_id!r}", "model")
+    request = validated(body, ResponsesRequest)
+    served_model(body, limits)
     if body.get("max_output_tokens", 0) > limits.context_length:
         raise InvalidRequest("max_output_tokens", f"must be at most {limits.context_length}, "
                                                   "the model's context length")
