@@ -559,9 +559,9 @@ def with_stop_reason(message: dict, stop_sequence: str):
         message["stop_sequence"] = stop_sequence
 
 
-def with_stop_sequence(send, record):
-    """with_token_sources for Messages: a JSON answer that ended at one of the request's
-    stop sequences names it, with stop_reason stop_sequence."""
+def rewriting_json(send, rewrite_body, rewrite_chunk=None):
+    """An ASGI send that holds a 200 JSON answer whole and sends rewrite_body(its bytes) with
+    its new length; anything else (a stream's chunks through rewrite_chunk, if given) passes on."""
     held = {"start": None, "body": b""}
 
     async def respond(message):
@@ -572,54 +572,47 @@ def with_stop_sequence(send, record):
             held["start"] = message
             return
         if held["start"] is None:
-            return await send(message)
+            return await send(rewrite_chunk(message) if rewrite_chunk else message)
         held["body"] += message.get("body", b"")
         if message.get("more_body"):
             return
-        body = held["body"]
-        if record.stop_sequence is not None:
-            try:
-                data = json.loads(body)
-                with_stop_reason(data, record.stop_sequence)
-                body = json.dumps(data, ensure_ascii=False).encode()
-            except (ValueError, AttributeError):
-                pass
+        body = rewrite_body(held["body"])
         headers = [(k, v) for k, v in held["start"].get("headers", []) if k.lower() != b"content-length"]
         await send({**held["start"], "headers": headers + [(b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
     return respond
+
+
+def with_stop_sequence(send, record):
+    """with_token_sources for Messages: a JSON answer that ended at one of the request's
+    stop sequences names it, with stop_reason stop_sequence."""
+    def rewrite(body: bytes) -> bytes:
+        if record.stop_sequence is None:
+            return body
+        try:
+            data = json.loads(body)
+            with_stop_reason(data, record.stop_sequence)
+            return json.dumps(data, ensure_ascii=False).encode()
+        except (ValueError, AttributeError):
+            return body
+
+    return rewriting_json(send, rewrite)
 
 
 def with_token_sources(send, record):
     """Adds where the tokens came from (rounds or plain steps) to mlx-vlm's timings, in a
     JSON body (sent with its new length) or in a stream's usage chunk; a stream's finish
     chunk also gets the draft counts, which mlx-vlm puts in the usage chunk only."""
-    held = {"start": None, "body": b""}
+    def rewrite_chunk(message):
+        body = message.get("body", b"")
+        if not (body.startswith(b"data: {") and b'"timings"' in body):
+            return message
+        events = [b"data: " + with_timings(event[6:], record.token_sources(), record.draft_counts())
+                  if event.startswith(b"data: {") else event for event in body.split(b"\n\n")]
+        return {**message, "body": b"\n\n".join(events)}
 
-    async def respond(message):
-        if message["type"] == "http.response.start":
-            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
-            if message["status"] != 200 or not content_type.startswith(b"application/json"):
-                return await send(message)
-            held["start"] = message
-            return
-        if held["start"] is None:
-            body = message.get("body", b"")
-            if body.startswith(b"data: {") and b'"timings"' in body:
-                events = [b"data: " + with_timings(event[6:], record.token_sources(), record.draft_counts())
-                          if event.startswith(b"data: {") else event for event in body.split(b"\n\n")]
-                message = {**message, "body": b"\n\n".join(events)}
-            return await send(message)
-        held["body"] += message.get("body", b"")
-        if message.get("more_body"):
-            return
-        body = with_timings(held["body"], record.token_sources())
-        headers = [(k, v) for k, v in held["start"].get("headers", []) if k.lower() != b"content-length"]
-        await send({**held["start"], "headers": headers + [(b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    return respond
+    return rewriting_json(send, lambda body: with_timings(body, record.token_sources()), rewrite_chunk)
 
 
 def with_timings(payload: bytes, fields: dict, finish_fields: dict = None) -> bytes:
