@@ -463,19 +463,25 @@ class ChatOutput:
             await self._send({"type": "http.response.body", "body": event, "more_body": False})
 
 
-class EventStream:
+class SentEvents:
+    """A server-sent event stream rewritten event by event: an event split across chunks
+    waits for its end (subclasses say what event() makes of each)."""
+
+    pending = b""
+
+    def rewrite(self, data: bytes) -> bytes:
+        *events, self.pending = (self.pending + data).split(b"\n\n")
+        return b"".join(self.event(event) + b"\n\n" for event in events)
+
+
+class EventStream(SentEvents):
     """mlx-vlm's server-sent events as OpenAI sends them: the role in the first delta only,
     one created time per response, errors in OpenAI's shape with paths scrubbed."""
 
     def __init__(self, scrub):
         self.scrub = scrub
-        self.pending = b""
         self.created = None
         self.role_sent = False
-
-    def rewrite(self, data: bytes) -> bytes:
-        *events, self.pending = (self.pending + data).split(b"\n\n")
-        return b"".join(self.event(event) + b"\n\n" for event in events)
 
     def event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: {"):
@@ -493,18 +499,13 @@ class EventStream:
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode()
 
 
-class AnthropicEventStream:
+class AnthropicEventStream(SentEvents):
     """mlx-vlm's Messages events, with errors scrubbed and the stop sequence the gateway
     ended the answer at in message_delta (mlx-vlm never sees the request's stop sequences)."""
 
     def __init__(self, scrub, record):
         self.scrub = scrub
         self.record = record
-        self.pending = b""
-
-    def rewrite(self, data: bytes) -> bytes:
-        *events, self.pending = (self.pending + data).split(b"\n\n")
-        return b"".join(self.event(event) + b"\n\n" for event in events)
 
     def event(self, event: bytes) -> bytes:
         name, _, data = event.partition(b"\ndata: ")
@@ -520,18 +521,13 @@ class AnthropicEventStream:
         return name + b"\ndata: " + data
 
 
-class ResponsesEventStream:
+class ResponsesEventStream(SentEvents):
     """mlx-vlm's typed Responses events, passed through; its failure event (data: {"error":
     "..."}, no type) becomes an error event in OpenAI's shape with paths scrubbed, which the
     openai client raises as an APIError."""
 
     def __init__(self, scrub):
         self.scrub = scrub
-        self.pending = b""
-
-    def rewrite(self, data: bytes) -> bytes:
-        *events, self.pending = (self.pending + data).split(b"\n\n")
-        return b"".join(self.event(event) + b"\n\n" for event in events)
 
     def event(self, event: bytes) -> bytes:
         name, _, data = event.rpartition(b"data: ")
