@@ -3,9 +3,9 @@
     python serve.py [--port 8080] [--model-id NAME] [--enable-thinking] [--pack DIR]
     python serve.py --demo        # serves the trained tiny pair's target in fixtures/tiny-pair
 
-Start-up only: the options and environment (dflash2_options.py), the pack checks
-(dflash2_pack.py), the engine (dflash2_engine.py) and the hardened gateway in front of it
-(dflash2_gateway.py), shared with serve_dflash2.py.
+Start-up only: the start-up sequence (dflash2_launch.py: options, environment, pack checks,
+the engine) and the hardened gateway in front of it (dflash2_gateway.py), shared with
+serve_dflash2.py.
 """
 
 import os
@@ -28,26 +28,11 @@ from pathlib import Path  # noqa: E402
 HERE = Path(__file__).absolute().parent
 runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
 
-from dflash2_engine import start_engine, warm_up
-from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
+from dflash2_engine import warm_up
+from dflash2_gateway import Gateway, serve
 from dflash2_http import decider, plain_decision
-from dflash2_options import (
-    DEMO_MODEL_ID,
-    exit_if_address_taken,
-    exit_if_environment_refused,
-    exit_if_pack_invalid,
-    exit_if_pins_differ,
-    interrupted_start_exits,
-    make_parser,
-    pack_folder,
-    pack_limits,
-    parse_args,
-    pass_options_to_mlx_vlm,
-    prefix_cache_gb,
-    public_model_id,
-    use_private_temp_folder,
-)
-
+from dflash2_launch import open_pack, read_options, start_pack_engine
+from dflash2_options import interrupted_start_exits, make_parser
 
 def main(argv=None):
     with interrupted_start_exits():
@@ -61,28 +46,12 @@ def start(argv=None):
     parser.add_argument("--demo", action="store_true",
                         help="serve the trained tiny pair's target plain (fixtures/tiny-pair of the source "
                              "repository; a fixture, not the 27B)")
-    args = parse_args(parser, argv)
-    exit_if_environment_refused()
-    exit_if_address_taken(args.host, args.port)
-    use_private_temp_folder()
-    from dflash2_pack import find_pack
-
-    pack_dir = pack_folder(parser, args, HERE)
-    target_dir, _ = find_pack(pack_dir)
-    model_id = public_model_id(args.model_id or (DEMO_MODEL_ID if args.demo else None), pack_dir)
-    scrubber = PathScrubber(local_paths([pack_dir, target_dir], model_id))
-    setup_logging(args.log_level, scrubber)
-    exit_if_pins_differ(pack_dir, args.full_hash)
-    exit_if_pack_invalid(target_dir)
-    limits = pack_limits(target_dir, model_id, args)
-    pass_options_to_mlx_vlm(args)
-    generator, inner_app = start_engine(target_dir, model_id, limits.context_length,
-                                        prefill_step_size=args.prefill_step_size,
-                                        top_logprobs_k=args.top_logprobs_k,
-                                        prefix_cache_gb=prefix_cache_gb(args))
+    args = read_options(parser, argv)
+    pack = open_pack(parser, args, HERE, with_drafter=False)
+    generator, inner_app = start_pack_engine(pack, args)
     warm_up(generator, "plain")
-    return Gateway(inner_app, model_id=model_id, scrubber=scrubber, request_timeout=args.request_timeout,
-                   decide=decider(limits, plain_decision)), args
+    return Gateway(inner_app, model_id=pack.model_id, scrubber=pack.scrubber, request_timeout=args.request_timeout,
+                   decide=decider(pack.limits, plain_decision)), args
 
 
 if __name__ == "__main__":

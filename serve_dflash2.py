@@ -22,8 +22,8 @@ block, or plain decode steps, from a round cost table measured at start-up (in /
 the request's acceptance; its timings say how many tokens came from rounds and from plain steps.
 Start-up only: the routing is dflash2_http.py's, the drafter's lifecycle dflash2_engine.py's,
 and the hardening (loopback only, exact pass-through options, refused environment, path
-scrubbing, one sequence at a time) is shared with serve.py (dflash2_options.py,
-dflash2_gateway.py).
+scrubbing, one sequence at a time) is shared with serve.py (dflash2_launch.py,
+dflash2_options.py, dflash2_gateway.py).
 """
 
 import os
@@ -47,26 +47,11 @@ HERE = Path(__file__).absolute().parent
 runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
 import logging
 
-from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
-from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
+from dflash2_engine import DrafterSetup, read_round_costs, warm_up
+from dflash2_gateway import Gateway, serve
 from dflash2_http import decider, route_chat
-from dflash2_options import (
-    DEMO_MODEL_ID,
-    exit_if_address_taken,
-    exit_if_environment_refused,
-    exit_if_pack_invalid,
-    exit_if_pins_differ,
-    interrupted_start_exits,
-    int_in,
-    make_parser,
-    pack_folder,
-    pack_limits,
-    parse_args,
-    pass_options_to_mlx_vlm,
-    prefix_cache_gb,
-    public_model_id,
-    use_private_temp_folder,
-)
+from dflash2_launch import open_pack, read_options, start_pack_engine
+from dflash2_options import int_in, interrupted_start_exits, make_parser, pack_folder
 
 logger = logging.getLogger("dflash2.server")
 
@@ -127,9 +112,7 @@ def main(argv=None):
 def start(argv=None):
     """Everything before serving: options, pack checks, the engine, its warm-ups; the gateway."""
     parser = make_dflash2_parser()
-    args = parse_args(parser, argv)
-    exit_if_environment_refused()
-    use_private_temp_folder()
+    args = read_options(parser, argv)
     if args.demo and args.verify_pack:
         parser.error("--verify-pack checks a built pack folder; --demo's fixture is checked against "
                      "its SHA256SUMS at every start")
@@ -139,39 +122,23 @@ def start(argv=None):
         parser.error(f"{', '.join(drafter_options)} set the drafter's work; --no-dflash2 serves without it")
     if args.demo and args.dflash2_block_size is None:
         args.dflash2_block_size = DEMO_BLOCK_SIZE
-    from dflash2_pack import find_pack
-    from dflash2_verdicts import VerdictCache, pack_key
-
-    pack_dir = pack_folder(parser, args, HERE)
-    if args.verify_pack:
+    if args.verify_pack:  # serves nothing: a server may run on its address
         from dflash2_pack import format_verify_table, verify_pack
 
-        results = verify_pack(pack_dir)
+        results = verify_pack(pack_folder(parser, args, HERE))
         print(format_verify_table(results))
         sys.exit(0 if all(ok for _, ok, _ in results) else 1)
-    exit_if_address_taken(args.host, args.port)  # --verify-pack serves nothing: a server may run there
-    target_dir, drafter_dir = find_pack(pack_dir)  # flat release layout, or target/ + drafter/
-    model_id = public_model_id(args.model_id or (DEMO_MODEL_ID if args.demo else None), pack_dir)
-    scrubber = PathScrubber(local_paths([pack_dir, target_dir, drafter_dir], model_id))
-    setup_logging(args.log_level, scrubber)
+    pack = open_pack(parser, args, HERE, with_drafter=not args.no_dflash2)
+    from dflash2_verdicts import VerdictCache, pack_key
 
-    exit_if_pins_differ(pack_dir, args.full_hash)
-    # A missing drafter/ folder is reported by its config.json; --no-dflash2 needs none.
-    exit_if_pack_invalid(target_dir, None if args.no_dflash2 else drafter_dir or pack_dir / "drafter")
-    limits = pack_limits(target_dir, model_id, args)
-
-    pass_options_to_mlx_vlm(args)
     options = dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
                    candidate_selector=args.dflash2_candidate_selector, sliding_window=args.dflash2_sliding_window)
-    verdicts = None if args.no_dflash2 else VerdictCache(pack_key(pack_dir, target_dir, drafter_dir, options),
-                                                         recheck=args.recheck)
+    verdicts = None if args.no_dflash2 else VerdictCache(
+        pack_key(pack.pack_dir, pack.target_dir, pack.drafter_dir, options), recheck=args.recheck)
     drafter = None if args.no_dflash2 else DrafterSetup(
-        drafter_dir or pack_dir / "drafter", options,
+        pack.drafter_dir or pack.pack_dir / "drafter", options,
         read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None, verdicts)
-    generator, inner_app = start_engine(target_dir, model_id, limits.context_length,
-                                        prefill_step_size=args.prefill_step_size,
-                                        top_logprobs_k=args.top_logprobs_k,
-                                        prefix_cache_gb=prefix_cache_gb(args), drafter=drafter)
+    generator, inner_app = start_pack_engine(pack, args, drafter)
     if generator.speculation.error:
         generator.stop_and_join()
         sys.exit(f"error: {generator.speculation.error}")
@@ -188,9 +155,9 @@ def start(argv=None):
 
     server_mode = ("fallback", server_reason) if server_reason else ("speculative", None)
 
-    decide = decider(limits, lambda body: route_chat(body, server_reason=server_reason,
-                                                     multimodal_plain=args.dflash2_multimodal == "plain",
-                                                     rounds_pay=generator.rounds_can_pay))
+    decide = decider(pack.limits, lambda body: route_chat(body, server_reason=server_reason,
+                                                          multimodal_plain=args.dflash2_multimodal == "plain",
+                                                          rounds_pay=generator.rounds_can_pay))
 
     def health():
         speculation = generator.speculation
@@ -199,7 +166,7 @@ def start(argv=None):
         return {"dflash2": server_mode[0], "reason": server_reason, "runtime": speculation.runtime,
                 "round_costs": costs, "start_up_checks": verdicts and verdicts.to_json()}
 
-    return Gateway(inner_app, model_id=model_id, scrubber=scrubber, decide=decide, header="x-dflash2",
+    return Gateway(inner_app, model_id=pack.model_id, scrubber=pack.scrubber, decide=decide, header="x-dflash2",
                    server_mode=server_mode, health=health, request_timeout=args.request_timeout), args
 
 

@@ -145,6 +145,18 @@ def test_an_address_in_use_is_refused_before_anything_loads(main_exit, script):
     assert status == 1 and f"cannot listen on 127.0.0.1:{port}" in stderr, stderr
 
 
+@pytest.mark.parametrize("problems", [["--demo", "--pack", "."], ["--pack", "no-such-folder"]], ids=" ".join)
+def test_both_servers_refuse_a_bad_start_alike(main_exit, problems):
+    """One start-up sequence (dflash2_launch): the same command line, with more than one thing
+    wrong, stops both servers at the same first check with the same words."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        argv = ["--port", str(taken.getsockname()[1]), *problems]
+        plain, speculative = (main_exit(script, *argv) for script in SCRIPTS)
+    # The refusal's line: a usage error's usage lines name each server's own options.
+    said = [(status, stderr.strip().splitlines()[-1].split("error: ", 1)[-1]) for status, stderr in (plain, speculative)]
+    assert said[0] == said[1], said
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_apc_disabled_is_accepted(script, tmp_path):
     # APC_ENABLED=0 passes the environment check; the run then stops at the empty pack folder.
