@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from urllib.parse import unquote
 
-from dflash2_http import Refusal, context_refusal, openapi_schema
+from dflash2_http import Refusal, context_refusal
+from dflash2_openapi import openapi_schema
 from dflash2_record import RequestRecord, current_request
 
 logger = logging.getLogger("dflash2.server")

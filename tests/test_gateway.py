@@ -19,7 +19,8 @@ from conftest import data_url, png
 from dflash2_gateway import Gateway, PathScrubber, local_paths, with_loopback_cors
 from dflash2_record import current_request
 from dflash2_http import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, check_chat_request, decider,
-                          lowest_temperature, openapi_schema, plain_decision, route_chat)
+                          lowest_temperature, plain_decision, route_chat)
+from dflash2_openapi import openapi_schema
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
