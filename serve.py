@@ -30,7 +30,6 @@ runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
 
 from dflash2_engine import start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
-from dflash2_http import decider, plain_decision
 from dflash2_options import (
     DEMO_MODEL_ID,
     exit_if_address_taken,
@@ -47,6 +46,7 @@ from dflash2_options import (
     public_model_id,
     use_private_temp_folder,
 )
+from dflash2_routing import decider, plain_decision
 
 
 def main(argv=None):

@@ -20,7 +20,7 @@ Responses that generate nothing (/v1/models, /health) carry the server's mode.
 A speculative request runs rounds only while they pay: dflash2_policy picks each round's
 block, or plain decode steps, from a round cost table measured at start-up (in /health) and
 the request's acceptance; its timings say how many tokens came from rounds and from plain steps.
-Start-up only: the routing is dflash2_http.py's, the drafter's lifecycle dflash2_engine.py's,
+Start-up only: the routing is dflash2_routing.py's, the drafter's lifecycle dflash2_engine.py's,
 and the hardening (loopback only, exact pass-through options, refused environment, path
 scrubbing, one sequence at a time) is shared with serve.py (dflash2_options.py,
 dflash2_gateway.py).
@@ -49,7 +49,6 @@ import logging
 
 from dflash2_engine import DrafterSetup, read_round_costs, start_engine, warm_up
 from dflash2_gateway import Gateway, PathScrubber, local_paths, serve, setup_logging
-from dflash2_http import decider, route_chat
 from dflash2_options import (
     DEMO_MODEL_ID,
     exit_if_address_taken,
@@ -67,6 +66,7 @@ from dflash2_options import (
     public_model_id,
     use_private_temp_folder,
 )
+from dflash2_routing import decider, route_chat
 
 logger = logging.getLogger("dflash2.server")
 

@@ -18,9 +18,9 @@ from starlette.testclient import TestClient
 from conftest import data_url, png
 from dflash2_gateway import Gateway, PathScrubber, local_paths, with_loopback_cors
 from dflash2_record import current_request
-from dflash2_http import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, check_chat_request, decider,
-                          lowest_temperature, plain_decision, route_chat)
+from dflash2_http import MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, check_chat_request, lowest_temperature
 from dflash2_openapi import openapi_schema
+from dflash2_routing import decider, plain_decision, route_chat
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
