@@ -2,7 +2,8 @@
 
 Request bodies are described by the request models' own JSON schemas."""
 
-from dflash2_http import ChatRequest, CountTokensRequest, MessagesRequest, ResponsesRequest
+from dflash2_http import ChatRequest, CountTokensRequest, MessagesRequest
+from dflash2_responses_request import ResponsesRequest
 
 
 def error_responses(*statuses, schema="Error"):
