@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote
 
-from dflash2_http import Refusal, context_refusal
+from dflash2_requests import Refusal, context_refusal
 from dflash2_openapi import openapi_schema
 from dflash2_record import RequestRecord, current_request
 

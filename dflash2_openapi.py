@@ -2,7 +2,7 @@
 
 Request bodies are described by the request models' own JSON schemas."""
 
-from dflash2_http import ChatRequest
+from dflash2_requests import ChatRequest
 from dflash2_messages_request import CountTokensRequest, MessagesRequest
 from dflash2_responses_request import ResponsesRequest
 

@@ -4,26 +4,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from dflash2_http import (
-    MAX_CONTENT_PARTS,
-    MAX_IMAGES,
-    MAX_MESSAGES,
-    MAX_REQUEST_PIXELS,
-    TOOL_NAME,
-    InvalidRequest,
-    PackLimits,
-    Refusal,
-    Strict,
-    check_sampling,
-    context_refusal,
-    json_object,
-    load_checked_image,
-    number,
-    request_text_chars,
-    served_model,
-    validated,
-    whole,
-)
+from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, TOOL_NAME,
+                              InvalidRequest, PackLimits, Refusal, Strict, check_sampling, context_refusal,
+                              json_object, load_checked_image, number, request_text_chars, served_model, validated,
+                              whole)
 
 
 class ResponseInputText(Strict):

@@ -6,7 +6,7 @@ the API's checks, then its route."""
 import secrets
 from dataclasses import dataclass
 
-from dflash2_http import PackLimits, Refusal, check_chat_request
+from dflash2_requests import PackLimits, Refusal, check_chat_request
 from dflash2_messages_request import check_count_tokens_request, check_messages_request
 from dflash2_responses_request import check_responses_request, response_items
 

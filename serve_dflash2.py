@@ -15,7 +15,7 @@ how in its x-dflash2 header:
   (--no-dflash2), packed-weights-unsupported, kernel-self-test-failed,
   verify-self-check-failed or speculative-warm-up-failed;
 - refused; reason=R: thinking-budget, structured-output, n-above-1, and the gateway's
-  refusals (dflash2_gateway.py, dflash2_http.py; docs/routing.md lists them all).
+  refusals (dflash2_gateway.py, dflash2_routing.py, dflash2_requests.py; docs/routing.md lists them all).
 Responses that generate nothing (/v1/models, /health) carry the server's mode.
 A speculative request runs rounds only while they pay: dflash2_policy picks each round's
 block, or plain decode steps, from a round cost table measured at start-up (in /health) and

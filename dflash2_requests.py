@@ -1,5 +1,8 @@
-"""The chat request the pack serves: typed request models and the checks of every value
-against the pack."""
+"""The pack's limits and refusals, the checks every API shares, and the chat request.
+
+The chat request's typed models and the checks of every value against the pack; the
+Messages and Responses requests (dflash2_messages_request.py, dflash2_responses_request.py)
+take the shared checks on their own shapes."""
 
 import base64
 import binascii
