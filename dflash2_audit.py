@@ -538,7 +538,7 @@ AUDITED = (
     Audited(
         "mlx_vlm.server.schemas:ChatRequest",
         "add1641eb7503640c65547bceb977e5efe1d866ca5aed2d9807190a21d91be33",
-        "dflash2_http's request models check a subset of what it accepts; the gateway forwards "
+        "dflash2_requests' request models check a subset of what it accepts; the gateway forwards "
         "the checked body to it.",
     ),
     Audited(

@@ -3,7 +3,7 @@
 - the gateway serves chat completions, Anthropic Messages, OpenAI Responses, /v1/models,
   /health and /openapi.json only,
   validates and routes every chat body through the decide function it is given
-  (dflash2_http.py), answers mistakes with OpenAI-shaped 4xx errors, allows cross-origin
+  (dflash2_routing.py), answers mistakes with OpenAI-shaped 4xx errors, allows cross-origin
   use from loopback pages only, and replaces local paths with public names in headers,
   errors and logs;
 - a request stops at its stop sequences, when its client disconnects, at the request
@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from urllib.parse import unquote
 
-from dflash2_http import Refusal, context_refusal, openapi_schema
+from dflash2_requests import Refusal, context_refusal
+from dflash2_openapi import openapi_schema
 from dflash2_record import RequestRecord, current_request
 
 logger = logging.getLogger("dflash2.server")
@@ -136,7 +137,7 @@ MESSAGES_PATHS = ("/v1/messages", "/messages")
 COUNT_TOKENS_PATHS = ("/v1/messages/count_tokens", "/messages/count_tokens")
 ANTHROPIC_PATHS = MESSAGES_PATHS + COUNT_TOKENS_PATHS
 RESPONSES_PATHS = ("/v1/responses", "/responses")
-# The APIs whose bodies the gateway checks (dflash2_http.REQUEST_CHECKS), by path.
+# The APIs whose bodies the gateway checks (dflash2_routing.REQUEST_CHECKS), by path.
 API_OF_PATH = {**dict.fromkeys(CHAT_PATHS, "chat"), **dict.fromkeys(MESSAGES_PATHS, "messages"),
                **dict.fromkeys(COUNT_TOKENS_PATHS, "count_tokens"), **dict.fromkeys(RESPONSES_PATHS, "responses")}
 ANTHROPIC_ERROR_TYPES = {404: "not_found_error", 413: "request_too_large", 504: "timeout_error",

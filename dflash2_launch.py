@@ -44,7 +44,7 @@ class OpenedPack:
     drafter_dir: Optional[Path]
     model_id: str
     scrubber: PathScrubber
-    limits: object  # dflash2_http.PackLimits
+    limits: object  # dflash2_requests.PackLimits
 
 
 def open_pack(parser, args, default: Path, *, with_drafter: bool) -> OpenedPack:

@@ -18,7 +18,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflash2_http import PackLimits
+from dflash2_requests import PackLimits
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 DEFAULT_PORT = 8080

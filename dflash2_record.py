@@ -28,7 +28,7 @@ class RequestRecord:
     speculative: bool = False
     stop: list = field(default_factory=list)  # the request's stop sequences
     stop_sequence: str = None  # the one its answer ended at (dflash2_engine.RecordingTokens)
-    seed: int = None  # a sampled request's, sent or picked (dflash2_http.with_seed)
+    seed: int = None  # a sampled request's, sent or picked (dflash2_routing.with_seed)
     announced: bool = False  # arrival line logged
     cancelled: str = None  # disconnected | timeout | shutdown
     token_stream: object = None  # the engine's RecordingTokens, once generation starts

@@ -140,7 +140,7 @@ def read_cache_file(path: Path, key: Optional[dict]) -> dict:
 
 
 def key_differences(old: dict, new: dict) -> str:
-    """What differs between two keys, e.g. 'modules (dflash2_http.py), packages (mlx)'."""
+    """What differs between two keys, e.g. 'modules (dflash2_requests.py), packages (mlx)'."""
     differences = []
     for name in sorted(set(old) | set(new)):
         a, b = old.get(name), new.get(name)

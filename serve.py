@@ -30,9 +30,10 @@ runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
 
 from dflash2_engine import warm_up
 from dflash2_gateway import Gateway, serve
-from dflash2_http import decider, plain_decision
 from dflash2_launch import open_pack, read_options, start_pack_engine
 from dflash2_options import interrupted_start_exits, make_parser
+from dflash2_routing import decider, plain_decision
+
 
 def main(argv=None):
     with interrupted_start_exits():

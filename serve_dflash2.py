@@ -15,12 +15,12 @@ how in its x-dflash2 header:
   (--no-dflash2), packed-weights-unsupported, kernel-self-test-failed,
   verify-self-check-failed or speculative-warm-up-failed;
 - refused; reason=R: thinking-budget, structured-output, n-above-1, and the gateway's
-  refusals (dflash2_gateway.py, dflash2_http.py; docs/routing.md lists them all).
+  refusals (dflash2_gateway.py, dflash2_routing.py, dflash2_requests.py; docs/routing.md lists them all).
 Responses that generate nothing (/v1/models, /health) carry the server's mode.
 A speculative request runs rounds only while they pay: dflash2_policy picks each round's
 block, or plain decode steps, from a round cost table measured at start-up (in /health) and
 the request's acceptance; its timings say how many tokens came from rounds and from plain steps.
-Start-up only: the routing is dflash2_http.py's, the drafter's lifecycle dflash2_engine.py's,
+Start-up only: the routing is dflash2_routing.py's, the drafter's lifecycle dflash2_engine.py's,
 and the hardening (loopback only, exact pass-through options, refused environment, path
 scrubbing, one sequence at a time) is shared with serve.py (dflash2_launch.py,
 dflash2_options.py, dflash2_gateway.py).
@@ -49,9 +49,9 @@ import logging
 
 from dflash2_engine import DrafterSetup, read_round_costs, warm_up
 from dflash2_gateway import Gateway, serve
-from dflash2_http import decider, route_chat
 from dflash2_launch import open_pack, read_options, start_pack_engine
 from dflash2_options import int_in, interrupted_start_exits, make_parser, pack_folder
+from dflash2_routing import decider, route_chat
 
 logger = logging.getLogger("dflash2.server")
 

@@ -311,11 +311,36 @@ def test_invalid_pins_file_is_named_at_start_and_by_verify(pack_copy, file_check
 
 REPO = Path(__file__).resolve().parents[1]
 # The top-level modules, entry points first: each imports only modules after it.
-LAYERS = ["serve_dflash2", "serve", "dflash2_launch", "dflash2_engine", "dflash2_prefix_cache", "dflash2_gateway", "dflash2_record", "dflash2_options",
-          "dflash2_http", "dflash2_runtime", "dflash2_policy", "dflash2_sampling", "dflash2_verdicts", "dflash2_pack",
-          "dflash2_audit", "dflash2_kernels", "dflash2_kernel_prefill", "dflash2_kernel_attention",
-          "dflash2_kernel_fused", "dflash2_kernel_gdn", "dflash2_kernel_rotate", "dflash2_kernel_qmv",
-          "dflash2_kernel_base", "dflash2_source"]
+LAYERS = [
+    "serve_dflash2",
+    "serve",
+    "dflash2_launch",
+    "dflash2_engine",
+    "dflash2_prefix_cache",
+    "dflash2_gateway",
+    "dflash2_record",
+    "dflash2_options",
+    "dflash2_routing",
+    "dflash2_openapi",
+    "dflash2_messages_request",
+    "dflash2_responses_request",
+    "dflash2_requests",
+    "dflash2_runtime",
+    "dflash2_policy",
+    "dflash2_sampling",
+    "dflash2_verdicts",
+    "dflash2_pack",
+    "dflash2_audit",
+    "dflash2_kernels",
+    "dflash2_kernel_prefill",
+    "dflash2_kernel_attention",
+    "dflash2_kernel_fused",
+    "dflash2_kernel_gdn",
+    "dflash2_kernel_rotate",
+    "dflash2_kernel_qmv",
+    "dflash2_kernel_base",
+    "dflash2_source",
+]
 
 
 def imported_modules(path):

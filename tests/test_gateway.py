@@ -1,5 +1,5 @@
 """The gateway's request checks in-process: serve.py's Gateway, with serve_dflash2.py's
-routing and the checks in dflash2_http.py, in front of a stub in mlx-vlm's place.
+routing and the checks in dflash2_requests.py, in front of a stub in mlx-vlm's place.
 
 No model and no server process: starlette's TestClient calls the ASGI app directly, so
 each case takes milliseconds. What needs generation or a real server (crashes,
@@ -18,8 +18,9 @@ from starlette.testclient import TestClient
 from conftest import data_url, png
 from dflash2_gateway import Gateway, PathScrubber, local_paths, with_loopback_cors
 from dflash2_record import current_request
-from dflash2_http import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, check_chat_request, decider,
-                          lowest_temperature, openapi_schema, plain_decision, route_chat)
+from dflash2_requests import MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, PackLimits, lowest_temperature
+from dflash2_openapi import openapi_schema
+from dflash2_routing import decider, plain_decision, route_chat
 
 MODEL_ID = "tiny-pack"
 VOCAB = 512
@@ -338,9 +339,9 @@ def test_counts_that_bound_a_requests_checking_are_refused_before_it_is_read(cli
 
 
 def test_a_requests_images_share_one_pixel_budget(client, monkeypatch):
-    import dflash2_http
+    import dflash2_requests
 
-    monkeypatch.setattr(dflash2_http, "MAX_REQUEST_PIXELS", 3 * 32 * 32)
+    monkeypatch.setattr(dflash2_requests, "MAX_REQUEST_PIXELS", 3 * 32 * 32)
     three = [{"type": "image_url", "image_url": {"url": data_url(png((32, 32)))}}] * 3
     assert post(client, {"messages": [{"role": "user", "content": three}]}).status_code == 200
     error = assert_refused(post(client, {"messages": [{"role": "user", "content": [*three, three[0]]}]}),

@@ -144,12 +144,12 @@ def test_an_edited_pack_module_means_a_full_check_naming_it(first, tmp_path):
     for path in REPO.glob("*.py"):
         shutil.copy2(path, copy / path.name)
     (copy / "fixtures").symlink_to(REPO / "fixtures")
-    with open(copy / "dflash2_http.py", "a") as module:
+    with open(copy / "dflash2_requests.py", "a") as module:
         module.write("# edited\n")
     checks, log = full_check(workdir, "--dflash2-round-costs", str(first["round_costs"]),
                              script=copy / "serve_dflash2.py")
     assert checks["full_check_because"] == (
-        "nothing cached for this key yet (the newest cached start differed in: modules (dflash2_http.py))")
+        "nothing cached for this key yet (the newest cached start differed in: modules (dflash2_requests.py))")
     assert len(cache_files(workdir)) == 2  # one file per key
 
 
@@ -200,7 +200,7 @@ def opened(pack, recheck=False):
 
 def test_a_cached_verdict_is_restored_instead_of_measured(machine, caplog):
     caplog.set_level("INFO", "dflash2.server")
-    pack = {"modules": {"dflash2_http.py": "aa"}, "pack": {}, "options": {}}
+    pack = {"modules": {"dflash2_requests.py": "aa"}, "pack": {}, "options": {}}
     first = opened(pack)
     assert first.check("round costs", lambda: {"table": 1}, dict, dict) == {"table": 1}
     assert first.check("verify self-check", lambda: "checked") == "checked"

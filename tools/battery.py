@@ -33,8 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash2_http import (AnthropicMessage, ChatRequest, CountTokensRequest, Message, MessagesRequest,  # noqa: E402
-                          ResponseMessageItem, ResponsesRequest)
+from dflash2_requests import ChatRequest, Message  # noqa: E402
+from dflash2_messages_request import AnthropicMessage, CountTokensRequest, MessagesRequest  # noqa: E402
+from dflash2_responses_request import ResponseMessageItem, ResponsesRequest  # noqa: E402
 from records import code_digest, git_state, write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 

@@ -37,14 +37,37 @@ from dflash2_pack import (  # noqa: E402
 )
 from make_synthetic_pack import prequantize_drafter  # noqa: E402
 
-RUNTIME_FILES = ("serve_dflash2.py", "serve.py", "dflash2_launch.py", "dflash2_options.py",
-                 "dflash2_gateway.py", "dflash2_record.py", "dflash2_http.py", "dflash2_engine.py",
-                 "dflash2_prefix_cache.py", "dflash2_runtime.py", "dflash2_policy.py",
-                 "dflash2_sampling.py", "dflash2_verdicts.py", "dflash2_audit.py",
-                 "dflash2_kernels.py", "dflash2_kernel_prefill.py", "dflash2_kernel_attention.py",
-                 "dflash2_kernel_fused.py", "dflash2_kernel_gdn.py", "dflash2_kernel_rotate.py",
-                 "dflash2_kernel_qmv.py", "dflash2_kernel_base.py", "dflash2_pack.py",
-                 "dflash2_source.py", "requirements.txt")
+RUNTIME_FILES = (
+    "serve_dflash2.py",
+    "serve.py",
+    "dflash2_launch.py",
+    "dflash2_engine.py",
+    "dflash2_prefix_cache.py",
+    "dflash2_gateway.py",
+    "dflash2_record.py",
+    "dflash2_options.py",
+    "dflash2_routing.py",
+    "dflash2_openapi.py",
+    "dflash2_messages_request.py",
+    "dflash2_responses_request.py",
+    "dflash2_requests.py",
+    "dflash2_runtime.py",
+    "dflash2_policy.py",
+    "dflash2_sampling.py",
+    "dflash2_verdicts.py",
+    "dflash2_pack.py",
+    "dflash2_audit.py",
+    "dflash2_kernels.py",
+    "dflash2_kernel_prefill.py",
+    "dflash2_kernel_attention.py",
+    "dflash2_kernel_fused.py",
+    "dflash2_kernel_gdn.py",
+    "dflash2_kernel_rotate.py",
+    "dflash2_kernel_qmv.py",
+    "dflash2_kernel_base.py",
+    "dflash2_source.py",
+    "requirements.txt",
+)
 # Files the pack writes itself; a base file of the same name is replaced, not copied.
 GENERATED_FILES = ("NOTICE.txt", "README.md", PINS_FILE, SUMS_FILE)
 # Base files that make no sense beside the DFlash2 runtime (the card lists them).

@@ -1,0 +1,239 @@
+"""The Anthropic Messages and count_tokens requests: their models, and chat's checks on them."""
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, MAX_STOP_SEQUENCES,
+                              TOOL_NAME, InvalidRequest, PackLimits, Refusal, StopSequence, Strict, check_sampling,
+                              context_refusal, json_object, load_checked_image, number, request_text_chars,
+                              served_model, validated, whole)
+
+
+class CacheControl(Strict):
+    """Accepted and ignored: the exact prefix cache (--prefix-cache-gb) needs no markers."""
+
+    type: Literal["ephemeral"]
+    ttl: Optional[Literal["5m", "1h"]] = None
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: Optional[CacheControl] = None
+
+
+class Base64ImageSource(Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLImageSource(Strict):
+    """Checked as chat's image URLs are: remote ones refused, local files only from --allow-image-dir."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(Strict):
+    type: Literal["image"]
+    source: Annotated[Union[Base64ImageSource, URLImageSource], Field(discriminator="type")]
+    cache_control: Optional[CacheControl] = None
+
+
+ToolResultPart = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
+
+
+class ToolUseBlock(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: Optional[CacheControl] = None
+
+
+class ToolResultBlock(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, Annotated[list[ToolResultPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
+    is_error: Optional[bool] = None
+    cache_control: Optional[CacheControl] = None
+
+
+class ThinkingBlock(Strict):
+    """An earlier turn's thinking, sent back by agents: templates drop it."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None
+
+
+class RedactedThinkingBlock(Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
+                               RedactedThinkingBlock], Field(discriminator="type")]
+
+
+class AnthropicMessage(Strict):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[ContentBlock]]
+
+
+class AnthropicTool(Strict):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+    type: Optional[Literal["custom"]] = None
+    cache_control: Optional[CacheControl] = None
+
+
+class AnthropicToolChoiceKind(Strict):
+    type: Literal["auto", "any", "none"]
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class AnthropicToolChoiceTool(Strict):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class ThinkingEnabled(Strict):
+    """budget_tokens is accepted, not enforced (as chat's thinking_budget is not served):
+    max_tokens bounds the thinking and the answer together."""
+
+    type: Literal["enabled"]
+    budget_tokens: Annotated[int, Field(ge=1, le=1 << 31)]
+
+
+class ThinkingToggle(Strict):
+    type: Literal["disabled", "adaptive"]
+
+
+class AnthropicMetadata(Strict):
+    user_id: Optional[str] = None
+
+
+class CountTokensRequest(Strict):
+    """A Messages count_tokens request (Anthropic's fields this pack honours)."""
+
+    model: Optional[str] = None
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    system: Union[str, list[TextBlock], None] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Annotated[Union[AnthropicToolChoiceKind, AnthropicToolChoiceTool, None],
+                           Field(discriminator="type")] = None
+    thinking: Annotated[Union[ThinkingEnabled, ThinkingToggle, None], Field(discriminator="type")] = None
+    cache_control: Optional[CacheControl] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """An Anthropic Messages request, as this pack serves it."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 31)]
+    temperature: number(0, 2) = None
+    top_p: number(0, 1) = None
+    top_k: whole(0, 1 << 31) = None
+    stop_sequences: Optional[Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)]] = None
+    stream: Optional[bool] = None
+    metadata: Optional[AnthropicMetadata] = None
+
+
+def message_blocks(messages):
+    """(message index, block's where, raw block) of every content block, tool results' parts too."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+            continue
+        for number_, block in enumerate(message["content"]):
+            where = f"messages[{index}].content[{number_}]"
+            yield index, where, block
+            if isinstance(block, dict) and isinstance(block.get("content"), list):
+                for part_index, part in enumerate(block["content"]):
+                    yield index, f"{where}.content[{part_index}]", part
+
+
+def check_messages_sizes(body: dict):
+    """check_sizes for a Messages body: messages, content blocks (tool results' parts
+    included) and images, before the body is parsed into models."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest("messages", f"holds {len(messages)} messages; this server takes at most {MAX_MESSAGES}")
+    blocks = [block for _, _, block in message_blocks(messages)]
+    if len(blocks) > MAX_CONTENT_PARTS:
+        raise InvalidRequest("messages", f"hold {len(blocks)} content blocks; this server takes at most "
+                                         f"{MAX_CONTENT_PARTS}")
+    images = sum(isinstance(block, dict) and block.get("type") == "image" for block in blocks)
+    if images > MAX_IMAGES:
+        raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
+
+
+ROLE_OF_BLOCK = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
+                 "tool_result": "user", "image": "user"}
+
+
+def messages_rendered_chars(request: CountTokensRequest) -> int:
+    """rendered_text_chars for a Messages request: the system prompt's, user text's and tool results'."""
+    def text(content):
+        if isinstance(content, str):
+            return len(content)
+        return sum(len(block.text) if isinstance(block, TextBlock) else
+                   text(block.content) if isinstance(block, ToolResultBlock) else 0 for block in content or ())
+    return text(request.system) + sum(text(message.content) for message in request.messages
+                                      if message.role == "user")
+
+
+def check_messages_request(body, limits: PackLimits, request_model=MessagesRequest) -> dict:
+    """Validates an Anthropic Messages (or, with CountTokensRequest, count_tokens) body with
+    chat's rules and limits; returns it normalised for mlx-vlm's Messages endpoint: null
+    fields dropped, model filled in, thinking turned into enable_thinking, image
+    references checked."""
+    body = json_object(body)
+    check_messages_sizes(body)
+    request = validated(body, request_model)
+    served_model(body, limits)
+    if body.get("max_tokens", 0) > limits.context_length:
+        raise InvalidRequest("max_tokens", f"must be at most {limits.context_length}, the model's context length")
+    check_sampling(request, limits)
+    names = [tool.name for tool in request.tools or []]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise InvalidRequest(f"tools[{index}].name", f"{name!r} names two tools")
+    if isinstance(request.tool_choice, AnthropicToolChoiceTool) and request.tool_choice.name not in names:
+        raise InvalidRequest("tool_choice.name", f"{request.tool_choice.name!r} is not one of the request's tools")
+    if limits.max_prompt_chars is not None and messages_rendered_chars(request) > limits.max_prompt_chars:
+        raise context_refusal(f"the system prompt, user messages and tool results hold more than "
+                              f"{limits.max_prompt_chars} characters, more than the model's context of "
+                              f"{limits.context_length} tokens can take")
+    chars = request_text_chars(body, ("system", "messages", "tools"), ("role", "type", "source", "cache_control"))
+    if limits.prompt_chars_limit is not None and chars > limits.prompt_chars_limit:
+        raise Refusal(400, "prompt-too-long", f"messages: the system prompt, messages and tools hold {chars} "
+                      f"characters of text; this server takes at most {limits.prompt_chars_limit} "
+                      "(its --max-prompt-chars)", "messages")
+    pixels = 0
+    for index, where, block in message_blocks(body["messages"]):
+        role = body["messages"][index]["role"]
+        kind = block["type"]
+        if ROLE_OF_BLOCK.get(kind, role) != role:
+            raise InvalidRequest(where, f"{kind} blocks are accepted in {ROLE_OF_BLOCK[kind]} messages only")
+        if kind == "image":
+            source = block["source"]
+            url = source["url"] if source["type"] == "url" else \
+                f"data:{source['media_type']};base64,{source['data']}"
+            reference, size = load_checked_image(url, f"{where}.source", limits.image_dir, MAX_REQUEST_PIXELS - pixels)
+            pixels += size
+            if source["type"] == "url":
+                source["url"] = reference  # the checked file, resolved
+    thinking = body.pop("thinking", None)
+    if thinking is not None:
+        body["enable_thinking"] = thinking["type"] != "disabled"
+    return body
+
+
+def check_count_tokens_request(body, limits: PackLimits) -> dict:
+    return check_messages_request(body, limits, CountTokensRequest)

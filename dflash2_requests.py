@@ -1,0 +1,506 @@
+"""The pack's limits and refusals, the checks every API shares, and the chat request.
+
+The chat request's typed models and the checks of every value against the pack; the
+Messages and Responses requests (dflash2_messages_request.py, dflash2_responses_request.py)
+take the shared checks on their own shapes."""
+
+import base64
+import binascii
+import io
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+from urllib.parse import unquote, urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# A request's images are decoded here in full before the model sees them: these bound the
+# work and memory one request can ask for (a 2 KB WebP can hold 64 M pixels).
+MAX_IMAGES = 64
+MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS
+# Checking and templating a request's messages takes time on the server's one event loop:
+# more messages or content parts than this are refused before anything else reads them.
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 4096
+MAX_ASPECT_RATIO = 200  # Qwen's image resize refuses more elongated images
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_LENGTH = 256
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+UNSUPPORTED_PARTS = ("input_audio", "audio_url", "video_url", "input_video", "video")
+
+
+class Refusal(Exception):
+    """A request the pack does not serve: answered with an OpenAI-shaped 4xx error."""
+
+    def __init__(self, status: int, reason: str, message: str, param: str = None):
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(Refusal):
+    """A field whose value the pack does not accept: 400 invalid-request naming it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(400, "invalid-request", f"{param}: {message}", param)
+
+
+def context_refusal(detail: str) -> Refusal:
+    return Refusal(400, "context-length-exceeded",
+                   f"messages: {detail}; shorten the messages or lower max_tokens", "messages")
+
+
+FLOAT16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class PackLimits:
+    """What the pack and the server's options allow a request to ask for."""
+
+    model_id: str
+    vocab_size: int
+    context_length: int
+    top_logprobs_k: int = 0
+    image_dir: Optional[Path] = None
+    max_prompt_chars: Optional[int] = None  # more characters of user text never fit the context
+    prompt_chars_limit: Optional[int] = None  # the server's --max-prompt-chars: more are refused untokenized
+
+
+# ---------------------------------------------------------------------------------------
+# Request models: strict types, unknown fields refused
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(Strict):
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class UnsupportedPart(BaseModel):
+    """Audio and video parts: recognised, then refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal[UNSUPPORTED_PARTS]
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, UnsupportedPart], Field(discriminator="type")]
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: Union[str, dict[str, Any]] = ""
+
+
+class ToolCall(Strict):
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCall
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+
+class FunctionDefinition(Strict):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Strict):
+    name: str
+
+
+class ToolChoice(Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class StreamOptions(Strict):
+    include_usage: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+def number(low, high):
+    return Optional[Annotated[float, Field(ge=low, le=high)]]
+
+
+def whole(low, high):
+    return Optional[Annotated[int, Field(ge=low, le=high)]]
+
+
+StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+
+
+class ChatRequest(Strict):
+    """A chat completion request, as this pack serves it (OpenAI's fields it honours)."""
+
+    model: Optional[str] = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: whole(1, 1 << 31) = None
+    max_completion_tokens: whole(1, 1 << 31) = None
+    temperature: number(0, 2) = None
+    top_p: number(0, 1) = None
+    top_k: whole(0, 1 << 31) = None
+    min_p: number(0, 1) = None
+    seed: whole(-(1 << 63), 1 << 64) = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: whole(0, 20) = None
+    presence_penalty: number(-2, 2) = None
+    frequency_penalty: number(-2, 2) = None
+    repetition_penalty: number(0.01, 10) = None
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
+    n: whole(1, 128) = None
+    stop: Union[StopSequence, Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)], None] = None
+    enable_thinking: Optional[bool] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    thinking_budget: whole(0, 1 << 31) = None
+    response_format: Optional[ResponseFormat] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+
+
+def error_param(body, error) -> str:
+    """The field an error is about, written like messages[0].content: the error's location
+    with pydantic's union labels (keys that are not in the request) left out."""
+    value, parts = body, []
+    loc = error["loc"]
+    for index, key in enumerate(loc):
+        if (isinstance(value, dict) and key == value.get("type") and index < len(loc) - 1
+                and not isinstance(value.get(key), (dict, list))):
+            continue  # a discriminated union's tag, where its field of that name cannot hold the rest
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and isinstance(key, int) and key < len(value):
+            value = value[key]
+        elif not (index == len(loc) - 1 and error["type"] == "missing"):
+            continue
+        parts.append(key)
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        parts.append("type")
+    text = ""
+    for key in parts:
+        text += f"[{key}]" if isinstance(key, int) else f".{key}"
+    return text.lstrip(".") or "body"
+
+
+def refusal_for(body, validation_error: ValidationError) -> Refusal:
+    """One refusal for a failed validation: an unknown field if there is one, else the
+    first field in error (its deepest location; all messages found there)."""
+    errors = validation_error.errors(include_url=False, include_input=False)
+    for error in errors:
+        if error["type"] == "extra_forbidden":
+            param = error_param(body, error)
+            return Refusal(400, "unknown-field", f"{param} is not a known field", param)
+    first = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
+    params = [error_param(body, e) for e in first]
+    param = max(params, key=lambda p: p.count(".") + p.count("["))
+    messages = dict.fromkeys(e["msg"] for e, p in zip(first, params) if p == param)
+    return InvalidRequest(param, " or ".join(messages))
+
+
+# ---------------------------------------------------------------------------------------
+# Checks against the pack
+
+
+def find_lone_surrogate(value, where="body"):
+    """Where a string holds half of a UTF-16 surrogate pair (not valid Unicode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        items = ((f"{where}.{key}".removeprefix("body."), key, item) for key, item in value.items())
+    elif isinstance(value, list):
+        items = ((f"{where}[{index}]", None, item) for index, item in enumerate(value))
+    else:
+        return None
+    for at, key, item in items:
+        if key is not None and find_lone_surrogate(key):
+            return where
+        found = find_lone_surrogate(item, at)
+        if found:
+            return found
+    return None
+
+
+def load_checked_image(url: str, where: str, image_dir: Optional[Path], pixels_left: int) -> tuple:
+    """(the image reference mlx-vlm should load, its pixels), after decoding it once here.
+
+    Base64 data URLs, and files inside image_dir (--allow-image-dir) when it is set. A
+    path is refused with one message whether or not it exists; no outbound requests. An
+    image above MAX_IMAGE_PIXELS, or above the request's pixels_left, is refused from its
+    header, before it is decoded.
+    """
+    from PIL import Image
+
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if not header.startswith("data:image/") or not header.endswith(";base64") or not payload:
+            raise Refusal(400, "invalid-image", f"{where}: expected data:image/<type>;base64,<data>", where)
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise Refusal(400, "invalid-image", f"{where}: the base64 data is malformed", where)
+        source, reference = io.BytesIO(data), url
+    elif url.startswith(("http://", "https://")):
+        raise Refusal(400, "remote-image",
+                      f"{where}: remote image URLs are not fetched; send a base64 data URL", where)
+    else:
+        path = unquote(urlparse(url).path) if url.startswith("file://") else url
+        real = os.path.realpath(path) if os.path.isabs(path) else None
+        if image_dir is None or real is None or not real.startswith(f"{image_dir}{os.sep}") \
+                or not os.path.isfile(real):
+            raise Refusal(400, "local-image",
+                          f"{where}: send images as base64 data URLs; local paths are read only "
+                          "from inside the folder the server allows with --allow-image-dir", where)
+        source, reference = real, real
+    try:
+        with Image.open(source) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise Refusal(400, "invalid-image", f"{where}: the image is larger than "
+                                                    f"{MAX_IMAGE_PIXELS} pixels", where)
+            if width * height > pixels_left:
+                raise Refusal(400, "invalid-image", f"{where}: the request's images hold more than "
+                                                    f"{MAX_REQUEST_PIXELS} pixels in all", where)
+            if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+                raise Refusal(400, "invalid-image", f"{where}: the image is {width}x{height}; "
+                                                    f"the aspect ratio may be at most {MAX_ASPECT_RATIO}:1", where)
+            image.load()
+    except Refusal:
+        raise
+    except Exception as exc:
+        raise Refusal(400, "invalid-image", f"{where}: not a readable image ({exc})", where)
+    return reference, width * height
+
+
+def check_message(raw: dict, message: Message, where: str, limits: PackLimits, pixels_left: int) -> tuple:
+    """The rules between a message's fields: (the message with its images checked, their
+    pixels), its images within the request's pixels_left."""
+    pixels = 0
+    if isinstance(message.content, list):
+        parts = []
+        for index, (raw_part, part) in enumerate(zip(raw["content"], message.content)):
+            at = f"{where}.content[{index}]"
+            if isinstance(part, UnsupportedPart):
+                raise Refusal(400, "unsupported-input",
+                              f"{at}: {part.type} parts are not supported by this pack (text and images only)", at)
+            if isinstance(part, ImagePart):
+                if message.role != "user":
+                    raise InvalidRequest(at, "images are accepted in user messages only")
+                url, size = load_checked_image(part.image_url.url, f"{at}.image_url.url", limits.image_dir,
+                                               pixels_left - pixels)
+                pixels += size
+                raw_part = {**raw_part, "image_url": {**raw_part["image_url"], "url": url}}
+            parts.append(raw_part)
+        raw = {**raw, "content": parts}
+    elif message.content is None and message.role != "assistant":
+        raise InvalidRequest(f"{where}.content", "is required")
+    if message.tool_calls is not None and message.role != "assistant":
+        raise InvalidRequest(f"{where}.tool_calls", "must be a list, on an assistant message")
+    if message.role == "tool" and message.tool_call_id is None:
+        raise InvalidRequest(f"{where}.tool_call_id", "is required on a tool message")
+    return raw, pixels
+
+
+def check_tools(request: ChatRequest):
+    names = [tool.function.name for tool in request.tools or []]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise InvalidRequest(f"tools[{index}].function.name", f"{name!r} names two tools")
+    if isinstance(request.tool_choice, ToolChoice) and request.tool_choice.function.name not in names:
+        raise InvalidRequest("tool_choice.function.name",
+                      f"{request.tool_choice.function.name!r} is not one of the request's tools")
+
+
+def lowest_temperature(vocab_size: int) -> float:
+    """The least positive temperature whose sampling stays finite, rounded up to two digits.
+    mlx-vlm scales the log-probabilities by 1 / temperature in their dtype (float16 in this
+    pack; server/generation.py:196). The likeliest token's is never below -log(vocab), so
+    from here (1% to spare for float16's rounding) it and 1 / temperature stay finite. Below
+    it every token can overflow to -inf: the softmax is NaN and the sampler picks token 0
+    each step."""
+    bound = 1.01 * max(1.0, math.log(vocab_size)) / FLOAT16_MAX
+    scale = 10.0 ** (1 - math.floor(math.log10(bound)))
+    return math.ceil(bound * scale) / scale
+
+
+def check_sampling(request, limits: PackLimits):
+    """Sampling values against the pack: a temperature its sampler can take, and values
+    that index the vocabulary."""
+    lowest = lowest_temperature(limits.vocab_size)
+    temperature = getattr(request, "temperature", None)
+    if temperature and temperature < lowest:
+        raise InvalidRequest("temperature", f"must be 0 (greedy) or at least {lowest:g}: sampling below that "
+                                            "overflows the model's float16 log-probabilities")
+    if getattr(request, "top_k", None) is not None and request.top_k >= limits.vocab_size:
+        raise InvalidRequest("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
+    for key in getattr(request, "logit_bias", None) or {}:
+        if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= limits.vocab_size:
+            raise InvalidRequest("logit_bias", f"key {key!r} is not a token id from 0 to {limits.vocab_size - 1}")
+    if getattr(request, "top_logprobs", None):
+        if not request.logprobs:
+            raise InvalidRequest("top_logprobs", 'needs "logprobs": true')
+        if request.top_logprobs > limits.top_logprobs_k:
+            raise InvalidRequest("top_logprobs", f"this server returns at most {limits.top_logprobs_k} "
+                                          "alternatives per token (its --top-logprobs-k)")
+
+
+def rendered_text_chars(request: ChatRequest) -> int:
+    """Characters of the text every chat template renders as is: the system, user and tool
+    messages' (an assistant message's may be cut: templates drop earlier turns' thinking)."""
+    total = 0
+    for message in request.messages:
+        if message.role == "assistant":
+            continue
+        if isinstance(message.content, str):
+            total += len(message.content)
+        elif message.content:
+            total += sum(len(part.text) for part in message.content if isinstance(part, TextPart))
+    return total
+
+
+def request_text_chars(body: dict, fields=("messages", "tools"), skip=("role", "type", "image_url")) -> int:
+    """Characters of every string in a request's messages and tools, whatever its role or
+    field (assistant turns, tool calls' arguments, tool schemas): all the text the template
+    may hand the tokenizer. Left out: roles and part types (the template's own markers) and
+    image URLs (their own limits bound them)."""
+    total, stack = 0, [body.get(name) for name in fields]
+    while stack:  # a walk, not recursion: JSON may nest deeper than Python's stack
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            stack.extend(item for key, item in value.items() if key not in skip)
+        elif isinstance(value, list):
+            stack.extend(value)
+    return total
+
+
+def check_sizes(body: dict):
+    """Counts that bound a request's checking before it is parsed into models: messages,
+    content parts and images."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return  # the model's validation names what is wrong
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest("messages", f"holds {len(messages)} messages; this server takes at most {MAX_MESSAGES}")
+    parts = [part for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+             for part in message["content"]]
+    if len(parts) > MAX_CONTENT_PARTS:
+        raise InvalidRequest("messages", f"hold {len(parts)} content parts; this server takes at most "
+                                         f"{MAX_CONTENT_PARTS}")
+    images = sum(isinstance(part, dict) and part.get("type") == "image_url" for part in parts)
+    if images > MAX_IMAGES:
+        raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
+
+
+def json_object(body) -> dict:
+    """A body every API takes further: a JSON object of valid Unicode, its null fields
+    dropped (null means unset)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    where = find_lone_surrogate(body)
+    if where:
+        raise InvalidRequest(where, "holds a lone UTF-16 surrogate, which is not valid Unicode")
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def validated(body: dict, request_model):
+    """The body as its API's request model, or the Refusal naming the first field wrong."""
+    try:
+        return request_model.model_validate(body)
+    except ValidationError as error:
+        raise refusal_for(body, error) from None
+
+
+def served_model(body: dict, limits: PackLimits) -> None:
+    """Fills in the served model where the body names none; refuses any other."""
+    model = body.setdefault("model", limits.model_id)
+    if model != limits.model_id:
+        raise Refusal(404, "unknown-model", f"model {model!r} is not served here; this server "
+                                            f"serves {limits.model_id!r}", "model")
+
+
+def check_chat_request(body, limits: PackLimits) -> dict:
+    """Validates a chat completion body; returns it normalised for mlx-vlm.
+
+    Normalised: null fields dropped (null means unset), model filled in when absent,
+    max_completion_tokens renamed to max_tokens, stop made a list, image references
+    checked.
+    """
+    body = json_object(body)
+    check_sizes(body)
+    request = validated(body, ChatRequest)
+    served_model(body, limits)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if body.get(name, 0) > limits.context_length:
+            raise InvalidRequest(name, f"must be at most {limits.context_length}, the model's context length")
+    if "max_completion_tokens" in body:
+        body["max_tokens"] = body.pop("max_completion_tokens")
+    if body.get("n", 1) > 1:
+        raise Refusal(400, "n-above-1", "n > 1 is not supported: send one request per completion", "n")
+    check_sampling(request, limits)
+    check_tools(request)
+    if isinstance(body.get("stop"), str):
+        body["stop"] = [body["stop"]]
+    # Refused before anything tokenizes them (about a second a megabyte, one request at a time);
+    # shorter prompts are measured after tokenizing.
+    if limits.max_prompt_chars is not None and rendered_text_chars(request) > limits.max_prompt_chars:
+        raise context_refusal(f"the system, user and tool messages hold more than {limits.max_prompt_chars} "
+                              f"characters, more than the model's context of {limits.context_length} tokens can take")
+    chars = request_text_chars(body)
+    if limits.prompt_chars_limit is not None and chars > limits.prompt_chars_limit:
+        raise Refusal(400, "prompt-too-long", f"messages: the messages and tools hold {chars} characters of text; "
+                      f"this server takes at most {limits.prompt_chars_limit} (its --max-prompt-chars)", "messages")
+    checked, pixels = [], 0
+    for index, (raw, message) in enumerate(zip(body["messages"], request.messages)):
+        raw, used = check_message(raw, message, f"messages[{index}]", limits, MAX_REQUEST_PIXELS - pixels)
+        checked.append(raw)
+        pixels += used
+    body["messages"] = checked
+    return body

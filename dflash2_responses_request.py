@@ -1,0 +1,247 @@
+"""The OpenAI Responses request: its models, and chat's checks on the Responses shape."""
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, TOOL_NAME,
+                              InvalidRequest, PackLimits, Refusal, Strict, check_sampling, context_refusal,
+                              json_object, load_checked_image, number, request_text_chars, served_model, validated,
+                              whole)
+
+
+class ResponseInputText(Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class ResponseInputImage(Strict):
+    """Checked as chat's image URLs are: a base64 data URL, or a file from --allow-image-dir."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ResponseOutputText(Strict):
+    """An earlier answer's text, sent back in an assistant message item."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: Optional[list[dict[str, Any]]] = None
+    logprobs: Optional[list[dict[str, Any]]] = None
+
+
+ResponseContentPart = Annotated[Union[ResponseInputText, ResponseInputImage, ResponseOutputText],
+                                Field(discriminator="type")]
+ResponseToolOutputPart = Annotated[Union[ResponseInputText, ResponseInputImage], Field(discriminator="type")]
+
+
+class ResponseMessageItem(Strict):
+    """A message item; type may be left out (the SDK's EasyInputMessage)."""
+
+    type: Optional[Literal["message"]] = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, Annotated[list[ResponseContentPart], Field(max_length=MAX_CONTENT_PARTS)]]
+    id: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class ResponseFunctionCallItem(Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class ResponseFunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, Annotated[list[ResponseToolOutputPart], Field(max_length=MAX_CONTENT_PARTS)]]
+    id: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class ResponseReasoningSummary(Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ResponseReasoningItem(Strict):
+    """An earlier answer's reasoning, sent back by agents: mlx-vlm leaves it out of the prompt."""
+
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[ResponseReasoningSummary]
+    encrypted_content: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+def response_item_kind(item) -> str:
+    """A Responses input item's type; message items may leave it out."""
+    if isinstance(item, dict):
+        return item.get("type", "message")
+    return getattr(item, "type", None) or "message"
+
+
+ResponseInputItem = Annotated[Union[
+    Annotated[ResponseMessageItem, Tag("message")],
+    Annotated[ResponseFunctionCallItem, Tag("function_call")],
+    Annotated[ResponseFunctionCallOutputItem, Tag("function_call_output")],
+    Annotated[ResponseReasoningItem, Tag("reasoning")],
+], Discriminator(response_item_kind)]
+
+
+class ResponseFunctionTool(Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponseToolChoiceFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseReasoning(Strict):
+    """mlx-vlm turns effort into thinking on or off ("none": off; any other: on)."""
+
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+
+
+class ResponseTextFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+class ResponseTextConfig(Strict):
+    format: Optional[ResponseTextFormat] = None
+
+
+class ResponsesRequest(Strict):
+    """An OpenAI Responses request, as this pack serves it: stateless (no previous_response_id,
+    nothing stored), function tools only."""
+
+    model: Optional[str] = None
+    input: Union[str, Annotated[list[ResponseInputItem], Field(min_length=1, max_length=MAX_MESSAGES)]]
+    instructions: Optional[str] = None
+    max_output_tokens: whole(1, 1 << 31) = None
+    temperature: number(0, 2) = None
+    top_p: number(0, 1) = None
+    top_k: whole(0, 1 << 31) = None
+    stream: Optional[bool] = None
+    tools: Optional[list[ResponseFunctionTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ResponseToolChoiceFunction, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning: Optional[ResponseReasoning] = None
+    enable_thinking: Optional[bool] = None
+    text: Optional[ResponseTextConfig] = None
+    metadata: Optional[Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)]] = None
+    store: Optional[bool] = None
+    user: Optional[str] = None
+
+
+def response_items(body: dict) -> list:
+    """A Responses body's input items (a string input is one user message)."""
+    value = body.get("input")
+    return value if isinstance(value, list) else []
+
+
+def response_parts(items):
+    """(item index, part's where, raw part) of every message part and function call output part."""
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        for key in ("content", "output"):
+            if isinstance(item.get(key), list):
+                for number_, part in enumerate(item[key]):
+                    yield index, f"input[{index}].{key}[{number_}]", part
+
+
+def check_responses_sizes(body: dict):
+    """check_sizes for a Responses body: input items, content parts and images, before the
+    body is parsed into models."""
+    items = response_items(body)
+    if len(items) > MAX_MESSAGES:
+        raise InvalidRequest("input", f"holds {len(items)} items; this server takes at most {MAX_MESSAGES}")
+    parts = [part for _, _, part in response_parts(items)]
+    if len(parts) > MAX_CONTENT_PARTS:
+        raise InvalidRequest("input", f"holds {len(parts)} content parts; this server takes at most "
+                                      f"{MAX_CONTENT_PARTS}")
+    images = sum(isinstance(part, dict) and part.get("type") == "input_image" for part in parts)
+    if images > MAX_IMAGES:
+        raise InvalidRequest("input", f"holds {images} images; this server takes at most {MAX_IMAGES} a request")
+
+
+def responses_rendered_chars(request: ResponsesRequest) -> int:
+    """rendered_text_chars for a Responses request: the instructions', system, developer and
+    user messages' and function call outputs'."""
+    def text(content):
+        if isinstance(content, str):
+            return len(content)
+        return sum(len(part.text) for part in content if isinstance(part, (ResponseInputText, ResponseOutputText)))
+    if isinstance(request.input, str):
+        return len(request.instructions or "") + len(request.input)
+    return len(request.instructions or "") + sum(
+        text(item.content) if isinstance(item, ResponseMessageItem) and item.role != "assistant" else
+        text(item.output) if isinstance(item, ResponseFunctionCallOutputItem) else 0 for item in request.input)
+
+
+STATEFUL_RESPONSES = ("previous_response_id", "conversation")
+
+
+def check_responses_request(body, limits: PackLimits) -> dict:
+    """Validates an OpenAI Responses body with chat's rules and limits; returns it normalised
+    for mlx-vlm's Responses endpoint: null fields dropped, model filled in, store off (this
+    server serves no stored responses), a text format dropped, image references checked.
+
+    previous_response_id is refused: mlx-vlm would prepend an earlier conversation from its
+    in-process store (any client's, by id), which none of these checks would see."""
+    body = json_object(body)
+    for name in STATEFUL_RESPONSES:
+        if name in body:
+            raise Refusal(400, "stateful-response", f"{name}: this server keeps no responses or conversations; "
+                                                    "send the whole conversation in input", name)
+    check_responses_sizes(body)
+    request = validated(body, ResponsesRequest)
+    served_model(body, limits)
+    if body.get("max_output_tokens", 0) > limits.context_length:
+        raise InvalidRequest("max_output_tokens", f"must be at most {limits.context_length}, "
+                                                  "the model's context length")
+    check_sampling(request, limits)
+    names = [tool.name for tool in request.tools or []]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise InvalidRequest(f"tools[{index}].name", f"{name!r} names two tools")
+    if isinstance(request.tool_choice, ResponseToolChoiceFunction) and request.tool_choice.name not in names:
+        raise InvalidRequest("tool_choice.name", f"{request.tool_choice.name!r} is not one of the request's tools")
+    text_format = request.text.format if request.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        raise Refusal(400, "structured-output", "structured output (text.format) is not supported", "text.format")
+    body.pop("text", None)
+    if limits.max_prompt_chars is not None and responses_rendered_chars(request) > limits.max_prompt_chars:
+        raise context_refusal(f"the instructions, input messages and function call outputs hold more than "
+                              f"{limits.max_prompt_chars} characters, more than the model's context of "
+                              f"{limits.context_length} tokens can take")
+    chars = request_text_chars(body, ("instructions", "input", "tools"), ("role", "type", "image_url"))
+    if limits.prompt_chars_limit is not None and chars > limits.prompt_chars_limit:
+        raise Refusal(400, "prompt-too-long", f"input: the instructions, input and tools hold {chars} "
+                      f"characters of text; this server takes at most {limits.prompt_chars_limit} "
+                      "(its --max-prompt-chars)", "input")
+    pixels = 0
+    for index, where, part in response_parts(response_items(body)):
+        if part["type"] != "input_image":
+            continue
+        item = body["input"][index]
+        if item.get("type", "message") == "message" and item["role"] != "user":
+            raise InvalidRequest(where, "images are accepted in user messages and function call outputs only")
+        reference, size = load_checked_image(part["image_url"], f"{where}.image_url", limits.image_dir,
+                                             MAX_REQUEST_PIXELS - pixels)
+        pixels += size
+        part["image_url"] = reference  # the checked file, resolved
+    body["store"] = False  # nothing in mlx-vlm's response store: no endpoint here reads it
+    return body
