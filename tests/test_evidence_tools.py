@@ -1,6 +1,5 @@
-"""tools/add_prefix_figures.py on real records: the H200 bench record gets every measured
-time-to-first-token row and memory figure of the prefix-cache records, and refuses what is not
-a prefix-cache record of the same backend and size."""
+"""The evidence and lab tools' records and summaries, on the committed records and small
+synthetic ones, and README's results table written from the records."""
 
 import json
 import shutil
@@ -12,67 +11,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EVIDENCE = REPO / "evidence"
-
-
-def add(bench, *prefix):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "add_prefix_figures.py"), str(bench), *map(str, prefix)],
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_every_prefix_row_lands_in_the_bench_record_with_its_source(tmp_path):
-    bench = Path(shutil.copy(EVIDENCE / "bench-cuda-27b.json", tmp_path))
-    # A record as bench_prefix writes them now: memory as the median of its passes (a copy of
-    # an earlier record, given what the passes add).
-    passes = json.loads((EVIDENCE / "prefix-cache-cuda-27b-1k.json").read_text())
-    passes.update(repeats=5, spec_peak_over_plain_min_max_gb={
-        context: {name: [0.0, 0.1] for name in figures} for context, figures in passes["spec_extra_memory_gb"].items()})
-    (tmp_path / "prefix-cache-cuda-27b-passes.json").write_text(json.dumps(passes))
-    sources = [EVIDENCE / "prefix-cache-cuda-27b.json", EVIDENCE / "prefix-cache-cuda-27b-steps.json",
-               tmp_path / "prefix-cache-cuda-27b-passes.json"]
-    done = add(bench, *sources)
-    assert done.returncode == 0, done.stderr
-    record = json.loads(bench.read_text())
-    copied = {(c, row["route"], row["step"], row["record"]): (row["cold"], row["cached"])
-              for c, rows in record["ttft_ms"].items() for row in rows}
-    expected = {}
-    for source in sources:
-        for route, steps in json.loads(source.read_text())["by_route_step_context"].items():
-            for step, contexts in steps.items():
-                for context, row in contexts.items():
-                    expected[(context, route, int(step), source.stem)] = (row["ttft_ms"]["cold"], row["ttft_ms"]["cached"])
-    assert copied == expected and len(expected) >= 5
-    assert set(record["ttft_ms"]) == {context for context, *_ in expected} >= {"4096", "16384"}
-    # Each memory figure with its record and how many passes its median took (one: records
-    # from before the passes).
-    one_pass = json.loads(sources[0].read_text())
-    assert record["spec_extra_memory_gb"]["4096"] == [
-        {**one_pass["spec_extra_memory_gb"]["4096"], "passes": 1, "record": sources[0].stem},
-        {**passes["spec_extra_memory_gb"]["4096"], "passes": 5, "record": sources[2].stem}]
-    assert "median of 5 passes" in bench.with_suffix(".md").read_text()
-    assert set(record["prefix_figure_commands"]) == {source.stem for source in sources}
-    # The round and end-to-end figures are untouched, and the summary shows the rows.
-    original = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
-    assert record["e2e_speedup"] == original["e2e_speedup"]
-    markdown = bench.with_suffix(".md").read_text()
-    assert "| 16384 | plain | 1024 | 6983.9 | 654.0 | 0.09 | True | prefix-cache-cuda-27b-steps |" in markdown
-    # Run again with one record: the figures are that record's alone, not added twice.
-    assert add(bench, sources[1]).returncode == 0
-    rows = json.loads(bench.read_text())["ttft_ms"]["4096"]
-    assert [row["record"] for row in rows] == [sources[1].stem] * 4  # its four steps
-
-
-def test_refuses_records_that_are_not_prefix_records_of_the_same_size(tmp_path):
-    bench = Path(shutil.copy(EVIDENCE / "bench-cuda-27b.json", tmp_path))
-    before = bench.read_text()
-    refused = add(bench, EVIDENCE / "parity-cuda.json")
-    assert refused.returncode == 2 and "not a prefix-cache record" in refused.stderr
-    other = json.loads((EVIDENCE / "prefix-cache-cuda-27b.json").read_text())
-    other["size"] = "tiny"
-    (tmp_path / "prefix-cache-cuda-tiny.json").write_text(json.dumps(other))
-    refused = add(bench, tmp_path / "prefix-cache-cuda-tiny.json")
-    assert refused.returncode == 2 and "is of cuda tiny" in refused.stderr
-    assert add(bench, tmp_path / "missing.json").returncode == 2
-    assert bench.read_text() == before
 
 
 def test_a_split_bench_record_keeps_each_phase_s_own_process():

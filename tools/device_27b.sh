@@ -65,8 +65,6 @@ at $commit: five device calls of one H200 (nvidia-h200), in this order, each und
 Calls 2 and 3 add to the record call 1 left in /tmp/b27; if the machine went cold in between,
 carry the latest bench-cuda-27b.json back in as .gpu/b27/ (carry: [".gpu"]). Copy each call's
 \$OUT records into evidence/ as they come back (call 5's from \$OUT/p4k/). Then, here:
-  python tools/add_prefix_figures.py evidence/bench-cuda-27b.json evidence/prefix-cache-cuda-27b.json \\
-    evidence/prefix-cache-cuda-27b-{steps,1k,first-token,4k}.json
   python tools/records.py --readme
   python -m pytest -q tests/test_evidence_tools.py
 PLAN
