@@ -233,7 +233,7 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
 
 
 def test_the_kernel_tools_time_the_rows_as_the_served_verify_hands_them():
-    """kernel_parity, tune_qmv_shapes and compare_qmv_launch call a CUDA qmv module through
+    """kernel_parity and compare_qmv_launch call a CUDA qmv module through
     served_cuda_matmul: on swizzled rows where the module has that layout, on plain rows where
     an older revision's has not."""
     import types
@@ -301,31 +301,6 @@ NCU_SASS = """"Kernel Name","void mlx::core::cu::qmv_kernel<(int)8, (int)16>(con
 "0x2","@P0   LDG.E.CONSTANT R4, desc[UR4][R2.64]","7","10"
 "0x3","      HFMA2.MMA R1, R2, R3, R1","1","60"
 """
-
-
-def test_the_shape_tuning_sums_its_check_pass_and_refuses_off_cuda():
-    """tune_qmv_shapes: per row count, the table's launch everywhere against each shape's pick,
-    both from the check pass's medians times the shapes' calls in a 27B decode step; the
-    committed record's figures are those sums, its picks bitwise; off CUDA it times nothing."""
-    import dflash2_kernel_qmv
-    from tune_qmv_shapes import step_sums, summary_markdown
-
-    table = f"8 {list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}"
-    shapes = {f"{n}x{k}": {"check_us": {"mlx single row": {"median": 1000.0}, table: {"median": 2000.0},
-                                        "8 [9, 9, 9]": {"median": 500.0}},
-                           "picks": {"8": list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}}
-              for n, k in dflash2_kernel_qmv.PACKED_SHAPES_27B}
-    shapes["1024x5120"]["picks"]["8"] = [9, 9, 9]  # one shape picks another launch
-    calls = sum(calls for _, calls in dflash2_kernel_qmv.PACKED_SHAPES_27B.values())
-    kv_calls = dflash2_kernel_qmv.PACKED_SHAPES_27B[1024, 5120][1]
-    assert step_sums(shapes, {"8": list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}) == {"mlx single row": calls, "8 table": 2 * calls,
-                                      "8 picks": 2 * calls - 1.5 * kv_calls}
-    record = json.loads((EVIDENCE / "qmv-shapes-cuda.json").read_text())
-    assert record["pick_differing"] == 0 and step_sums(record["shapes"], record["table"]) == record["step_ms"]
-    assert summary_markdown(record) == (EVIDENCE / "qmv-shapes-cuda.md").read_text()
-    refused = subprocess.run([sys.executable, str(REPO / "tools" / "tune_qmv_shapes.py")],
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "CUDA only" in refused.stderr
 
 
 def test_the_launch_cost_record_times_mlx_calls_everywhere_and_kernels_on_cuda(tmp_path):

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | e2e-long | prefix-4k | tune | tune-shapes | compare | launch-cost | profile | ncu | parity | kernels
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | e2e-long | prefix-4k | tune | compare | launch-cost | profile | ncu | parity | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
 #                                     regenerate every GPU record README quotes, at HEAD: five calls,
 #                                     one part each (no two of them fit one call's 585 s)
@@ -99,8 +99,6 @@ case "${1:-}" in
   prefix-4k) need_commit prefix-4k; t=$(left) || exit 124; timeout "$t" python3 tools/bench_prefix.py --size 27b \
        --out "$OUT/p4k" --speculative --contexts 4096 --step-sizes 256 --memory-contexts 1024 4096 16384 --repeats 5 ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
-  # tune-shapes: the fastest launch per 27B shape and row count, then a fresh check against the table's
-  tune-shapes) t=$(left) || exit 124; timeout "$t" python3 tools/tune_qmv_shapes.py --out "$OUT" ;;
   # compare: the code's launch table against PREVIOUS (default: the last tune's 8-row pick),
   # interleaved; issue 13 item 3 holds the 8-row kernel to 1.2x MLX's single row. With
   # PREVIOUS_KERNELS (another revision's dflash2_kernels.py, carried in) the previous arm runs
@@ -137,5 +135,5 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh all|server|routes|rounds|e2e|e2e-long|prefix-4k|tune|tune-shapes|compare|launch-cost|profile|ncu|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh all|server|routes|rounds|e2e|e2e-long|prefix-4k|tune|compare|launch-cost|profile|ncu|parity|kernels" >&2; exit 2 ;;
 esac

@@ -69,7 +69,7 @@ BENCH_ROWS = (1, 2, 4, 8)
 # occupancy is the limit; an output row's epilogue (16 half-to-float conversions and adds,
 # then 5 shuffles and adds, each (output, activation) row pair) costs about half as many
 # instructions as its K / 64 = 80 HFMA2s at K 5120. Session 32 tried a launch per 27B shape
-# (tools/tune_qmv_shapes.py, evidence/qmv-shapes-cuda.md; at 8 rows the table's launch leaves
+# (a tool since removed, evidence/qmv-shapes-cuda.md; at 8 rows the table's launch leaves
 # the 5120-row shapes 2.4 tiles a warp): at 8 rows five of the eight shapes kept the table's
 # launch, and the fresh pass put the picks' sum at the table's time (1.00x). Session 34 baked
 # K into the template (x's rows then a constant apart: immediate load offsets, and a tile's
