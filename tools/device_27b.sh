@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | e2e-long | prefix-4k | tune | compare | launch-cost | profile | ncu | parity | kernels
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | e2e-long | prefix-4k | tune | compare | profile | ncu | parity | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
 #                                     regenerate every GPU record README quotes, at HEAD: five calls,
 #                                     one part each (no two of them fit one call's 585 s)
@@ -109,7 +109,6 @@ case "${1:-}" in
            [ -n "$PREVIOUS" ] || PREVIOUS='{"8": [3, 2, 1, 2, 264]}'
            t=$(left) || exit 124; timeout "$t" python3 tools/compare_qmv_launch.py --previous "$PREVIOUS" \
              ${PREVIOUS_KERNELS:+--previous-kernels "$PREVIOUS_KERNELS"} --repeats 15 --cupti-repeats 5 --out "$OUT" ;;
-  launch-cost) t=$(left) || exit 124; timeout "$t" python3 tools/launch_cost.py --out "$OUT" ;;
   profile) t=$(left) || exit 124; timeout "$t" python3 tools/profile_verify.py --out "$OUT" ;;
   # parity: about 430 s greedy-only; the sampled runs (3 settings x blocks 2..8, 16 tokens) and the
   # block sampling self-test add well under a minute
@@ -135,5 +134,5 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh all|server|routes|rounds|e2e|e2e-long|prefix-4k|tune|compare|launch-cost|profile|ncu|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh all|server|routes|rounds|e2e|e2e-long|prefix-4k|tune|compare|profile|ncu|parity|kernels" >&2; exit 2 ;;
 esac
