@@ -227,7 +227,7 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
     assert step_sums(record["shapes"], "kernel_us") == record["kernel_step_ms"]
     assert step_sums(record["shapes"], "kernel_us", "busy_per_call") == record.get("busy_step_ms", {})
     assert summary_markdown(record) == (EVIDENCE / "qmv-launch-cuda.md").read_text()
-    refused = subprocess.run([sys.executable, str(REPO / "tools" / "compare_qmv_launch.py"), "--previous", "{}"],
+    refused = subprocess.run([sys.executable, str(REPO / "tools" / "lab" / "compare_qmv_launch.py"), "--previous", "{}"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "CUDA only" in refused.stderr
 
@@ -309,7 +309,7 @@ def test_the_ncu_summary_reads_each_kernels_metrics_and_opcode_mix(tmp_path):
     counted as theirs); output without a kernel section is refused."""
     (tmp_path / "details.txt").write_text(NCU_DETAILS)
     (tmp_path / "sass.csv").write_text(NCU_SASS)
-    tool = [sys.executable, str(REPO / "tools" / "ncu_summary.py")]
+    tool = [sys.executable, str(REPO / "tools" / "lab" / "ncu_summary.py")]
     done = subprocess.run([*tool, str(tmp_path / "details.txt"), str(tmp_path / "sass.csv"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
