@@ -505,3 +505,179 @@ def test_device_27b_all_lists_the_calls_that_regenerate_readme_s_gpu_records(tmp
     refused = subprocess.run(["bash", str(copy / "tools" / "device_27b.sh"), "parity"], capture_output=True, text=True,
                              env=env, timeout=30)
     assert refused.returncode == 3 and "RECORD_GIT_COMMIT=<full hash>" in refused.stderr
+
+
+def routes_record(**changes):
+    """A bench_routes record as it writes them, two passes (warm-up included in routes)."""
+    arms = {"plain": (10.0, [0, 0, 0]), "speculative": (12.5, [3, 0, 0]), "speculative, plain steps only": (11.0, [0, 0, 0])}
+    record = {
+        "backend": "cpu", "device": "cpu", "pack": "tiny-dflash2-pack", "versions": {"mlx": "0.32.2", "mlx_vlm": "0.7.2"},
+        "command": "python tools/bench_routes.py --pack PACK --repeats 5", "max_tokens": 8, "repeats": 5,
+        "ms_per_token": {arm: {"median": ms, "min": ms - 1, "max": ms + 1, "samples": [ms] * 5}
+                         for arm, (ms, _) in arms.items()},
+        "plain_over_arm": {arm: 10.0 / ms for arm, (ms, _) in arms.items()},
+        "routes": {"plain": ["plain"] * 3, "speculative": ["speculative", "plain", "plain"],
+                   "speculative, plain steps only": ["speculative"] * 3},
+        "tokens_from_rounds": {arm: rounds for arm, (_, rounds) in arms.items()},
+        "tokens_identical": True,
+    }
+    return {**record, **changes}
+
+
+def test_bench_routes_summary_gives_each_arm_its_routes_and_ratio_to_plain():
+    from bench_routes import summary_markdown
+
+    markdown = summary_markdown(routes_record())
+    assert "One greedy request of 8 tokens per arm and pass" in markdown and "5 passes" in markdown
+    assert "Tokens identical to plain in every request: True." in markdown
+    assert "| plain | 10.00 (9.00-11.00) | 1.000 | 0 speculative, 3 plain | [0, 0, 0] |" in markdown
+    assert "| speculative | 12.50 (11.50-13.50) | 0.800 | 1 speculative, 2 plain | [3, 0, 0] |" in markdown
+    assert "| speculative, plain steps only | 11.00 (10.00-12.00) | 0.909 | 3 speculative, 0 plain |" in markdown
+
+
+def test_bench_routes_variants_change_the_round_loop_only_while_flagged(monkeypatch, tmp_path):
+    """bench_routes' measurement variants patch dflash2_policy's round loop: with no flag each
+    patched call is the policy's own; no_rounds chooses plain steps for the whole request,
+    drop_taps drops the tap a plain step kept, worker_stream builds the request on the calling
+    thread's default stream until restore_stream. Its arguments are checked before any engine
+    starts."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    import bench_routes
+    import dflash2_policy as policy
+
+    calls = []
+    # Stand-ins for what the variant wraps (monkeypatch puts the real ones back afterwards).
+    monkeypatch.setattr(policy.RoundPolicy, "choose_block", lambda p, remaining: 4)
+    monkeypatch.setattr(policy.RoundPolicy, "plain_run", lambda p, remaining: 0)
+    monkeypatch.setattr(policy.RequestDecoder, "_plain_step", lambda d, token: d.context.append(token) or token + 1)
+    monkeypatch.setattr(policy.RequestDecoder, "__init__", lambda d, *a, **k: calls.append(policy.generation_stream))
+    monkeypatch.setattr(policy, "generation_stream", policy.generation_stream)
+    served = policy.generation_stream
+    variant = bench_routes.Variant()
+    rounds, decoder = policy.RoundPolicy, policy.RequestDecoder
+    step = SimpleNamespace(context=[])
+
+    assert rounds.choose_block(None, 9) == 4 and rounds.plain_run(None, 9) == 0
+    assert decoder._plain_step(step, 1) == 2 and step.context == [1]
+    decoder.__init__(step)
+    assert calls[-1] == served
+
+    variant.flags = ("no_rounds", "drop_taps", "worker_stream")
+    assert rounds.choose_block(None, 9) is None and rounds.plain_run(None, 9) == 9
+    assert decoder._plain_step(step, 5) == 6 and step.context == [1]  # the step ran, its tap dropped
+    decoder.__init__(step)
+    assert calls[-1] == mx.default_stream(mx.default_device()) and calls[-1] != served
+    variant.flags = ()
+    variant.restore_stream()
+    assert policy.generation_stream is served
+
+    with pytest.raises(SystemExit) as refused:
+        bench_routes.main(["--pack", str(tmp_path), "--repeats", "4"])
+    assert refused.value.code == 2
+
+
+def starts_record_start(second: bool) -> dict:
+    """One start as bench_starts.start returns it: a first that checked everything, a second
+    that took the verdicts from the cache."""
+    checks = ({"full_check_because": None, "from_cache": {"kernels": "2025-01-01T00:00:00"}, "measured_s": {}}
+              if second else {"full_check_because": "no verdict cache", "from_cache": {}, "measured_s": {"kernels": 41.5}})
+    return {"ready_s": 25.0 if second else 80.0, "weights_loaded_s": 12.0, "after_load_s": 13.0 if second else 68.0,
+            "start_up_checks": checks, "answer": "def reverse(items):"}
+
+
+def test_bench_starts_reads_the_server_s_log_time_and_records_both_starts(tmp_path, monkeypatch):
+    """bench_starts times a start's weights load from the log line the verdict cache writes, in
+    the servers' log format; its record holds both starts, and a second start that checked
+    everything again fails the run after the record is written."""
+    import logging
+
+    import bench_starts
+    from dflash2_gateway import ScrubbedFormatter
+
+    line = logging.LogRecord("dflash2_verdicts", logging.INFO, __file__, 1, "start-up checks: verdicts cached in %s",
+                             ("/tmp/x",), None)
+    text = ScrubbedFormatter(lambda text: text).format(line)
+    assert bench_starts.LOADED in text and abs(bench_starts.log_time(text) - line.created) < 0.002
+
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "serve_dflash2.py").write_text("")
+    started = []
+
+    def start(name, pack_dir, workdir, timeout):
+        started.append((name, pack_dir, workdir))
+        return starts_record_start(name == "second")
+
+    monkeypatch.setattr(bench_starts, "start", start)
+    bench_starts.main(["--pack", str(pack), "--out", str(tmp_path / "out")])
+    assert [name for name, *_ in started] == ["first", "second"] and started[0][1:] == started[1][1:]  # one HOME
+    [written] = (tmp_path / "out").glob("starts-*.json")
+    record = json.loads(written.read_text())
+    assert record["answers_equal"] and record["second_after_load_within_target"]
+    assert record["starts"]["second"]["start_up_checks"]["from_cache"] == {"kernels": "2025-01-01T00:00:00"}
+    markdown = written.with_suffix(".md").read_text()
+    assert "| first | 80.0 | 12.0 | 68.0 | - | kernels 41.5 |" in markdown
+    assert "| second | 25.0 | 12.0 | 13.0 | kernels |  |" in markdown
+    assert "Second start within 30 s of its weights load: True; same greedy answer: True." in markdown
+
+    monkeypatch.setattr(bench_starts, "start", lambda name, *args: starts_record_start(False))
+    with pytest.raises(SystemExit, match="checked everything again"):
+        bench_starts.main(["--pack", str(pack), "--out", str(tmp_path / "again")])
+    assert list((tmp_path / "again").glob("starts-*.json"))
+
+
+def test_make_evidence_runs_parity_then_bench_on_the_pack(tmp_path, monkeypatch):
+    """make_evidence runs tools/parity.py and tools/bench.py on the pack, both writing into
+    PACK/evidence (or --out); a tool that fails fails the run, after the other still ran."""
+    import make_evidence
+
+    ran, failing = [], set()
+
+    def run(command):
+        ran.append(command)
+        return subprocess.CompletedProcess(command, 1 if Path(command[1]).name in failing else 0)
+
+    monkeypatch.setattr(make_evidence.subprocess, "run", run)
+    pack = tmp_path / "pack"
+    monkeypatch.setattr(sys, "argv", ["make_evidence.py", "--pack", str(pack)])
+    assert make_evidence.main() == 0
+    assert ran == [[sys.executable, str(REPO / "tools" / tool), "--pack", str(pack), "--out", str(pack / "evidence")]
+                   for tool in ("parity.py", "bench.py")]
+    assert all(Path(command[1]).is_file() for command in ran)
+
+    ran.clear()
+    failing.add("parity.py")
+    monkeypatch.setattr(sys, "argv", ["make_evidence.py", "--pack", str(pack), "--out", str(tmp_path / "out")])
+    assert make_evidence.main() == 1
+    assert [Path(command[1]).name for command in ran] == ["parity.py", "bench.py"]
+    assert all(command[-1] == str(tmp_path / "out") for command in ran)
+
+
+def test_the_battery_s_schemathesis_hooks_keep_generated_chat_requests_short():
+    """tools/schemathesis_hooks.py, loaded from its file as schemathesis loads SCHEMATHESIS_HOOKS
+    (tools/battery.py), registers map_body: a chat body's token limits within the context
+    come down to MAX_TOKENS (one is added where none is asked), values past the context and
+    non-integers stay for the server to refuse, and other bodies pass untouched."""
+    import importlib.util
+
+    hooks = pytest.importorskip("schemathesis.hooks")
+    spec = importlib.util.spec_from_file_location("battery_schemathesis_hooks", REPO / "tools" / "schemathesis_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        assert module.map_body in hooks.GLOBAL_HOOK_DISPATCHER.get_all_by_name("map_body")
+        short = module.MAX_TOKENS
+        assert module.map_body(None, {"messages": [], "max_tokens": 100}) == {"messages": [], "max_tokens": short}
+        assert module.map_body(None, {"messages": [], "max_completion_tokens": 9}) == {
+            "messages": [], "max_completion_tokens": short}
+        assert module.map_body(None, {"messages": []}) == {"messages": [], "max_tokens": short}
+        past = {"messages": [], "max_tokens": module.CONTEXT + 1, "max_completion_tokens": True}
+        assert module.map_body(None, dict(past)) == past
+        assert module.map_body(None, {"messages": [], "max_tokens": 2}) == {"messages": [], "max_tokens": 2}
+        assert module.map_body(None, {"input": "hi", "max_tokens": 100}) == {"input": "hi", "max_tokens": 100}
+        assert module.map_body(None, ["not", "a", "dict"]) == ["not", "a", "dict"]
+    finally:
+        hooks.unregister(module.map_body)
