@@ -681,3 +681,13 @@ def test_the_battery_s_schemathesis_hooks_keep_generated_chat_requests_short():
         assert module.map_body(None, ["not", "a", "dict"]) == ["not", "a", "dict"]
     finally:
         hooks.unregister(module.map_body)
+
+
+def test_device_27b_runs_only_tools_that_exist():
+    """Every tool a device_27b.sh part runs is where the part says (tools/ or tools/lab/)."""
+    import re
+
+    script = (REPO / "tools" / "device_27b.sh").read_text()
+    named = set(re.findall(r"python3 (tools/[\w/]+\.py)", script))
+    assert {"tools/bench.py", "tools/parity.py", "tools/lab/kernel_parity.py"} <= named
+    assert [path for path in sorted(named) if not (REPO / path).is_file()] == []
