@@ -356,5 +356,5 @@ def test_the_pack_ships_every_module_and_imports_run_downward():
     for index, name in enumerate(LAYERS):
         upward = imported_modules(REPO / f"{name}.py") & set(LAYERS[:index + 1])
         assert not upward, f"{name} imports {upward}"
-    for path in (REPO / "tools").glob("*.py"):
+    for path in (REPO / "tools").rglob("*.py"):
         assert not imported_modules(path) & {"serve", "serve_dflash2"}, path.name

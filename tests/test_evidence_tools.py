@@ -1,6 +1,5 @@
-"""tools/add_prefix_figures.py on real records: the H200 bench record gets every measured
-time-to-first-token row and memory figure of the prefix-cache records, and refuses what is not
-a prefix-cache record of the same backend and size."""
+"""The evidence and lab tools' records and summaries, on the committed records and small
+synthetic ones, and README's results table written from the records."""
 
 import json
 import shutil
@@ -12,67 +11,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EVIDENCE = REPO / "evidence"
-
-
-def add(bench, *prefix):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "add_prefix_figures.py"), str(bench), *map(str, prefix)],
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_every_prefix_row_lands_in_the_bench_record_with_its_source(tmp_path):
-    bench = Path(shutil.copy(EVIDENCE / "bench-cuda-27b.json", tmp_path))
-    # A record as bench_prefix writes them now: memory as the median of its passes (a copy of
-    # an earlier record, given what the passes add).
-    passes = json.loads((EVIDENCE / "prefix-cache-cuda-27b-1k.json").read_text())
-    passes.update(repeats=5, spec_peak_over_plain_min_max_gb={
-        context: {name: [0.0, 0.1] for name in figures} for context, figures in passes["spec_extra_memory_gb"].items()})
-    (tmp_path / "prefix-cache-cuda-27b-passes.json").write_text(json.dumps(passes))
-    sources = [EVIDENCE / "prefix-cache-cuda-27b.json", EVIDENCE / "prefix-cache-cuda-27b-steps.json",
-               tmp_path / "prefix-cache-cuda-27b-passes.json"]
-    done = add(bench, *sources)
-    assert done.returncode == 0, done.stderr
-    record = json.loads(bench.read_text())
-    copied = {(c, row["route"], row["step"], row["record"]): (row["cold"], row["cached"])
-              for c, rows in record["ttft_ms"].items() for row in rows}
-    expected = {}
-    for source in sources:
-        for route, steps in json.loads(source.read_text())["by_route_step_context"].items():
-            for step, contexts in steps.items():
-                for context, row in contexts.items():
-                    expected[(context, route, int(step), source.stem)] = (row["ttft_ms"]["cold"], row["ttft_ms"]["cached"])
-    assert copied == expected and len(expected) >= 5
-    assert set(record["ttft_ms"]) == {context for context, *_ in expected} >= {"4096", "16384"}
-    # Each memory figure with its record and how many passes its median took (one: records
-    # from before the passes).
-    one_pass = json.loads(sources[0].read_text())
-    assert record["spec_extra_memory_gb"]["4096"] == [
-        {**one_pass["spec_extra_memory_gb"]["4096"], "passes": 1, "record": sources[0].stem},
-        {**passes["spec_extra_memory_gb"]["4096"], "passes": 5, "record": sources[2].stem}]
-    assert "median of 5 passes" in bench.with_suffix(".md").read_text()
-    assert set(record["prefix_figure_commands"]) == {source.stem for source in sources}
-    # The round and end-to-end figures are untouched, and the summary shows the rows.
-    original = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
-    assert record["e2e_speedup"] == original["e2e_speedup"]
-    markdown = bench.with_suffix(".md").read_text()
-    assert "| 16384 | plain | 1024 | 6983.9 | 654.0 | 0.09 | True | prefix-cache-cuda-27b-steps |" in markdown
-    # Run again with one record: the figures are that record's alone, not added twice.
-    assert add(bench, sources[1]).returncode == 0
-    rows = json.loads(bench.read_text())["ttft_ms"]["4096"]
-    assert [row["record"] for row in rows] == [sources[1].stem] * 4  # its four steps
-
-
-def test_refuses_records_that_are_not_prefix_records_of_the_same_size(tmp_path):
-    bench = Path(shutil.copy(EVIDENCE / "bench-cuda-27b.json", tmp_path))
-    before = bench.read_text()
-    refused = add(bench, EVIDENCE / "parity-cuda.json")
-    assert refused.returncode == 2 and "not a prefix-cache record" in refused.stderr
-    other = json.loads((EVIDENCE / "prefix-cache-cuda-27b.json").read_text())
-    other["size"] = "tiny"
-    (tmp_path / "prefix-cache-cuda-tiny.json").write_text(json.dumps(other))
-    refused = add(bench, tmp_path / "prefix-cache-cuda-tiny.json")
-    assert refused.returncode == 2 and "is of cuda tiny" in refused.stderr
-    assert add(bench, tmp_path / "missing.json").returncode == 2
-    assert bench.read_text() == before
 
 
 def test_a_split_bench_record_keeps_each_phase_s_own_process():
@@ -289,13 +227,13 @@ def test_the_launch_comparison_weights_shapes_by_calls_and_refuses_off_cuda():
     assert step_sums(record["shapes"], "kernel_us") == record["kernel_step_ms"]
     assert step_sums(record["shapes"], "kernel_us", "busy_per_call") == record.get("busy_step_ms", {})
     assert summary_markdown(record) == (EVIDENCE / "qmv-launch-cuda.md").read_text()
-    refused = subprocess.run([sys.executable, str(REPO / "tools" / "compare_qmv_launch.py"), "--previous", "{}"],
+    refused = subprocess.run([sys.executable, str(REPO / "tools" / "lab" / "compare_qmv_launch.py"), "--previous", "{}"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "CUDA only" in refused.stderr
 
 
 def test_the_kernel_tools_time_the_rows_as_the_served_verify_hands_them():
-    """kernel_parity, tune_qmv_shapes and compare_qmv_launch call a CUDA qmv module through
+    """kernel_parity and compare_qmv_launch call a CUDA qmv module through
     served_cuda_matmul: on swizzled rows where the module has that layout, on plain rows where
     an older revision's has not."""
     import types
@@ -365,55 +303,13 @@ NCU_SASS = """"Kernel Name","void mlx::core::cu::qmv_kernel<(int)8, (int)16>(con
 """
 
 
-def test_the_shape_tuning_sums_its_check_pass_and_refuses_off_cuda():
-    """tune_qmv_shapes: per row count, the table's launch everywhere against each shape's pick,
-    both from the check pass's medians times the shapes' calls in a 27B decode step; the
-    committed record's figures are those sums, its picks bitwise; off CUDA it times nothing."""
-    import dflash2_kernel_qmv
-    from tune_qmv_shapes import step_sums, summary_markdown
-
-    table = f"8 {list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}"
-    shapes = {f"{n}x{k}": {"check_us": {"mlx single row": {"median": 1000.0}, table: {"median": 2000.0},
-                                        "8 [9, 9, 9]": {"median": 500.0}},
-                           "picks": {"8": list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}}
-              for n, k in dflash2_kernel_qmv.PACKED_SHAPES_27B}
-    shapes["1024x5120"]["picks"]["8"] = [9, 9, 9]  # one shape picks another launch
-    calls = sum(calls for _, calls in dflash2_kernel_qmv.PACKED_SHAPES_27B.values())
-    kv_calls = dflash2_kernel_qmv.PACKED_SHAPES_27B[1024, 5120][1]
-    assert step_sums(shapes, {"8": list(dflash2_kernel_qmv.CUDA_LAUNCH[8])}) == {"mlx single row": calls, "8 table": 2 * calls,
-                                      "8 picks": 2 * calls - 1.5 * kv_calls}
-    record = json.loads((EVIDENCE / "qmv-shapes-cuda.json").read_text())
-    assert record["pick_differing"] == 0 and step_sums(record["shapes"], record["table"]) == record["step_ms"]
-    assert summary_markdown(record) == (EVIDENCE / "qmv-shapes-cuda.md").read_text()
-    refused = subprocess.run([sys.executable, str(REPO / "tools" / "tune_qmv_shapes.py")],
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "CUDA only" in refused.stderr
-
-
-def test_the_launch_cost_record_times_mlx_calls_everywhere_and_kernels_on_cuda(tmp_path):
-    """launch_cost on this CPU: MLX's own arms only (no custom kernels here), each with build
-    and eval times; the committed H200 record has the kernels' arms too, and its summary is
-    the one the tool writes from it."""
-    from launch_cost import summary_markdown
-
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "launch_cost.py"), "--calls", "3", "--repeats", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    record = json.loads((tmp_path / "launch-cost-cpu.json").read_text())
-    assert record["calls"] == 3 and all(name.startswith("mlx ") for name in record["arms"])
-    assert all(arm["build_us"]["median"] > 0 and arm["eval_us"]["median"] > 0 for arm in record["arms"].values())
-    committed = json.loads((EVIDENCE / "launch-cost-cuda.json").read_text())
-    assert {"exact qmv kernel, 1 row", "rotation kernel"} <= set(committed["arms"])
-    assert summary_markdown(committed) == (EVIDENCE / "launch-cost-cuda.md").read_text()
-
-
 def test_the_ncu_summary_reads_each_kernels_metrics_and_opcode_mix(tmp_path):
     """ncu_summary on ncu's text formats: each kernel's first value of each metric, its launch
     shape, its instruction mix and stall samples by opcode (predicated and suffixed opcodes
     counted as theirs); output without a kernel section is refused."""
     (tmp_path / "details.txt").write_text(NCU_DETAILS)
     (tmp_path / "sass.csv").write_text(NCU_SASS)
-    tool = [sys.executable, str(REPO / "tools" / "ncu_summary.py")]
+    tool = [sys.executable, str(REPO / "tools" / "lab" / "ncu_summary.py")]
     done = subprocess.run([*tool, str(tmp_path / "details.txt"), str(tmp_path / "sass.csv"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -460,97 +356,6 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     assert all(split[part] >= 0 and split[f"{part}_min_max"][0] <= split[part] <= split[f"{part}_min_max"][1]
                for part in ("build", "launch", "wait"))
     assert dflash2_runtime.VERIFY_EVAL_EVERY == 8  # the served interval is back
-
-
-# MLX's dump of one commit (cudaGraphDebugDotPrint): the committed graph's cluster, then its
-# child graph's (a captured cuBLAS call); a label is the node's index, then its payload.
-GRAPH_DOT = '''digraph dot {
-subgraph cluster_%(g)d {
-label="graph_%(g)d" graph[style="dashed"];
-"graph_%(g)d_node_0"[style="bold" shape="octagon" label="0
-_ZN3mlx4core2cu14rms_norm_smallI6__halfLi64ELi1ELb0ELi8EEEvPKT_S6_PS4_fjjl
-"];
-
-"graph_%(g)d_node_1"[style="bold" shape="octagon" label="1
-custom_kernel_dflash2_qmv_2bit_g128_8_1_2_2_1_t
-"];
-
-"graph_%(g)d_node_2"[style="solid" shape="rectangle" label="2
-graph_%(child)d
-"];
-
-"graph_%(g)d_node_0" -> "graph_%(g)d_node_1";
-%(extra)s}
-subgraph cluster_%(child)d {
-label="graph_%(child)d" graph[style="dashed"];
-"graph_%(child)d_node_0"[style="bold" shape="octagon" label="0
-_ZN8internal5gemvx6kernelIiiEEvv
-"];
-
-}
-}
-'''
-
-
-def test_graph_misses_reads_mlx_s_graph_files_by_topology_across_graph_ids():
-    """graph_misses names nodes by (graph ordinal in the file, index), so one topology written
-    twice under other global graph ids is the same key; a new edge (two buffers that shared an
-    address) is a new key, named by its ends' kernels; a node it cannot read is counted."""
-    from graph_misses import describe_change, parse_graph, topology
-
-    first = parse_graph(GRAPH_DOT % {"g": 3, "child": 4, "extra": ""})
-    again = parse_graph(GRAPH_DOT % {"g": 57, "child": 58, "extra": ""})
-    assert [kind for _, kind, _ in first["nodes"]] == ["kernel", "kernel", "graph 1", "kernel"]
-    assert first["nodes"][1] == ((0, 1), "kernel", "custom_kernel_dflash2_qmv_2bit_g128_8_1_2_2_1_t")
-    assert first["edges"] == {((0, 0), (0, 1))} and first["unparsed"] == 0
-    assert topology(first) == topology(again) and describe_change(first, again) == []
-    # An edge with attributes, broken after its arrow, still reads as an edge, not a declaration.
-    wider = parse_graph(GRAPH_DOT % {"g": 9, "child": 10, "extra": '"graph_9_node_1" ->\n"graph_9_node_2"[style="dashed"];\n'})
-    assert topology(wider) != topology(first) and wider["nodes"] == first["nodes"]
-    assert describe_change(first, wider) == [
-        "edge only after: 0.1 custom_kernel_dflash2_qmv_2bit_g128_8_1_2_2_1_t -> 0.2 graph 1"]
-    # Another kernel at the same place is the same key: MLX's holds node kinds, not kernels.
-    swapped = parse_graph((GRAPH_DOT % {"g": 5, "child": 6, "extra": ""}).replace("qmv_2bit_g128_8", "qmv_2bit_g128_7"))
-    assert topology(swapped) == topology(first) and len(describe_change(first, swapped)) == 1
-    # A child graph's kernel counts: MLX's key holds its cluster shape, which differs between
-    # the kernels a captured cuBLAS call picks (gemv at one key length, a clustered GEMM at another).
-    picked = parse_graph((GRAPH_DOT % {"g": 5, "child": 6, "extra": ""}).replace("_ZN8internal5gemvx", "_ZN5nvjet"))
-    assert topology(picked) != topology(first)
-    assert parse_graph('"graph_1_node_0"[style="solid" shape="rectangle" label="0"];')["unparsed"] == 1
-
-
-def test_graph_misses_counts_a_step_s_new_topologies_only(tmp_path, monkeypatch):
-    """record_steps reads the graph files each step wrote, in commit order, after the step is
-    settled: graphs the warm-up or an earlier step had are hits, a new topology is a miss
-    named by its place and change, the files written before the warm-up (the build's) are
-    dropped, and each step carries its instantiation count."""
-    import graph_misses
-
-    monkeypatch.setenv(graph_misses.GRAPH_FILES, str(tmp_path / "g"))
-    written = [0]
-
-    def write(extra=""):
-        written[0] += 1
-        g = 2 * written[0]
-        (tmp_path / f"g_{written[0]}.dot").write_text(
-            GRAPH_DOT % {"g": g, "child": g + 1, "extra": extra.replace("G", str(g))})
-
-    write()  # the build's graph
-    rounds = iter(range(100))
-
-    def verify(count):  # one graph a round; the third round's has an extra edge
-        for _ in range(count):
-            write('"graph_G_node_1" -> "graph_G_node_2";\n' if next(rounds) == 2 else "")
-
-    steps = graph_misses.record_steps({"verify 8": (verify, write)}, warm=1, count=3,
-                                      count_instantiations=lambda run: (run(), 1)[1],
-                                      context=lambda: written[0])["verify 8"]
-    assert [len(step["graphs"]) for step in steps] == [2, 2, 2] and not (tmp_path / "g_1.dot").exists()
-    assert [[miss["place"] for miss in step["misses"]] for step in steps] == [[], [0], []]
-    assert [step["instantiations"] for step in steps] == [1, 1, 1]
-    assert [step["context"] for step in steps] == [3, 5, 7]  # read before each step
-    assert steps[1]["misses"][0]["change"] == [
-        "edge only after: 0.1 custom_kernel_dflash2_qmv_2bit_g128_8_1_2_2_1_t -> 0.2 graph 1"]
 
 
 def test_the_bench_summary_takes_the_server_s_round_apart_where_the_record_timed_it():
@@ -700,3 +505,189 @@ def test_device_27b_all_lists_the_calls_that_regenerate_readme_s_gpu_records(tmp
     refused = subprocess.run(["bash", str(copy / "tools" / "device_27b.sh"), "parity"], capture_output=True, text=True,
                              env=env, timeout=30)
     assert refused.returncode == 3 and "RECORD_GIT_COMMIT=<full hash>" in refused.stderr
+
+
+def routes_record(**changes):
+    """A bench_routes record as it writes them, two passes (warm-up included in routes)."""
+    arms = {"plain": (10.0, [0, 0, 0]), "speculative": (12.5, [3, 0, 0]), "speculative, plain steps only": (11.0, [0, 0, 0])}
+    record = {
+        "backend": "cpu", "device": "cpu", "pack": "tiny-dflash2-pack", "versions": {"mlx": "0.32.2", "mlx_vlm": "0.7.2"},
+        "command": "python tools/bench_routes.py --pack PACK --repeats 5", "max_tokens": 8, "repeats": 5,
+        "ms_per_token": {arm: {"median": ms, "min": ms - 1, "max": ms + 1, "samples": [ms] * 5}
+                         for arm, (ms, _) in arms.items()},
+        "plain_over_arm": {arm: 10.0 / ms for arm, (ms, _) in arms.items()},
+        "routes": {"plain": ["plain"] * 3, "speculative": ["speculative", "plain", "plain"],
+                   "speculative, plain steps only": ["speculative"] * 3},
+        "tokens_from_rounds": {arm: rounds for arm, (_, rounds) in arms.items()},
+        "tokens_identical": True,
+    }
+    return {**record, **changes}
+
+
+def test_bench_routes_summary_gives_each_arm_its_routes_and_ratio_to_plain():
+    from bench_routes import summary_markdown
+
+    markdown = summary_markdown(routes_record())
+    assert "One greedy request of 8 tokens per arm and pass" in markdown and "5 passes" in markdown
+    assert "Tokens identical to plain in every request: True." in markdown
+    assert "| plain | 10.00 (9.00-11.00) | 1.000 | 0 speculative, 3 plain | [0, 0, 0] |" in markdown
+    assert "| speculative | 12.50 (11.50-13.50) | 0.800 | 1 speculative, 2 plain | [3, 0, 0] |" in markdown
+    assert "| speculative, plain steps only | 11.00 (10.00-12.00) | 0.909 | 3 speculative, 0 plain |" in markdown
+
+
+def test_bench_routes_variants_change_the_round_loop_only_while_flagged(monkeypatch, tmp_path):
+    """bench_routes' measurement variants patch dflash2_policy's round loop: with no flag each
+    patched call is the policy's own; no_rounds chooses plain steps for the whole request,
+    drop_taps drops the tap a plain step kept, worker_stream builds the request on the calling
+    thread's default stream until restore_stream. Its arguments are checked before any engine
+    starts."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    import bench_routes
+    import dflash2_policy as policy
+
+    calls = []
+    # Stand-ins for what the variant wraps (monkeypatch puts the real ones back afterwards).
+    monkeypatch.setattr(policy.RoundPolicy, "choose_block", lambda p, remaining: 4)
+    monkeypatch.setattr(policy.RoundPolicy, "plain_run", lambda p, remaining: 0)
+    monkeypatch.setattr(policy.RequestDecoder, "_plain_step", lambda d, token: d.context.append(token) or token + 1)
+    monkeypatch.setattr(policy.RequestDecoder, "__init__", lambda d, *a, **k: calls.append(policy.generation_stream))
+    monkeypatch.setattr(policy, "generation_stream", policy.generation_stream)
+    served = policy.generation_stream
+    variant = bench_routes.Variant()
+    rounds, decoder = policy.RoundPolicy, policy.RequestDecoder
+    step = SimpleNamespace(context=[])
+
+    assert rounds.choose_block(None, 9) == 4 and rounds.plain_run(None, 9) == 0
+    assert decoder._plain_step(step, 1) == 2 and step.context == [1]
+    decoder.__init__(step)
+    assert calls[-1] == served
+
+    variant.flags = ("no_rounds", "drop_taps", "worker_stream")
+    assert rounds.choose_block(None, 9) is None and rounds.plain_run(None, 9) == 9
+    assert decoder._plain_step(step, 5) == 6 and step.context == [1]  # the step ran, its tap dropped
+    decoder.__init__(step)
+    assert calls[-1] == mx.default_stream(mx.default_device()) and calls[-1] != served
+    variant.flags = ()
+    variant.restore_stream()
+    assert policy.generation_stream is served
+
+    with pytest.raises(SystemExit) as refused:
+        bench_routes.main(["--pack", str(tmp_path), "--repeats", "4"])
+    assert refused.value.code == 2
+
+
+def starts_record_start(second: bool) -> dict:
+    """One start as bench_starts.start returns it: a first that checked everything, a second
+    that took the verdicts from the cache."""
+    checks = ({"full_check_because": None, "from_cache": {"kernels": "2025-01-01T00:00:00"}, "measured_s": {}}
+              if second else {"full_check_because": "no verdict cache", "from_cache": {}, "measured_s": {"kernels": 41.5}})
+    return {"ready_s": 25.0 if second else 80.0, "weights_loaded_s": 12.0, "after_load_s": 13.0 if second else 68.0,
+            "start_up_checks": checks, "answer": "def reverse(items):"}
+
+
+def test_bench_starts_reads_the_server_s_log_time_and_records_both_starts(tmp_path, monkeypatch):
+    """bench_starts times a start's weights load from the log line the verdict cache writes, in
+    the servers' log format; its record holds both starts, and a second start that checked
+    everything again fails the run after the record is written."""
+    import logging
+
+    import bench_starts
+    from dflash2_gateway import ScrubbedFormatter
+
+    line = logging.LogRecord("dflash2_verdicts", logging.INFO, __file__, 1, "start-up checks: verdicts cached in %s",
+                             ("/tmp/x",), None)
+    text = ScrubbedFormatter(lambda text: text).format(line)
+    assert bench_starts.LOADED in text and abs(bench_starts.log_time(text) - line.created) < 0.002
+
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "serve_dflash2.py").write_text("")
+    started = []
+
+    def start(name, pack_dir, workdir, timeout):
+        started.append((name, pack_dir, workdir))
+        return starts_record_start(name == "second")
+
+    monkeypatch.setattr(bench_starts, "start", start)
+    bench_starts.main(["--pack", str(pack), "--out", str(tmp_path / "out")])
+    assert [name for name, *_ in started] == ["first", "second"] and started[0][1:] == started[1][1:]  # one HOME
+    [written] = (tmp_path / "out").glob("starts-*.json")
+    record = json.loads(written.read_text())
+    assert record["answers_equal"] and record["second_after_load_within_target"]
+    assert record["starts"]["second"]["start_up_checks"]["from_cache"] == {"kernels": "2025-01-01T00:00:00"}
+    markdown = written.with_suffix(".md").read_text()
+    assert "| first | 80.0 | 12.0 | 68.0 | - | kernels 41.5 |" in markdown
+    assert "| second | 25.0 | 12.0 | 13.0 | kernels |  |" in markdown
+    assert "Second start within 30 s of its weights load: True; same greedy answer: True." in markdown
+
+    monkeypatch.setattr(bench_starts, "start", lambda name, *args: starts_record_start(False))
+    with pytest.raises(SystemExit, match="checked everything again"):
+        bench_starts.main(["--pack", str(pack), "--out", str(tmp_path / "again")])
+    assert list((tmp_path / "again").glob("starts-*.json"))
+
+
+def test_make_evidence_runs_parity_then_bench_on_the_pack(tmp_path, monkeypatch):
+    """make_evidence runs tools/parity.py and tools/bench.py on the pack, both writing into
+    PACK/evidence (or --out); a tool that fails fails the run, after the other still ran."""
+    import make_evidence
+
+    ran, failing = [], set()
+
+    def run(command):
+        ran.append(command)
+        return subprocess.CompletedProcess(command, 1 if Path(command[1]).name in failing else 0)
+
+    monkeypatch.setattr(make_evidence.subprocess, "run", run)
+    pack = tmp_path / "pack"
+    monkeypatch.setattr(sys, "argv", ["make_evidence.py", "--pack", str(pack)])
+    assert make_evidence.main() == 0
+    assert ran == [[sys.executable, str(REPO / "tools" / tool), "--pack", str(pack), "--out", str(pack / "evidence")]
+                   for tool in ("parity.py", "bench.py")]
+    assert all(Path(command[1]).is_file() for command in ran)
+
+    ran.clear()
+    failing.add("parity.py")
+    monkeypatch.setattr(sys, "argv", ["make_evidence.py", "--pack", str(pack), "--out", str(tmp_path / "out")])
+    assert make_evidence.main() == 1
+    assert [Path(command[1]).name for command in ran] == ["parity.py", "bench.py"]
+    assert all(command[-1] == str(tmp_path / "out") for command in ran)
+
+
+def test_the_battery_s_schemathesis_hooks_keep_generated_chat_requests_short():
+    """tools/schemathesis_hooks.py, loaded from its file as schemathesis loads SCHEMATHESIS_HOOKS
+    (tools/battery.py), registers map_body: a chat body's token limits within the context
+    come down to MAX_TOKENS (one is added where none is asked), values past the context and
+    non-integers stay for the server to refuse, and other bodies pass untouched."""
+    import importlib.util
+
+    hooks = pytest.importorskip("schemathesis.hooks")
+    spec = importlib.util.spec_from_file_location("battery_schemathesis_hooks", REPO / "tools" / "schemathesis_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        assert module.map_body in hooks.GLOBAL_HOOK_DISPATCHER.get_all_by_name("map_body")
+        short = module.MAX_TOKENS
+        assert module.map_body(None, {"messages": [], "max_tokens": 100}) == {"messages": [], "max_tokens": short}
+        assert module.map_body(None, {"messages": [], "max_completion_tokens": 9}) == {
+            "messages": [], "max_completion_tokens": short}
+        assert module.map_body(None, {"messages": []}) == {"messages": [], "max_tokens": short}
+        past = {"messages": [], "max_tokens": module.CONTEXT + 1, "max_completion_tokens": True}
+        assert module.map_body(None, dict(past)) == past
+        assert module.map_body(None, {"messages": [], "max_tokens": 2}) == {"messages": [], "max_tokens": 2}
+        assert module.map_body(None, {"input": "hi", "max_tokens": 100}) == {"input": "hi", "max_tokens": 100}
+        assert module.map_body(None, ["not", "a", "dict"]) == ["not", "a", "dict"]
+    finally:
+        hooks.unregister(module.map_body)
+
+
+def test_device_27b_runs_only_tools_that_exist():
+    """Every tool a device_27b.sh part runs is where the part says (tools/ or tools/lab/)."""
+    import re
+
+    script = (REPO / "tools" / "device_27b.sh").read_text()
+    named = set(re.findall(r"python3 (tools/[\w/]+\.py)", script))
+    assert {"tools/bench.py", "tools/parity.py", "tools/lab/kernel_parity.py"} <= named
+    assert [path for path in sorted(named) if not (REPO / path).is_file()] == []

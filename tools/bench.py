@@ -720,30 +720,6 @@ def main():
     print(summary_markdown(record))
 
 
-def prefix_figure_lines(r) -> list:
-    """The prefix-cache figures tools/add_prefix_figures.py copied in, if any."""
-    if "ttft_ms" not in r:
-        return []
-    lines = [
-        "Time to first token of a conversation's next turn, cold and from the exact prefix cache "
-        "(copied from the prefix-cache records named, by tools/add_prefix_figures.py):",
-        "",
-        "| context | route | prefill step | cold ms | cached ms | cached / cold | bitwise | record |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for context, rows in r["ttft_ms"].items():
-        lines += [f"| {context} | {row['route']} | {row['step']} | {row['cold']:.1f} | {row['cached']:.1f} "
-                  f"| {row['cached_over_cold']:.2f} | {row['exact']} | {row['record']} |" for row in rows]
-    if r.get("spec_extra_memory_gb"):
-        lines += ["", "Speculation's extra memory, GB (the drafter's whole context / its sliding window; "
-                  "the median over passes of plain and speculative requests in turn, or one pass each):", ""]
-        lines += [f"- {context} tokens: " + "; ".join(
-            f"{row['full']:.3f} / {row['sliding_window']:.3f} ({row['record']}, "
-            + (f"median of {row['passes']} passes)" if row.get("passes", 1) > 1 else "one pass)") for row in rows)
-            for context, rows in r["spec_extra_memory_gb"].items()]
-    return lines + [""]
-
-
 def acceptance_lines(model) -> list:
     """The acceptance model the end-to-end arms ran under, per profile."""
     if model is None:
@@ -869,7 +845,6 @@ def summary_markdown(r) -> str:
         + ", ".join(f"{L}: {n}" for L, n in r["verify_primitives_by_block"].items()) + ".",
         "",
     ]
-    lines += prefix_figure_lines(r)
     if not r["complete"]:
         return "\n".join(lines + ["The end-to-end part did not finish in this run.", ""])
     whole_run = r.get("tokens_per_round_whole_run")  # absent from records before full-round naming

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | e2e-long | prefix-4k | tune | tune-shapes | compare | launch-cost | profile | ncu | parity | kernels | graphs
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | e2e-long | prefix-4k | tune | compare | profile | ncu | parity | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
 #                                     regenerate every GPU record README quotes, at HEAD: five calls,
 #                                     one part each (no two of them fit one call's 585 s)
@@ -65,8 +65,6 @@ at $commit: five device calls of one H200 (nvidia-h200), in this order, each und
 Calls 2 and 3 add to the record call 1 left in /tmp/b27; if the machine went cold in between,
 carry the latest bench-cuda-27b.json back in as .gpu/b27/ (carry: [".gpu"]). Copy each call's
 \$OUT records into evidence/ as they come back (call 5's from \$OUT/p4k/). Then, here:
-  python tools/add_prefix_figures.py evidence/bench-cuda-27b.json evidence/prefix-cache-cuda-27b.json \\
-    evidence/prefix-cache-cuda-27b-{steps,1k,first-token,4k}.json
   python tools/records.py --readme
   python -m pytest -q tests/test_evidence_tools.py
 PLAN
@@ -100,9 +98,7 @@ case "${1:-}" in
   # extra memory at 1k, 4k and 16k); about 420 s
   prefix-4k) need_commit prefix-4k; t=$(left) || exit 124; timeout "$t" python3 tools/bench_prefix.py --size 27b \
        --out "$OUT/p4k" --speculative --contexts 4096 --step-sizes 256 --memory-contexts 1024 4096 16384 --repeats 5 ;;
-  tune) t=$(left) || exit 124; timeout "$t" python3 tools/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
-  # tune-shapes: the fastest launch per 27B shape and row count, then a fresh check against the table's
-  tune-shapes) t=$(left) || exit 124; timeout "$t" python3 tools/tune_qmv_shapes.py --out "$OUT" ;;
+  tune) t=$(left) || exit 124; timeout "$t" python3 tools/lab/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   # compare: the code's launch table against PREVIOUS (default: the last tune's 8-row pick),
   # interleaved; issue 13 item 3 holds the 8-row kernel to 1.2x MLX's single row. With
   # PREVIOUS_KERNELS (another revision's dflash2_kernels.py, carried in) the previous arm runs
@@ -111,11 +107,9 @@ case "${1:-}" in
   # 15, in the same session, put them at 1.24x; then 5 passes under CUPTI: the GPU time alone
   compare) [ -n "${PREVIOUS:-}" ] || PREVIOUS=${PREVIOUS_KERNELS:+'{}'}
            [ -n "$PREVIOUS" ] || PREVIOUS='{"8": [3, 2, 1, 2, 264]}'
-           t=$(left) || exit 124; timeout "$t" python3 tools/compare_qmv_launch.py --previous "$PREVIOUS" \
+           t=$(left) || exit 124; timeout "$t" python3 tools/lab/compare_qmv_launch.py --previous "$PREVIOUS" \
              ${PREVIOUS_KERNELS:+--previous-kernels "$PREVIOUS_KERNELS"} --repeats 15 --cupti-repeats 5 --out "$OUT" ;;
-  launch-cost) t=$(left) || exit 124; timeout "$t" python3 tools/launch_cost.py --out "$OUT" ;;
-  profile) t=$(left) || exit 124; timeout "$t" python3 tools/profile_verify.py --out "$OUT" ;;
-  graphs) t=$(left) || exit 124; timeout "$t" python3 tools/graph_misses.py --out "$OUT" ;;
+  profile) t=$(left) || exit 124; timeout "$t" python3 tools/lab/profile_verify.py --out "$OUT" ;;
   # parity: about 430 s greedy-only; the sampled runs (3 settings x blocks 2..8, 16 tokens) and the
   # block sampling self-test add well under a minute
   parity) need_commit parity; t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
@@ -137,8 +131,8 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     # an exported run prints no results: read them back from the report
     "$ncu" --import "$OUT/ncu-qmv.ncu-rep" --page details --print-details all > "$OUT/ncu-qmv.txt" 2>&1
     "$ncu" --import "$OUT/ncu-qmv.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-sass.csv" 2>&1
-    python3 tools/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
+    python3 tools/lab/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh all|server|routes|rounds|e2e|e2e-long|prefix-4k|tune|tune-shapes|compare|launch-cost|profile|ncu|parity|kernels|graphs" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh all|server|routes|rounds|e2e|e2e-long|prefix-4k|tune|compare|profile|ncu|parity|kernels" >&2; exit 2 ;;
 esac

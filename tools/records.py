@@ -77,7 +77,7 @@ def code_digest() -> str:
     """sha256 (first 12 hex digits) of the pack's top-level Python files and the tools: which
     code a record measured, also where the device's copy of the tree has no git history."""
     digest = hashlib.sha256()
-    for path in sorted([*ROOT.glob("*.py"), *ROOT.glob("tools/*.py")]):
+    for path in sorted([*ROOT.glob("*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("tools/lab/*.py")]):
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 

@@ -1,6 +1,6 @@
 """Where the exact 2-bit matmul stalls: a record from Nsight Compute's output of the ncu part.
 
-    python tools/ncu_summary.py DETAILS.txt [SASS.csv] --out evidence/
+    python tools/lab/ncu_summary.py DETAILS.txt [SASS.csv] --out evidence/
 
 `bash tools/device_27b.sh ncu` profiles MLX's single-row qmv and the exact kernel at 1 and 8
 rows (one launch each at (17408, 5120)) and prints the report's details page (ncu-qmv.txt)
@@ -15,10 +15,14 @@ each kernel with cold caches and unlocked clocks.
 import argparse
 import csv
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
-from records import code_digest, git_state, write_record
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+from records import code_digest, git_state, write_record  # noqa: E402
 
 METRICS = (
     "Duration", "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
@@ -116,12 +120,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("details", type=Path, help="ncu --page details --print-details all output")
     parser.add_argument("sass", type=Path, nargs="?", help="ncu --page source --csv --print-source sass output")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "evidence"))
+    parser.add_argument("--out", default=str(REPO / "evidence"))
     args = parser.parse_args()
     kernels = read_details(args.details.read_text())
     if not kernels:
         parser.error(f"{args.details}: no kernel sections of ncu's details page")
-    record = {"command": f"python tools/ncu_summary.py {args.details.name}" + (f" {args.sass.name}" if args.sass else ""),
+    record = {"command": f"python tools/lab/ncu_summary.py {args.details.name}" + (f" {args.sass.name}" if args.sass else ""),
               "backend": "cuda", "code": code_digest(), **git_state(), "kernels": kernels}
     if args.sass:
         with args.sass.open(newline="") as rows:

@@ -1,6 +1,6 @@
 """Where an exact verify round's GPU time goes, kernel by kernel, against a decode step.
 
-    python tools/profile_verify.py --out evidence/
+    python tools/lab/profile_verify.py --out evidence/
 
 CUDA only (the GPU machine): builds the random-weight 27B-shape target as tools/bench.py
 does, installs the runtime, prefills a short prompt, then records with PyTorch's profiler
@@ -16,10 +16,14 @@ A diagnostic: which kernels to make faster, not a speed record (see tools/bench.
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
-import bench  # first: it sets MLX's CUDA graph cache before MLX starts and puts the pack on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench, records
+
+import bench  # noqa: E402  (first: it sets MLX's CUDA graph cache before MLX starts and puts the pack on sys.path)
 
 import mlx.core as mx  # noqa: E402
 
@@ -251,7 +255,7 @@ def main():
         host_layers = host_ms_by_layer(arm_steps[f"verify {blocks[-1]}"], args.steps)
     longest = f"verify {blocks[-1]}"
     record = {
-        **run_environment("profile_verify.py", f"synthetic {args.size}, seed 0"),
+        **run_environment("lab/profile_verify.py", f"synthetic {args.size}, seed 0"),
         "context_tokens": args.context, "blocks": blocks, "profiled_steps": args.steps,
         "plain_decode_path": status.decode_path.arm,
         "arms": arms, "host_ms_by_layer": host_layers, "host_split_ms": host_split,

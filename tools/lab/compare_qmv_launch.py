@@ -1,11 +1,11 @@
 """The exact packed matmul's GPU time per 27B decode step under two CUDA launch tables, side by side.
 
-    python tools/compare_qmv_launch.py --previous '{"8": [4, 2, 1, 2]}' --out evidence/
+    python tools/lab/compare_qmv_launch.py --previous '{"8": [4, 2, 1, 2]}' --out evidence/
     git show REV:dflash2_kernel_qmv.py > /tmp/before.py    # another revision's kernel as well
-    python tools/compare_qmv_launch.py --previous '{}' --previous-kernels /tmp/before.py --out /tmp/
+    python tools/lab/compare_qmv_launch.py --previous '{}' --previous-kernels /tmp/before.py --out /tmp/
 
 CUDA only. For every packed shape of the 27B target (weights rotated past the L2, as
-tools/kernel_parity.py times them) and every row count 2..8, times MLX's single-row call,
+tools/lab/kernel_parity.py times them) and every row count 2..8, times MLX's single-row call,
 the kernel under the previous launch and under dflash2_kernel_qmv.CUDA_LAUNCH (each on rows in
 the layout the served verify hands it: swizzled, where the kernel has that layout), interleaved
 (ABAB, warm-up first, median of the repeats with min and max); each is checked bitwise
@@ -220,7 +220,7 @@ def main():
         key, shape_key = mx.random.split(key)
         shapes[f"{n}x{k}"] = time_shape(n, k, previous, args.repeats, shape_key, previous_kernels, args.cupti_repeats)
     record = {
-        **run_environment("compare_qmv_launch.py", "27b kernel shapes"),
+        **run_environment("lab/compare_qmv_launch.py", "27b kernel shapes"),
         "cuda_kernel_source": qmv.cuda_qmv_source_digest(), "repeats": args.repeats, "rows": list(ROWS),
         "previous_kernel_source": previous_kernels.cuda_qmv_source_digest(),
         "previous_kernels": args.previous_kernels.name if args.previous_kernels else None,

@@ -10,8 +10,8 @@ evidence/kernel-parity-<backend>.json and .md. The other kernels (rotate, gdn,
 dense, attention) write evidence/kernel-parity-<kernel>-<backend>.json and .md.
 Every figure comes from this run.
 
-    python3 tools/kernel_parity.py --shapes 27b --tune --bench
-    python3 tools/kernel_parity.py --kernels rotate,gdn,dense,attention --shapes 27b --bench
+    python3 tools/lab/kernel_parity.py --shapes 27b --tune --bench
+    python3 tools/lab/kernel_parity.py --kernels rotate,gdn,dense,attention --shapes 27b --bench
 """
 
 import argparse
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import dflash2_kernel_attention  # noqa: E402
 import dflash2_kernel_base  # noqa: E402
@@ -69,7 +69,7 @@ BENCH_ROWS = (1, 2, 4, 8)
 # occupancy is the limit; an output row's epilogue (16 half-to-float conversions and adds,
 # then 5 shuffles and adds, each (output, activation) row pair) costs about half as many
 # instructions as its K / 64 = 80 HFMA2s at K 5120. Session 32 tried a launch per 27B shape
-# (tools/tune_qmv_shapes.py, evidence/qmv-shapes-cuda.md; at 8 rows the table's launch leaves
+# (a tool since removed, evidence/qmv-shapes-cuda.md; at 8 rows the table's launch leaves
 # the 5120-row shapes 2.4 tiles a warp): at 8 rows five of the eight shapes kept the table's
 # launch, and the fresh pass put the picks' sum at the table's time (1.00x). Session 34 baked
 # K into the template (x's rows then a constant apart: immediate load offsets, and a tile's
@@ -493,8 +493,8 @@ def run_kernel(name, args, backend):
     record = {
         "kernel": name,
         "backend": backend,
-        **run_environment("kernel_parity.py", f"{args.shapes} kernel shapes"),
-        "command": f"python3 tools/kernel_parity.py --kernels {name} --shapes {args.shapes} "
+        **run_environment("lab/kernel_parity.py", f"{args.shapes} kernel shapes"),
+        "command": f"python3 tools/lab/kernel_parity.py --kernels {name} --shapes {args.shapes} "
                    f"--seed {args.seed}" + " --bench" * args.bench,
         "self_test": {
             "ok": result.ok, "reason": result.reason, "seconds": seconds, "variant": result.variant,
@@ -519,7 +519,7 @@ def run_qmv(args, backend):
     # and a partial last warp, which no 27B matrix has.
     bench_shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.shapes == "27b" else list(dflash2_kernel_qmv.DEFAULT_SHAPES)
     shapes = bench_shapes + list(dflash2_kernel_qmv.DEFAULT_SHAPES) * (args.shapes == "27b")
-    command = f"python3 tools/kernel_parity.py --shapes {args.shapes} --seed {args.seed}"
+    command = f"python3 tools/lab/kernel_parity.py --shapes {args.shapes} --seed {args.seed}"
     command += " --bench" * args.bench + " --tune" * args.tune
 
     builds = measure_cuda_builds() if backend == "cuda" else None
@@ -535,7 +535,7 @@ def run_qmv(args, backend):
 
     record = {
         "backend": backend,
-        **run_environment("kernel_parity.py", f"{args.shapes} kernel shapes"),
+        **run_environment("lab/kernel_parity.py", f"{args.shapes} kernel shapes"),
         "command": command,
         "cuda_kernel_source": dflash2_kernel_qmv.cuda_qmv_source_digest(),
         "exact_mismatches": result.mismatches,

@@ -1,8 +1,8 @@
 """The exact CUDA qmv kernel compiled offline (nvcc for sm_90a): registers, spills and its loops'
 instructions, per row count's launch, with no GPU.
 
-    python tools/qmv_sass.py                                  # the launch table
-    python tools/qmv_sass.py --rows 8 --launch '{"8": [2, 1, 1, 1, 264]}'
+    python tools/lab/qmv_sass.py                                  # the launch table
+    python tools/lab/qmv_sass.py --rows 8 --launch '{"8": [2, 1, 1, 1, 264]}'
 
 A kernel change's first check, before device time: the translation unit MLX builds for a
 launch (its CUDA custom-kernel wrapper around dflash2_kernels' header, the template's constexpr
@@ -23,7 +23,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 
 import dflash2_kernel_base  # noqa: E402
 import dflash2_kernel_qmv as qmv  # noqa: E402

@@ -1,0 +1,89 @@
+"""tools/train_tiny_pair.py's pieces on small inputs (a training run takes minutes: the
+trained pair it wrote is tested in tests/test_tiny_pair.py).
+
+Its claim: the target trains aware of its 2-bit packing, so the packed file computes what
+training saw; and its chat data comes from the documented functions of the sources."""
+
+import mlx.core as mx
+
+import train_tiny_pair as tiny
+from dflash2_pack import load_pack
+from make_synthetic_pack import target_config, write_target
+
+
+def test_fake_quant_is_the_packed_value_with_a_straight_through_gradient():
+    x = mx.random.normal((4, 256), key=mx.random.key(0)) / 10
+    codes = mx.quantize(x.astype(mx.float16), group_size=tiny.GROUP, bits=tiny.BITS)
+    packed = mx.dequantize(*codes, group_size=tiny.GROUP, bits=tiny.BITS).astype(mx.float32)
+    assert mx.allclose(tiny.fake_quant(x), packed, rtol=0, atol=1e-7).item()
+    assert not mx.array_equal(packed, x).item()
+    grad = mx.grad(lambda w: (tiny.fake_quant(w) * mx.arange(256)).sum())(x)
+    assert mx.array_equal(grad, mx.broadcast_to(mx.arange(256).astype(mx.float32), x.shape)).item()
+
+
+def test_the_packed_target_computes_what_training_saw(tmp_path):
+    """Each packed module's tensors (2-bit codes, scales, biases, signs), rotated back, are
+    bitwise the dense weight the training forward used; the pack written from them passes the
+    pack's checks, and mlx-vlm's loaded model gives the training model's logits up to fp16's
+    rounding."""
+    config = target_config("tiny")
+    lm = tiny.training_target(config, seed=0)
+    lm.eval()
+    tensors = tiny.target_tensors(lm, config)
+    modules = dict(lm.named_modules())
+    for record in config["modules"]:
+        name = f"language_model.{record['path']}"
+        weight = mx.dequantize(tensors[f"{name}.weight"], tensors[f"{name}.scales"], tensors[f"{name}.biases"],
+                               group_size=tiny.GROUP, bits=tiny.BITS).astype(mx.float32)
+        if record["block"]:
+            weight = tiny.hadamard_rows(weight, record["block"]) * tensors[f"{name}.signs"]
+        assert mx.array_equal(weight, modules[record["path"]].dense()).item(), record["path"]
+    assert tensors["language_model.model.layers.0.linear_attn.A_log"].dtype == mx.float32
+
+    write_target(tmp_path / "target", "tiny", 0, trained=tensors)
+    model, _, _ = load_pack(tmp_path / "target")
+    ids = mx.array([[5, 9, 33, 100, 7, 300, 2, 41]])
+    trained = lm(ids).logits.astype(mx.float32)
+    served = model.language_model(ids).logits.astype(mx.float32)
+    assert (mx.abs(served - trained).max() < 0.03 * mx.abs(trained).max()).item()
+
+
+SOURCE = '''
+def reverse(items, start):
+    """Reverse a list from start."""
+    return items[start:][::-1]
+
+
+def _private(x):
+    """Not offered."""
+
+
+def undocumented(x):
+    return x
+
+
+class Box:
+    def get(self):
+        """The box's value."""
+        return self.value
+'''
+
+
+def test_chat_samples_turn_documented_functions_into_code_and_tool_call_turns():
+    rendered = []
+
+    def renderer(messages, tools=None):
+        rendered.append((messages, tools))
+        return len(rendered) - 1
+
+    code, tools = tiny.chat_samples([("boxes.py", SOURCE), ("broken.py", "def (")], renderer)
+    turns = [rendered[index] for index in code]
+    assert [messages[0]["content"] for messages, _ in turns] == [
+        "Write a Python function `reverse`: Reverse a list from start.",
+        "Write a Python function `get`: The box's value."]
+    assert turns[0][1] is None and turns[0][0][1]["content"].startswith("def reverse(items, start):")
+    # A tool-call turn for each function with parameters (self does not count).
+    [(messages, offered)] = [rendered[index] for index in tools]
+    assert messages[0]["content"] == "Reverse a list from start. Use boxes."
+    assert messages[1]["tool_calls"] == [{"function": {"name": "reverse", "arguments": {"items": "ITEMS", "start": "START"}}}]
+    assert offered[0]["function"]["parameters"]["required"] == ["items", "start"]
