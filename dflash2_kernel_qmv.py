@@ -378,13 +378,13 @@ _CUDA_SOURCE = "dflash2::qmv_split_rows<M, S, R, C, PREFETCH, TILES, SWIZZLED>(x
 # slice into L2 first)[, warps S the M rows split over, 1 if absent[, blocks B the grid is
 # capped at, each warp then taking several tiles of R output rows: none if absent]]).
 # R * M / S accumulators of 8 registers bound R.
-# Tuned on an H200 (tools/kernel_parity.py --tune, evidence/kernel-parity-cuda.md), whose
+# Tuned on an H200 (tools/lab/kernel_parity.py --tune, evidence/kernel-parity-cuda.md), whose
 # last tuning chose capped grids (B: about one wave of resident warps on 132 SMs) for rows
-# 3-8; two interleaved runs of tools/compare_qmv_launch.py against the launches before
+# 3-8; two interleaved runs of tools/lab/compare_qmv_launch.py against the launches before
 # (evidence/qmv-launch-cuda*.md) kept them at 4 and 7 rows (0.84-0.94x), and at 8 (0.98-0.99x,
 # inside the runs' noise), and the launches before at 3, 5 and 6 rows, where they were not
-# faster in both runs. Session 32 capped 5 and 6 rows too: tools/tune_qmv_shapes.py's sweep
-# (evidence/qmv-shapes-cuda.md) found the capped grid the fastest single launch there, and
+# faster in both runs. Session 32 capped 5 and 6 rows too: a sweep of launch shapes
+# (evidence/qmv-shapes-cuda.md, docs/lab.md) found the capped grid the fastest single launch there, and
 # compare_qmv_launch against the uncapped ones put them at 0.94x and 0.91x. A capped grid's
 # warp loads its next tile's first chunk while it finishes the one before, instead of waiting
 # on DRAM at every tile's start.
