@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import unquote, urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 # A request's images are decoded here in full before the model sees them: these bound the
@@ -96,13 +98,31 @@ class ImagePart(Strict):
 
 
 class UnsupportedPart(BaseModel):
-    """Audio and video parts: recognised, then refused by name."""
+    """Audio and video parts: recognised, then refused by name (check_message); not in the
+    published schema."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal[UNSUPPORTED_PARTS]
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart, UnsupportedPart], Field(discriminator="type")]
+def misplaced(kinds, message: str):
+    """A union member for parts (or blocks) of the given kinds in a role that does not take
+    them: recognised, and refused with message (error_param names the part); left out of the
+    published schema, where the role's union lists what it takes."""
+    class Misplaced(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        type: Literal[kinds]
+
+        @model_validator(mode="after")
+        def refuse(self):
+            raise PydanticCustomError("misplaced", message)
+
+    return SkipJsonSchema[Misplaced]
+
+
+UserPart = Annotated[Union[TextPart, ImagePart, SkipJsonSchema[UnsupportedPart]], Field(discriminator="type")]
+MisplacedImage = misplaced("image_url", "images are accepted in user messages only")
+TextOnlyPart = Annotated[Union[TextPart, MisplacedImage, SkipJsonSchema[UnsupportedPart]], Field(discriminator="type")]
 
 
 class FunctionCall(Strict):
@@ -116,14 +136,42 @@ class ToolCall(Strict):
     function: FunctionCall
 
 
-class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
+class MessageFields(Strict):
+    """What every role's message may hold; the roles below say what each requires."""
+
     name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
+    tool_calls: None = None  # an assistant's only
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
+
+
+class SystemMessage(MessageFields):
+    role: Literal["system", "developer"]
+    content: Union[str, list[TextOnlyPart]]
+
+
+class UserMessage(MessageFields):
+    role: Literal["user"]
+    content: Union[str, list[UserPart]]
+
+
+class AssistantMessage(MessageFields):
+    """Content may be left out where the turn is tool calls."""
+
+    role: Literal["assistant"]
+    content: Union[str, list[TextOnlyPart], None] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+class ToolMessage(MessageFields):
+    role: Literal["tool"]
+    content: Union[str, list[TextOnlyPart]]
+    tool_call_id: str
+
+
+MESSAGE_ROLES = (SystemMessage, UserMessage, AssistantMessage, ToolMessage)
+Message = Annotated[Union[MESSAGE_ROLES], Field(discriminator="role")]
 
 
 class FunctionDefinition(Strict):
@@ -205,7 +253,7 @@ def error_param(body, error) -> str:
     """The field an error is about, written like messages[0].content: the error's location
     with pydantic's union labels (keys that are not in the request) left out."""
     value, parts = body, []
-    loc = error["loc"]
+    loc = error["loc"][:-1] if error["type"] == "misplaced" else error["loc"]  # misplaced(): the part itself
     for index, key in enumerate(loc):
         if (isinstance(value, dict) and key == value.get("type") and index < len(loc) - 1
                 and not isinstance(value.get(key), (dict, list))):
@@ -218,7 +266,8 @@ def error_param(body, error) -> str:
             continue
         parts.append(key)
     if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        parts.append("type")
+        discriminator = error["ctx"]["discriminator"]  # 'role', or a callable's name: response_item_kind()
+        parts.append(discriminator.strip("'") if discriminator.startswith("'") else "type")
     text = ""
     for key in parts:
         text += f"[{key}]" if isinstance(key, int) else f".{key}"
@@ -319,8 +368,8 @@ def load_checked_image(url: str, where: str, image_dir: Optional[Path], pixels_l
 
 
 def check_message(raw: dict, message: Message, where: str, limits: PackLimits, pixels_left: int) -> tuple:
-    """The rules between a message's fields: (the message with its images checked, their
-    pixels), its images within the request's pixels_left."""
+    """A message's parts against the pack (its role's model took the rest): (the message with
+    its images checked, their pixels), its images within the request's pixels_left."""
     pixels = 0
     if isinstance(message.content, list):
         parts = []
@@ -330,20 +379,12 @@ def check_message(raw: dict, message: Message, where: str, limits: PackLimits, p
                 raise Refusal(400, "unsupported-input",
                               f"{at}: {part.type} parts are not supported by this pack (text and images only)", at)
             if isinstance(part, ImagePart):
-                if message.role != "user":
-                    raise InvalidRequest(at, "images are accepted in user messages only")
                 url, size = load_checked_image(part.image_url.url, f"{at}.image_url.url", limits.image_dir,
                                                pixels_left - pixels)
                 pixels += size
                 raw_part = {**raw_part, "image_url": {**raw_part["image_url"], "url": url}}
             parts.append(raw_part)
         raw = {**raw, "content": parts}
-    elif message.content is None and message.role != "assistant":
-        raise InvalidRequest(f"{where}.content", "is required")
-    if message.tool_calls is not None and message.role != "assistant":
-        raise InvalidRequest(f"{where}.tool_calls", "must be a list, on an assistant message")
-    if message.role == "tool" and message.tool_call_id is None:
-        raise InvalidRequest(f"{where}.tool_call_id", "is required on a tool message")
     return raw, pixels
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash2_requests import ChatRequest, Message  # noqa: E402
+from dflash2_requests import ChatRequest, UserMessage  # noqa: E402
 from dflash2_messages_request import AnthropicMessage, CountTokensRequest, MessagesRequest  # noqa: E402
 from dflash2_responses_request import ResponseMessageItem, ResponsesRequest  # noqa: E402
 from records import code_digest, git_state, write_record  # noqa: E402
@@ -82,7 +82,7 @@ def field_probes(quick):
     probes = [chat_probe(f"{name}={value!r:.40}", {**TINY, name: value}) for name in top for value in values]
     probes += [chat_probe(f"messages[0].{name}={value!r:.40}",
                           {**TINY, "messages": [{"role": "user", "content": "Hi", name: value}]})
-               for name in Message.model_fields for value in values]
+               for name in UserMessage.model_fields for value in values]
     probes += [chat_probe(f"messages={value!r:.40}", {**TINY, "messages": value}) for value in values]
     tool = {"name": "f", "parameters": {"type": "object"}}
     # A request with tools carries the template's long tools preamble; --quick (CI, on CPU)

@@ -1,0 +1,58 @@
+"""/openapi.json says what the gateway validates: a body the gateway refuses is outside its
+request's published schema, a body it accepts is inside it. In process (test_gateway's
+stand-in in mlx-vlm's place, serve.py's decide function); schemathesis's search over the same
+schema, against the gateway and against a real server: test_openapi_schemathesis.py.
+"""
+
+import json
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from test_gateway import make_client
+
+CHAT, MESSAGES, COUNT_TOKENS, RESPONSES = ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                                           "/v1/responses")
+USER = {"role": "user", "content": "Hi"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.fixture(scope="module")
+def client():
+    return make_client(server_reason="serve.py")
+
+
+def schema_allows(document, path, body) -> bool:
+    """Whether body is valid against the path's published request schema."""
+    reference = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = Draft202012Validator({**reference, "components": document["components"]})
+    return validator.is_valid(body)
+
+
+def chat(*messages, **fields):
+    return {"messages": list(messages), **fields}
+
+
+# (path, body, whether the gateway accepts it)
+ROWS = [
+    # Each role's message holds what its checks require (schemathesis: {"messages": [{"role": "tool"}]}).
+    (CHAT, chat({"role": "tool"}), False),
+    (CHAT, chat({"role": "tool", "content": "x"}), False),
+    (CHAT, chat(USER, {"role": "tool", "content": "x", "tool_call_id": "call_1"}), True),
+    (CHAT, chat({"role": "system"}, USER), False),
+    (CHAT, chat({"role": "developer", "content": None}, USER), False),
+    (CHAT, chat({"role": "user"}), False),
+    (CHAT, chat(USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}), True),
+    (CHAT, chat(USER, {"role": "assistant", "tool_calls": [CALL]}), True),
+    (CHAT, chat({**USER, "tool_calls": [CALL]}), False),
+    (CHAT, chat({**USER, "tool_calls": None}), True),
+    (CHAT, chat(USER, {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}), False),
+    (CHAT, chat({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}), False),
+]
+
+
+@pytest.mark.parametrize("path, body, accepted", ROWS, ids=lambda v: json.dumps(v)[:80] if isinstance(v, dict) else None)
+def test_the_published_schema_allows_what_the_gateway_accepts(client, path, body, accepted):
+    response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert (response.status_code == 200) == accepted, response.text
+    assert schema_allows(client.get("/openapi.json").json(), path, body) == accepted
