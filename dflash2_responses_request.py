@@ -80,9 +80,9 @@ class ResponseReasoningItem(Strict):
 
 
 def response_item_kind(item) -> str:
-    """A Responses input item's type; message items may leave it out."""
+    """A Responses input item's type; message items may leave it out (or send null)."""
     if isinstance(item, dict):
-        return item.get("type", "message")
+        return item.get("type") or "message"
     return getattr(item, "type", None) or "message"
 
 
@@ -237,7 +237,7 @@ def check_responses_request(body, limits: PackLimits) -> dict:
         if part["type"] != "input_image":
             continue
         item = body["input"][index]
-        if item.get("type", "message") == "message" and item["role"] != "user":
+        if response_item_kind(item) == "message" and item["role"] != "user":
             raise InvalidRequest(where, "images are accepted in user messages and function call outputs only")
         reference, size = load_checked_image(part["image_url"], f"{where}.image_url", limits.image_dir,
                                              MAX_REQUEST_PIXELS - pixels)

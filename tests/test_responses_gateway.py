@@ -125,6 +125,8 @@ def test_multimodal_plain_routes_images_plain():
     ({**BODY, "input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, 400, "invalid-request",
      "input[0].arguments"),
     ({**BODY, "input": [{"role": "assistant", "content": [IMAGE]}]}, 400, "invalid-request", "input[0].content[0]"),
+    ({**BODY, "input": [{"type": None, "role": "assistant", "content": [IMAGE]}]}, 400, "invalid-request",
+     "input[0].content[0]"),
     ({**BODY, "temperature": "hot"}, 400, "invalid-request", "temperature"),
     ({**BODY, "temperature": 5}, 400, "invalid-request", "temperature"),
     ({**BODY, "top_k": VOCAB}, 400, "invalid-request", "top_k"),
