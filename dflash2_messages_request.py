@@ -6,7 +6,7 @@ from pydantic import Field
 
 from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, MAX_STOP_SEQUENCES,
                               TOOL_NAME, InvalidRequest, PackLimits, Refusal, StopSequence, Strict, check_sampling,
-                              context_refusal, json_object, load_checked_image, number, request_text_chars,
+                              context_refusal, json_object, load_checked_image, misplaced, number, request_text_chars,
                               served_model, validated, whole)
 
 
@@ -74,13 +74,27 @@ class RedactedThinkingBlock(Strict):
     data: str
 
 
-ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
-                               RedactedThinkingBlock], Field(discriminator="type")]
+# Each role's blocks; another role's are recognised and refused naming the block.
+MisplacedAssistantBlock = misplaced(("tool_use", "thinking", "redacted_thinking"),
+                                    "{kind} blocks are accepted in assistant messages only")
+MisplacedUserBlock = misplaced(("image", "tool_result"), "{kind} blocks are accepted in user messages only")
+UserBlock = Annotated[Union[TextBlock, ImageBlock, ToolResultBlock, MisplacedAssistantBlock],
+                      Field(discriminator="type")]
+AssistantBlock = Annotated[Union[TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock, MisplacedUserBlock],
+                           Field(discriminator="type")]
 
 
-class AnthropicMessage(Strict):
-    role: Literal["user", "assistant"]
-    content: Union[str, list[ContentBlock]]
+class AnthropicUserMessage(Strict):
+    role: Literal["user"]
+    content: Union[str, list[UserBlock]]
+
+
+class AnthropicAssistantMessage(Strict):
+    role: Literal["assistant"]
+    content: Union[str, list[AssistantBlock]]
+
+
+AnthropicMessage = Annotated[Union[AnthropicUserMessage, AnthropicAssistantMessage], Field(discriminator="role")]
 
 
 class AnthropicTool(Strict):
@@ -173,10 +187,6 @@ def check_messages_sizes(body: dict):
         raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
 
 
-ROLE_OF_BLOCK = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
-                 "tool_result": "user", "image": "user"}
-
-
 def messages_rendered_chars(request: CountTokensRequest) -> int:
     """rendered_text_chars for a Messages request: the system prompt's, user text's and tool results'."""
     def text(content):
@@ -216,12 +226,8 @@ def check_messages_request(body, limits: PackLimits, request_model=MessagesReque
                       f"characters of text; this server takes at most {limits.prompt_chars_limit} "
                       "(its --max-prompt-chars)", "messages")
     pixels = 0
-    for index, where, block in message_blocks(body["messages"]):
-        role = body["messages"][index]["role"]
-        kind = block["type"]
-        if ROLE_OF_BLOCK.get(kind, role) != role:
-            raise InvalidRequest(where, f"{kind} blocks are accepted in {ROLE_OF_BLOCK[kind]} messages only")
-        if kind == "image":
+    for _, where, block in message_blocks(body["messages"]):
+        if block["type"] == "image":
             source = block["source"]
             url = source["url"] if source["type"] == "url" else \
                 f"data:{source['media_type']};base64,{source['data']}"

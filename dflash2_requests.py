@@ -107,15 +107,15 @@ class UnsupportedPart(BaseModel):
 
 def misplaced(kinds, message: str):
     """A union member for parts (or blocks) of the given kinds in a role that does not take
-    them: recognised, and refused with message (error_param names the part); left out of the
-    published schema, where the role's union lists what it takes."""
+    them: recognised, and refused with message ({kind}: the part's type; error_param names the
+    part); left out of the published schema, where the role's union lists what it takes."""
     class Misplaced(BaseModel):
         model_config = ConfigDict(extra="allow")
         type: Literal[kinds]
 
         @model_validator(mode="after")
         def refuse(self):
-            raise PydanticCustomError("misplaced", message)
+            raise PydanticCustomError("misplaced", message, {"kind": self.type})
 
     return SkipJsonSchema[Misplaced]
 

@@ -6,8 +6,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, TOOL_NAME,
                               InvalidRequest, PackLimits, Refusal, Strict, check_sampling, context_refusal,
-                              json_object, load_checked_image, number, request_text_chars, served_model, validated,
-                              whole)
+                              json_object, load_checked_image, misplaced, number, request_text_chars, served_model,
+                              validated, whole)
 
 
 class ResponseInputText(Strict):
@@ -32,19 +32,27 @@ class ResponseOutputText(Strict):
     logprobs: Optional[list[dict[str, Any]]] = None
 
 
-ResponseContentPart = Annotated[Union[ResponseInputText, ResponseInputImage, ResponseOutputText],
-                                Field(discriminator="type")]
+ResponseUserPart = Annotated[Union[ResponseInputText, ResponseInputImage, ResponseOutputText],
+                             Field(discriminator="type")]
+MisplacedImage = misplaced("input_image", "images are accepted in user messages and function call outputs only")
+ResponseTextPart = Annotated[Union[ResponseInputText, ResponseOutputText, MisplacedImage], Field(discriminator="type")]
 ResponseToolOutputPart = Annotated[Union[ResponseInputText, ResponseInputImage], Field(discriminator="type")]
 
 
 class ResponseMessageItem(Strict):
-    """A message item; type may be left out (the SDK's EasyInputMessage)."""
+    """A message item; type may be left out (the SDK's EasyInputMessage). Images in user
+    messages only (ResponseUserMessageItem)."""
 
     type: Optional[Literal["message"]] = None
-    role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, Annotated[list[ResponseContentPart], Field(max_length=MAX_CONTENT_PARTS)]]
+    role: Literal["assistant", "system", "developer"]
+    content: Union[str, Annotated[list[ResponseTextPart], Field(max_length=MAX_CONTENT_PARTS)]]
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class ResponseUserMessageItem(ResponseMessageItem):
+    role: Literal["user"]
+    content: Union[str, Annotated[list[ResponseUserPart], Field(max_length=MAX_CONTENT_PARTS)]]
 
 
 class ResponseFunctionCallItem(Strict):
@@ -86,12 +94,20 @@ def response_item_kind(item) -> str:
     return getattr(item, "type", None) or "message"
 
 
+def response_item_tag(item) -> str:
+    """response_item_kind, with user messages (which may hold images) apart."""
+    kind = response_item_kind(item)
+    role = item.get("role") if isinstance(item, dict) else getattr(item, "role", None)
+    return "user_message" if kind == "message" and role == "user" else kind
+
+
 ResponseInputItem = Annotated[Union[
+    Annotated[ResponseUserMessageItem, Tag("user_message")],
     Annotated[ResponseMessageItem, Tag("message")],
     Annotated[ResponseFunctionCallItem, Tag("function_call")],
     Annotated[ResponseFunctionCallOutputItem, Tag("function_call_output")],
     Annotated[ResponseReasoningItem, Tag("reasoning")],
-], Discriminator(response_item_kind)]
+], Discriminator(response_item_tag)]
 
 
 class ResponseFunctionTool(Strict):
@@ -233,12 +249,9 @@ def check_responses_request(body, limits: PackLimits) -> dict:
                       f"characters of text; this server takes at most {limits.prompt_chars_limit} "
                       "(its --max-prompt-chars)", "input")
     pixels = 0
-    for index, where, part in response_parts(response_items(body)):
+    for _, where, part in response_parts(response_items(body)):
         if part["type"] != "input_image":
             continue
-        item = body["input"][index]
-        if response_item_kind(item) == "message" and item["role"] != "user":
-            raise InvalidRequest(where, "images are accepted in user messages and function call outputs only")
         reference, size = load_checked_image(part["image_url"], f"{where}.image_url", limits.image_dir,
                                              MAX_REQUEST_PIXELS - pixels)
         pixels += size

@@ -48,6 +48,19 @@ ROWS = [
     (CHAT, chat({**USER, "tool_calls": None}), True),
     (CHAT, chat(USER, {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}), False),
     (CHAT, chat({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}), False),
+    # Each role's blocks (Messages) and parts (Responses): images in user turns only, tool uses in assistant turns only.
+    (MESSAGES, {"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, False),
+    (MESSAGES, {"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "redacted_thinking", "data": ""}]}]},
+     False),
+    (COUNT_TOKENS, {"messages": [USER, {"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}, False),
+    (COUNT_TOKENS, {"messages": [USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}, True),
+    (RESPONSES, {"input": [USER, {"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}]}, False),
+    (RESPONSES, {"input": [USER, {"type": None, "role": "system", "content": [
+        {"type": "input_image", "image_url": "x"}]}]}, False),
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]
