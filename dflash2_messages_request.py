@@ -6,8 +6,8 @@ from pydantic import Field
 
 from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, MAX_STOP_SEQUENCES,
                               TOOL_NAME, InvalidRequest, PackLimits, Refusal, StopSequence, Strict, check_sampling,
-                              context_refusal, json_object, load_checked_image, misplaced, number, request_text_chars,
-                              served_model, validated, whole)
+                              context_refusal, integer, json_object, load_checked_image, misplaced, number,
+                              request_text_chars, served_model, validated, whole)
 
 
 class CacheControl(Strict):
@@ -121,7 +121,7 @@ class ThinkingEnabled(Strict):
     max_tokens bounds the thinking and the answer together."""
 
     type: Literal["enabled"]
-    budget_tokens: Annotated[int, Field(ge=1, le=1 << 31)]
+    budget_tokens: integer(1, 1 << 31)
 
 
 class ThinkingToggle(Strict):
@@ -148,7 +148,7 @@ class CountTokensRequest(Strict):
 class MessagesRequest(CountTokensRequest):
     """An Anthropic Messages request, as this pack serves it."""
 
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 31)]
+    max_tokens: integer(1, 1 << 31)
     temperature: number(0, 2) = None
     top_p: number(0, 1) = None
     top_k: whole(0, 1 << 31) = None

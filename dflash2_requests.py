@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import unquote, urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -208,8 +208,19 @@ def number(low, high):
     return Optional[Annotated[float, Field(ge=low, le=high)]]
 
 
+def integral(value):
+    """A JSON number without a fraction as the integer it is: JSON has one kind of number and
+    JSON Schema's "integer" takes 2.0 (a serializer may write one); 2.5 is left to be refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(low, high):
+    # The bounds before the validator, so that they stay the integer's (and its schema's).
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(integral)]
+
+
 def whole(low, high):
-    return Optional[Annotated[int, Field(ge=low, le=high)]]
+    return Optional[integer(low, high)]
 
 
 StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
@@ -492,11 +503,16 @@ def json_object(body) -> dict:
 
 
 def validated(body: dict, request_model):
-    """The body as its API's request model, or the Refusal naming the first field wrong."""
+    """The body as its API's request model, or the Refusal naming the first field wrong;
+    integers sent as 2.0 go on as 2."""
     try:
-        return request_model.model_validate(body)
+        request = request_model.model_validate(body)
     except ValidationError as error:
         raise refusal_for(body, error) from None
+    for name, value in body.items():
+        if isinstance(value, float) and isinstance(getattr(request, name, None), int):
+            body[name] = getattr(request, name)
+    return request
 
 
 def served_model(body: dict, limits: PackLimits) -> None:

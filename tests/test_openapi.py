@@ -61,6 +61,15 @@ ROWS = [
     (RESPONSES, {"input": [USER, {"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}]}, False),
     (RESPONSES, {"input": [USER, {"type": None, "role": "system", "content": [
         {"type": "input_image", "image_url": "x"}]}]}, False),
+    # JSON Schema's integers take 2.0 (schemathesis: "n": 1.0 refused as not a valid integer).
+    (CHAT, chat(USER, n=1.0, max_tokens=4.0, seed=-3.0), True),
+    (CHAT, chat(USER, max_tokens=4.5), False),
+    (CHAT, chat(USER, max_tokens=0.0), False),
+    (MESSAGES, {"max_tokens": 0, "messages": [USER]}, False),
+    (MESSAGES, {"max_tokens": 1, "messages": [USER], "thinking": {"type": "enabled", "budget_tokens": 0}}, False),
+    (RESPONSES, {"input": "Hi", "top_k": -1.0}, False),
+    (MESSAGES, {"max_tokens": 4.0, "messages": [USER], "thinking": {"type": "enabled", "budget_tokens": 16.0}}, True),
+    (RESPONSES, {"input": "Hi", "max_output_tokens": 4.0, "top_k": 2.0}, True),
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]
@@ -71,3 +80,14 @@ def test_the_published_schema_allows_what_the_gateway_accepts(client, path, body
     response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert (response.status_code == 200) == accepted, response.text
     assert schema_allows(client.get("/openapi.json").json(), path, body) == accepted
+
+
+def test_whole_numbers_sent_as_2_0_go_on_as_integers(client):
+    """mlx-vlm takes them as they come: a float max_tokens would reach range() and the sampler."""
+    for path, body, names in [(CHAT, chat(USER, n=1.0, max_tokens=4.0, seed=-3.0), ("max_tokens", "seed", "n")),
+                              (MESSAGES, {"max_tokens": 4.0, "messages": [USER]}, ("max_tokens",)),
+                              (RESPONSES, {"input": "Hi", "max_output_tokens": 4.0, "top_k": 2.0},
+                               ("max_output_tokens", "top_k"))]:
+        response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        forwarded = response.json()["forwarded"]
+        assert all(type(forwarded[name]) is int and forwarded[name] == body[name] for name in names), forwarded
