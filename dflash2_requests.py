@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import unquote, urlparse
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -199,9 +199,14 @@ class StreamOptions(Strict):
     include_usage: Optional[bool] = None
 
 
+# Formats other than text are recognised and refused by name (structured-output).
+TEXT_FORMAT_ONLY = WithJsonSchema({"type": "string", "enum": ["text"],
+                                   "description": "other formats are refused: structured output is not supported"})
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    type: str
+    type: Annotated[str, TEXT_FORMAT_ONLY]
 
 
 def number(low, high):
@@ -249,11 +254,14 @@ class ChatRequest(Strict):
     frequency_penalty: number(-2, 2) = None
     repetition_penalty: number(0.01, 10) = None
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
-    n: whole(1, 128) = None
+    n: Annotated[whole(1, 128), WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": 1},
+                                                          {"type": "null"}],
+                                                "description": "n > 1 is refused (n-above-1)"})] = None
     stop: Union[StopSequence, Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)], None] = None
     enable_thinking: Optional[bool] = None
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
-    thinking_budget: whole(0, 1 << 31) = None
+    thinking_budget: Annotated[whole(0, 1 << 31), WithJsonSchema({
+        "type": "null", "description": "thinking budgets are refused (thinking-budget): use enable_thinking"})] = None
     response_format: Optional[ResponseFormat] = None
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None

@@ -4,8 +4,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, TOOL_NAME,
-                              InvalidRequest, PackLimits, Refusal, Strict, check_sampling, context_refusal,
+from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, TEXT_FORMAT_ONLY,
+                              TOOL_NAME, InvalidRequest, PackLimits, Refusal, Strict, check_sampling, context_refusal,
                               json_object, load_checked_image, misplaced, number, request_text_chars, served_model,
                               validated, whole)
 
@@ -131,7 +131,7 @@ class ResponseReasoning(Strict):
 
 class ResponseTextFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    type: str
+    type: Annotated[str, TEXT_FORMAT_ONLY]
 
 
 class ResponseTextConfig(Strict):

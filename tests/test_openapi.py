@@ -70,6 +70,15 @@ ROWS = [
     (RESPONSES, {"input": "Hi", "top_k": -1.0}, False),
     (MESSAGES, {"max_tokens": 4.0, "messages": [USER], "thinking": {"type": "enabled", "budget_tokens": 16.0}}, True),
     (RESPONSES, {"input": "Hi", "max_output_tokens": 4.0, "top_k": 2.0}, True),
+    # Values recognised and refused by name (schemathesis: n 127, text.format {"type": ""}).
+    (CHAT, chat(USER, n=2), False),
+    (CHAT, chat(USER, n=1), True),
+    (CHAT, chat(USER, thinking_budget=16), False),
+    (CHAT, chat(USER, thinking_budget=None), True),
+    (CHAT, chat(USER, response_format={"type": "json_object"}), False),
+    (CHAT, chat(USER, response_format={"type": "text"}), True),
+    (RESPONSES, {"input": "Hi", "text": {"format": {"type": ""}}}, False),
+    (RESPONSES, {"input": "Hi", "text": {"format": {"type": "text"}}}, True),
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]
