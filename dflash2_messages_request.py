@@ -4,10 +4,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field
 
-from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, MAX_STOP_SEQUENCES,
-                              TOOL_NAME, InvalidRequest, PackLimits, Refusal, StopSequence, Strict, check_sampling,
-                              context_refusal, integer, json_object, load_checked_image, misplaced, number,
-                              request_text_chars, served_model, validated, whole)
+from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
+                              MAX_STOP_SEQUENCES, TEMPERATURE, TOOL_NAME, TOP_K, InvalidRequest, PackLimits,
+                              Refusal, ServedModel, StopSequence, Strict, check_sampling, context_refusal, integer,
+                              json_object, load_checked_image, misplaced, number, request_text_chars, served_model,
+                              validated, whole)
 
 
 class CacheControl(Strict):
@@ -33,7 +34,7 @@ class URLImageSource(Strict):
     """Checked as chat's image URLs are: remote ones refused, local files only from --allow-image-dir."""
 
     type: Literal["url"]
-    url: str
+    url: Annotated[str, IMAGE_URL]
 
 
 class ImageBlock(Strict):
@@ -135,7 +136,7 @@ class AnthropicMetadata(Strict):
 class CountTokensRequest(Strict):
     """A Messages count_tokens request (Anthropic's fields this pack honours)."""
 
-    model: Optional[str] = None
+    model: ServedModel = None
     messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: Union[str, list[TextBlock], None] = None
     tools: Optional[list[AnthropicTool]] = None
@@ -148,10 +149,10 @@ class CountTokensRequest(Strict):
 class MessagesRequest(CountTokensRequest):
     """An Anthropic Messages request, as this pack serves it."""
 
-    max_tokens: integer(1, 1 << 31)
-    temperature: number(0, 2) = None
+    max_tokens: integer(1, 1 << 31, CONTEXT)
+    temperature: number(0, 2, TEMPERATURE) = None
     top_p: number(0, 1) = None
-    top_k: whole(0, 1 << 31) = None
+    top_k: whole(0, 1 << 31, TOP_K) = None
     stop_sequences: Optional[Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)]] = None
     stream: Optional[bool] = None
     metadata: Optional[AnthropicMetadata] = None

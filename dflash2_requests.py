@@ -82,13 +82,30 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
+@dataclass(frozen=True)
+class PackLimit:
+    """In a field's type: a bound that the pack or the server's options set, which the checks
+    enforce (check_sampling, served_model, load_checked_image, ...) and which the published
+    schema states per server: PACK_LIMITS[name](limits), filled in by dflash2_openapi."""
+
+    name: str
+
+    def __get_pydantic_json_schema__(self, core_schema, handler):
+        return {**handler(core_schema), "x-pack-limit": self.name}
+
+
+SERVED_MODEL, CONTEXT, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOKEN_IDS, IMAGE_URL = map(PackLimit, (
+    "model", "context", "temperature", "top_k", "top_logprobs", "token_ids", "image_url"))
+ServedModel = Optional[Annotated[str, SERVED_MODEL]]
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
 class ImageURL(Strict):
-    url: str
+    url: Annotated[str, IMAGE_URL]
     detail: Optional[Literal["auto", "low", "high"]] = None
 
 
@@ -209,8 +226,8 @@ class ResponseFormat(BaseModel):
     type: Annotated[str, TEXT_FORMAT_ONLY]
 
 
-def number(low, high):
-    return Optional[Annotated[float, Field(ge=low, le=high)]]
+def number(low, high, limit: PackLimit = None):
+    return Optional[Annotated[float, Field(ge=low, le=high), *([limit] if limit else [])]]
 
 
 def integral(value):
@@ -219,13 +236,13 @@ def integral(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def integer(low, high):
+def integer(low, high, limit: PackLimit = None):
     # The bounds before the validator, so that they stay the integer's (and its schema's).
-    return Annotated[int, Field(ge=low, le=high), BeforeValidator(integral)]
+    return Annotated[int, Field(ge=low, le=high), *([limit] if limit else []), BeforeValidator(integral)]
 
 
-def whole(low, high):
-    return Optional[integer(low, high)]
+def whole(low, high, limit: PackLimit = None):
+    return Optional[integer(low, high, limit)]
 
 
 StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
@@ -234,13 +251,18 @@ StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 class ChatRequest(Strict):
     """A chat completion request, as this pack serves it (OpenAI's fields it honours)."""
 
-    model: Optional[str] = None
+    # top_logprobs above 0 needs logprobs (check_sampling)
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
+    model: ServedModel = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_tokens: whole(1, 1 << 31) = None
-    max_completion_tokens: whole(1, 1 << 31) = None
-    temperature: number(0, 2) = None
+    max_tokens: whole(1, 1 << 31, CONTEXT) = None
+    max_completion_tokens: whole(1, 1 << 31, CONTEXT) = None
+    temperature: number(0, 2, TEMPERATURE) = None
     top_p: number(0, 1) = None
-    top_k: whole(0, 1 << 31) = None
+    top_k: whole(0, 1 << 31, TOP_K) = None
     min_p: number(0, 1) = None
     seed: whole(-(1 << 63), 1 << 64) = None
     stream: Optional[bool] = None
@@ -249,11 +271,11 @@ class ChatRequest(Strict):
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     logprobs: Optional[bool] = None
-    top_logprobs: whole(0, 20) = None
+    top_logprobs: whole(0, 20, TOP_LOGPROBS) = None
     presence_penalty: number(-2, 2) = None
     frequency_penalty: number(-2, 2) = None
     repetition_penalty: number(0.01, 10) = None
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
+    logit_bias: Optional[Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], TOKEN_IDS]] = None
     n: Annotated[whole(1, 128), WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": 1},
                                                           {"type": "null"}],
                                                 "description": "n > 1 is refused (n-above-1)"})] = None
@@ -429,6 +451,19 @@ def lowest_temperature(vocab_size: int) -> float:
     return math.ceil(bound * scale) / scale
 
 
+def token_id_pattern(vocab_size: int) -> str:
+    """A regular expression for the token ids 0 to vocab_size - 1 as decimal JSON keys
+    (logit_bias's), without leading zeros."""
+    top = str(vocab_size - 1)
+    options = [f"0|[1-9][0-9]{{0,{len(top) - 2}}}"] if len(top) > 1 else []  # the shorter numbers
+    for index, digit in enumerate(top):  # as long as top: a smaller digit here, any digits after
+        low = "1" if index == 0 and len(top) > 1 else "0"
+        if digit > low:
+            rest = len(top) - index - 1
+            options.append(f"{top[:index]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return f"^({'|'.join([*options, top])})$"
+
+
 def check_sampling(request, limits: PackLimits):
     """Sampling values against the pack: a temperature its sampler can take, and values
     that index the vocabulary."""
@@ -439,8 +474,9 @@ def check_sampling(request, limits: PackLimits):
                                             "overflows the model's float16 log-probabilities")
     if getattr(request, "top_k", None) is not None and request.top_k >= limits.vocab_size:
         raise InvalidRequest("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
+    token_id = token_id_pattern(limits.vocab_size)
     for key in getattr(request, "logit_bias", None) or {}:
-        if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= limits.vocab_size:
+        if not re.fullmatch(token_id, key):
             raise InvalidRequest("logit_bias", f"key {key!r} is not a token id from 0 to {limits.vocab_size - 1}")
     if getattr(request, "top_logprobs", None):
         if not request.logprobs:
@@ -448,6 +484,22 @@ def check_sampling(request, limits: PackLimits):
         if request.top_logprobs > limits.top_logprobs_k:
             raise InvalidRequest("top_logprobs", f"this server returns at most {limits.top_logprobs_k} "
                                           "alternatives per token (its --top-logprobs-k)")
+
+
+DATA_IMAGE_URL = "^data:image/[^,]*;base64,."  # load_checked_image's base64 data URL
+# The published schema's bounds, by PackLimit name: what the checks above (and served_model,
+# load_checked_image, check_chat_request's context check) enforce.
+PACK_LIMITS = {
+    "model": lambda limits: {"enum": [limits.model_id]},
+    "context": lambda limits: {"maximum": limits.context_length},
+    "top_k": lambda limits: {"maximum": limits.vocab_size - 1},
+    "top_logprobs": lambda limits: {"maximum": min(20, limits.top_logprobs_k)},
+    "temperature": lambda limits: {"anyOf": [{"maximum": 0}, {"minimum": lowest_temperature(limits.vocab_size)}]},
+    "token_ids": lambda limits: {"propertyNames": {"pattern": token_id_pattern(limits.vocab_size)}},
+    # With --allow-image-dir, also absolute paths and file:// URLs (of files inside that folder).
+    "image_url": lambda limits: {"pattern": DATA_IMAGE_URL if limits.image_dir is None else
+                                 f"({DATA_IMAGE_URL}|^/|^file://)"},
+}
 
 
 def rendered_text_chars(request: ChatRequest) -> int:

@@ -4,10 +4,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, TEXT_FORMAT_ONLY,
-                              TOOL_NAME, InvalidRequest, PackLimits, Refusal, Strict, check_sampling, context_refusal,
-                              json_object, load_checked_image, misplaced, number, request_text_chars, served_model,
-                              validated, whole)
+from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
+                              TEMPERATURE, TEXT_FORMAT_ONLY, TOOL_NAME, TOP_K, InvalidRequest, PackLimits, Refusal,
+                              ServedModel, Strict, check_sampling, context_refusal, json_object,
+                              load_checked_image, misplaced, number, request_text_chars, served_model, validated,
+                              whole)
 
 
 class ResponseInputText(Strict):
@@ -19,7 +20,7 @@ class ResponseInputImage(Strict):
     """Checked as chat's image URLs are: a base64 data URL, or a file from --allow-image-dir."""
 
     type: Literal["input_image"]
-    image_url: str
+    image_url: Annotated[str, IMAGE_URL]
     detail: Optional[Literal["auto", "low", "high"]] = None
 
 
@@ -142,13 +143,13 @@ class ResponsesRequest(Strict):
     """An OpenAI Responses request, as this pack serves it: stateless (no previous_response_id,
     nothing stored), function tools only."""
 
-    model: Optional[str] = None
+    model: ServedModel = None
     input: Union[str, Annotated[list[ResponseInputItem], Field(min_length=1, max_length=MAX_MESSAGES)]]
     instructions: Optional[str] = None
-    max_output_tokens: whole(1, 1 << 31) = None
-    temperature: number(0, 2) = None
+    max_output_tokens: whole(1, 1 << 31, CONTEXT) = None
+    temperature: number(0, 2, TEMPERATURE) = None
     top_p: number(0, 1) = None
-    top_k: whole(0, 1 << 31) = None
+    top_k: whole(0, 1 << 31, TOP_K) = None
     stream: Optional[bool] = None
     tools: Optional[list[ResponseFunctionTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], ResponseToolChoiceFunction, None] = None

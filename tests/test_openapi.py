@@ -5,10 +5,12 @@ schema, against the gateway and against a real server: test_openapi_schemathesis
 """
 
 import json
+import re
 
 import pytest
 from jsonschema import Draft202012Validator
 
+from dflash2_requests import token_id_pattern
 from test_gateway import make_client
 
 CHAT, MESSAGES, COUNT_TOKENS, RESPONSES = ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
@@ -79,6 +81,38 @@ ROWS = [
     (CHAT, chat(USER, response_format={"type": "text"}), True),
     (RESPONSES, {"input": "Hi", "text": {"format": {"type": ""}}}, False),
     (RESPONSES, {"input": "Hi", "text": {"format": {"type": "text"}}}, True),
+    # The pack's and the server's bounds (make_client's: vocabulary 512, context 32768, --top-logprobs-k 5):
+    # schemathesis sent top_k 2147483647, max_tokens 2147483647, a tool_choice naming no tool, ...
+    (CHAT, chat(USER, top_k=511, max_tokens=32768, max_completion_tokens=32768), True),
+    (CHAT, chat(USER, top_k=512), False),
+    (CHAT, chat(USER, max_tokens=32769), False),
+    (CHAT, chat(USER, max_completion_tokens=32769), False),
+    (MESSAGES, {"max_tokens": 32769, "messages": [USER]}, False),
+    (MESSAGES, {"max_tokens": 1, "messages": [USER], "top_k": 512}, False),
+    (RESPONSES, {"input": "Hi", "max_output_tokens": 32769}, False),
+    (RESPONSES, {"input": "Hi", "top_k": 512}, False),
+    (CHAT, chat(USER, model="tiny-pack", temperature=0), True),
+    (CHAT, chat(USER, model="other"), False),
+    (COUNT_TOKENS, {"model": "other", "messages": [USER]}, False),
+    (RESPONSES, {"model": "other", "input": "Hi"}, False),
+    (CHAT, chat(USER, temperature=1e-9), False),
+    (MESSAGES, {"max_tokens": 1, "messages": [USER], "temperature": 1e-9}, False),
+    (RESPONSES, {"input": "Hi", "temperature": 1e-9}, False),
+    (CHAT, chat(USER, temperature=0.1), True),
+    (CHAT, chat(USER, top_logprobs=1), False),
+    (CHAT, chat(USER, top_logprobs=1, logprobs=False), False),
+    (CHAT, chat(USER, top_logprobs=0), True),
+    (CHAT, chat(USER, top_logprobs=5, logprobs=True), True),
+    (CHAT, chat(USER, top_logprobs=6, logprobs=True), False),
+    (CHAT, chat(USER, logit_bias={"0": 1, "511": -1, "7": 100}), True),
+    (CHAT, chat(USER, logit_bias={"512": 1}), False),
+    (CHAT, chat(USER, logit_bias={"01": 1}), False),
+    (CHAT, chat(USER, logit_bias={"x-schemathesis-additional": 99}), False),
+    (CHAT, chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}),
+     False),
+    (MESSAGES, {"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "ftp://x"}}]}]}, False),
+    (RESPONSES, {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": ""}]}]}, False),
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]
@@ -89,6 +123,15 @@ def test_the_published_schema_allows_what_the_gateway_accepts(client, path, body
     response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert (response.status_code == 200) == accepted, response.text
     assert schema_allows(client.get("/openapi.json").json(), path, body) == accepted
+
+
+def test_token_id_pattern_matches_the_ids_below_the_vocabulary_size():
+    for vocab_size in (1, 2, 9, 10, 11, 100, 101, 512, 1000, 151936, 248320):
+        pattern = re.compile(token_id_pattern(vocab_size))
+        ids = {*range(0, min(vocab_size + 20, 2000)), *range(vocab_size - 2000, vocab_size + 2000)}
+        for token_id in (i for i in ids if i >= 0):
+            assert bool(pattern.fullmatch(str(token_id))) == (token_id < vocab_size), (vocab_size, token_id)
+        assert not pattern.fullmatch("01") and not pattern.fullmatch("") and not pattern.fullmatch("-1")
 
 
 def test_whole_numbers_sent_as_2_0_go_on_as_integers(client):
