@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import unquote, urlparse
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+                      model_validator)
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -190,6 +191,48 @@ class ToolMessage(MessageFields):
 MESSAGE_ROLES = (SystemMessage, UserMessage, AssistantMessage, ToolMessage)
 Message = Annotated[Union[MESSAGE_ROLES], Field(discriminator="role")]
 
+# A character str.strip() keeps: Python's \s takes \x1c-\x1f too, JSON Schema's regexes do not.
+NON_BLANK = r"[^\s\x1c-\x1f]"
+NON_BLANK_TEXT = {"type": "string", "pattern": NON_BLANK}
+
+
+def has_text(value) -> bool:
+    """Whether value is a string with more than white space in it."""
+    return isinstance(value, str) and re.search(NON_BLANK, value) is not None
+
+
+def nothing_to_answer(where: str) -> PydanticCustomError:
+    return PydanticCustomError("nothing_to_answer", f"{where} hold no text (other than white space), image, tool call "
+                                                    "or reasoning: there is nothing to answer")
+
+
+def message_has_input(message) -> bool:
+    """Whether mlx-vlm finds input in a chat message (its _message_has_effective_input): text
+    other than white space, an image, a tool call, reasoning_content (or an audio or video
+    part, which check_message refuses by name)."""
+    content = message.content
+    if has_text(content) or has_text(message.reasoning_content) or message.tool_calls:
+        return True
+    return isinstance(content, list) and any(
+        isinstance(part, (ImagePart, UnsupportedPart)) or isinstance(part, TextPart) and has_text(part.text)
+        for part in content)
+
+
+def with_input(messages: list) -> list:
+    """mlx-vlm refuses a chat request none of whose messages has input."""
+    if not any(message_has_input(message) for message in messages):
+        raise nothing_to_answer("the messages")
+    return messages
+
+
+# message_has_input, published: a message with input, among messages.
+MESSAGE_WITH_INPUT = {"anyOf": [
+    {"required": ["content"], "properties": {"content": {"anyOf": [NON_BLANK_TEXT, {"type": "array", "contains": {
+        "anyOf": [{"required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": NON_BLANK_TEXT}},
+                  {"required": ["type"], "properties": {"type": {"const": "image_url"}}}]}}]}}},
+    {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+    {"required": ["reasoning_content"], "properties": {"reasoning_content": NON_BLANK_TEXT}}]}
+
 
 class FunctionDefinition(Strict):
     name: Annotated[str, Field(pattern=TOOL_NAME)]
@@ -257,7 +300,9 @@ class ChatRequest(Strict):
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
 
     model: ServedModel = None
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES,
+                                             json_schema_extra={"contains": MESSAGE_WITH_INPUT}),
+                        AfterValidator(with_input)]
     max_tokens: whole(1, 1 << 31, CONTEXT) = None
     max_completion_tokens: whole(1, 1 << 31, CONTEXT) = None
     temperature: number(0, 2, TEMPERATURE) = None

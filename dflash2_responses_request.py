@@ -2,13 +2,13 @@
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
-                              TEMPERATURE, TEXT_FORMAT_ONLY, TOOL_NAME, TOP_K, InvalidRequest, PackLimits, Refusal,
-                              ServedModel, Strict, check_sampling, context_refusal, json_object,
-                              load_checked_image, misplaced, number, request_text_chars, served_model, validated,
-                              whole)
+                              NON_BLANK_TEXT, TEMPERATURE, TEXT_FORMAT_ONLY, TOOL_NAME, TOP_K, InvalidRequest,
+                              PackLimits, Refusal, ServedModel, Strict, check_sampling, context_refusal, has_text,
+                              json_object, load_checked_image, misplaced, nothing_to_answer, number,
+                              request_text_chars, served_model, validated, whole)
 
 
 class ResponseInputText(Strict):
@@ -139,13 +139,41 @@ class ResponseTextConfig(Strict):
     format: Optional[ResponseTextFormat] = None
 
 
+def item_has_input(item) -> bool:
+    """Whether mlx-vlm finds input in a Responses item (_response_items_to_chat, then
+    _message_has_effective_input): a function call, or text other than white space or an
+    image in a message or a function call output."""
+    if isinstance(item, ResponseFunctionCallItem):
+        return True
+    content = item.content if isinstance(item, ResponseMessageItem) else \
+        item.output if isinstance(item, ResponseFunctionCallOutputItem) else ""
+    if isinstance(content, str):
+        return has_text(content)
+    return any(isinstance(part, ResponseInputImage) or has_text(part.text) for part in content)
+
+
+# item_has_input, published.
+PARTS_WITH_INPUT = {"anyOf": [NON_BLANK_TEXT, {"type": "array", "contains": {"anyOf": [
+    {"required": ["type", "text"], "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": NON_BLANK_TEXT}},
+    {"required": ["type"], "properties": {"type": {"const": "input_image"}}}]}}]}
+ITEM_WITH_INPUT = {"anyOf": [
+    {"required": ["type"], "properties": {"type": {"const": "function_call"}}},
+    {"required": ["content"], "properties": {"content": PARTS_WITH_INPUT}},  # message items
+    {"required": ["type", "output"], "properties": {"type": {"const": "function_call_output"}, "output": PARTS_WITH_INPUT}}]}
+
+
 class ResponsesRequest(Strict):
     """An OpenAI Responses request, as this pack serves it: stateless (no previous_response_id,
     nothing stored), function tools only."""
 
+    # mlx-vlm refuses a request with no input: instructions or an input item must have some.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["instructions"], "properties": {"instructions": NON_BLANK_TEXT}},
+        {"properties": {"input": {"anyOf": [NON_BLANK_TEXT, {"type": "array", "contains": ITEM_WITH_INPUT}]}}}]})
+
     model: ServedModel = None
+    instructions: Optional[str] = None  # before input, which item_has_input checks with it
     input: Union[str, Annotated[list[ResponseInputItem], Field(min_length=1, max_length=MAX_MESSAGES)]]
-    instructions: Optional[str] = None
     max_output_tokens: whole(1, 1 << 31, CONTEXT) = None
     temperature: number(0, 2, TEMPERATURE) = None
     top_p: number(0, 1) = None
@@ -160,6 +188,15 @@ class ResponsesRequest(Strict):
     metadata: Optional[Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)]] = None
     store: Optional[bool] = None
     user: Optional[str] = None
+
+    @field_validator("input")
+    @classmethod
+    def with_input(cls, value, info: ValidationInfo):
+        items = [value] if isinstance(value, str) else value
+        if not has_text(info.data.get("instructions")) and not any(
+                has_text(item) if isinstance(item, str) else item_has_input(item) for item in items):
+            raise nothing_to_answer("the instructions and input")
+        return value
 
 
 def response_items(body: dict) -> list:

@@ -201,6 +201,7 @@ def test_malformed_json(client, raw):
     ({"messages": MESSAGES, "tool_choice": "sometimes"}, "tool_choice"),
     ({"messages": MESSAGES, "logit_bias": {"token": 1}}, "logit_bias"),
     ({"messages": MESSAGES, "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": " "}]}, "messages"),  # nothing to answer
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_wrong_types(client, body, param):
     assert_refused(post(client, body), 400, "invalid-request", param)

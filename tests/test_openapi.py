@@ -113,6 +113,27 @@ ROWS = [
     (MESSAGES, {"max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "ftp://x"}}]}]}, False),
     (RESPONSES, {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": ""}]}]}, False),
+    # Something to answer: text other than white space (Python's: \x1c is white space), an image, a tool call or
+    # reasoning, as mlx-vlm requires (schemathesis: input "" refused by mlx-vlm, param null).
+    (CHAT, chat({"role": "user", "content": ""}), False),
+    (CHAT, chat({"role": "user", "content": " \n\x1c\u3000"}), False),
+    (CHAT, chat({"role": "user", "content": [{"type": "text", "text": " "}]}), False),
+    (CHAT, chat({"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "."}]}), True),
+    (CHAT, chat({"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}), True),
+    (CHAT, chat({"role": "user", "content": ""}, {"role": "assistant", "tool_calls": [CALL]}), True),
+    (CHAT, chat({"role": "user", "content": ""}, {"role": "assistant", "tool_calls": []}), False),
+    (CHAT, chat({"role": "user", "content": ""}, {"role": "assistant", "reasoning_content": "x"}), True),
+    (CHAT, chat({"role": "user", "content": ""}, {"role": "assistant", "reasoning": "x"}), False),
+    (RESPONSES, {"input": ""}, False),
+    (RESPONSES, {"input": " ", "instructions": "\t"}, False),
+    (RESPONSES, {"input": "", "instructions": "Be brief."}, True),
+    (RESPONSES, {"input": [{"role": "user", "content": []}, {"type": "reasoning", "summary": []}]}, False),
+    (RESPONSES, {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": ""}]}, True),
+    (RESPONSES, {"input": [{"type": "function_call_output", "call_id": "c", "output": ""}]}, False),
+    (RESPONSES, {"input": [{"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_text", "text": "sunny"}]}]}, True),
+    (RESPONSES, {"input": [{"role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}]}, True),
+    (MESSAGES, {"max_tokens": 1, "messages": [{"role": "user", "content": ""}]}, True),  # mlx-vlm's Messages takes it
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]

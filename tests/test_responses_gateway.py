@@ -120,6 +120,7 @@ def test_multimodal_plain_routes_images_plain():
     ({**BODY, "tools": [{"type": "web_search"}]}, 400, "invalid-request", "tools[0].type"),
     ({"model": MODEL_ID}, 400, "invalid-request", "input"),
     ({**BODY, "input": []}, 400, "invalid-request", "input"),
+    ({**BODY, "input": "", "instructions": " "}, 400, "invalid-request", "input"),  # nothing to answer
     ({**BODY, "input": [{"role": "tool", "content": "Hi"}]}, 400, "invalid-request", "input[0].role"),
     ({**BODY, "input": [{"type": "hologram"}]}, 400, "invalid-request", "input[0].type"),
     ({**BODY, "input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, 400, "invalid-request",
