@@ -40,6 +40,11 @@ def json_body(model):
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
 
 
+# One server-sent event, as OpenAPI 3.1 describes a text/event-stream response: by its events.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
+
+
 def json_response(schema, description="OK"):
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
@@ -79,7 +84,7 @@ def openapi_schema(limits: PackLimits) -> dict:
                 "responses": {
                     "200": {"description": "a completion, or server-sent events when stream is true",
                             "content": {"application/json": {"schema": completion},
-                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                                        "text/event-stream": {"schema": SSE_EVENT}}},
                     **error_responses(400, 404, 405, 413, 415, 421, 503, 504)}}},
             "/v1/messages": {"post": {
                 "operationId": "createMessage",
@@ -87,7 +92,7 @@ def openapi_schema(limits: PackLimits) -> dict:
                 "responses": {
                     "200": {"description": "a message, or server-sent events when stream is true",
                             "content": {"application/json": {"schema": message},
-                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                                        "text/event-stream": {"schema": SSE_EVENT}}},
                     **error_responses(400, 404, 405, 413, 415, 421, 503, 504, schema="AnthropicError")}}},
             "/v1/messages/count_tokens": {"post": {
                 "operationId": "countMessageTokens",
@@ -102,7 +107,7 @@ def openapi_schema(limits: PackLimits) -> dict:
                 "responses": {
                     "200": {"description": "a response, or its typed server-sent events when stream is true",
                             "content": {"application/json": {"schema": response},
-                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                                        "text/event-stream": {"schema": SSE_EVENT}}},
                     **error_responses(400, 404, 405, 413, 415, 421, 503, 504)}}},
             "/v1/models": {"get": {"operationId": "listModels", "responses": {
                 "200": json_response({"type": "object", "properties": {"data": {

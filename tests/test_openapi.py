@@ -164,3 +164,17 @@ def test_whole_numbers_sent_as_2_0_go_on_as_integers(client):
         response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
         forwarded = response.json()["forwarded"]
         assert all(type(forwarded[name]) is int and forwarded[name] == body[name] for name in names), forwarded
+
+
+def test_a_stream_s_events_fit_the_published_event_schema(client):
+    """OpenAPI 3.1 describes a text/event-stream response by its events: each an object with
+    its data (and its event name, for Messages and Responses), as schemathesis reads them."""
+    response = client.post(CHAT, content=json.dumps(chat(USER, stream=True)), headers={"content-type": "application/json"})
+    events = [{"data": event.removeprefix("data: ")} for event in response.text.split("\n\n") if event]
+    assert len(events) == 3
+    document = client.get("/openapi.json").json()
+    for path in (CHAT, MESSAGES, RESPONSES):
+        stream = document["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+        validator = Draft202012Validator(stream["schema"])
+        assert all(validator.is_valid(event) for event in [*events, {"event": "message_start", "data": "{}"}])
+        assert not validator.is_valid({"event": "message_start"})
