@@ -57,7 +57,8 @@ class ToolUseBlock(Strict):
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, Annotated[list[ToolResultPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
+    # The block counts towards MAX_CONTENT_PARTS with its parts (check_messages_sizes).
+    content: Union[str, Annotated[list[ToolResultPart], Field(max_length=MAX_CONTENT_PARTS - 1)], None] = None
     is_error: Optional[bool] = None
     cache_control: Optional[CacheControl] = None
 

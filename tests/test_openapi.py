@@ -134,6 +134,13 @@ ROWS = [
         {"type": "input_text", "text": "sunny"}]}]}, True),
     (RESPONSES, {"input": [{"role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}]}, True),
     (MESSAGES, {"max_tokens": 1, "messages": [{"role": "user", "content": ""}]}, True),  # mlx-vlm's Messages takes it
+    # A tool result counts with its parts (schemathesis: 4096 parts in one, 4097 blocks in all).
+    (COUNT_TOKENS, {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                                "content": [{"type": "text", "text": "x"}] * 4095}]}]},
+     True),
+    (COUNT_TOKENS, {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                                "content": [{"type": "text", "text": "x"}] * 4096}]}]},
+     False),
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]
@@ -178,3 +185,10 @@ def test_a_stream_s_events_fit_the_published_event_schema(client):
         validator = Draft202012Validator(stream["schema"])
         assert all(validator.is_valid(event) for event in [*events, {"event": "message_start", "data": "{}"}])
         assert not validator.is_valid({"event": "message_start"})
+
+
+def test_the_published_schema_speaks_json_schema_only(client):
+    """No pydantic constraint names (ge, le: pydantic writes them when a validator hides the
+    bound from it) and no PackLimit marker left unfilled."""
+    text = json.dumps(client.get("/openapi.json").json())
+    assert not re.findall(r'"(ge|le|gt|lt|min_length|max_length|x-pack-limit)":', text)
