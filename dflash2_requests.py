@@ -144,8 +144,11 @@ TextOnlyPart = Annotated[Union[TextPart, MisplacedImage, SkipJsonSchema[Unsuppor
 
 
 class FunctionCall(Strict):
+    """An earlier turn's tool call: the chat template renders its arguments, and cannot
+    without them."""
+
     name: str
-    arguments: Union[str, dict[str, Any]] = ""
+    arguments: Union[str, dict[str, Any]]
 
 
 class ToolCall(Strict):

@@ -141,6 +141,10 @@ ROWS = [
     (COUNT_TOKENS, {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                                 "content": [{"type": "text", "text": "x"}] * 4096}]}]},
      False),
+    # A tool call's arguments (a real server: the chat template could not render these messages: Object of type
+    # Undefined is not JSON serializable).
+    (CHAT, chat(USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}), False),
+    (CHAT, chat(USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}), True),
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]
