@@ -211,10 +211,13 @@ def nothing_to_answer(where: str) -> PydanticCustomError:
 
 def message_has_input(message) -> bool:
     """Whether mlx-vlm finds input in a chat message (its _message_has_effective_input): text
-    other than white space, an image, a tool call, reasoning_content (or an audio or video
-    part, which check_message refuses by name)."""
+    other than white space, an image, a tool call, reasoning_content but a system or developer
+    message's (mlx-vlm keeps only their content, in the system prompt); or an audio or video
+    part, which check_message refuses by name."""
     content = message.content
-    if has_text(content) or has_text(message.reasoning_content) or message.tool_calls:
+    if has_text(content) or message.tool_calls:
+        return True
+    if has_text(message.reasoning_content) and not isinstance(message, SystemMessage):
         return True
     return isinstance(content, list) and any(
         isinstance(part, (ImagePart, UnsupportedPart)) or isinstance(part, TextPart) and has_text(part.text)
@@ -234,7 +237,8 @@ MESSAGE_WITH_INPUT = {"anyOf": [
         "anyOf": [{"required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": NON_BLANK_TEXT}},
                   {"required": ["type"], "properties": {"type": {"const": "image_url"}}}]}}]}}},
     {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
-    {"required": ["reasoning_content"], "properties": {"reasoning_content": NON_BLANK_TEXT}}]}
+    {"required": ["role", "reasoning_content"],
+     "properties": {"role": {"enum": ["user", "assistant", "tool"]}, "reasoning_content": NON_BLANK_TEXT}}]}
 
 
 class FunctionDefinition(Strict):

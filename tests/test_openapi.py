@@ -124,6 +124,8 @@ ROWS = [
     (CHAT, chat({"role": "user", "content": ""}, {"role": "assistant", "tool_calls": []}), False),
     (CHAT, chat({"role": "user", "content": ""}, {"role": "assistant", "reasoning_content": "x"}), True),
     (CHAT, chat({"role": "user", "content": ""}, {"role": "assistant", "reasoning": "x"}), False),
+    (CHAT, chat({"role": "system", "content": "", "reasoning_content": "0"}), False),  # mlx-vlm keeps system content only
+    (CHAT, chat({"role": "tool", "content": "", "tool_call_id": "c", "reasoning_content": "0"}), True),
     (RESPONSES, {"input": ""}, False),
     (RESPONSES, {"input": " ", "instructions": "\t"}, False),
     (RESPONSES, {"input": "", "instructions": "Be brief."}, True),
