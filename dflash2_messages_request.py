@@ -2,13 +2,14 @@
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
 from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
-                              MAX_STOP_SEQUENCES, TEMPERATURE, TOOL_NAME, TOP_K, InvalidRequest, PackLimits,
-                              Refusal, ServedModel, StopSequence, Strict, check_sampling, context_refusal, integer,
-                              json_object, load_checked_image, misplaced, number, request_text_chars, served_model,
-                              validated, whole)
+                              MAX_STOP_SEQUENCES, NON_BLANK_TEXT, TEMPERATURE, TOOL_NAME, TOP_K, InvalidRequest,
+                              PackLimits, Refusal, ServedModel, StopSequence, Strict, check_sampling, context_refusal,
+                              has_text, integer, json_object, load_checked_image, misplaced, number,
+                              request_text_chars, served_model, validated, whole)
 
 
 class CacheControl(Strict):
@@ -134,11 +135,43 @@ class AnthropicMetadata(Strict):
     user_id: Optional[str] = None
 
 
+def kept_in_the_prompt(message) -> bool:
+    """Whether mlx-vlm keeps a user message as a user turn: it renders one whose blocks are all
+    tool results (and text of white space only) as the tool messages alone."""
+    content = message.content
+    return isinstance(content, str) or not any(isinstance(block, ToolResultBlock) for block in content) or any(
+        isinstance(block, TextBlock) and has_text(block.text) for block in content)
+
+
+def with_a_place_for_images(messages: list) -> list:
+    """mlx-vlm places a user message's image blocks in the last user turn it keeps, and fails
+    (Text entry 0 contains 0 image placeholders) where it keeps none."""
+    users = [message for message in messages if message.role == "user"]
+    if any(isinstance(message.content, list) and any(isinstance(block, ImageBlock) for block in message.content)
+           for message in users) and not any(kept_in_the_prompt(message) for message in users):
+        raise PydanticCustomError("no_place_for_images", "images beside tool results need a user turn with text "
+                                                         "(other than white space) or without tool results")
+    return messages
+
+
+# with_a_place_for_images, published: no user message has image blocks, or one is kept.
+IMAGES_HAVE_A_PLACE = {"anyOf": [
+    {"items": {"anyOf": [{"properties": {"role": {"const": "assistant"}}}, {"properties": {"content": {"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"properties": {"type": {"enum": ["text", "tool_result"]}}}}]}}}]}},
+    {"contains": {"required": ["role", "content"], "properties": {"role": {"const": "user"}, "content": {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"properties": {"type": {"enum": ["text", "image"]}}}},
+        {"type": "array", "contains": {"required": ["type", "text"],
+                                       "properties": {"type": {"const": "text"}, "text": NON_BLANK_TEXT}}}]}}}}]}
+
+
 class CountTokensRequest(Strict):
     """A Messages count_tokens request (Anthropic's fields this pack honours)."""
 
     model: ServedModel = None
-    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES,
+                                                      json_schema_extra=IMAGES_HAVE_A_PLACE),
+                        AfterValidator(with_a_place_for_images)]
     system: Union[str, list[TextBlock], None] = None
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Annotated[Union[AnthropicToolChoiceKind, AnthropicToolChoiceTool, None],

@@ -4,12 +4,14 @@ stand-in in mlx-vlm's place, serve.py's decide function); schemathesis's search 
 schema, against the gateway and against a real server: test_openapi_schemathesis.py.
 """
 
+import base64
 import json
 import re
 
 import pytest
 from jsonschema import Draft202012Validator
 
+from conftest import png
 from dflash2_requests import token_id_pattern
 from test_gateway import make_client
 
@@ -17,6 +19,9 @@ CHAT, MESSAGES, COUNT_TOKENS, RESPONSES = ("/v1/chat/completions", "/v1/messages
                                            "/v1/responses")
 USER = {"role": "user", "content": "Hi"}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(png((2, 2))).decode()}}
+TOOL_RESULT = {"type": "tool_result", "tool_use_id": "t", "content": "x"}
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +152,17 @@ ROWS = [
     # Undefined is not JSON serializable).
     (CHAT, chat(USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}), False),
     (CHAT, chat(USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}), True),
+    # Images need a user turn mlx-vlm keeps (a real server: Text entry 0 contains 0 image placeholders, but 1 images
+    # were supplied for it): a user message of tool results alone is rendered as tool messages.
+    (COUNT_TOKENS, {"messages": [{"role": "user", "content": [IMAGE, TOOL_RESULT]}]}, False),
+    (COUNT_TOKENS, {"messages": [{"role": "user", "content": [IMAGE, TOOL_RESULT, {"type": "text", "text": " "}]}]},
+     False),
+    (MESSAGES, {"max_tokens": 1, "messages": [{"role": "user", "content": [IMAGE, TOOL_RESULT]}]}, False),
+    (COUNT_TOKENS, {"messages": [{"role": "user", "content": [IMAGE, TOOL_RESULT, {"type": "text", "text": "x"}]}]},
+     True),
+    (COUNT_TOKENS, {"messages": [{"role": "user", "content": [IMAGE]}, {"role": "user", "content": [TOOL_RESULT]}]},
+     True),
+    (COUNT_TOKENS, {"messages": [{"role": "user", "content": [{**TOOL_RESULT, "content": [IMAGE]}]}]}, True),
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]
