@@ -10,6 +10,7 @@ refuse to start and name every difference. Importing this module patches nothing
 import hashlib
 import importlib
 import inspect
+import types
 from dataclasses import dataclass
 
 MLX_VERSION = "0.32.2"
@@ -707,3 +708,17 @@ def replace(target: str, replacement) -> None:
     if getattr(current, "__dflash2_stock__", None) is None:
         replacement.__dflash2_stock__ = current
         setattr(owner, name, replacement)
+
+
+# A replacement made of an audited function's own code, some names rebound (verify's
+# projections, the drafter's attention, the prefill's chunked scan): the runtime's
+# modules share it from here, below them all.
+def _with_globals(function, **names):
+    """`function`'s own code with some of its module's names bound to others (a snapshot of
+    its module's names: later changes to that module are not seen)."""
+    rebound = types.FunctionType(
+        function.__code__, {**function.__globals__, **names}, function.__name__,
+        function.__defaults__, function.__closure__,
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    return rebound

@@ -47,6 +47,7 @@ import dflash2_audit
 import dflash2_kernels
 import dflash2_pack
 import dflash2_policy
+from dflash2_audit import _with_globals
 from dflash2_verdicts import VerdictCache
 
 logger = logging.getLogger("dflash2.runtime")
@@ -713,17 +714,6 @@ class _DrafterMlx:
 
     def __getattr__(self, name):
         return getattr(mx, name)
-
-
-def _with_globals(function, **names):
-    """`function`'s own code with some of its module's names bound to others (a snapshot of
-    its module's names: later changes to that module are not seen)."""
-    rebound = types.FunctionType(
-        function.__code__, {**function.__globals__, **names}, function.__name__,
-        function.__defaults__, function.__closure__,
-    )
-    rebound.__kwdefaults__ = function.__kwdefaults__
-    return rebound
 
 
 _drafter_attention_call = _with_globals(DFlashAttention.__call__, mx=_DrafterMlx())
