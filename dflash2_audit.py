@@ -76,7 +76,7 @@ REPLACED = (
         "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__",
         "0ab0be71156568f50a248f898d431b657b36b399166e29e25c16c7a45f6cc81b",
         "Decode's step, where measured faster (the convolution arm), for one unpadded row: "
-        "the layer as verify runs it at one position (dflash2_runtime.gated_delta_positions), "
+        "the layer as verify runs it at one position (dflash2_verify.gated_delta_positions), "
         "its concatenated window, convolution and silu in one kernel launch, both gates in "
         "one and its gated output norm in one; every other call runs it as is. Mirrored per "
         "verify position.",
@@ -415,7 +415,7 @@ AUDITED = (
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._normalize_qk",
         "7e59605b8fabf61f8d799e75cd31667f48d5f0bb6dc6d4d6115e5057c4eebb3a",
-        "Mirrored by dflash2_runtime._normalize_qk (each scale as its norm's weight).",
+        "Mirrored by dflash2_verify._normalize_qk (each scale as its norm's weight).",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:compute_g",

@@ -332,6 +332,7 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     figure per layer of the served verify forward, and the served forward back as it was."""
     import bench
     import dflash2_runtime
+    import dflash2_verify
     from make_synthetic_pack import SIZES, build_target_model
     from profile_verify import host_ms_by_layer, host_split_ms, split_steps
 
@@ -340,10 +341,10 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     lm = model.language_model
     taps = list(SIZES["tiny"]["drafter"]["target_layer_ids"])
     cache, _ = bench.prefill(lm, [3, 5, 7, 9], taps)
-    served = dflash2_runtime.ExactVerifier._layer
+    served = dflash2_verify.ExactVerifier._layer
     layers = host_ms_by_layer(bench.verify_round_steps(lm, cache, taps, 3), 2)
     assert len(layers) == len(lm.model.layers) and all(ms >= 0 for ms in layers)
-    assert dflash2_runtime.ExactVerifier._layer is served
+    assert dflash2_verify.ExactVerifier._layer is served
 
     # The host split: each step's parts timed, and a verify step commits its round (the cache
     # advances by its accepted half plus the bonus token, as bench's verify rounds do).
@@ -355,7 +356,7 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     assert cache[lm.model.fa_idx].offset == before + 3 * 3
     assert all(split[part] >= 0 and split[f"{part}_min_max"][0] <= split[part] <= split[f"{part}_min_max"][1]
                for part in ("build", "launch", "wait"))
-    assert dflash2_runtime.VERIFY_EVAL_EVERY == 8  # the served interval is back
+    assert dflash2_verify.VERIFY_EVAL_EVERY == 8  # the served interval is back
 
 
 def test_the_bench_summary_takes_the_server_s_round_apart_where_the_record_timed_it():

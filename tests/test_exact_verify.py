@@ -29,6 +29,7 @@ import dflash2_kernel_fused
 import dflash2_kernel_gdn
 import dflash2_kernels
 import dflash2_runtime
+import dflash2_verify
 from conftest import GENERATED, raw_ids
 from parity import (PROMPTS, differing, greedy, oracle_token_case, prefill_route_cases, rollback_cases,
                     served_prefill_logits, verify_cases)
@@ -134,7 +135,7 @@ def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
                 x = dflash2_kernel_base.make_inputs(kind, rows, 2 * layer.key_dim, mx.random.key(rows))
                 x = x.astype(dtype).reshape(1, rows, 2, layer.num_k_heads, layer.head_k_dim)
                 q, k = x[:, :, 0], x[:, :, 1]
-                for got, want in zip(dflash2_runtime._normalize_qk(q, k), layer._normalize_qk(q, k)):
+                for got, want in zip(dflash2_verify._normalize_qk(q, k), layer._normalize_qk(q, k)):
                     assert got.dtype == want.dtype and mx.array_equal(
                         dflash2_kernels.raw_bits(got), dflash2_kernels.raw_bits(want)).item(), (dtype, kind, rows)
 
@@ -286,7 +287,7 @@ def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_pla
 
     cache = lm.make_cache()
     mx.eval(lm(ids, cache=cache, capture_layer_ids=taps).logits)
-    monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 3)
+    monkeypatch.setattr(dflash2_verify, "VERIFY_EVAL_EVERY", 3)
     monkeypatch.setattr(mx, "async_eval", async_eval)
     for _ in range(3):  # after layer 3 of 4 in each (a count carried over would hand off 4 times)
         hidden, states, tokens = dflash_rounds._dflash_verify_greedy(lm, mx.array([raw_plain[0][:4]]), cache, taps, None)
@@ -294,7 +295,7 @@ def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_pla
         abort_speculative_round(states)
     monkeypatch.setattr(mx, "async_eval", real_async_eval)
     assert len(lm.model.layers) == 4 and len(handed) == 3 and all(len(arrays) == 1 for arrays in handed)
-    monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 1)
+    monkeypatch.setattr(dflash2_verify, "VERIFY_EVAL_EVERY", 1)
     cases = verify_cases(lm, ids, taps, raw_plain[0][:8], lengths=(2, 8))
     assert [c for c in cases if c["logits"] or c["hidden"]] == []
     rollback = rollback_cases(lm, ids, taps, raw_plain[0][:8], lengths=(8,))

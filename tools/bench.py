@@ -54,6 +54,7 @@ import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
 import dflash2_sampling  # noqa: E402
+import dflash2_verify  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
 from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
@@ -67,7 +68,7 @@ SAMPLED_SETTINGS = {"top_p": 0.95, "top_k": 20, "seed": 0}
 BLOCK = 8
 # Blocks whose verify round is also timed with the forward handed to the device every
 # EVAL_EVERY_ARMS layers (0 would be: evaluated once at its end), beside the runtime's own
-# dflash2_runtime.VERIFY_EVAL_EVERY. One eval at the end was the slowest at blocks 2 and 8 in
+# dflash2_verify.VERIFY_EVAL_EVERY. One eval at the end was the slowest at blocks 2 and 8 in
 # sessions 23 and 24 (1.17-1.86 decode steps); every 16 layers beat every 8 at block 2 in
 # both, and lost at block 8: block 4 joins, so a per-block interval can be read off the record.
 EARLY_EVAL_BLOCKS = (2, 4, 8)
@@ -140,9 +141,9 @@ def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_po
 
 def handed_off_every(layers, steps):
     """steps(count) with each verify forward handed to the device every `layers` layers (0:
-    evaluated once at its end), not dflash2_runtime.VERIFY_EVAL_EVERY: a side-by-side arm."""
+    evaluated once at its end), not dflash2_verify.VERIFY_EVAL_EVERY: a side-by-side arm."""
     def run(count):
-        with dflash2_runtime.verify_eval_every(layers):
+        with dflash2_verify.verify_eval_every(layers):
             steps(count)
 
     return run
@@ -408,7 +409,7 @@ def main():
         by_eval_every = {
             L: {**{layers: dflash2_policy.paired_ratio(rounds[f"verify {L}, eval every {layers}"], rounds["decode"])
                    for layers in EVAL_EVERY_ARMS},
-                dflash2_runtime.VERIFY_EVAL_EVERY: verify[L]}
+                dflash2_verify.VERIFY_EVAL_EVERY: verify[L]}
             for L in EARLY_EVAL_BLOCKS
         }
         served = {form: "bf16" if choice.bf16 else "promoted" for form, choice in dtypes.items()}
@@ -441,7 +442,7 @@ def main():
             "served_round_by_part": served_round,
             # verify round / decode step (paired) by the layers its forward is handed to the
             # device after (0: evaluated once at its end), the served value included
-            "verify_eval_every": dflash2_runtime.VERIFY_EVAL_EVERY,
+            "verify_eval_every": dflash2_verify.VERIFY_EVAL_EVERY,
             "verify_ratio_by_eval_every": by_eval_every,
             "drafter_ratio_by_form": drafter_cost,
             # Counted on CPU for the same layer pattern (tools/graph_count.py): launches per step.

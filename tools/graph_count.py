@@ -227,9 +227,9 @@ def count_verify(lm, cache, block, taps) -> tuple[int, int, Counter]:
     from mlx_vlm.speculative import dflash as rounds
     from mlx_vlm.speculative.cache_state import abort_speculative_round
 
-    import dflash2_runtime
+    import dflash2_verify
 
-    with one_launch_calls() as calls, dflash2_runtime.verify_eval_every(0):
+    with one_launch_calls() as calls, dflash2_verify.verify_eval_every(0):
         hidden, transaction, tokens = rounds._dflash_verify_greedy(
             lm, mx.array([block]), cache, taps, lambda logits: mx.argmax(logits, axis=-1)
         )

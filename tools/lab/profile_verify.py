@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 
 import dflash2_kernels  # noqa: E402
 import dflash2_policy  # noqa: E402
-import dflash2_runtime  # noqa: E402
+import dflash2_verify  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 NAME_CHARS = 120  # kernel names are long template instantiations: their head says enough
@@ -82,7 +82,7 @@ def host_ms_by_layer(steps, count: int) -> list:
     """Median ms the host spends building each layer of the served verify forward (its hand-off
     to the device included), over `count` rounds: a layer far above its neighbours is where
     the host waits (a sync, a graph build) instead of queueing work."""
-    served_layer = dflash2_runtime.ExactVerifier._layer
+    served_layer = dflash2_verify.ExactVerifier._layer
     marks = []
     steps(1)  # lead-in: the switch from the previous arm stays out of the record
 
@@ -93,11 +93,11 @@ def host_ms_by_layer(steps, count: int) -> list:
         marks[-1].append(time.perf_counter())
         return hidden
 
-    dflash2_runtime.ExactVerifier._layer = timed_layer
+    dflash2_verify.ExactVerifier._layer = timed_layer
     try:
         steps(count)
     finally:
-        dflash2_runtime.ExactVerifier._layer = served_layer
+        dflash2_verify.ExactVerifier._layer = served_layer
     per_round = [[1000 * (b - a) for a, b in zip(times, times[1:])] for times in marks]
     if not per_round or len({len(layers) for layers in per_round}) != 1:
         raise RuntimeError(f"the served verify built {sorted({len(layers) for layers in per_round})} layers a round")
@@ -129,7 +129,7 @@ def host_split_ms(step, settle, count: int) -> dict:
 
 def split_steps(lm, cache, taps, blocks) -> dict:
     """name -> step() for host_split_ms: a decode step, and per block a verify round as served
-    (handed off every dflash2_runtime.VERIFY_EVAL_EVERY layers) and built whole (one eval)."""
+    (handed off every dflash2_verify.VERIFY_EVAL_EVERY layers) and built whole (one eval)."""
     token = mx.array([[7]])
     steps = {"decode": lambda: ([lm(token, cache=cache).logits], lambda: None)}
 
@@ -137,7 +137,7 @@ def split_steps(lm, cache, taps, blocks) -> dict:
         block = mx.array([[11 + i for i in range(length)]])
 
         def step():
-            with dflash2_runtime.verify_eval_every(every):
+            with dflash2_verify.verify_eval_every(every):
                 hidden_out, states, tokens = bench.dflash_rounds._dflash_verify_greedy(
                     lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1))
             return [tokens, hidden_out], lambda: dflash2_policy.commit_round(lm, cache, states, length // 2, length)
@@ -145,7 +145,7 @@ def split_steps(lm, cache, taps, blocks) -> dict:
         return step
 
     for length in blocks:
-        steps[f"verify {length}"] = verify(length, dflash2_runtime.VERIFY_EVAL_EVERY)
+        steps[f"verify {length}"] = verify(length, dflash2_verify.VERIFY_EVAL_EVERY)
         steps[f"verify {length}, one eval"] = verify(length, 0)
     return steps
 
