@@ -50,6 +50,7 @@ from mlx_vlm.speculative import dflash as dflash_rounds  # noqa: E402
 from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
 from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
+import dflash2_decode_arms  # noqa: E402
 import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
@@ -459,7 +460,7 @@ def main():
     # of its own arm) so every arm sees the same machine; one such loop per --tokens count.
     vocab = lm.lm_head.weight.shape[0]
     prompt_ids = mx.array([prompt[:8]])
-    dflash2_runtime.use_decode_arm("mlx")
+    dflash2_decode_arms.use_decode_arm("mlx")
     # As a server starts: how a verify block's rows are drawn (self-test at this vocabulary).
     block_sampling = dflash2_sampling.choose_block_sampling(vocab) if temperatures else None
     if block_sampling:
@@ -491,7 +492,7 @@ def main():
             key = plain_name(arm, temperature)
 
             def run(tokens):
-                dflash2_runtime.use_decode_arm(arm)
+                dflash2_decode_arms.use_decode_arm(arm)
                 output = timed_greedy(key, tokens, sampler=sampled_sampler(temperature))
                 if tokens == count:
                     identical_by_arm[key] = output == references[temperature]
@@ -523,7 +524,7 @@ def main():
                 routes[key] = dflash2_policy.SpeculativeRoute()
 
             def run(tokens):
-                dflash2_runtime.use_decode_arm(chosen_arm)
+                dflash2_decode_arms.use_decode_arm(chosen_arm)
                 dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
                 # The pass this run belongs to (each arm runs once a pass, the warm-up pass 0; a
                 # lead-in run takes the pass of the full run after it): its acceptance draws.
@@ -585,7 +586,7 @@ def main():
             return sample
 
         drafted_profiles = [profile for profile in profiles if profile != "zero"]  # where drafter forms differ
-        decode_arms = [arm for arm in dflash2_runtime.DECODE_ARMS if args.all_decode_arms or arm in ("mlx", chosen_arm)]
+        decode_arms = [arm for arm in dflash2_decode_arms.DECODE_ARMS if args.all_decode_arms or arm in ("mlx", chosen_arm)]
         arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in decode_arms}
         for profile in profiles:
             arms[arm_name(profile, None)] = after_lead_in(speculative_arm(profile))
@@ -612,7 +613,7 @@ def main():
             e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats, deadline)
         except TimeoutError as error:
             sys.exit(f"error: --deadline-s {args.deadline_s:g}: {error}")
-        dflash2_runtime.use_decode_arm(chosen_arm)
+        dflash2_decode_arms.use_decode_arm(chosen_arm)
         plain = e2e_ms[f"plain {chosen_arm}"]
         speedup = {name: dflash2_policy.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
         e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
