@@ -56,7 +56,7 @@ REPLACED = (
         "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
         "7eaabc86f5be71f93d2c7ae79cfd3baaaa2f812885119a737c5619d9602c073d",
         "Its own code runs with its fused attention call routed through "
-        "dflash2_runtime.drafter_attention: on CUDA a bf16 drafter's attention would go to "
+        "dflash2_drafter.drafter_attention: on CUDA a bf16 drafter's attention would go to "
         "cuDNN, which builds a graph for every new key length. The sliding-window option "
         "relies on it trimming the drafter's context to its window and advancing the cache's "
         "offset past what it skips, as RequestDecoder does for taps the prefill dropped.",

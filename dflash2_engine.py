@@ -30,7 +30,7 @@ class DrafterSetup:
     """What the speculative server asks of the drafter's start-up."""
 
     drafter_dir: Path
-    options: dict = field(default_factory=dict)  # dflash2_runtime.RuntimeOptions' fields; none: the pack's
+    options: dict = field(default_factory=dict)  # dflash2_drafter.RuntimeOptions' fields; none: the pack's
     round_costs: object = None  # dflash2_policy.RoundCosts given on the command line; None: measure
     verdicts: object = None  # dflash2_verdicts.VerdictCache, not yet opened; None: every check runs
 
@@ -85,6 +85,7 @@ def use_exact_prefill_inverse(gdn_heads: int = 48, prefill_step: int = 2048) -> 
 def load_speculation(model, setup: DrafterSetup) -> Speculation:
     """Installs the runtime and loads the drafter; runs on mlx-vlm's worker thread, right
     after it loaded the target."""
+    import dflash2_drafter
     import dflash2_policy
     import dflash2_runtime
     import dflash2_sampling
@@ -117,14 +118,14 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     drafter, kind = load_drafter(str(setup.drafter_dir), kind="dflash")
     validate_drafter_compatibility(model, drafter, kind)
     try:
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(**setup.options))
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(**setup.options))
     except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
         return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
     # What a round costs here decides each greedy request's route, then each round's block or plain steps.
     try:
-        dtype = verdicts.check("drafter activations", lambda: dflash2_runtime.choose_drafter_dtype(model, drafter),
-                               dflash2_runtime.DrafterDtypeChoice.from_json)
-        dflash2_runtime.use_drafter_bf16(dtype.bf16)
+        dtype = verdicts.check("drafter activations", lambda: dflash2_drafter.choose_drafter_dtype(model, drafter),
+                               dflash2_drafter.DrafterDtypeChoice.from_json)
+        dflash2_drafter.use_drafter_bf16(dtype.bf16)
         logger.info("DFlash2 %s (%s)", dtype.summary(), verdicts.source("drafter activations"))
         runtime["drafter_activations"] = dtype.summary()
         # A cached table keeps learning from requests, as one measured now does.

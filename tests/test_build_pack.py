@@ -327,6 +327,7 @@ LAYERS = [
     "dflash2_requests",
     "dflash2_runtime",
     "dflash2_decode_arms",
+    "dflash2_drafter",
     "dflash2_verify",
     "dflash2_policy",
     "dflash2_sampling",

@@ -10,7 +10,7 @@ checks can fail.
 
 import pytest
 
-import dflash2_runtime
+import dflash2_drafter
 import dflash2_sampling
 from conftest import GENERATED, raw_ids
 from dflash2_sampling import PositionSampler
@@ -115,8 +115,8 @@ def test_sliding_window_drafter_has_bounded_caches_and_plain_tokens(target, tiny
     model, processor, _ = target
     drafter, _ = load_drafter(tiny_pack["drafter"])  # its own copy: the option changes it
     drafter.config.sliding_window = 8  # shorter than the prompt, so the window trims
-    dflash2_runtime.configure_drafter(
-        drafter, dflash2_runtime.RuntimeOptions(sliding_window=True)
+    dflash2_drafter.configure_drafter(
+        drafter, dflash2_drafter.RuntimeOptions(sliding_window=True)
     )
     caches = drafter.make_cache()
     assert all(isinstance(c, RotatingKVCache) and c.max_size == 7 for c in caches)

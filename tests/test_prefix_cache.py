@@ -219,7 +219,7 @@ def test_drafter_memory_counts_its_own_weights_not_the_targets(target, tiny_pack
 def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
     """bench_prefix measures memory with the drafter's sliding window, then times requests:
     the window option must not outlive the memory runs."""
-    import dflash2_runtime
+    import dflash2_drafter
     from bench_prefix import attention_layout_kept
 
     _, _, drafter = target
@@ -231,12 +231,12 @@ def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
     before = state()
     assert drafter.config.sliding_window  # the synthetic drafters have one
     with attention_layout_kept(drafter) as restore:
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True, block_cap=2))
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True, block_cap=2))
         assert all(layer.self_attn.is_sliding for layer in drafter.layers)
         assert drafter.config.runtime_block_size == 2
         restore()  # the whole-context requests between windowed ones
         assert state() == before
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True, block_cap=2))
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True, block_cap=2))
     assert state() == before
 
 
@@ -261,7 +261,7 @@ def sliding_drafter(target, monkeypatch):
     (drafter, per request: the hidden states its round loop started from, the positions the
     target had processed, and the drafter's cache offsets right after its first draft)."""
     import dflash2_policy
-    import dflash2_runtime
+    import dflash2_drafter
     from bench_prefix import attention_layout_kept
 
     _, _, drafter = target
@@ -282,7 +282,7 @@ def sliding_drafter(target, monkeypatch):
     monkeypatch.setattr(dflash2_policy.RequestDecoder, "__init__", recording_start)
     monkeypatch.setattr(dflash2_policy.RequestDecoder, "draft", recording_draft)
     with attention_layout_kept(drafter):
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True))
         yield drafter, seen
 
 

@@ -385,26 +385,26 @@ def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, pr
 def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkeypatch):
     """choose_drafter_dtype off CPU (the backend name says cuda; MLX still runs on CPU):
     both dtypes timed side by side, the faster one served; on CPU promoted, untimed."""
-    import dflash2_runtime
+    import dflash2_drafter
 
     model, _, drafter = target
     try:
-        choice = dflash2_runtime.choose_drafter_dtype(model, drafter)
-        assert not choice.bf16 and not choice.pass_ms and not dflash2_runtime._drafter_in_bf16()
+        choice = dflash2_drafter.choose_drafter_dtype(model, drafter)
+        assert not choice.bf16 and not choice.pass_ms and not dflash2_drafter._drafter_in_bf16()
         patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
-        choice = dflash2_runtime.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
+        choice = dflash2_drafter.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
         assert set(choice.pass_ms) == {"bf16", "promoted"}
         assert choice.bf16 == (dflash2_policy.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
-        assert dflash2_runtime._drafter_in_bf16() == choice.bf16
+        assert dflash2_drafter._drafter_in_bf16() == choice.bf16
         assert ("drafter activations: bf16" if choice.bf16 else "drafter activations: promoted") in choice.summary()
     finally:
-        dflash2_runtime.use_drafter_bf16(None)
+        dflash2_drafter.use_drafter_bf16(None)
 
 
 def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
     """On CUDA a bf16 drafter's attention runs in fp32 (cuDNN would build a graph for every
     new key length); elsewhere, and for fp32 inputs, it is MLX's own call, bit for bit."""
-    import dflash2_runtime
+    import dflash2_drafter
     from mlx_vlm.models.base import create_causal_mask
 
     keys = mx.random.split(mx.random.key(3), 3)
@@ -415,11 +415,11 @@ def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
              dict(mask=None, sinks=mx.array([0.5, -1.0, 0.0, 2.0], dtype=mx.bfloat16))]
     for case in cases:
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
-        assert mx.array_equal(dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case), stock)
+        assert mx.array_equal(dflash2_drafter.drafter_attention(q, k, v, scale=0.125, **case), stock)
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     for case in cases:
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
-        out = dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case)
+        out = dflash2_drafter.drafter_attention(q, k, v, scale=0.125, **case)
         wide = mx.fast.scaled_dot_product_attention(
             q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=0.125,
             **{name: value.astype(mx.float32) if name == "sinks" else value for name, value in case.items()})
@@ -430,16 +430,16 @@ def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
 def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeypatch):
     """The installed DFlashAttention.__call__ is mlx-vlm's code with its fused attention call
     routed through drafter_attention: once per drafter layer and pass."""
-    import dflash2_runtime
+    import dflash2_drafter
 
     model, _, drafter = target
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
-        return dflash2_runtime.drafter_attention(*args, **kwargs)
+        return dflash2_drafter.drafter_attention(*args, **kwargs)
 
-    monkeypatch.setattr(dflash2_runtime._DrafterMlx.fast, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(dflash2_drafter._DrafterMlx.fast, "scaled_dot_product_attention", counted)
     lm = model.language_model
     hidden = mx.zeros((1, 3, len(drafter.config.target_layer_ids) * lm.args.hidden_size), mx.float16)
     mx.eval(drafter.draft_block_greedy(1, hidden, drafter.reset(model), 4, None))
@@ -448,13 +448,13 @@ def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeyp
 
 
 def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
-    import dflash2_runtime
+    import dflash2_drafter
     from mlx_vlm.speculative.common import _dflash_block_total
 
     model, _, drafter = target
     before = drafter.config.runtime_block_size
     try:
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(block_cap=3))
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(block_cap=3))
         assert _dflash_block_total(drafter, None) == 3
         costs = dflash2_policy.measure_round_costs(model, drafter, repeats=1, run=2)
         assert costs.blocks == [2, 3]

@@ -261,6 +261,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=40)
     args = parser.parse_args()
 
+    import dflash2_drafter
     import dflash2_runtime
     from dflash2_pack import find_pack, load_pack
     from dflash2_policy import measure_round_costs
@@ -270,7 +271,7 @@ def main():
     if not status.speculative:
         sys.exit(f"speculation is off: {status.reason}")
     # As the server starts: its default options, then the round costs measured on this machine.
-    dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions())
+    dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions())
     costs = measure_round_costs(model, drafter)
     tokenizer = processor.tokenizer
     cases = acceptance_cases(model, tokenizer, drafter, costs, all_prompt_ids(tokenizer), args.max_tokens)

@@ -51,6 +51,7 @@ from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E4
 from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
 import dflash2_decode_arms  # noqa: E402
+import dflash2_drafter  # noqa: E402
 import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
@@ -161,7 +162,7 @@ def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
                                             mx.int32)
 
     def steps(count):
-        dflash2_runtime.use_drafter_bf16(bf16)
+        dflash2_drafter.use_drafter_bf16(bf16)
         for _ in range(count):
             decoder.round(length, length)
 
@@ -193,10 +194,10 @@ def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
             arms[f"verify {length}, eval every {layers}"] = dflash2_policy.steady_ms(
                 handed_off_every(layers, verify_round_steps(lm, cache, taps, length)), run, settle)
     # Drafter passes as serving drafts them, each at a new key length (as
-    # dflash2_runtime.choose_drafter_dtype's arms).
+    # dflash2_drafter.choose_drafter_dtype's arms).
     for form, drafter in drafters.items():
         for name, bf16 in (("bf16", True), ("promoted", False)):
-            drafts = dflash2_runtime.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
+            drafts = dflash2_drafter.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
             arms[f"draft {form}, {name}"] = dflash2_policy.steady_ms(drafts, run, settle)
     # The commit as mlx-vlm leaves it, lazy for the next round's first evaluation: its graphs
     # change shape and MLX instantiates them anew (dflash2_policy.commit_round).
@@ -366,7 +367,7 @@ def main():
                 drafters[form], _ = load_drafter(Path(folder) / form)
     mx.eval([drafter.parameters() for drafter in drafters.values()])
     for drafter in drafters.values():  # as the server configures its drafter (blocks 2..8)
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions())
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions())
     lm = model.language_model
     log("target and drafters ready")
     # The end-to-end profiles pay the form a pack should ship: 4-bit when there is one.
@@ -381,10 +382,10 @@ def main():
     # Every end-to-end arm prefills as the servers do (at mlx-vlm's default prefill step).
     prefill_inverse = dflash2_engine.use_exact_prefill_inverse(lm.args.linear_num_value_heads)
     log(prefill_inverse)
-    # Each form in the dtype the server would choose for it (dflash2_runtime.choose_drafter_dtype).
-    dtypes = {form: dflash2_runtime.choose_drafter_dtype(model, drafter) for form, drafter in drafters.items()}
+    # Each form in the dtype the server would choose for it (dflash2_drafter.choose_drafter_dtype).
+    dtypes = {form: dflash2_drafter.choose_drafter_dtype(model, drafter) for form, drafter in drafters.items()}
     log("drafter dtypes: " + "; ".join(f"{form}: {choice.summary()}" for form, choice in dtypes.items()))
-    dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(cost_drafter)]].bf16)
+    dflash2_drafter.use_drafter_bf16(dtypes[drafter_names[id(cost_drafter)]].bf16)
     costs = dflash2_policy.measure_round_costs(model, cost_drafter)
     log(f"round policy costs: {costs.summary()}")
     process = {  # what this process installed and measured at start-up, as a server would
@@ -525,7 +526,7 @@ def main():
 
             def run(tokens):
                 dflash2_decode_arms.use_decode_arm(chosen_arm)
-                dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
+                dflash2_drafter.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
                 # The pass this run belongs to (each arm runs once a pass, the warm-up pass 0; a
                 # lead-in run takes the pass of the full run after it): its acceptance draws.
                 draws_seed = args.acceptance_seed + len(accepted_runs.get(key, []))

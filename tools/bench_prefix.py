@@ -35,6 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from mlx_vlm.generate.ar import BatchGenerator  # noqa: E402
 
+import dflash2_drafter  # noqa: E402
 import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
@@ -165,7 +166,7 @@ def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
     def peak(context, layout=None):
         """One request's peak memory: plain (layout None) or speculative with that layout."""
         if layout == "sliding_window":
-            dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
+            dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True))
         elif layout == "full":
             loaded_layout()  # configure_drafter never switches the window back off
         inputs = {"input_ids": mx.array([turns(context, 1, vocab, seed=0)[0]])}

@@ -53,6 +53,7 @@ RUNTIME_FILES = (
     "dflash2_requests.py",
     "dflash2_runtime.py",
     "dflash2_decode_arms.py",
+    "dflash2_drafter.py",
     "dflash2_verify.py",
     "dflash2_policy.py",
     "dflash2_sampling.py",
