@@ -170,7 +170,7 @@ def _embed_input_tokens_bf16(self, inputs):
 
 # The drafter's attention off cuDNN. On CUDA, MLX sends fp16/bf16 attention with a head
 # dim up to 128 to cuDNN, which builds a graph for each new key length (tens of ms on an
-# H200; tools/bench_drafter_attention.py times both routes), and every round drafts at a
+# H200: evidence/drafter-attention-cuda.md, docs/lab.md), and every round drafts at a
 # new context length. In fp32 MLX runs its own kernels at any length. Stock
 # DFlashAttention.__call__ runs unchanged, its `mx` being _DrafterMlx.
 
