@@ -88,6 +88,7 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     import dflash2_policy
     import dflash2_runtime
     import dflash2_sampling
+    import dflash2_timing
     import dflash2_verdicts
     from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
 
@@ -129,7 +130,7 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
         runtime["drafter_activations"] = dtype.summary()
         # A cached table keeps learning from requests, as one measured now does.
         drafter.round_costs = setup.round_costs or verdicts.check(
-            "round costs", lambda: dflash2_policy.measure_round_costs(model, drafter),
+            "round costs", lambda: dflash2_timing.measure_round_costs(model, drafter),
             lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table), learning=True),
             dflash2_policy.RoundCosts.to_json)
     except Exception:

@@ -47,6 +47,7 @@ import dflash2_audit
 import dflash2_kernels
 import dflash2_pack
 import dflash2_policy
+import dflash2_timing
 from dflash2_verdicts import VerdictCache
 
 logger = logging.getLogger("dflash2.runtime")
@@ -647,10 +648,10 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
     def sample(bf16):
         # The arms start one row apart: no key length of one is ever the other's.
         run = drafter_passes(model, drafter, context[:, int(bf16):], bf16, block)
-        return dflash2_policy.timed_ms(lambda: run(passes))
+        return dflash2_timing.timed_ms(lambda: run(passes))
 
-    pass_ms = dflash2_policy.interleaved_ms({"bf16": sample(True), "promoted": sample(False)}, repeats)
-    bf16 = dflash2_policy.paired_ratio(pass_ms["bf16"], pass_ms["promoted"]) < 1.0  # by pass
+    pass_ms = dflash2_timing.interleaved_ms({"bf16": sample(True), "promoted": sample(False)}, repeats)
+    bf16 = dflash2_timing.paired_ratio(pass_ms["bf16"], pass_ms["promoted"]) < 1.0  # by pass
     use_drafter_bf16(bf16)
     drafter.reset(model)
     return DrafterDtypeChoice(
@@ -967,7 +968,7 @@ def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int =
 
         return run
 
-    return dflash2_policy.interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats)
+    return dflash2_timing.interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats)
 
 
 def use_decode_arm(arm: str) -> None:

@@ -326,6 +326,7 @@ LAYERS = [
     "dflash2_responses_request",
     "dflash2_requests",
     "dflash2_runtime",
+    "dflash2_timing",
     "dflash2_policy",
     "dflash2_sampling",
     "dflash2_verdicts",

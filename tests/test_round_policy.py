@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_policy
+import dflash2_timing
 from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
 from kernel_cases import patch_kernels
 from oracle_drafter import OracleDrafter
@@ -394,7 +395,7 @@ def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkey
         patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
         choice = dflash2_runtime.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
         assert set(choice.pass_ms) == {"bf16", "promoted"}
-        assert choice.bf16 == (dflash2_policy.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
+        assert choice.bf16 == (dflash2_timing.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
         assert dflash2_runtime._drafter_in_bf16() == choice.bf16
         assert ("drafter activations: bf16" if choice.bf16 else "drafter activations: promoted") in choice.summary()
     finally:
@@ -456,7 +457,7 @@ def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
     try:
         dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(block_cap=3))
         assert _dflash_block_total(drafter, None) == 3
-        costs = dflash2_policy.measure_round_costs(model, drafter, repeats=1, run=2)
+        costs = dflash2_timing.measure_round_costs(model, drafter, repeats=1, run=2)
         assert costs.blocks == [2, 3]
         assert 0.0 <= costs.refill_steps < float("inf") and costs.decode_step_ms > 0
     finally:
@@ -493,8 +494,8 @@ def test_start_up_costs_pair_each_arm_with_the_plain_steps_of_its_pass(target, m
                 stats([10.0 * factor.get(name, 1.5 if name[0] == "round" else 0.1) * f for f in slowed_later])
                 for name in arms}
 
-    monkeypatch.setattr(dflash2_policy, "interleaved_ms", timings)
-    costs = dflash2_policy.measure_round_costs(model, drafter)
+    monkeypatch.setattr(dflash2_timing, "interleaved_ms", timings)
+    costs = dflash2_timing.measure_round_costs(model, drafter)
     assert costs.decode_step_ms == 30.0 and costs.refill_steps == 0.0
     assert all(costs.round_steps(block) == pytest.approx(1.5) for block in costs.blocks)
 
@@ -616,15 +617,15 @@ def test_interleaved_ms_stops_after_a_timed_pass_when_the_repeats_left_would_pas
         return sample
 
     slow_warm_up = {"a": arm("a", warm_up_s=0.3), "b": arm("b")}
-    stats = dflash2_policy.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
+    stats = dflash2_timing.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
     assert calls == ["a", "b", "b", "a"] * 3 and stats["b"]["median"] == 20.0  # fits, though 5 warm-ups would not
     calls.clear()
     arms = {"a": arm("a"), "b": arm("b")}
     with pytest.raises(TimeoutError, match="timed pass 1 took"):
-        dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
+        dflash2_timing.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
     assert calls == ["a", "b", "b", "a"]  # the warm-up pass and one timed pass
     calls.clear()
-    stats = dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
+    stats = dflash2_timing.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
     assert calls == ["a", "b", "b", "a"] * 3 and stats["a"]["median"] == 20.0
 
 
@@ -638,12 +639,12 @@ def test_passes_take_each_arm_first_in_turn_and_ratios_pair_samples_of_one_pass(
             return ms * slow.get(((len(calls) - 1) // 3, name), 1.0)
         return sample
 
-    stats = dflash2_policy.interleaved_ms({"a": arm("a", 10.0), "b": arm("b", 20.0), "c": arm("c", 30.0)}, repeats=3)
+    stats = dflash2_timing.interleaved_ms({"a": arm("a", 10.0), "b": arm("b", 20.0), "c": arm("c", 30.0)}, repeats=3)
     passes = [calls[i:i + 3] for i in range(0, 12, 3)]
     assert [p[0] for p in passes] == ["a", "b", "c", "a"] and all(sorted(p) == ["a", "b", "c"] for p in passes)
     assert stats["b"]["samples"] == [20.0, 100.0, 30.0] and stats["a"]["samples"] == [10.0, 50.0, 10.0]
     assert stats["b"]["median"] / stats["a"]["median"] == 3.0  # medians of different passes
-    assert dflash2_policy.paired_ratio(stats["b"], stats["a"]) == 2.0
+    assert dflash2_timing.paired_ratio(stats["b"], stats["a"]) == 2.0
 
 
 def test_each_arm_runs_behind_a_different_arm_in_each_timed_pass_and_never_behind_itself():
@@ -653,15 +654,15 @@ def test_each_arm_runs_behind_a_different_arm_in_each_timed_pass_and_never_behin
     the same one in all but one pass. And from 3 arms on no arm runs twice in a row (its
     second sample would be spared the switch every other sample pays)."""
     names = [f"arm {i}" for i in range(18)]
-    sequence = [name for index in range(6) for name in dflash2_policy.pass_order(names, index)]
+    sequence = [name for index in range(6) for name in dflash2_timing.pass_order(names, index)]
     behind = {name: [] for name in names}
     for before, name in zip(sequence[len(names) - 1:], sequence[len(names):]):  # the timed passes
         behind[name].append(before)
     assert all(len(set(b)) == len(b) == 5 for b in behind.values()), behind
     for count in range(3, 22):
         names = list(range(count))
-        sequence = [name for index in range(10) for name in dflash2_policy.pass_order(names, index)]
-        assert all(sorted(dflash2_policy.pass_order(names, index)) == names for index in range(10))
+        sequence = [name for index in range(10) for name in dflash2_timing.pass_order(names, index)]
+        assert all(sorted(dflash2_timing.pass_order(names, index)) == names for index in range(10))
         assert all(before != name for before, name in zip(sequence, sequence[1:])), count
 
 

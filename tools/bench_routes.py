@@ -128,7 +128,7 @@ def measure(generator, max_tokens: int, repeats: int) -> tuple:
     """interleaved_ms over the arms; returns (timings, each arm's requests)."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
-    import dflash2_policy
+    import dflash2_timing
 
     prompt = apply_chat_template(generator.processor, generator.config, [{"role": "user", "content": PROMPT}])
     variant = Variant()
@@ -155,7 +155,7 @@ def measure(generator, max_tokens: int, repeats: int) -> tuple:
 
         return sample
 
-    timings = dflash2_policy.interleaved_ms({name: arm(name) for name in ARMS}, repeats)
+    timings = dflash2_timing.interleaved_ms({name: arm(name) for name in ARMS}, repeats)
     return timings, requests
 
 
@@ -168,7 +168,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 5 or args.max_tokens < 2:
         parser.error("--repeats must be at least 5 and --max-tokens at least 2")
-    import dflash2_policy
+    import dflash2_timing
 
     started = time.time()
     generator = start_engine(args.pack.resolve())
@@ -182,7 +182,7 @@ def main(argv=None):
         "round_costs": generator.speculation.drafter.round_costs.to_json(),
         "ms_per_token": {arm: {key: stats[key] for key in ("median", "min", "max", "samples")}
                          for arm, stats in timings.items()},
-        "plain_over_arm": {arm: dflash2_policy.paired_ratio(timings["plain"], stats) for arm, stats in timings.items()},
+        "plain_over_arm": {arm: dflash2_timing.paired_ratio(timings["plain"], stats) for arm, stats in timings.items()},
         # Every request, warm-up pass included: its route and the tokens its rounds gave.
         "routes": {arm: [request["route"] for request in done] for arm, done in requests.items()},
         "tokens_from_rounds": {arm: [request["tokens_from_rounds"] for request in done]

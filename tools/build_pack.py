@@ -52,6 +52,7 @@ RUNTIME_FILES = (
     "dflash2_responses_request.py",
     "dflash2_requests.py",
     "dflash2_runtime.py",
+    "dflash2_timing.py",
     "dflash2_policy.py",
     "dflash2_sampling.py",
     "dflash2_verdicts.py",
