@@ -46,7 +46,7 @@ from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashAttention, DF
 import dflash2_audit
 import dflash2_kernels
 import dflash2_pack
-import dflash2_policy
+import dflash2_rounds
 import dflash2_timing
 from dflash2_verdicts import VerdictCache
 
@@ -290,7 +290,7 @@ def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
 def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
     """Qwen3_5DecoderLayer.__call__; with the residual, decode's residual add and the norm
     after it in one launch instead of two (_add_and_norm, the same bits). During a plain
-    step the drafter's tap layers keep their outputs (dflash2_policy.keep_tap_output)."""
+    step the drafter's tap layers keep their outputs (dflash2_rounds.keep_tap_output)."""
     if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
         output = _stock_decoder_layer_call(self, x, mask, cache, position_ids, position_embeddings)
     else:
@@ -302,7 +302,7 @@ def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, posit
                 return self.self_attn(normed, mask=mask, cache=cache, position_ids=position_ids,
                                       position_embeddings=position_embeddings)
         output = _fused_residual_layer(self, x, mixer, _module_call)
-    dflash2_policy.keep_tap_output(self, output)
+    dflash2_rounds.keep_tap_output(self, output)
     return output
 
 
@@ -770,7 +770,7 @@ REPLACEMENTS = {
     "mlx_vlm.models.qwen3_5.language:apply_multimodal_rotary_pos_emb": _rotary_call,
     "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
         _hadamard_linear_call,
-    "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_policy.policy_rounds,
+    "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_rounds.policy_rounds,
     "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__": _decoder_layer_call,
     "mlx_vlm.models.qwen3_5.language:Qwen3_5MLP.__call__": _mlp_call,
 }
@@ -917,7 +917,7 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
             (hidden, mx.concatenate([s.hidden_states[i] for s in steps[:length]], axis=1))
             for i, hidden in enumerate(out.hidden_states)
         ]
-        pairs += list(zip(dflash2_policy.cache_arrays(trial), dflash2_policy.cache_arrays(after[accepted + 1])))
+        pairs += list(zip(dflash2_rounds.cache_arrays(trial), dflash2_rounds.cache_arrays(after[accepted + 1])))
         counts = _differing_bits(pairs)
         return sum(counts), counts
 
@@ -989,7 +989,7 @@ def decode_arm_differences(language_model, arms) -> dict:
     def step(arm):
         use_decode_arm(arm)
         trial = copy.deepcopy(cache)
-        arrays = [language_model(mx.array([[5]]), cache=trial).logits, *dflash2_policy.cache_arrays(trial)]
+        arrays = [language_model(mx.array([[5]]), cache=trial).logits, *dflash2_rounds.cache_arrays(trial)]
         mx.eval(arrays)
         return arrays
 

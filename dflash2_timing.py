@@ -15,7 +15,8 @@ import mlx.core as mx
 from mlx_vlm.generate.common import generation_stream as batch_stream
 from mlx_vlm.speculative.common import _dflash_block_total, generation_stream
 
-from dflash2_policy import RequestDecoder, RoundCosts, argmax_tokens, cache_arrays
+from dflash2_policy import RoundCosts
+from dflash2_rounds import RequestDecoder, argmax_tokens, cache_arrays
 
 
 def _synchronize() -> None:

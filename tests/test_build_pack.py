@@ -327,6 +327,7 @@ LAYERS = [
     "dflash2_requests",
     "dflash2_runtime",
     "dflash2_timing",
+    "dflash2_rounds",
     "dflash2_policy",
     "dflash2_sampling",
     "dflash2_verdicts",

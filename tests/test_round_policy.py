@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_policy
+import dflash2_rounds
 import dflash2_timing
 from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
 from kernel_cases import patch_kernels
@@ -215,7 +216,7 @@ def test_a_plain_run_teaches_only_its_steady_steps():
     """The refill (first token) and the last gap, which builds no step after it (on the
     H200 the device's time alone), are left out; runs too short for a steady step teach
     nothing, and a table fed only those keeps its step."""
-    steady = dflash2_policy.steady_plain_steps
+    steady = dflash2_rounds.steady_plain_steps
     assert steady([90.0, 126.5, 163.0, 199.5, 225.5]) == (3, 109.5)  # 36.5 ms steps, a 26 ms last gap
     assert steady([90.0]) == (0, 0.0) and steady([90.0, 116.0]) == (0, 0.0)
     table = RoundCosts(36.5, {2: 1.5}, {2: 0.2}, 1.0, learning=True)
@@ -304,7 +305,7 @@ def test_plain_steps_record_the_taps_capture_layer_ids_gives(target):  # noqa: F
     caches = [lm.make_cache(), lm.make_cache()]
     outs = [lm(ids, cache=cache, capture_layer_ids=taps) for cache in caches]
     first = int(mx.argmax(outs[0].logits[0, -1]).item())
-    decoder = dflash2_policy.RequestDecoder(
+    decoder = dflash2_rounds.RequestDecoder(
         model, drafter, caches[0], mx.concatenate(outs[0].hidden_states, -1), first,
         lambda x: mx.argmax(x, -1), mx.int32)
     tokens = list(decoder.plain_steps(3))
@@ -676,5 +677,5 @@ def test_a_batch_cache_s_state_is_its_whole_buffers():
     attention.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
     recurrent = ArraysCache(size=2)
     recurrent[0] = mx.zeros((1, 3, 8))
-    arrays = dflash2_policy.cache_arrays([attention, recurrent])
+    arrays = dflash2_rounds.cache_arrays([attention, recurrent])
     assert [a.shape for a in arrays] == [attention.keys.shape, attention.values.shape, (1, 3, 8)]

@@ -52,6 +52,7 @@ from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
 import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
+import dflash2_rounds  # noqa: E402
 import dflash2_runtime  # noqa: E402
 import dflash2_sampling  # noqa: E402
 import dflash2_timing  # noqa: E402
@@ -88,7 +89,7 @@ def prefill(lm, tokens, taps):
     cache = lm.make_cache()
     out = lm(mx.array([tokens]), cache=cache, capture_layer_ids=taps)
     hidden = mx.concatenate(out.hidden_states, axis=-1)
-    mx.eval(hidden, dflash2_policy.cache_arrays(cache))
+    mx.eval(hidden, dflash2_rounds.cache_arrays(cache))
     return cache, hidden
 
 
@@ -108,7 +109,7 @@ def prefilled_target(size: str, context: int) -> tuple:
 
 def cache_settler(cache):
     """settle(): evaluate what steps on `cache` left lazy (its KV and recurrent states)."""
-    return lambda: mx.eval(dflash2_policy.cache_arrays(cache))
+    return lambda: mx.eval(dflash2_rounds.cache_arrays(cache))
 
 
 def decode_steps(lm, cache):
@@ -122,7 +123,7 @@ def decode_steps(lm, cache):
     return steps
 
 
-def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_policy.commit_round):
+def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_rounds.commit_round):
     """steps(count): `count` exact verify rounds of `length` positions on `cache` (forward,
     greedy choice, commit of `accepted` drafts: half the block unless given), committed as
     the server commits (or by `commit`)."""
@@ -156,7 +157,7 @@ def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
     `hidden` still covers every position `cache` holds; the other arms then grow `cache`
     past what its drafter has read, which changes the target's key lengths, as a longer
     request would, and not what a round runs."""
-    decoder = dflash2_policy.RequestDecoder(lm, drafter, cache, hidden, 7, lambda logits: mx.argmax(logits, axis=-1),
+    decoder = dflash2_rounds.RequestDecoder(lm, drafter, cache, hidden, 7, lambda logits: mx.argmax(logits, axis=-1),
                                             mx.int32)
 
     def steps(count):
@@ -169,7 +170,7 @@ def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
 
 def on_generation_stream(steps):
     def run(count):
-        with mx.stream(dflash2_policy.generation_stream):
+        with mx.stream(dflash2_rounds.generation_stream):
             steps(count)
 
     return run
@@ -198,7 +199,7 @@ def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
             drafts = dflash2_runtime.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
             arms[f"draft {form}, {name}"] = dflash2_timing.steady_ms(drafts, run, settle)
     # The commit as mlx-vlm leaves it, lazy for the next round's first evaluation: its graphs
-    # change shape and MLX instantiates them anew (dflash2_policy.commit_round).
+    # change shape and MLX instantiates them anew (dflash2_rounds.commit_round).
     arms[f"verify {BLOCK}, commit left lazy"] = dflash2_timing.steady_ms(
         verify_round_steps(lm, cache, taps, BLOCK, commit=commit_speculative_round), run, settle)
     arms[f"verify {BLOCK}, generation stream"] = dflash2_timing.steady_ms(
@@ -830,7 +831,7 @@ def summary_markdown(r) -> str:
                               for L, ratios in by_eval_every.items()) + "."]
     served_round = r.get("served_round_by_part")  # absent from records before it was timed
     if served_round:
-        lines += ["", f"The server's round at block {BLOCK} (dflash2_policy.RequestDecoder.round: draft, verify, "
+        lines += ["", f"The server's round at block {BLOCK} (dflash2_rounds.RequestDecoder.round: draft, verify, "
                   "walk, commit, on mlx-vlm's generation stream) and its parts timed alone, in decode steps: "
                   + "; ".join(f"{part} {ratio:.2f}" for part, ratio in served_round.items())
                   + ". The cost table's verify is a round less the drafter's pass."]

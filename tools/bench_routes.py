@@ -74,12 +74,13 @@ class Variant:
         import mlx.core as mx
 
         import dflash2_policy as policy
+        import dflash2_rounds
 
         self.flags = ()
-        rounds, decoder = policy.RoundPolicy, policy.RequestDecoder
+        rounds, decoder = policy.RoundPolicy, dflash2_rounds.RequestDecoder
         choose_block, plain_run = rounds.choose_block, rounds.plain_run
         plain_step, start = decoder._plain_step, decoder.__init__
-        speculative_stream = policy.generation_stream
+        speculative_stream = dflash2_rounds.generation_stream
         rounds.choose_block = lambda p, remaining: None if "no_rounds" in self.flags else choose_block(p, remaining)
         rounds.plain_run = lambda p, remaining: remaining if "no_rounds" in self.flags else plain_run(p, remaining)
 
@@ -91,11 +92,11 @@ class Variant:
 
         def choose_stream(decoder, *args, **kwargs):  # read when each round or step is built
             worker = "worker_stream" in self.flags
-            policy.generation_stream = mx.default_stream(mx.default_device()) if worker else speculative_stream
+            dflash2_rounds.generation_stream = mx.default_stream(mx.default_device()) if worker else speculative_stream
             start(decoder, *args, **kwargs)
 
         decoder._plain_step, decoder.__init__ = drop_taps, choose_stream
-        self.restore_stream = lambda: setattr(policy, "generation_stream", speculative_stream)
+        self.restore_stream = lambda: setattr(dflash2_rounds, "generation_stream", speculative_stream)
 
 
 def timed_request(generator, prompt, max_tokens: int, speculative: bool) -> dict:

@@ -53,6 +53,7 @@ RUNTIME_FILES = (
     "dflash2_requests.py",
     "dflash2_runtime.py",
     "dflash2_timing.py",
+    "dflash2_rounds.py",
     "dflash2_policy.py",
     "dflash2_sampling.py",
     "dflash2_verdicts.py",

@@ -28,7 +28,7 @@ import bench  # noqa: E402  (first: it sets MLX's CUDA graph cache before MLX st
 import mlx.core as mx  # noqa: E402
 
 import dflash2_kernels  # noqa: E402
-import dflash2_policy  # noqa: E402
+import dflash2_rounds  # noqa: E402
 import dflash2_runtime  # noqa: E402
 import dflash2_timing  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -141,7 +141,7 @@ def split_steps(lm, cache, taps, blocks) -> dict:
             with dflash2_runtime.verify_eval_every(every):
                 hidden_out, states, tokens = bench.dflash_rounds._dflash_verify_greedy(
                     lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1))
-            return [tokens, hidden_out], lambda: dflash2_policy.commit_round(lm, cache, states, length // 2, length)
+            return [tokens, hidden_out], lambda: dflash2_rounds.commit_round(lm, cache, states, length // 2, length)
 
         return step
 
