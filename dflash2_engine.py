@@ -86,6 +86,7 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     """Installs the runtime and loads the drafter; runs on mlx-vlm's worker thread, right
     after it loaded the target."""
     import dflash2_policy
+    import dflash2_rounds
     import dflash2_runtime
     import dflash2_sampling
     import dflash2_timing
@@ -146,7 +147,7 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     if getattr(drafter, "prefer_requested_block_size", False):
         logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
                     "whatever the table says", drafter.config.runtime_block_size)
-    elif not dflash2_policy.rounds_can_pay(drafter):
+    elif not dflash2_rounds.rounds_can_pay(drafter):
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
                     "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "
                     "gets one in %d to learn from", dflash2_policy.ROUTE_PROBE_EVERY)
@@ -310,12 +311,12 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
         speculation = Speculation()  # no drafter: every request plain
 
         def __init__(self, *args, **kwargs):
-            import dflash2_policy
+            import dflash2_rounds
 
             # Records of requests generate() queued and the worker has not admitted yet,
             # by id of their GenerationArguments: how each route reaches the worker.
             self.waiting_records = {}
-            self.speculative_route = dflash2_policy.SpeculativeRoute()
+            self.speculative_route = dflash2_rounds.SpeculativeRoute()
             super().__init__(*args, **kwargs)
             # Reentrant: _cpu_preprocess takes it too, for count_tokens, which calls it directly.
             self._tokenizer_lock = threading.RLock()
@@ -328,7 +329,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
 
         def rounds_can_pay(self, kind: str = "greedy") -> bool:
             """Whether a request of this acceptance kind (greedy or sampled) goes speculative
-            (dflash2_policy.SpeculativeRoute)."""
+            (dflash2_rounds.SpeculativeRoute)."""
             return self.speculative_route(self.speculation.drafter, kind)
 
         def _make_sampler(self, args):

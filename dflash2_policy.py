@@ -16,8 +16,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mlx_vlm.speculative.common import _dflash_block_total
-
 from dflash2_kernels import MAX_ROWS
 
 # A round is chosen over plain steps only when its expected tokens per decode-step-equivalent
@@ -46,7 +44,7 @@ ROUTE_PROBE_EVERY = 16
 # the drafter's recent rounds seed each request's acceptance estimate, weighing as much as
 # this many rounds; each round recorded there ages the rest by MEMORY_DECAY (plain steps
 # teach nothing, so they forget nothing). Where that estimate says no block pays, greedy
-# requests are routed plain (rounds_can_pay) but for the probes above.
+# requests are routed plain (dflash2_rounds.rounds_can_pay) but for the probes above.
 MEMORY_WEIGHT = 1.0
 MEMORY_DECAY = 0.9
 # Acceptance kinds: sampled requests accept fewer drafts than greedy ones (a draft is the
@@ -168,40 +166,6 @@ class RoundCosts:
         return (f"decode step {self.decode_step_ms:.2f} ms; round cost in decode steps "
                 f"(block: verify+draft) {rounds}; the first plain step after a round "
                 f"+{self.refill_steps:.2f}; speculation {verdict}")
-
-
-def rounds_can_pay(draft_model, kind: str = GREEDY) -> bool:
-    """Whether requests of this acceptance kind on this drafter should go speculative: its cost table as it
-    is now has a block up to the drafter's ceiling that beats plain decoding (by PAY_MARGIN)
-    at full acceptance and, where the drafter remembers its acceptance across requests, at
-    the acceptance its recent rounds showed (or the block is fixed, and rounds run whatever
-    they cost). When not, the policy would serve the request with plain steps, so the server
-    routes it plain: same tokens, decoded by mlx-vlm's own plain loop (on the H200 the round
-    loop's plain steps ran slower than it), and its prefill skips capturing the drafter's taps."""
-    costs = getattr(draft_model, "round_costs", None)
-    if costs is None or getattr(draft_model, "prefer_requested_block_size", False):
-        return True
-    ceiling = _dflash_block_total(draft_model, None)
-    memory = getattr(draft_model, "acceptance_memory", None)
-    return costs.can_pay(ceiling) and (memory is None or memory.rounds_pay(costs, ceiling, kind))
-
-
-class SpeculativeRoute:
-    """Whether a request of an acceptance kind goes speculative: while the drafter's rounds
-    pay (rounds_can_pay), or, while they do not by a measured table, every
-    ROUTE_PROBE_EVERY-th such request of that kind, whose rounds the table and the
-    acceptance memory learn from (plain-routed requests teach them nothing)."""
-
-    def __init__(self):
-        self.unpaid = {GREEDY: 0, SAMPLED: 0}
-
-    def __call__(self, draft_model, kind: str = GREEDY) -> bool:
-        if draft_model is None or rounds_can_pay(draft_model, kind):
-            return True
-        if not draft_model.round_costs.learning:
-            return False
-        self.unpaid[kind] += 1
-        return self.unpaid[kind] % ROUTE_PROBE_EVERY == 0
 
 
 # ---------------------------------------------------------------------------
@@ -341,7 +305,8 @@ class RoundPolicy:
         if best is None:
             return None
         # A request's first round runs whatever it is expected to give: the server routes a
-        # greedy request speculative only where rounds pay or as a probe (SpeculativeRoute).
+        # greedy request speculative only where rounds pay or as a probe
+        # (dflash2_rounds.SpeculativeRoute).
         if self.pays(best) or self.rounds == 0:
             return best
         # Otherwise a round runs only as a probe, within the budget for rounds that do not pay.

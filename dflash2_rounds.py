@@ -3,6 +3,8 @@
 `policy_rounds` replaces mlx-vlm's greedy DFlash round loop (dflash2_audit.REPLACED). Plain
 steps are decode's own call and greedy rule; the drafter still needs the target's tap hidden
 states of the tokens they produce, which `keep_tap_output` records during a plain step.
+`rounds_can_pay` and `SpeculativeRoute` say which requests the server routes to this loop:
+they read the drafter's block ceiling through mlx-vlm, so they live here, not in the policy.
 """
 
 import time
@@ -18,8 +20,46 @@ from mlx_vlm.speculative.common import (
     generation_stream,
 )
 
-from dflash2_policy import GREEDY, SAMPLED, RoundCounts, RoundPolicy
+from dflash2_policy import GREEDY, ROUTE_PROBE_EVERY, SAMPLED, RoundCounts, RoundPolicy
 from dflash2_sampling import is_position_keyed, logprobs_like_decode
+
+
+# ---------------------------------------------------------------------------
+# Which requests go speculative
+
+
+def rounds_can_pay(draft_model, kind: str = GREEDY) -> bool:
+    """Whether requests of this acceptance kind on this drafter should go speculative: its cost table as it
+    is now has a block up to the drafter's ceiling that beats plain decoding (by PAY_MARGIN)
+    at full acceptance and, where the drafter remembers its acceptance across requests, at
+    the acceptance its recent rounds showed (or the block is fixed, and rounds run whatever
+    they cost). When not, the policy would serve the request with plain steps, so the server
+    routes it plain: same tokens, decoded by mlx-vlm's own plain loop (on the H200 the round
+    loop's plain steps ran slower than it), and its prefill skips capturing the drafter's taps."""
+    costs = getattr(draft_model, "round_costs", None)
+    if costs is None or getattr(draft_model, "prefer_requested_block_size", False):
+        return True
+    ceiling = _dflash_block_total(draft_model, None)
+    memory = getattr(draft_model, "acceptance_memory", None)
+    return costs.can_pay(ceiling) and (memory is None or memory.rounds_pay(costs, ceiling, kind))
+
+
+class SpeculativeRoute:
+    """Whether a request of an acceptance kind goes speculative: while the drafter's rounds
+    pay (rounds_can_pay), or, while they do not by a measured table, every
+    ROUTE_PROBE_EVERY-th such request of that kind, whose rounds the table and the
+    acceptance memory learn from (plain-routed requests teach them nothing)."""
+
+    def __init__(self):
+        self.unpaid = {GREEDY: 0, SAMPLED: 0}
+
+    def __call__(self, draft_model, kind: str = GREEDY) -> bool:
+        if draft_model is None or rounds_can_pay(draft_model, kind):
+            return True
+        if not draft_model.round_costs.learning:
+            return False
+        self.unpaid[kind] += 1
+        return self.unpaid[kind] % ROUTE_PROBE_EVERY == 0
 
 
 # ---------------------------------------------------------------------------

@@ -176,23 +176,23 @@ def test_routing_asks_whether_a_block_up_to_the_ceiling_beats_plain_at_full_acce
     # and it must beat plain by PAY_MARGIN.
     tie = RoundCosts(1.0, {b: b - 0.5 for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=True)
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=tie)
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(drafter)
     tie.verify_steps_by_block[6] = 6 / PAY_MARGIN - 0.5  # block 6 at exactly the margin: not yet
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(drafter)
     tie.verify_steps_by_block[6] -= 0.01  # now it pays, by a hundredth of a step
-    assert dflash2_policy.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(drafter)
     drafter.config.runtime_block_size = 5  # beyond the drafter's ceiling it does not count
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(drafter)
     # The live table: plain steps observed slower make the same rounds pay.
     tie.observe_plain(10, 20.0)
-    assert dflash2_policy.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(drafter)
     # A fixed block runs rounds whatever they cost; without a table mlx-vlm's loop runs.
     never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS})
     drafter.round_costs = never
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(drafter)
     drafter.prefer_requested_block_size = True
-    assert dflash2_policy.rounds_can_pay(drafter)
-    assert dflash2_policy.rounds_can_pay(SimpleNamespace(config=drafter.config))
+    assert dflash2_rounds.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(SimpleNamespace(config=drafter.config))
 
 
 def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes():
@@ -203,7 +203,7 @@ def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes(
         return SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=never)
 
     every = dflash2_policy.ROUTE_PROBE_EVERY
-    measured, given = dflash2_policy.SpeculativeRoute(), dflash2_policy.SpeculativeRoute()
+    measured, given = dflash2_rounds.SpeculativeRoute(), dflash2_rounds.SpeculativeRoute()
     learning, fixed = drafter(True), drafter(False)
     routes = [measured(learning) for _ in range(2 * every)]
     assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
@@ -531,11 +531,11 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     memory = dflash2_policy.AcceptanceMemory(8)
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=refilled,
                               acceptance_memory=memory)
-    assert memory.rounds_pay(refilled, 8) and dflash2_policy.rounds_can_pay(drafter)  # nothing seen yet
+    assert memory.rounds_pay(refilled, 8) and dflash2_rounds.rounds_can_pay(drafter)  # nothing seen yet
     for _ in range(3):
         memory.record(2, 0)
-    assert not memory.rounds_pay(refilled, 8) and not dflash2_policy.rounds_can_pay(drafter)
-    route, every = dflash2_policy.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
+    assert not memory.rounds_pay(refilled, 8) and not dflash2_rounds.rounds_can_pay(drafter)
+    route, every = dflash2_rounds.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
     routes = [route(drafter) for _ in range(2 * every)]
     assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
     estimate = memory.start_request()  # a probe reaches the round loop
@@ -569,14 +569,14 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     oracle.prefer_requested_block_size = False
     oracle.round_costs = table
     oracle.acceptance_memory = dflash2_policy.AcceptanceMemory(8)
-    assert dflash2_policy.rounds_can_pay(oracle)
+    assert dflash2_rounds.rounds_can_pay(oracle)
     assert greedy(model, ids, GENERATED, drafter=oracle) == plain
     assert oracle.round_counts.tokens_from_rounds >= 1
-    assert not dflash2_policy.rounds_can_pay(oracle)
+    assert not dflash2_rounds.rounds_can_pay(oracle)
     assert greedy(model, ids, GENERATED, drafter=oracle) == plain  # a probe
     assert oracle.draft_lens[:1] and oracle.round_counts.tokens_from_plain_steps >= GENERATED - 3
     del oracle.acceptance_memory
-    assert dflash2_policy.rounds_can_pay(oracle)
+    assert dflash2_rounds.rounds_can_pay(oracle)
 
 
 def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain,  # noqa: F811

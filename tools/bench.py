@@ -521,7 +521,7 @@ def main():
             kind = dflash2_policy.GREEDY if temperature is None else dflash2_policy.SAMPLED
             if block is None and not first_request:
                 memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
-                routes[key] = dflash2_policy.SpeculativeRoute()
+                routes[key] = dflash2_rounds.SpeculativeRoute()
 
             def run(tokens):
                 dflash2_runtime.use_decode_arm(chosen_arm)
