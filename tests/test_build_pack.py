@@ -360,3 +360,9 @@ def test_the_pack_ships_every_module_and_imports_run_downward():
         assert not upward, f"{name} imports {upward}"
     for path in (REPO / "tools").rglob("*.py"):
         assert not imported_modules(path) & {"serve", "serve_dflash2"}, path.name
+
+
+def test_the_round_policy_decides_without_mlx():
+    # Its decisions are plain Python on measured numbers; dflash2_rounds and dflash2_timing run
+    # MLX. (It still takes MAX_ROWS, a kernel's limit, from dflash2_kernels.)
+    assert not imported_modules(REPO / "dflash2_policy.py") & {"mlx", "mlx_vlm"}
