@@ -17,7 +17,8 @@ from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5 import gated_delta as gated_delta_module
 
 import dflash2_kernels
-import dflash2_policy
+import dflash2_rounds
+import dflash2_timing
 from dflash2_verify import (
     _exact_linear_group,
     _fused_residual_layer,
@@ -141,7 +142,7 @@ def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
 def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
     """Qwen3_5DecoderLayer.__call__; with the residual, decode's residual add and the norm
     after it in one launch instead of two (_add_and_norm, the same bits). During a plain
-    step the drafter's tap layers keep their outputs (dflash2_policy.keep_tap_output)."""
+    step the drafter's tap layers keep their outputs (dflash2_rounds.keep_tap_output)."""
     if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
         output = _stock_decoder_layer_call(self, x, mask, cache, position_ids, position_embeddings)
     else:
@@ -153,7 +154,7 @@ def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, posit
                 return self.self_attn(normed, mask=mask, cache=cache, position_ids=position_ids,
                                       position_embeddings=position_embeddings)
         output = _fused_residual_layer(self, x, mixer, _module_call)
-    dflash2_policy.keep_tap_output(self, output)
+    dflash2_rounds.keep_tap_output(self, output)
     return output
 
 
@@ -203,7 +204,7 @@ def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int =
 
         return run
 
-    return dflash2_policy.interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats)
+    return dflash2_timing.interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats)
 
 
 def use_decode_arm(arm: str) -> None:
@@ -224,7 +225,7 @@ def decode_arm_differences(language_model, arms) -> dict:
     def step(arm):
         use_decode_arm(arm)
         trial = copy.deepcopy(cache)
-        arrays = [language_model(mx.array([[5]]), cache=trial).logits, *dflash2_policy.cache_arrays(trial)]
+        arrays = [language_model(mx.array([[5]]), cache=trial).logits, *dflash2_rounds.cache_arrays(trial)]
         mx.eval(arrays)
         return arrays
 

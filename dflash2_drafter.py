@@ -16,7 +16,7 @@ from mlx_vlm.speculative.drafters.dflash2.dflash2 import DFlash2DraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashAttention, DFlashDraftModel
 
 import dflash2_kernels
-import dflash2_policy
+import dflash2_timing
 from dflash2_audit import _with_globals
 
 
@@ -129,10 +129,10 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
     def sample(bf16):
         # The arms start one row apart: no key length of one is ever the other's.
         run = drafter_passes(model, drafter, context[:, int(bf16):], bf16, block)
-        return dflash2_policy.timed_ms(lambda: run(passes))
+        return dflash2_timing.timed_ms(lambda: run(passes))
 
-    pass_ms = dflash2_policy.interleaved_ms({"bf16": sample(True), "promoted": sample(False)}, repeats)
-    bf16 = dflash2_policy.paired_ratio(pass_ms["bf16"], pass_ms["promoted"]) < 1.0  # by pass
+    pass_ms = dflash2_timing.interleaved_ms({"bf16": sample(True), "promoted": sample(False)}, repeats)
+    bf16 = dflash2_timing.paired_ratio(pass_ms["bf16"], pass_ms["promoted"]) < 1.0  # by pass
     use_drafter_bf16(bf16)
     drafter.reset(model)
     return DrafterDtypeChoice(

@@ -87,8 +87,10 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     after it loaded the target."""
     import dflash2_drafter
     import dflash2_policy
+    import dflash2_rounds
     import dflash2_runtime
     import dflash2_sampling
+    import dflash2_timing
     import dflash2_verdicts
     from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
 
@@ -130,7 +132,7 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
         runtime["drafter_activations"] = dtype.summary()
         # A cached table keeps learning from requests, as one measured now does.
         drafter.round_costs = setup.round_costs or verdicts.check(
-            "round costs", lambda: dflash2_policy.measure_round_costs(model, drafter),
+            "round costs", lambda: dflash2_timing.measure_round_costs(model, drafter),
             lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table), learning=True),
             dflash2_policy.RoundCosts.to_json)
     except Exception:
@@ -146,7 +148,7 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     if getattr(drafter, "prefer_requested_block_size", False):
         logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
                     "whatever the table says", drafter.config.runtime_block_size)
-    elif not dflash2_policy.rounds_can_pay(drafter):
+    elif not dflash2_rounds.rounds_can_pay(drafter):
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
                     "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "
                     "gets one in %d to learn from", dflash2_policy.ROUTE_PROBE_EVERY)
@@ -310,12 +312,12 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
         speculation = Speculation()  # no drafter: every request plain
 
         def __init__(self, *args, **kwargs):
-            import dflash2_policy
+            import dflash2_rounds
 
             # Records of requests generate() queued and the worker has not admitted yet,
             # by id of their GenerationArguments: how each route reaches the worker.
             self.waiting_records = {}
-            self.speculative_route = dflash2_policy.SpeculativeRoute()
+            self.speculative_route = dflash2_rounds.SpeculativeRoute()
             super().__init__(*args, **kwargs)
             # Reentrant: _cpu_preprocess takes it too, for count_tokens, which calls it directly.
             self._tokenizer_lock = threading.RLock()
@@ -328,7 +330,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
 
         def rounds_can_pay(self, kind: str = "greedy") -> bool:
             """Whether a request of this acceptance kind (greedy or sampled) goes speculative
-            (dflash2_policy.SpeculativeRoute)."""
+            (dflash2_rounds.SpeculativeRoute)."""
             return self.speculative_route(self.speculation.drafter, kind)
 
         def _make_sampler(self, args):

@@ -41,7 +41,7 @@ from mlx_vlm.apc import media_token_spans, multimodal_token_ids_from_config
 from mlx_vlm.generate.ar import PromptProcessingBatch, _slice_sequence_aligned_prompt_kwarg
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from dflash2_policy import context_window, serves_rounds
+from dflash2_rounds import context_window, serves_rounds
 
 # The cache layers a snapshot knows how to copy (quantized KV is not among them).
 SNAPSHOT_TYPES = (KVCache, BatchKVCache, ArraysCache)

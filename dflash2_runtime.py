@@ -32,7 +32,7 @@ from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 import dflash2_audit
 import dflash2_kernels
 import dflash2_pack
-import dflash2_policy
+import dflash2_rounds
 from dflash2_audit import _with_globals
 from dflash2_decode_arms import (
     DecodePathChoice,
@@ -135,7 +135,7 @@ REPLACEMENTS = {
     "mlx_vlm.models.qwen3_5.language:apply_multimodal_rotary_pos_emb": _rotary_call,
     "mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35:HadamardQuantizedLinear.__call__":
         _hadamard_linear_call,
-    "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_policy.policy_rounds,
+    "mlx_vlm.speculative.utils:_dflash_rounds": dflash2_rounds.policy_rounds,
     "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__": _decoder_layer_call,
     "mlx_vlm.models.qwen3_5.language:Qwen3_5MLP.__call__": _mlp_call,
 }
@@ -269,7 +269,7 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
             (hidden, mx.concatenate([s.hidden_states[i] for s in steps[:length]], axis=1))
             for i, hidden in enumerate(out.hidden_states)
         ]
-        pairs += list(zip(dflash2_policy.cache_arrays(trial), dflash2_policy.cache_arrays(after[accepted + 1])))
+        pairs += list(zip(dflash2_rounds.cache_arrays(trial), dflash2_rounds.cache_arrays(after[accepted + 1])))
         counts = _differing_bits(pairs)
         return sum(counts), counts
 

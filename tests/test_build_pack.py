@@ -329,6 +329,8 @@ LAYERS = [
     "dflash2_decode_arms",
     "dflash2_drafter",
     "dflash2_verify",
+    "dflash2_timing",
+    "dflash2_rounds",
     "dflash2_policy",
     "dflash2_sampling",
     "dflash2_verdicts",
@@ -361,3 +363,9 @@ def test_the_pack_ships_every_module_and_imports_run_downward():
         assert not upward, f"{name} imports {upward}"
     for path in (REPO / "tools").rglob("*.py"):
         assert not imported_modules(path) & {"serve", "serve_dflash2"}, path.name
+
+
+def test_the_round_policy_decides_without_mlx():
+    # Its decisions are plain Python on measured numbers; dflash2_rounds and dflash2_timing run
+    # MLX. (It still takes MAX_ROWS, a kernel's limit, from dflash2_kernels.)
+    assert not imported_modules(REPO / "dflash2_policy.py") & {"mlx", "mlx_vlm"}

@@ -537,28 +537,29 @@ def test_bench_routes_summary_gives_each_arm_its_routes_and_ratio_to_plain():
 
 
 def test_bench_routes_variants_change_the_round_loop_only_while_flagged(monkeypatch, tmp_path):
-    """bench_routes' measurement variants patch dflash2_policy's round loop: with no flag each
-    patched call is the policy's own; no_rounds chooses plain steps for the whole request,
-    drop_taps drops the tap a plain step kept, worker_stream builds the request on the calling
-    thread's default stream until restore_stream. Its arguments are checked before any engine
-    starts."""
+    """bench_routes' measurement variants patch the round loop (dflash2_policy's choices,
+    dflash2_rounds' steps): with no flag each patched call is the policy's own; no_rounds
+    chooses plain steps for the whole request, drop_taps drops the tap a plain step kept,
+    worker_stream builds the request on the calling thread's default stream until
+    restore_stream. Its arguments are checked before any engine starts."""
     from types import SimpleNamespace
 
     import mlx.core as mx
 
     import bench_routes
     import dflash2_policy as policy
+    import dflash2_rounds
 
     calls = []
     # Stand-ins for what the variant wraps (monkeypatch puts the real ones back afterwards).
     monkeypatch.setattr(policy.RoundPolicy, "choose_block", lambda p, remaining: 4)
     monkeypatch.setattr(policy.RoundPolicy, "plain_run", lambda p, remaining: 0)
-    monkeypatch.setattr(policy.RequestDecoder, "_plain_step", lambda d, token: d.context.append(token) or token + 1)
-    monkeypatch.setattr(policy.RequestDecoder, "__init__", lambda d, *a, **k: calls.append(policy.generation_stream))
-    monkeypatch.setattr(policy, "generation_stream", policy.generation_stream)
-    served = policy.generation_stream
+    monkeypatch.setattr(dflash2_rounds.RequestDecoder, "_plain_step", lambda d, token: d.context.append(token) or token + 1)
+    monkeypatch.setattr(dflash2_rounds.RequestDecoder, "__init__", lambda d, *a, **k: calls.append(dflash2_rounds.generation_stream))
+    monkeypatch.setattr(dflash2_rounds, "generation_stream", dflash2_rounds.generation_stream)
+    served = dflash2_rounds.generation_stream
     variant = bench_routes.Variant()
-    rounds, decoder = policy.RoundPolicy, policy.RequestDecoder
+    rounds, decoder = policy.RoundPolicy, dflash2_rounds.RequestDecoder
     step = SimpleNamespace(context=[])
 
     assert rounds.choose_block(None, 9) == 4 and rounds.plain_run(None, 9) == 0
@@ -573,7 +574,7 @@ def test_bench_routes_variants_change_the_round_loop_only_while_flagged(monkeypa
     assert calls[-1] == mx.default_stream(mx.default_device()) and calls[-1] != served
     variant.flags = ()
     variant.restore_stream()
-    assert policy.generation_stream is served
+    assert dflash2_rounds.generation_stream is served
 
     with pytest.raises(SystemExit) as refused:
         bench_routes.main(["--pack", str(tmp_path), "--repeats", "4"])

@@ -262,16 +262,17 @@ def sliding_drafter(target, monkeypatch):
     target had processed, and the drafter's cache offsets right after its first draft)."""
     import dflash2_policy
     import dflash2_drafter
+    import dflash2_rounds
     from bench_prefix import attention_layout_kept
 
     _, _, drafter = target
     blocks = range(2, dflash2_policy.MAX_ROWS + 1)
     monkeypatch.setattr(drafter, "round_costs", dflash2_policy.RoundCosts(60.0, {b: 0.5 for b in blocks},
                                                                           {b: 0.1 for b in blocks}), raising=False)
-    seen, start, draft = [], dflash2_policy.RequestDecoder.__init__, dflash2_policy.RequestDecoder.draft
+    seen, start, draft = [], dflash2_rounds.RequestDecoder.__init__, dflash2_rounds.RequestDecoder.draft
 
     def recording_start(self, model, draft_model, prompt_cache, hidden, *args):
-        seen.append({"hidden": hidden, "processed": dflash2_policy.processed_tokens(prompt_cache)})
+        seen.append({"hidden": hidden, "processed": dflash2_rounds.processed_tokens(prompt_cache)})
         start(self, model, draft_model, prompt_cache, hidden, *args)
 
     def recording_draft(self, block, hidden):
@@ -279,8 +280,8 @@ def sliding_drafter(target, monkeypatch):
         seen[-1].setdefault("offsets", [layer.offset for layer in self.draft_cache])
         return tokens
 
-    monkeypatch.setattr(dflash2_policy.RequestDecoder, "__init__", recording_start)
-    monkeypatch.setattr(dflash2_policy.RequestDecoder, "draft", recording_draft)
+    monkeypatch.setattr(dflash2_rounds.RequestDecoder, "__init__", recording_start)
+    monkeypatch.setattr(dflash2_rounds.RequestDecoder, "draft", recording_draft)
     with attention_layout_kept(drafter):
         dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True))
         yield drafter, seen

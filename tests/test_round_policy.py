@@ -13,6 +13,8 @@ import mlx.core as mx
 import pytest
 
 import dflash2_policy
+import dflash2_rounds
+import dflash2_timing
 from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
 from kernel_cases import patch_kernels
 from oracle_drafter import OracleDrafter
@@ -174,23 +176,23 @@ def test_routing_asks_whether_a_block_up_to_the_ceiling_beats_plain_at_full_acce
     # and it must beat plain by PAY_MARGIN.
     tie = RoundCosts(1.0, {b: b - 0.5 for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=True)
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=tie)
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(drafter)
     tie.verify_steps_by_block[6] = 6 / PAY_MARGIN - 0.5  # block 6 at exactly the margin: not yet
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(drafter)
     tie.verify_steps_by_block[6] -= 0.01  # now it pays, by a hundredth of a step
-    assert dflash2_policy.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(drafter)
     drafter.config.runtime_block_size = 5  # beyond the drafter's ceiling it does not count
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(drafter)
     # The live table: plain steps observed slower make the same rounds pay.
     tie.observe_plain(10, 20.0)
-    assert dflash2_policy.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(drafter)
     # A fixed block runs rounds whatever they cost; without a table mlx-vlm's loop runs.
     never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS})
     drafter.round_costs = never
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(drafter)
     drafter.prefer_requested_block_size = True
-    assert dflash2_policy.rounds_can_pay(drafter)
-    assert dflash2_policy.rounds_can_pay(SimpleNamespace(config=drafter.config))
+    assert dflash2_rounds.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(SimpleNamespace(config=drafter.config))
 
 
 def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes():
@@ -201,7 +203,7 @@ def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes(
         return SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=never)
 
     every = dflash2_policy.ROUTE_PROBE_EVERY
-    measured, given = dflash2_policy.SpeculativeRoute(), dflash2_policy.SpeculativeRoute()
+    measured, given = dflash2_rounds.SpeculativeRoute(), dflash2_rounds.SpeculativeRoute()
     learning, fixed = drafter(True), drafter(False)
     routes = [measured(learning) for _ in range(2 * every)]
     assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
@@ -214,7 +216,7 @@ def test_a_plain_run_teaches_only_its_steady_steps():
     """The refill (first token) and the last gap, which builds no step after it (on the
     H200 the device's time alone), are left out; runs too short for a steady step teach
     nothing, and a table fed only those keeps its step."""
-    steady = dflash2_policy.steady_plain_steps
+    steady = dflash2_rounds.steady_plain_steps
     assert steady([90.0, 126.5, 163.0, 199.5, 225.5]) == (3, 109.5)  # 36.5 ms steps, a 26 ms last gap
     assert steady([90.0]) == (0, 0.0) and steady([90.0, 116.0]) == (0, 0.0)
     table = RoundCosts(36.5, {2: 1.5}, {2: 0.2}, 1.0, learning=True)
@@ -303,7 +305,7 @@ def test_plain_steps_record_the_taps_capture_layer_ids_gives(target):  # noqa: F
     caches = [lm.make_cache(), lm.make_cache()]
     outs = [lm(ids, cache=cache, capture_layer_ids=taps) for cache in caches]
     first = int(mx.argmax(outs[0].logits[0, -1]).item())
-    decoder = dflash2_policy.RequestDecoder(
+    decoder = dflash2_rounds.RequestDecoder(
         model, drafter, caches[0], mx.concatenate(outs[0].hidden_states, -1), first,
         lambda x: mx.argmax(x, -1), mx.int32)
     tokens = list(decoder.plain_steps(3))
@@ -394,7 +396,7 @@ def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkey
         patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
         choice = dflash2_drafter.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
         assert set(choice.pass_ms) == {"bf16", "promoted"}
-        assert choice.bf16 == (dflash2_policy.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
+        assert choice.bf16 == (dflash2_timing.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
         assert dflash2_drafter._drafter_in_bf16() == choice.bf16
         assert ("drafter activations: bf16" if choice.bf16 else "drafter activations: promoted") in choice.summary()
     finally:
@@ -456,7 +458,7 @@ def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
     try:
         dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(block_cap=3))
         assert _dflash_block_total(drafter, None) == 3
-        costs = dflash2_policy.measure_round_costs(model, drafter, repeats=1, run=2)
+        costs = dflash2_timing.measure_round_costs(model, drafter, repeats=1, run=2)
         assert costs.blocks == [2, 3]
         assert 0.0 <= costs.refill_steps < float("inf") and costs.decode_step_ms > 0
     finally:
@@ -493,8 +495,8 @@ def test_start_up_costs_pair_each_arm_with_the_plain_steps_of_its_pass(target, m
                 stats([10.0 * factor.get(name, 1.5 if name[0] == "round" else 0.1) * f for f in slowed_later])
                 for name in arms}
 
-    monkeypatch.setattr(dflash2_policy, "interleaved_ms", timings)
-    costs = dflash2_policy.measure_round_costs(model, drafter)
+    monkeypatch.setattr(dflash2_timing, "interleaved_ms", timings)
+    costs = dflash2_timing.measure_round_costs(model, drafter)
     assert costs.decode_step_ms == 30.0 and costs.refill_steps == 0.0
     assert all(costs.round_steps(block) == pytest.approx(1.5) for block in costs.blocks)
 
@@ -529,11 +531,11 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     memory = dflash2_policy.AcceptanceMemory(8)
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=refilled,
                               acceptance_memory=memory)
-    assert memory.rounds_pay(refilled, 8) and dflash2_policy.rounds_can_pay(drafter)  # nothing seen yet
+    assert memory.rounds_pay(refilled, 8) and dflash2_rounds.rounds_can_pay(drafter)  # nothing seen yet
     for _ in range(3):
         memory.record(2, 0)
-    assert not memory.rounds_pay(refilled, 8) and not dflash2_policy.rounds_can_pay(drafter)
-    route, every = dflash2_policy.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
+    assert not memory.rounds_pay(refilled, 8) and not dflash2_rounds.rounds_can_pay(drafter)
+    route, every = dflash2_rounds.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
     routes = [route(drafter) for _ in range(2 * every)]
     assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
     estimate = memory.start_request()  # a probe reaches the round loop
@@ -567,14 +569,14 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     oracle.prefer_requested_block_size = False
     oracle.round_costs = table
     oracle.acceptance_memory = dflash2_policy.AcceptanceMemory(8)
-    assert dflash2_policy.rounds_can_pay(oracle)
+    assert dflash2_rounds.rounds_can_pay(oracle)
     assert greedy(model, ids, GENERATED, drafter=oracle) == plain
     assert oracle.round_counts.tokens_from_rounds >= 1
-    assert not dflash2_policy.rounds_can_pay(oracle)
+    assert not dflash2_rounds.rounds_can_pay(oracle)
     assert greedy(model, ids, GENERATED, drafter=oracle) == plain  # a probe
     assert oracle.draft_lens[:1] and oracle.round_counts.tokens_from_plain_steps >= GENERATED - 3
     del oracle.acceptance_memory
-    assert dflash2_policy.rounds_can_pay(oracle)
+    assert dflash2_rounds.rounds_can_pay(oracle)
 
 
 def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain,  # noqa: F811
@@ -616,15 +618,15 @@ def test_interleaved_ms_stops_after_a_timed_pass_when_the_repeats_left_would_pas
         return sample
 
     slow_warm_up = {"a": arm("a", warm_up_s=0.3), "b": arm("b")}
-    stats = dflash2_policy.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
+    stats = dflash2_timing.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
     assert calls == ["a", "b", "b", "a"] * 3 and stats["b"]["median"] == 20.0  # fits, though 5 warm-ups would not
     calls.clear()
     arms = {"a": arm("a"), "b": arm("b")}
     with pytest.raises(TimeoutError, match="timed pass 1 took"):
-        dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
+        dflash2_timing.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
     assert calls == ["a", "b", "b", "a"]  # the warm-up pass and one timed pass
     calls.clear()
-    stats = dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
+    stats = dflash2_timing.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
     assert calls == ["a", "b", "b", "a"] * 3 and stats["a"]["median"] == 20.0
 
 
@@ -638,12 +640,12 @@ def test_passes_take_each_arm_first_in_turn_and_ratios_pair_samples_of_one_pass(
             return ms * slow.get(((len(calls) - 1) // 3, name), 1.0)
         return sample
 
-    stats = dflash2_policy.interleaved_ms({"a": arm("a", 10.0), "b": arm("b", 20.0), "c": arm("c", 30.0)}, repeats=3)
+    stats = dflash2_timing.interleaved_ms({"a": arm("a", 10.0), "b": arm("b", 20.0), "c": arm("c", 30.0)}, repeats=3)
     passes = [calls[i:i + 3] for i in range(0, 12, 3)]
     assert [p[0] for p in passes] == ["a", "b", "c", "a"] and all(sorted(p) == ["a", "b", "c"] for p in passes)
     assert stats["b"]["samples"] == [20.0, 100.0, 30.0] and stats["a"]["samples"] == [10.0, 50.0, 10.0]
     assert stats["b"]["median"] / stats["a"]["median"] == 3.0  # medians of different passes
-    assert dflash2_policy.paired_ratio(stats["b"], stats["a"]) == 2.0
+    assert dflash2_timing.paired_ratio(stats["b"], stats["a"]) == 2.0
 
 
 def test_each_arm_runs_behind_a_different_arm_in_each_timed_pass_and_never_behind_itself():
@@ -653,15 +655,15 @@ def test_each_arm_runs_behind_a_different_arm_in_each_timed_pass_and_never_behin
     the same one in all but one pass. And from 3 arms on no arm runs twice in a row (its
     second sample would be spared the switch every other sample pays)."""
     names = [f"arm {i}" for i in range(18)]
-    sequence = [name for index in range(6) for name in dflash2_policy.pass_order(names, index)]
+    sequence = [name for index in range(6) for name in dflash2_timing.pass_order(names, index)]
     behind = {name: [] for name in names}
     for before, name in zip(sequence[len(names) - 1:], sequence[len(names):]):  # the timed passes
         behind[name].append(before)
     assert all(len(set(b)) == len(b) == 5 for b in behind.values()), behind
     for count in range(3, 22):
         names = list(range(count))
-        sequence = [name for index in range(10) for name in dflash2_policy.pass_order(names, index)]
-        assert all(sorted(dflash2_policy.pass_order(names, index)) == names for index in range(10))
+        sequence = [name for index in range(10) for name in dflash2_timing.pass_order(names, index)]
+        assert all(sorted(dflash2_timing.pass_order(names, index)) == names for index in range(10))
         assert all(before != name for before, name in zip(sequence, sequence[1:])), count
 
 
@@ -675,5 +677,5 @@ def test_a_batch_cache_s_state_is_its_whole_buffers():
     attention.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
     recurrent = ArraysCache(size=2)
     recurrent[0] = mx.zeros((1, 3, 8))
-    arrays = dflash2_policy.cache_arrays([attention, recurrent])
+    arrays = dflash2_rounds.cache_arrays([attention, recurrent])
     assert [a.shape for a in arrays] == [attention.keys.shape, attention.values.shape, (1, 3, 8)]

@@ -14,7 +14,8 @@ import pytest
 import dflash2_runtime
 from acceptance import PAIR, VARIED_PROMPTS, served_rounds, varied_answers
 from dflash2_pack import read_sha256sums, sha256_file
-from dflash2_policy import RequestDecoder, RoundCosts
+from dflash2_policy import RoundCosts
+from dflash2_rounds import RequestDecoder
 from gpu_rounding import swap_row_variant_ops
 from parity import chat_ids, greedy
 

@@ -165,8 +165,8 @@ def summarize(cases):
 
 def speed_ratio(model, tokenizer, drafter, costs, max_tokens, repeats=5):
     """Plain, speculative at the demo's fixed block and speculative with the round policy,
-    on a code prompt, interleaved (dflash2_policy.interleaved_ms: one warm-up pass)."""
-    import dflash2_policy
+    on a code prompt, interleaved (dflash2_timing.interleaved_ms: one warm-up pass)."""
+    import dflash2_timing
 
     ids = prompt_ids(tokenizer, "code", PROMPTS["code"][0])
 
@@ -179,10 +179,10 @@ def speed_ratio(model, tokenizer, drafter, costs, max_tokens, repeats=5):
         sources[fixed_block] = {"tokens_from_rounds": counts.tokens_from_rounds,
                                 "tokens_from_plain_steps": counts.tokens_from_plain_steps}
 
-    ms = dflash2_policy.interleaved_ms({
-        "plain": dflash2_policy.timed_ms(lambda: greedy(model, ids, max_tokens)),
-        "speculative, fixed block": dflash2_policy.timed_ms(lambda: speculative(True)),
-        "speculative, round policy": dflash2_policy.timed_ms(lambda: speculative(False)),
+    ms = dflash2_timing.interleaved_ms({
+        "plain": dflash2_timing.timed_ms(lambda: greedy(model, ids, max_tokens)),
+        "speculative, fixed block": dflash2_timing.timed_ms(lambda: speculative(True)),
+        "speculative, round policy": dflash2_timing.timed_ms(lambda: speculative(False)),
     }, repeats)
     return {
         "block": SPEED_BLOCK, "max_tokens": max_tokens, "repeats": repeats, "ms": ms,
@@ -264,7 +264,7 @@ def main():
     import dflash2_drafter
     import dflash2_runtime
     from dflash2_pack import find_pack, load_pack
-    from dflash2_policy import measure_round_costs
+    from dflash2_timing import measure_round_costs
 
     model, processor, drafter = load_pack(*find_pack(args.pack))
     status = dflash2_runtime.install(model)

@@ -54,8 +54,10 @@ import dflash2_decode_arms  # noqa: E402
 import dflash2_drafter  # noqa: E402
 import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
+import dflash2_rounds  # noqa: E402
 import dflash2_runtime  # noqa: E402
 import dflash2_sampling  # noqa: E402
+import dflash2_timing  # noqa: E402
 import dflash2_verify  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
@@ -90,7 +92,7 @@ def prefill(lm, tokens, taps):
     cache = lm.make_cache()
     out = lm(mx.array([tokens]), cache=cache, capture_layer_ids=taps)
     hidden = mx.concatenate(out.hidden_states, axis=-1)
-    mx.eval(hidden, dflash2_policy.cache_arrays(cache))
+    mx.eval(hidden, dflash2_rounds.cache_arrays(cache))
     return cache, hidden
 
 
@@ -110,7 +112,7 @@ def prefilled_target(size: str, context: int) -> tuple:
 
 def cache_settler(cache):
     """settle(): evaluate what steps on `cache` left lazy (its KV and recurrent states)."""
-    return lambda: mx.eval(dflash2_policy.cache_arrays(cache))
+    return lambda: mx.eval(dflash2_rounds.cache_arrays(cache))
 
 
 def decode_steps(lm, cache):
@@ -124,7 +126,7 @@ def decode_steps(lm, cache):
     return steps
 
 
-def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_policy.commit_round):
+def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_rounds.commit_round):
     """steps(count): `count` exact verify rounds of `length` positions on `cache` (forward,
     greedy choice, commit of `accepted` drafts: half the block unless given), committed as
     the server commits (or by `commit`)."""
@@ -158,7 +160,7 @@ def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
     `hidden` still covers every position `cache` holds; the other arms then grow `cache`
     past what its drafter has read, which changes the target's key lengths, as a longer
     request would, and not what a round runs."""
-    decoder = dflash2_policy.RequestDecoder(lm, drafter, cache, hidden, 7, lambda logits: mx.argmax(logits, axis=-1),
+    decoder = dflash2_rounds.RequestDecoder(lm, drafter, cache, hidden, 7, lambda logits: mx.argmax(logits, axis=-1),
                                             mx.int32)
 
     def steps(count):
@@ -166,19 +168,19 @@ def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
         for _ in range(count):
             decoder.round(length, length)
 
-    return steps, lambda: dflash2_policy.settle_decoder(decoder)
+    return steps, lambda: dflash2_timing.settle_decoder(decoder)
 
 
 def on_generation_stream(steps):
     def run(count):
-        with mx.stream(dflash2_policy.generation_stream):
+        with mx.stream(dflash2_rounds.generation_stream):
             steps(count)
 
     return run
 
 
 def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
-    """Samples (dflash2_policy.steady_ms: `run` back to back after a lead-in, per step) of:
+    """Samples (dflash2_timing.steady_ms: `run` back to back after a lead-in, per step) of:
     a decode step, an exact verify round per block (forward, greedy choice, commit of half
     the block), the same at EARLY_EVAL_BLOCKS handed off every EVAL_EVERY_ARMS layers, a draft
     of 8 per drafter form, in bf16 and in the dtype its inputs promote to, and at block 8 the
@@ -186,26 +188,26 @@ def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
     that round runs on: what the server's cost table times, taken apart."""
     settle = cache_settler(cache)
     served_steps, served_settle = served_round_steps(lm, cache, hidden, *served, BLOCK)
-    arms = {"decode": dflash2_policy.steady_ms(decode_steps(lm, cache), run, settle)}
+    arms = {"decode": dflash2_timing.steady_ms(decode_steps(lm, cache), run, settle)}
     for length in range(2, BLOCK + 1):
-        arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
+        arms[f"verify {length}"] = dflash2_timing.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
     for length in EARLY_EVAL_BLOCKS:
         for layers in EVAL_EVERY_ARMS:
-            arms[f"verify {length}, eval every {layers}"] = dflash2_policy.steady_ms(
+            arms[f"verify {length}, eval every {layers}"] = dflash2_timing.steady_ms(
                 handed_off_every(layers, verify_round_steps(lm, cache, taps, length)), run, settle)
     # Drafter passes as serving drafts them, each at a new key length (as
     # dflash2_drafter.choose_drafter_dtype's arms).
     for form, drafter in drafters.items():
         for name, bf16 in (("bf16", True), ("promoted", False)):
             drafts = dflash2_drafter.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
-            arms[f"draft {form}, {name}"] = dflash2_policy.steady_ms(drafts, run, settle)
+            arms[f"draft {form}, {name}"] = dflash2_timing.steady_ms(drafts, run, settle)
     # The commit as mlx-vlm leaves it, lazy for the next round's first evaluation: its graphs
-    # change shape and MLX instantiates them anew (dflash2_policy.commit_round).
-    arms[f"verify {BLOCK}, commit left lazy"] = dflash2_policy.steady_ms(
+    # change shape and MLX instantiates them anew (dflash2_rounds.commit_round).
+    arms[f"verify {BLOCK}, commit left lazy"] = dflash2_timing.steady_ms(
         verify_round_steps(lm, cache, taps, BLOCK, commit=commit_speculative_round), run, settle)
-    arms[f"verify {BLOCK}, generation stream"] = dflash2_policy.steady_ms(
+    arms[f"verify {BLOCK}, generation stream"] = dflash2_timing.steady_ms(
         on_generation_stream(verify_round_steps(lm, cache, taps, BLOCK)), run, settle)
-    arms[f"served round {BLOCK}"] = dflash2_policy.steady_ms(served_steps, run, served_settle)
+    arms[f"served round {BLOCK}"] = dflash2_timing.steady_ms(served_steps, run, served_settle)
     return arms
 
 
@@ -386,7 +388,7 @@ def main():
     dtypes = {form: dflash2_drafter.choose_drafter_dtype(model, drafter) for form, drafter in drafters.items()}
     log("drafter dtypes: " + "; ".join(f"{form}: {choice.summary()}" for form, choice in dtypes.items()))
     dflash2_drafter.use_drafter_bf16(dtypes[drafter_names[id(cost_drafter)]].bf16)
-    costs = dflash2_policy.measure_round_costs(model, cost_drafter)
+    costs = dflash2_timing.measure_round_costs(model, cost_drafter)
     log(f"round policy costs: {costs.summary()}")
     process = {  # what this process installed and measured at start-up, as a server would
         "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
@@ -402,28 +404,28 @@ def main():
                                  "repeats": args.repeats})
     else:
         cache, hidden = prefill(lm, prompt, taps)
-        with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
+        with mx.stream(dflash2_timing.batch_stream):  # as the server's batch generator runs requests
             arms = round_arms(lm, cache, taps, drafters, hidden,
                               (cost_drafter, dtypes[drafter_names[id(cost_drafter)]].bf16))
-            rounds = dflash2_policy.interleaved_ms(arms, args.repeats)
+            rounds = dflash2_timing.interleaved_ms(arms, args.repeats)
         decode_ms = rounds["decode"]["median"]
-        verify = {L: dflash2_policy.paired_ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
+        verify = {L: dflash2_timing.paired_ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
         by_eval_every = {
-            L: {**{layers: dflash2_policy.paired_ratio(rounds[f"verify {L}, eval every {layers}"], rounds["decode"])
+            L: {**{layers: dflash2_timing.paired_ratio(rounds[f"verify {L}, eval every {layers}"], rounds["decode"])
                    for layers in EVAL_EVERY_ARMS},
                 dflash2_verify.VERIFY_EVAL_EVERY: verify[L]}
             for L in EARLY_EVAL_BLOCKS
         }
         served = {form: "bf16" if choice.bf16 else "promoted" for form, choice in dtypes.items()}
-        drafter_cost = {form: dflash2_policy.paired_ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"])
+        drafter_cost = {form: dflash2_timing.paired_ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"])
                         for form in drafters}
         cost_form = drafter_names[id(cost_drafter)]
         served_round = {  # the server's round at block 8 and its parts, in decode steps
-            "served round": dflash2_policy.paired_ratio(rounds[f"served round {BLOCK}"], rounds["decode"]),
-            "verify on the generation stream": dflash2_policy.paired_ratio(
+            "served round": dflash2_timing.paired_ratio(rounds[f"served round {BLOCK}"], rounds["decode"]),
+            "verify on the generation stream": dflash2_timing.paired_ratio(
                 rounds[f"verify {BLOCK}, generation stream"], rounds["decode"]),
             "verify on the batch stream": verify[BLOCK],
-            "verify on the batch stream, commit left lazy": dflash2_policy.paired_ratio(
+            "verify on the batch stream, commit left lazy": dflash2_timing.paired_ratio(
                 rounds[f"verify {BLOCK}, commit left lazy"], rounds["decode"]),
             f"draft {cost_form}": drafter_cost[cost_form],
         }
@@ -522,7 +524,7 @@ def main():
             kind = dflash2_policy.GREEDY if temperature is None else dflash2_policy.SAMPLED
             if block is None and not first_request:
                 memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
-                routes[key] = dflash2_policy.SpeculativeRoute()
+                routes[key] = dflash2_rounds.SpeculativeRoute()
 
             def run(tokens):
                 dflash2_decode_arms.use_decode_arm(chosen_arm)
@@ -578,11 +580,11 @@ def main():
             cache and buffer cache in states no server sees. (On the H200 zero acceptance once
             lost about a fifth to plain here, with and without the lead-in; later, routed plain,
             it ran 15-21% faster than the plain arm, which then always came right after stock
-            mlx's: dflash2_policy.pass_order now changes what comes before each arm.)"""
+            mlx's: dflash2_timing.pass_order now changes what comes before each arm.)"""
             def sample():
                 if args.lead_in_tokens:
                     run(args.lead_in_tokens)
-                return dflash2_policy.timed_ms(lambda: run(count))()
+                return dflash2_timing.timed_ms(lambda: run(count))()
 
             return sample
 
@@ -611,12 +613,12 @@ def main():
                 for profile in drafted_profiles:
                     arms[arm_name(profile, BLOCK, drafter)] = after_lead_in(speculative_arm(profile, BLOCK, drafter))
         try:
-            e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats, deadline)
+            e2e_ms = dflash2_timing.interleaved_ms(arms, args.repeats, deadline)
         except TimeoutError as error:
             sys.exit(f"error: --deadline-s {args.deadline_s:g}: {error}")
         dflash2_decode_arms.use_decode_arm(chosen_arm)
         plain = e2e_ms[f"plain {chosen_arm}"]
-        speedup = {name: dflash2_policy.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
+        speedup = {name: dflash2_timing.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
         e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
         e2e_first = {profile: speedup[arm_name(profile, None, first_request=True)]
                      for profile in profiles if args.first_request_arms}
@@ -653,7 +655,7 @@ def main():
         identical = all(identical_by_arm.values())
         sampled_arms = {f"{t:g}": {profile: arm_name(profile, None, temperature=t) for profile in profiles}
                         for t in temperatures}
-        e2e_sampled = {t: {profile: dflash2_policy.paired_ratio(e2e_ms[plain_name(chosen_arm, float(t))], e2e_ms[arm])
+        e2e_sampled = {t: {profile: dflash2_timing.paired_ratio(e2e_ms[plain_name(chosen_arm, float(t))], e2e_ms[arm])
                            for profile, arm in by_profile.items()}
                        for t, by_profile in sampled_arms.items()}
         # Where the time goes: per token position, the median gap over the timed runs (the
@@ -675,8 +677,8 @@ def main():
             # Each arm's median run as tokens per second (the request's whole time, prefill included).
             "e2e_tok_s": {arm: generated / (stats["median"] / 1000) for arm, stats in e2e_ms.items()},
             "e2e_lead_in_tokens": args.lead_in_tokens,  # each timed sample after an untimed run this long
-            "installed_plain_ratio": dflash2_policy.paired_ratio(e2e_ms["plain mlx"], plain),
-            "plain_ratio_by_arm": {arm: dflash2_policy.paired_ratio(e2e_ms["plain mlx"], e2e_ms[f"plain {arm}"])
+            "installed_plain_ratio": dflash2_timing.paired_ratio(e2e_ms["plain mlx"], plain),
+            "plain_ratio_by_arm": {arm: dflash2_timing.paired_ratio(e2e_ms["plain mlx"], e2e_ms[f"plain {arm}"])
                                    for arm in decode_arms},
             # The round policy, as the server runs it (acceptance memory across requests, each run
             # routed plain where the server would route its request plain); as
@@ -811,7 +813,7 @@ def summary_markdown(r) -> str:
         ]
     def ratio(stats, reference):  # records before samples were kept: a ratio of medians
         if "samples" in stats:
-            return dflash2_policy.paired_ratio(stats, reference)
+            return dflash2_timing.paired_ratio(stats, reference)
         return stats["median"] / reference["median"]
 
     lines += ["| arm | ms per round | ratio to a decode step |", "|---|---|---|"]
@@ -832,7 +834,7 @@ def summary_markdown(r) -> str:
                               for L, ratios in by_eval_every.items()) + "."]
     served_round = r.get("served_round_by_part")  # absent from records before it was timed
     if served_round:
-        lines += ["", f"The server's round at block {BLOCK} (dflash2_policy.RequestDecoder.round: draft, verify, "
+        lines += ["", f"The server's round at block {BLOCK} (dflash2_rounds.RequestDecoder.round: draft, verify, "
                   "walk, commit, on mlx-vlm's generation stream) and its parts timed alone, in decode steps: "
                   + "; ".join(f"{part} {ratio:.2f}" for part, ratio in served_round.items())
                   + ". The cost table's verify is a round less the drafter's pass."]

@@ -55,6 +55,8 @@ RUNTIME_FILES = (
     "dflash2_decode_arms.py",
     "dflash2_drafter.py",
     "dflash2_verify.py",
+    "dflash2_timing.py",
+    "dflash2_rounds.py",
     "dflash2_policy.py",
     "dflash2_sampling.py",
     "dflash2_verdicts.py",

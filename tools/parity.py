@@ -59,7 +59,7 @@ SAMPLED_SETTINGS = (
     dict(temperature=0.8, top_p=1.0, min_p=0.05),
 )
 SAMPLED_ERROR_RATE = 0.35
-# Sampled requests speculate in the server's round loop (dflash2_policy.RequestDecoder), which
+# Sampled requests speculate in the server's round loop (dflash2_rounds.RequestDecoder), which
 # runs for drafters with a cost table; at a fixed block the table's figures go unused.
 FIXED_BLOCK_COSTS = RoundCosts(1.0, {b: 1.0 for b in range(2, 9)}, {b: 0.0 for b in range(2, 9)})
 

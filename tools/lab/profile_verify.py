@@ -28,7 +28,8 @@ import bench  # noqa: E402  (first: it sets MLX's CUDA graph cache before MLX st
 import mlx.core as mx  # noqa: E402
 
 import dflash2_kernels  # noqa: E402
-import dflash2_policy  # noqa: E402
+import dflash2_rounds  # noqa: E402
+import dflash2_timing  # noqa: E402
 import dflash2_verify  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
@@ -140,7 +141,7 @@ def split_steps(lm, cache, taps, blocks) -> dict:
             with dflash2_verify.verify_eval_every(every):
                 hidden_out, states, tokens = bench.dflash_rounds._dflash_verify_greedy(
                     lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1))
-            return [tokens, hidden_out], lambda: dflash2_policy.commit_round(lm, cache, states, length // 2, length)
+            return [tokens, hidden_out], lambda: dflash2_rounds.commit_round(lm, cache, states, length // 2, length)
 
         return step
 
@@ -240,9 +241,9 @@ def main():
     arm_steps[f"verify {blocks[-1]}, one eval"] = bench.handed_off_every(
         0, bench.verify_round_steps(lm, cache, taps, blocks[-1]))
     arms = {}
-    with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
-        wall = dflash2_policy.interleaved_ms(
-            {name: dflash2_policy.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
+    with mx.stream(dflash2_timing.batch_stream):  # as the server's batch generator runs requests
+        wall = dflash2_timing.interleaved_ms(
+            {name: dflash2_timing.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
         # before the profiler: CUPTI, once attached, may slow the host's CUDA calls after it
         host_split = {name: host_split_ms(step, settle, 2 * args.steps)
                       for name, step in split_steps(lm, cache, taps, blocks).items()}
