@@ -99,8 +99,9 @@ REPLACED = (
         "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
         "The round loop generate_step and the server call (dflash's _dflash_rounds is the same "
         "function): each round's block, or plain decode steps, chosen from measured costs and "
-        "the request's acceptance; dflash2_rounds mirrors it (draft, verify, walk, commit) and "
-        "runs it as is for sampling and when no cost table was measured.",
+        "the request's acceptance; dflash2_rounds mirrors it (draft, verify, walk, commit) for the "
+        "drafter whose DrafterState it serves, and runs it as is for any other drafter and for "
+        "samplers not keyed by position.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__",
