@@ -511,7 +511,8 @@ AUDITED = (
     Audited(
         "mlx_vlm.server.generation:GenerationArguments",
         "98083c9de47f873427d238f68ce5e512b18c04a93c83f18c3c70d7f057123fe3",
-        "Warm-up builds its greedy request arguments with it.",
+        "Warm-up builds its greedy request arguments with it; the engine's RoutedArguments "
+        "subclasses it (adding the request's record) and copies each request's fields into one.",
     ),
     Audited(
         "mlx_vlm.server.generation:get_configured_context_limit",

@@ -298,7 +298,8 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     import mlx.core as mx
     import mlx_vlm.server as server
     from fastapi import HTTPException
-    from mlx_vlm.server.generation import GenerationContext, ResponseGenerator, get_prefill_step_size
+    from mlx_vlm.server.generation import (GenerationArguments, GenerationContext, ResponseGenerator,
+                                           get_prefill_step_size)
     from mlx_vlm.vision_cache import VisionFeatureCache
 
     try:  # before any weight loads: the overrides below are audited there too
@@ -316,15 +317,25 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     dflash2_prefix_cache.PrefixPromptBatch.store = store
     dflash2_audit.replace("mlx_vlm.generate:PromptProcessingBatch", dflash2_prefix_cache.PrefixPromptBatch)
 
+    @dataclasses.dataclass
+    class RoutedArguments(GenerationArguments):
+        """mlx-vlm's arguments of one request, with the record its gateway made for it: it
+        travels with them through mlx-vlm's queue to the worker's admission."""
+
+        record: RequestRecord = None
+
+        @classmethod
+        def carrying(cls, args, record):
+            """A copy of `args` (their own values, as dataclasses.replace copies) with `record`."""
+            fields = dataclasses.fields(GenerationArguments)
+            return cls(**{field.name: getattr(args, field.name) for field in fields}, record=record)
+
     class PackGenerator(ResponseGenerator):
         speculation = Speculation()  # no drafter: every request plain
 
         def __init__(self, *args, **kwargs):
             import dflash2_rounds
 
-            # Records of requests generate() queued and the worker has not admitted yet,
-            # by id of their GenerationArguments: how each route reaches the worker.
-            self.waiting_records = {}
             self.admitted = None  # the record of the request the worker serves now
             self.speculative_route = dflash2_rounds.SpeculativeRoute()
             super().__init__(*args, **kwargs)
@@ -362,14 +373,10 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
                                            runtime=self.speculation.runtime)
 
         def generate(self, prompt, images=None, audio=None, args=None, **kwargs):
-            record = current_request.get()
-            if record is not None and args is not None:
-                self.waiting_records[id(args)] = record
-            try:
-                ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
-            finally:
-                if args is not None:  # admitted already, or never queued
-                    self.waiting_records.pop(id(args), None)
+            record = current_request.get()  # the gateway's, on this thread's context
+            if record is not None and args is not None:  # its route travels with its arguments
+                args = RoutedArguments.carrying(args, record)
+            ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
             tokens = RecordingTokens(tokens, record)
             if record is not None:
                 record.prompt_tokens = ctx.prompt_tokens
@@ -397,7 +404,8 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
             pending, should_stop = super()._collect_pending_requests(
                 active=active, capacity=0 if active else 1, **kwargs)
             if pending:
-                record = self.waiting_records.pop(id(pending[0].args), None)
+                args = pending[0].args
+                record = args.record if isinstance(args, RoutedArguments) else None
                 if record is not None and record.cancelled:
                     # Its client left, or its time ran out, while it waited for its turn: its
                     # generate() gets an empty token stream instead of a prefill nobody reads.
