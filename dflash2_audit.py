@@ -99,8 +99,9 @@ REPLACED = (
         "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
         "The round loop generate_step and the server call (dflash's _dflash_rounds is the same "
         "function): each round's block, or plain decode steps, chosen from measured costs and "
-        "the request's acceptance; dflash2_rounds mirrors it (draft, verify, walk, commit) and "
-        "runs it as is for sampling and when no cost table was measured.",
+        "the request's acceptance; dflash2_rounds mirrors it (draft, verify, walk, commit) for the "
+        "drafter whose DrafterState it serves, and runs it as is for any other drafter and for "
+        "samplers not keyed by position.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__",
@@ -510,7 +511,8 @@ AUDITED = (
     Audited(
         "mlx_vlm.server.generation:GenerationArguments",
         "98083c9de47f873427d238f68ce5e512b18c04a93c83f18c3c70d7f057123fe3",
-        "Warm-up builds its greedy request arguments with it.",
+        "Warm-up builds its greedy request arguments with it; the engine's RoutedArguments "
+        "subclasses it (adding the request's record) and copies each request's fields into one.",
     ),
     Audited(
         "mlx_vlm.server.generation:get_configured_context_limit",

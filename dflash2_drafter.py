@@ -18,6 +18,7 @@ from mlx_vlm.speculative.drafters.qwen3_dflash.dflash import DFlashAttention, DF
 import dflash2_kernels
 import dflash2_timing
 from dflash2_audit import _with_globals
+from dflash2_rounds import greedy_drafting
 
 
 @dataclass
@@ -31,11 +32,12 @@ class RuntimeOptions:
 
 
 def configure_drafter(drafter, options: RuntimeOptions) -> None:
-    """Apply the experiment options to a loaded drafter.
+    """Apply the experiment options to a loaded drafter's config and layers.
 
     The verify block never exceeds the drafter's trained block nor the kernel's
     8 rows, and the round policy chooses within that; a fixed block pins it, a
-    cap bounds the choice.
+    cap bounds the choice. Whether the block is fixed and how the drafter drafts are the
+    pack's, not the drafter's: dflash2_rounds.DrafterState carries them.
     """
     trained = int(drafter.config.block_size)
     ceiling = min(trained, dflash2_kernels.MAX_ROWS)
@@ -43,15 +45,11 @@ def configure_drafter(drafter, options: RuntimeOptions) -> None:
         if value is not None and not 2 <= value <= min(trained, dflash2_kernels.MAX_ROWS):
             raise ValueError(f"{name} must be 2..{min(trained, dflash2_kernels.MAX_ROWS)}, got {value}")
     if options.block_size is not None:
-        drafter.prefer_requested_block_size = True
         ceiling = options.block_size
     if options.block_cap is not None:
         ceiling = min(ceiling, options.block_cap)
     # _dflash_block_total reads min(block_size, runtime_block_size) each request.
     drafter.config.runtime_block_size = ceiling
-    if options.candidate_selector:
-        # Stock greedy drafting bypasses the trained selector; draft_block uses it.
-        drafter.draft_block_greedy = drafter.draft_block
     if options.sliding_window:
         # z-lab's window mask: mlx-vlm's sliding drafter layers keep only the last
         # `sliding_window - 1` context positions and a rotating cache of that size,
@@ -111,7 +109,8 @@ class DrafterDtypeChoice:
                 + (f"; median pass of {timed}" if timed else "") + ")")
 
 
-def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> DrafterDtypeChoice:
+def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3,
+                         candidate_selector: bool = False) -> DrafterDtypeChoice:
     """Run the drafter in bf16 or in the dtype its inputs promote to, whichever drafts a
     block faster here as serving drafts: after a 15- or 16-row context, each pass of the
     drafter's largest block reads one new context row, so no pass sees a key length any
@@ -128,7 +127,7 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
 
     def sample(bf16):
         # The arms start one row apart: no key length of one is ever the other's.
-        run = drafter_passes(model, drafter, context[:, int(bf16):], bf16, block)
+        run = drafter_passes(model, drafter, context[:, int(bf16):], bf16, block, candidate_selector)
         return dflash2_timing.timed_ms(lambda: run(passes))
 
     pass_ms = dflash2_timing.interleaved_ms({"bf16": sample(True), "promoted": sample(False)}, repeats)
@@ -140,18 +139,19 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3) -> D
     )
 
 
-def drafter_passes(model, drafter, context, bf16: bool, block: int):
+def drafter_passes(model, drafter, context, bf16: bool, block: int, candidate_selector: bool = False):
     """A function that runs `count` drafter passes of `block` as serving drafts them, in bf16
     or promoted: after this reads `context`, each pass reads its last row once more, so no
     pass sees a key length any pass before it saw (a request's rounds never do either)."""
+    draft = greedy_drafting(drafter, candidate_selector)
     use_drafter_bf16(bf16)
     cache = drafter.reset(model)  # its own, growing across every pass
-    mx.eval(drafter.draft_block_greedy(1, context, cache, block, None))
+    mx.eval(draft(1, context, cache, block, None))
 
     def passes(count):
         use_drafter_bf16(bf16)
         for _ in range(count):
-            mx.eval(drafter.draft_block_greedy(1, context[:, -1:], cache, block, None))
+            mx.eval(draft(1, context[:, -1:], cache, block, None))
 
     return passes
 

@@ -37,10 +37,10 @@ class DrafterSetup:
 
 @dataclass(frozen=True)
 class Speculation:
-    """What the drafter's start-up came to. drafter None: every request is served plain,
+    """What the drafter's start-up came to. state None: every request is served plain,
     for `reason` (the x-dflash2 header's); error: the server must not start."""
 
-    drafter: object = None
+    state: object = None  # dflash2_rounds.DrafterState: the drafter and the pack's state for it
     kind: str = None
     reason: str = None
     error: str = None
@@ -82,9 +82,10 @@ def use_exact_prefill_inverse(gdn_heads: int = 48, prefill_step: int = 2048) -> 
     return f"prefill inverse: mlx-vlm's ({'; '.join(failed)}), {time.perf_counter() - started:.1f} s"
 
 
-def load_speculation(model, setup: DrafterSetup) -> Speculation:
+def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
     """Installs the runtime and loads the drafter; runs on mlx-vlm's worker thread, right
-    after it loaded the target."""
+    after it loaded the target. The round loop serves the drafter by the state made here
+    (dflash2_rounds.serve_rounds_with), handing each request's RoundCounts to `counts_to`."""
     import dflash2_drafter
     import dflash2_policy
     import dflash2_rounds
@@ -119,20 +120,23 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
     logger.info("DFlash2 %s (%s)", sampling.summary(), verdicts.source("sampled verify draws"))
     drafter, kind = load_drafter(str(setup.drafter_dir), kind="dflash")
     validate_drafter_compatibility(model, drafter, kind)
+    options = dflash2_drafter.RuntimeOptions(**setup.options)
     try:
-        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(**setup.options))
+        dflash2_drafter.configure_drafter(drafter, options)
     except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
         return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
+    selector = options.candidate_selector
     # What a round costs here decides each greedy request's route, then each round's block or plain steps.
     try:
-        dtype = verdicts.check("drafter activations", lambda: dflash2_drafter.choose_drafter_dtype(model, drafter),
+        dtype = verdicts.check("drafter activations",
+                               lambda: dflash2_drafter.choose_drafter_dtype(model, drafter, candidate_selector=selector),
                                dflash2_drafter.DrafterDtypeChoice.from_json)
         dflash2_drafter.use_drafter_bf16(dtype.bf16)
         logger.info("DFlash2 %s (%s)", dtype.summary(), verdicts.source("drafter activations"))
         runtime["drafter_activations"] = dtype.summary()
         # A cached table keeps learning from requests, as one measured now does.
-        drafter.round_costs = setup.round_costs or verdicts.check(
-            "round costs", lambda: dflash2_timing.measure_round_costs(model, drafter),
+        round_costs = setup.round_costs or verdicts.check(
+            "round costs", lambda: dflash2_timing.measure_round_costs(model, drafter, candidate_selector=selector),
             lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table), learning=True),
             dflash2_policy.RoundCosts.to_json)
     except Exception:
@@ -140,19 +144,23 @@ def load_speculation(model, setup: DrafterSetup) -> Speculation:
         return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
     logger.info("DFlash2 round costs (%s): %s",
                 "from --dflash2-round-costs" if setup.round_costs else verdicts.source("round costs"),
-                drafter.round_costs.summary())
+                round_costs.summary())
     verdicts.save()
+    memory = None
     if not setup.round_costs:  # a given table stays as given: each request starts from the prior
-        drafter.acceptance_memory = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
+        memory = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
         logger.info("DFlash2: each request's acceptance estimate starts from the drafter's recent rounds")
-    if getattr(drafter, "prefer_requested_block_size", False):
+    state = dflash2_rounds.DrafterState(drafter, round_costs, fixed_block=options.block_size is not None,
+                                        candidate_selector=selector, acceptance_memory=memory, counts_to=counts_to)
+    dflash2_rounds.serve_rounds_with(state)
+    if state.fixed_block:
         logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
                     "whatever the table says", drafter.config.runtime_block_size)
-    elif not dflash2_rounds.rounds_can_pay(drafter):
+    elif not dflash2_rounds.rounds_can_pay(state):
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
                     "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "
                     "gets one in %d to learn from", dflash2_policy.ROUTE_PROBE_EVERY)
-    return Speculation(drafter, kind, round_costs=drafter.round_costs.to_json(), runtime=runtime)
+    return Speculation(state, kind, round_costs=round_costs.to_json(), runtime=runtime)
 
 
 def read_round_costs(path: Path):
@@ -290,7 +298,8 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     import mlx.core as mx
     import mlx_vlm.server as server
     from fastapi import HTTPException
-    from mlx_vlm.server.generation import GenerationContext, ResponseGenerator, get_prefill_step_size
+    from mlx_vlm.server.generation import (GenerationArguments, GenerationContext, ResponseGenerator,
+                                           get_prefill_step_size)
     from mlx_vlm.vision_cache import VisionFeatureCache
 
     try:  # before any weight loads: the overrides below are audited there too
@@ -308,15 +317,26 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     dflash2_prefix_cache.PrefixPromptBatch.store = store
     dflash2_audit.replace("mlx_vlm.generate:PromptProcessingBatch", dflash2_prefix_cache.PrefixPromptBatch)
 
+    @dataclasses.dataclass
+    class RoutedArguments(GenerationArguments):
+        """mlx-vlm's arguments of one request, with the record its gateway made for it: it
+        travels with them through mlx-vlm's queue to the worker's admission."""
+
+        record: RequestRecord = None
+
+        @classmethod
+        def carrying(cls, args, record):
+            """A copy of `args` (their own values, as dataclasses.replace copies) with `record`."""
+            fields = dataclasses.fields(GenerationArguments)
+            return cls(**{field.name: getattr(args, field.name) for field in fields}, record=record)
+
     class PackGenerator(ResponseGenerator):
         speculation = Speculation()  # no drafter: every request plain
 
         def __init__(self, *args, **kwargs):
             import dflash2_rounds
 
-            # Records of requests generate() queued and the worker has not admitted yet,
-            # by id of their GenerationArguments: how each route reaches the worker.
-            self.waiting_records = {}
+            self.admitted = None  # the record of the request the worker serves now
             self.speculative_route = dflash2_rounds.SpeculativeRoute()
             super().__init__(*args, **kwargs)
             # Reentrant: _cpu_preprocess takes it too, for count_tokens, which calls it directly.
@@ -325,13 +345,18 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
         def _initialize_model(self):
             super()._initialize_model()  # the target, through mlx-vlm's own loader
             if drafter is not None:
-                self.speculation = load_speculation(self.model, drafter)
+                self.speculation = load_speculation(self.model, drafter, counts_to=self.note_round_counts)
                 self.draft_kind = self.speculation.kind  # the worker picks the round loop by it
 
         def rounds_can_pay(self, kind: str = "greedy") -> bool:
             """Whether a request of this acceptance kind (greedy or sampled) goes speculative
             (dflash2_rounds.SpeculativeRoute)."""
-            return self.speculative_route(self.speculation.drafter, kind)
+            return self.speculative_route(self.speculation.state, kind)
+
+        def note_round_counts(self, counts):
+            """The round loop's counts of the request it serves (DrafterState.counts_to)."""
+            if self.admitted is not None:
+                self.admitted.note_round_counts(counts)
 
         def _make_sampler(self, args):
             # Every temperature the pack accepts draws by position, min_p included.
@@ -348,14 +373,10 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
                                            runtime=self.speculation.runtime)
 
         def generate(self, prompt, images=None, audio=None, args=None, **kwargs):
-            record = current_request.get()
-            if record is not None and args is not None:
-                self.waiting_records[id(args)] = record
-            try:
-                ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
-            finally:
-                if args is not None:  # admitted already, or never queued
-                    self.waiting_records.pop(id(args), None)
+            record = current_request.get()  # the gateway's, on this thread's context
+            if record is not None and args is not None:  # its route travels with its arguments
+                args = RoutedArguments.carrying(args, record)
+            ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
             tokens = RecordingTokens(tokens, record)
             if record is not None:
                 record.prompt_tokens = ctx.prompt_tokens
@@ -383,7 +404,8 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
             pending, should_stop = super()._collect_pending_requests(
                 active=active, capacity=0 if active else 1, **kwargs)
             if pending:
-                record = self.waiting_records.pop(id(pending[0].args), None)
+                args = pending[0].args
+                record = args.record if isinstance(args, RoutedArguments) else None
                 if record is not None and record.cancelled:
                     # Its client left, or its time ran out, while it waited for its turn: its
                     # generate() gets an empty token stream instead of a prefill nobody reads.
@@ -392,10 +414,9 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
                     pending[0].rqueue.put(GenerationContext(uid=-1, prompt_tokens=pending[0].prompt_tokens))
                     pending[0].rqueue.put(None)
                     return [], should_stop
-                speculative = record is not None and record.speculative
-                self.draft_model = self.speculation.drafter if speculative else None
-                if self.draft_model is not None:  # the round loop hands this request its token counts
-                    self.draft_model.round_counts_listener = record.note_round_counts
+                speculative = record is not None and record.speculative and self.speculation.state is not None
+                self.draft_model = self.speculation.state.drafter if speculative else None
+                self.admitted = record  # the round loop hands it its token counts (note_round_counts)
                 mx.reset_peak_memory()  # so each finish line reports its own request's peak
             return pending, should_stop
 
@@ -456,7 +477,8 @@ def warm_up(generator, route):
             pass
     finally:
         current_request.reset(token)
-    memory = getattr(generator.speculation.drafter, "acceptance_memory", None)
+    state = generator.speculation.state
+    memory = state and state.acceptance_memory
     if memory is not None:  # a warm-up's rounds say nothing of the requests to come
         memory.forget()
     logger.info("warm-up %s: %d tokens in %.2fs", route, record.tokens, time.perf_counter() - started)

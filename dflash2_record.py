@@ -1,8 +1,10 @@
 """One request's record: what the gateway decided for it, and what its generation reported.
 
-The gateway makes one per request and hands it to mlx-vlm's worker thread through
-`current_request` (tasks copy the context); the engine notes tokens, draft counts and the
-round loop's token sources on it; the gateway logs its arrival and finish lines from it.
+The gateway makes one per request and hands it to the engine's generate() through
+`current_request` (tasks copy the context), which queues it with the request's arguments for
+mlx-vlm's worker thread (dflash2_engine's RoutedArguments); the engine notes tokens, draft
+counts and the round loop's token sources on it; the gateway logs its arrival and finish
+lines from it.
 """
 
 import contextvars

@@ -1,14 +1,17 @@
 """Runs one request's rounds and plain steps on its target and drafter, as dflash2_policy chooses.
 
-`policy_rounds` replaces mlx-vlm's greedy DFlash round loop (dflash2_audit.REPLACED). Plain
-steps are decode's own call and greedy rule; the drafter still needs the target's tap hidden
-states of the tokens they produce, which `keep_tap_output` records during a plain step.
+`policy_rounds` replaces mlx-vlm's greedy DFlash round loop (dflash2_audit.REPLACED). It runs
+the rounds of one drafter, the one whose `DrafterState` `serve_rounds_with` holds (the engine's,
+set once at start-up; a tool's, per run); any other drafter's rounds are mlx-vlm's own loop.
+Plain steps are decode's own call and greedy rule; the drafter still needs the target's tap
+hidden states of the tokens they produce, which `keep_tap_output` records during a plain step.
 `rounds_can_pay` and `SpeculativeRoute` say which requests the server routes to this loop:
 they read the drafter's block ceiling through mlx-vlm, so they live here, not in the policy.
 """
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_vlm.speculative import dflash as dflash_rounds
@@ -20,15 +23,58 @@ from mlx_vlm.speculative.common import (
     generation_stream,
 )
 
-from dflash2_policy import GREEDY, ROUTE_PROBE_EVERY, SAMPLED, RoundCounts, RoundPolicy
+from dflash2_policy import GREEDY, ROUTE_PROBE_EVERY, SAMPLED, AcceptanceMemory, RoundCosts, RoundCounts, RoundPolicy
 from dflash2_sampling import is_position_keyed, logprobs_like_decode
+
+
+# ---------------------------------------------------------------------------
+# The drafter the round loop serves
+
+
+@dataclass
+class DrafterState:
+    """The pack's state for the drafter it serves, set once (dflash2_engine.load_speculation;
+    a tool, per run) and read by name; nothing of it is written onto the drafter."""
+
+    drafter: object
+    round_costs: RoundCosts  # what a round and a plain step cost; a measured table learns as rounds run
+    fixed_block: bool = False  # every round verifies the ceiling, whatever the table says (--dflash2-block-size)
+    candidate_selector: bool = False  # draft greedily through the trained selector (--dflash2-candidate-selector)
+    acceptance_memory: Optional[AcceptanceMemory] = None  # the drafter's recent acceptance across requests
+    counts_to: Optional[Callable[[RoundCounts], None]] = None  # handed each request's counts as its loop starts
+    round_counts: Optional[RoundCounts] = None  # the last request's, filled as its loop runs
+
+
+_served: Optional[DrafterState] = None  # the state whose drafter's rounds policy_rounds runs
+
+
+def serve_rounds_with(state: Optional[DrafterState]) -> Optional[DrafterState]:
+    """From now on policy_rounds runs `state.drafter`'s rounds by `state` (None: none, every
+    drafter's rounds are mlx-vlm's loop). Returns the state served before."""
+    global _served
+    previous, _served = _served, state
+    return previous
+
+
+def served_state(draft_model) -> Optional[DrafterState]:
+    """The state policy_rounds serves `draft_model`'s rounds by, or None."""
+    return _served if _served is not None and draft_model is not None and _served.drafter is draft_model else None
+
+
+def greedy_drafting(draft_model, candidate_selector: bool = False):
+    """The drafter's call that proposes a block greedily: draft_block_greedy (stock greedy
+    drafting, which bypasses the trained candidate selector), or with candidate_selector
+    draft_block, which drafts through it."""
+    if candidate_selector:
+        return draft_model.draft_block
+    return getattr(draft_model, "draft_block_greedy", draft_model.draft_block)
 
 
 # ---------------------------------------------------------------------------
 # Which requests go speculative
 
 
-def rounds_can_pay(draft_model, kind: str = GREEDY) -> bool:
+def rounds_can_pay(state: Optional[DrafterState], kind: str = GREEDY) -> bool:
     """Whether requests of this acceptance kind on this drafter should go speculative: its cost table as it
     is now has a block up to the drafter's ceiling that beats plain decoding (by PAY_MARGIN)
     at full acceptance and, where the drafter remembers its acceptance across requests, at
@@ -36,11 +82,10 @@ def rounds_can_pay(draft_model, kind: str = GREEDY) -> bool:
     they cost). When not, the policy would serve the request with plain steps, so the server
     routes it plain: same tokens, decoded by mlx-vlm's own plain loop (on the H200 the round
     loop's plain steps ran slower than it), and its prefill skips capturing the drafter's taps."""
-    costs = getattr(draft_model, "round_costs", None)
-    if costs is None or getattr(draft_model, "prefer_requested_block_size", False):
+    if state is None or state.fixed_block:
         return True
-    ceiling = _dflash_block_total(draft_model, None)
-    memory = getattr(draft_model, "acceptance_memory", None)
+    costs, memory = state.round_costs, state.acceptance_memory
+    ceiling = _dflash_block_total(state.drafter, None)
     return costs.can_pay(ceiling) and (memory is None or memory.rounds_pay(costs, ceiling, kind))
 
 
@@ -53,10 +98,10 @@ class SpeculativeRoute:
     def __init__(self):
         self.unpaid = {GREEDY: 0, SAMPLED: 0}
 
-    def __call__(self, draft_model, kind: str = GREEDY) -> bool:
-        if draft_model is None or rounds_can_pay(draft_model, kind):
+    def __call__(self, state: Optional[DrafterState], kind: str = GREEDY) -> bool:
+        if state is None or rounds_can_pay(state, kind):
             return True
-        if not draft_model.round_costs.learning:
+        if not state.round_costs.learning:
             return False
         self.unpaid[kind] += 1
         return self.unpaid[kind] % ROUTE_PROBE_EVERY == 0
@@ -79,14 +124,14 @@ def keep_tap_output(layer, output) -> None:
 # One request's target and drafter
 
 
-def serves_rounds(draft_model, greedy_sampling: bool, sampler=None) -> bool:
+def serves_rounds(state: Optional[DrafterState], greedy_sampling: bool, sampler=None) -> bool:
     """Whether policy_rounds runs a request's rounds itself (RequestDecoder) rather than
     handing it to mlx-vlm's loop: a greedy request, or one sampled by position
-    (dflash2_sampling.PositionSampler), on a drafter with a cost table whose drafter reads
-    the target's taps as they are."""
-    return (getattr(draft_model, "round_costs", None) is not None
+    (dflash2_sampling.PositionSampler), on a served drafter (served_state) that reads the
+    target's taps as they are."""
+    return (state is not None
             and (greedy_sampling or is_position_keyed(sampler))
-            and not callable(getattr(draft_model, "prepare_target_hidden", None)))
+            and not callable(getattr(state.drafter, "prepare_target_hidden", None)))
 
 
 def argmax_tokens(logits: mx.array) -> mx.array:
@@ -126,9 +171,11 @@ class RequestDecoder:
     counts the generated tokens (the prefill's was position 0).
     """
 
-    def __init__(self, model, draft_model, prompt_cache, hidden, bonus, sampler, token_dtype):
+    def __init__(self, model, draft_model, prompt_cache, hidden, bonus, sampler, token_dtype,
+                 candidate_selector=False):
         self.lm = getattr(model, "language_model", model)
         self.draft_model = draft_model
+        self.drafts = greedy_drafting(draft_model, candidate_selector)
         self.prompt_cache = prompt_cache
         self.taps = list(draft_model.config.target_layer_ids)
         self.tap_layers = {id(self.lm.model.layers[index]) for index in self.taps}
@@ -150,9 +197,8 @@ class RequestDecoder:
 
     def draft(self, block: int, hidden: mx.array) -> mx.array:
         """The drafter's proposals, its most likely tokens for sampled requests too."""
-        draft = getattr(self.draft_model, "draft_block_greedy", self.draft_model.draft_block)
         sampler = argmax_tokens if self.sampled else self.sampler
-        tokens = draft(self.bonus, hidden, self.draft_cache, block, sampler, self.token_dtype)
+        tokens = self.drafts(self.bonus, hidden, self.draft_cache, block, sampler, self.token_dtype)
         mx.async_eval(tokens)
         return tokens
 
@@ -250,11 +296,11 @@ def policy_rounds(
     """Replaces mlx-vlm's _dflash_rounds (same arguments, same tokens) for greedy requests and
     requests sampled by position.
 
-    Without a measured cost table on the drafter (`draft_model.round_costs`), for other
-    samplers, or for drafters that prepare the target's hidden states themselves, mlx-vlm's
-    own loop runs.
+    For a drafter serve_rounds_with does not hold (served_state), for other samplers, or for
+    drafters that prepare the target's hidden states themselves, mlx-vlm's own loop runs.
     """
-    if not serves_rounds(draft_model, greedy_sampling, sampler):
+    state = served_state(draft_model)
+    if not serves_rounds(state, greedy_sampling, sampler):
         yield from dflash_rounds._dflash_rounds(
             model, draft_model, prompt_cache, hidden, first_bonus=first_bonus,
             max_tokens=max_tokens, sampler=sampler, draft_block_size=draft_block_size,
@@ -262,19 +308,19 @@ def policy_rounds(
             greedy_sampling=greedy_sampling,
         )
         return
-    costs = draft_model.round_costs
+    costs = state.round_costs
     ceiling = _dflash_block_total(draft_model, draft_block_size)
-    fixed = ceiling if getattr(draft_model, "prefer_requested_block_size", False) else None
-    memory = getattr(draft_model, "acceptance_memory", None)  # the engine's, with a measured table
+    fixed = ceiling if state.fixed_block else None
+    memory = state.acceptance_memory  # the engine's, with a measured table
     kind = GREEDY if greedy_sampling else SAMPLED
     policy = RoundPolicy(costs, ceiling, fixed, memory.start_request(kind) if memory is not None else None)
-    decoder = RequestDecoder(model, draft_model, prompt_cache, hidden, first_bonus, sampler, token_dtype)
+    decoder = RequestDecoder(model, draft_model, prompt_cache, hidden, first_bonus, sampler, token_dtype,
+                             state.candidate_selector)
     with mx.stream(generation_stream):
         dflash_rounds._reserve_dflash_target_cache(prompt_cache, ceiling)
-    counts = draft_model.round_counts = RoundCounts()
-    listener = getattr(draft_model, "round_counts_listener", None)
-    if listener is not None:
-        listener(counts)
+    counts = state.round_counts = RoundCounts()
+    if state.counts_to is not None:
+        state.counts_to(counts)
 
     emitted = 1  # the caller yielded the prefill's token
     first_round, after_round = True, False

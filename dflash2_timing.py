@@ -108,7 +108,8 @@ def steady_ms(steps, run: int, settle):
     return sample
 
 
-def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=3, plain_run=8) -> RoundCosts:
+def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=3, plain_run=8,
+                        candidate_selector=False) -> RoundCosts:
     """Time plain steps, drafter passes and whole rounds for blocks 2..the drafter's ceiling,
     and the refill of a plain step right after a round.
 
@@ -137,7 +138,8 @@ def measure_round_costs(model, draft_model, *, repeats=5, prompt_length=16, run=
 
     # On the stream the server's batch generator runs requests on, as in serving.
     with mx.stream(batch_stream):
-        decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax_tokens, mx.int32)
+        decoder = RequestDecoder(model, draft_model, cache, hidden, first, argmax_tokens, mx.int32,
+                                 candidate_selector)
         one_row = hidden[:, -1:]
 
         def steady(steps, count=run):

@@ -264,11 +264,11 @@ def sliding_drafter(target, monkeypatch):
     import dflash2_drafter
     import dflash2_rounds
     from bench_prefix import attention_layout_kept
+    from parity import served_rounds
 
     _, _, drafter = target
     blocks = range(2, dflash2_policy.MAX_ROWS + 1)
-    monkeypatch.setattr(drafter, "round_costs", dflash2_policy.RoundCosts(60.0, {b: 0.5 for b in blocks},
-                                                                          {b: 0.1 for b in blocks}), raising=False)
+    costs = dflash2_policy.RoundCosts(60.0, {b: 0.5 for b in blocks}, {b: 0.1 for b in blocks})
     seen, start, draft = [], dflash2_rounds.RequestDecoder.__init__, dflash2_rounds.RequestDecoder.draft
 
     def recording_start(self, model, draft_model, prompt_cache, hidden, *args):
@@ -282,7 +282,7 @@ def sliding_drafter(target, monkeypatch):
 
     monkeypatch.setattr(dflash2_rounds.RequestDecoder, "__init__", recording_start)
     monkeypatch.setattr(dflash2_rounds.RequestDecoder, "draft", recording_draft)
-    with attention_layout_kept(drafter):
+    with attention_layout_kept(drafter), served_rounds(drafter, costs):
         dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True))
         yield drafter, seen
 

@@ -6,6 +6,7 @@ synthetic cost table: the tokens equal plain decoding at full, zero and recoveri
 acceptance, and the policy's blocks and plain steps are the ones the costs call for.
 """
 
+import dataclasses
 import random
 import time
 
@@ -18,7 +19,7 @@ import dflash2_timing
 from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
 from kernel_cases import patch_kernels
 from oracle_drafter import OracleDrafter
-from parity import PROMPTS, chat_ids, greedy
+from parity import PROMPTS, chat_ids, greedy, served_rounds
 
 BLOCKS = range(2, 9)
 # Blocks up to 5 verify cheaply, bigger ones do not: at full acceptance block 5 is best.
@@ -175,24 +176,23 @@ def test_routing_asks_whether_a_block_up_to_the_ceiling_beats_plain_at_full_acce
     # A round of block b yields b tokens at full acceptance: at b decode steps it only ties,
     # and it must beat plain by PAY_MARGIN.
     tie = RoundCosts(1.0, {b: b - 0.5 for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=True)
-    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=tie)
-    assert not dflash2_rounds.rounds_can_pay(drafter)
+    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8))
+    state = dflash2_rounds.DrafterState(drafter, tie)
+    assert not dflash2_rounds.rounds_can_pay(state)
     tie.verify_steps_by_block[6] = 6 / PAY_MARGIN - 0.5  # block 6 at exactly the margin: not yet
-    assert not dflash2_rounds.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(state)
     tie.verify_steps_by_block[6] -= 0.01  # now it pays, by a hundredth of a step
-    assert dflash2_rounds.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(state)
     drafter.config.runtime_block_size = 5  # beyond the drafter's ceiling it does not count
-    assert not dflash2_rounds.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(state)
     # The live table: plain steps observed slower make the same rounds pay.
     tie.observe_plain(10, 20.0)
-    assert dflash2_rounds.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(state)
     # A fixed block runs rounds whatever they cost; without a table mlx-vlm's loop runs.
     never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS})
-    drafter.round_costs = never
-    assert not dflash2_rounds.rounds_can_pay(drafter)
-    drafter.prefer_requested_block_size = True
-    assert dflash2_rounds.rounds_can_pay(drafter)
-    assert dflash2_rounds.rounds_can_pay(SimpleNamespace(config=drafter.config))
+    assert not dflash2_rounds.rounds_can_pay(dflash2_rounds.DrafterState(drafter, never))
+    assert dflash2_rounds.rounds_can_pay(dflash2_rounds.DrafterState(drafter, never, fixed_block=True))
+    assert dflash2_rounds.rounds_can_pay(None)
 
 
 def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes():
@@ -200,7 +200,8 @@ def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes(
 
     def drafter(learning):
         never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=learning)
-        return SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=never)
+        return dflash2_rounds.DrafterState(SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8)),
+                                           never)
 
     every = dflash2_policy.ROUTE_PROBE_EVERY
     measured, given = dflash2_rounds.SpeculativeRoute(), dflash2_rounds.SpeculativeRoute()
@@ -255,11 +256,10 @@ def run_policy(target, prompt_and_plain, error_rate):  # noqa: F811
     ids, plain = prompt_and_plain
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=error_rate,
                            target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False  # the policy chooses
-    oracle.round_costs = COSTS
-    tokens = greedy(model, ids, GENERATED, drafter=oracle)
+    with served_rounds(oracle, COSTS) as state:  # the policy chooses
+        tokens = greedy(model, ids, GENERATED, drafter=oracle)
     blocks = [drafted + 1 for drafted in oracle.draft_lens]
-    return tokens == plain, oracle.round_counts, list(zip(blocks, oracle.accept_lens))
+    return tokens == plain, state.round_counts, list(zip(blocks, oracle.accept_lens))
 
 
 def test_full_acceptance_runs_the_best_block(target, prompt_and_plain):  # noqa: F811
@@ -371,9 +371,8 @@ def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, pr
     before = {b: round_ms(b) for b in BLOCKS}
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=0.0,
                            target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False
-    oracle.round_costs = cheap
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    with served_rounds(oracle, cheap):
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
     blocks = [drafted + 1 for drafted in oracle.draft_lens]
     timed = set(blocks[1:])  # the first round is not learned from (its drafter reads the prompt)
     assert timed
@@ -510,10 +509,9 @@ def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(target,
                        learning=True)  # about a tiny-pack decode step on CPU
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False
-    oracle.round_costs = table
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
-    assert oracle.round_counts.tokens_from_plain_steps > 0
+    with served_rounds(oracle, table) as state:
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    assert state.round_counts.tokens_from_plain_steps > 0
     assert 1 <= table.observed.get("refill", 0) <= len(oracle.draft_lens)
     assert table.observed.get("plain", 0) >= 1
 
@@ -529,8 +527,8 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     refilled = RoundCosts(COSTS.decode_step_ms, COSTS.verify_steps_by_block, COSTS.draft_steps_by_block, 1.0,
                           learning=True)
     memory = dflash2_policy.AcceptanceMemory(8)
-    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=refilled,
-                              acceptance_memory=memory)
+    drafter = dflash2_rounds.DrafterState(SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8)),
+                                          refilled, acceptance_memory=memory)
     assert memory.rounds_pay(refilled, 8) and dflash2_rounds.rounds_can_pay(drafter)  # nothing seen yet
     for _ in range(3):
         memory.record(2, 0)
@@ -566,17 +564,14 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 2.0)
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False
-    oracle.round_costs = table
-    oracle.acceptance_memory = dflash2_policy.AcceptanceMemory(8)
-    assert dflash2_rounds.rounds_can_pay(oracle)
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
-    assert oracle.round_counts.tokens_from_rounds >= 1
-    assert not dflash2_rounds.rounds_can_pay(oracle)
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain  # a probe
-    assert oracle.draft_lens[:1] and oracle.round_counts.tokens_from_plain_steps >= GENERATED - 3
-    del oracle.acceptance_memory
-    assert dflash2_rounds.rounds_can_pay(oracle)
+    with served_rounds(oracle, table, acceptance_memory=dflash2_policy.AcceptanceMemory(8)) as state:
+        assert dflash2_rounds.rounds_can_pay(state)
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+        assert state.round_counts.tokens_from_rounds >= 1
+        assert not dflash2_rounds.rounds_can_pay(state)
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain  # a probe
+        assert oracle.draft_lens[:1] and state.round_counts.tokens_from_plain_steps >= GENERATED - 3
+    assert dflash2_rounds.rounds_can_pay(dataclasses.replace(state, acceptance_memory=None))
 
 
 def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain,  # noqa: F811
@@ -589,8 +584,6 @@ def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(
     table = RoundCosts(60.0, {b: 1.2 for b in BLOCKS}, {b: 0.0 for b in BLOCKS})
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size,
                            accepted_per_round=1.0, target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False
-    oracle.round_costs = table
     choose_block, choices = RoundPolicy.choose_block, []
 
     def plain_first(policy, remaining):  # the request's first three choices: plain steps
@@ -599,8 +592,9 @@ def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(
 
     monkeypatch.setattr(RoundPolicy, "choose_block", plain_first)
     monkeypatch.setattr(RoundPolicy, "plain_run", lambda policy, remaining: 1)
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
-    assert oracle.round_counts.tokens_from_plain_steps >= 3 and oracle.accept_lens
+    with served_rounds(oracle, table) as state:
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    assert state.round_counts.tokens_from_plain_steps >= 3 and oracle.accept_lens
     assert oracle.accept_lens[:-1] == [1] * (len(oracle.accept_lens) - 1), oracle.accept_lens
 
 

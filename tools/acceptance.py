@@ -21,7 +21,6 @@ minutes), not Ternary-Bonsai-2-27B: its figures say the drafter path works, not 
 
 import argparse
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,7 +28,7 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-from parity import WEATHER_TOOL, chat_ids, greedy  # noqa: E402
+from parity import WEATHER_TOOL, chat_ids, greedy, served_rounds  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 PAIR = REPO / "fixtures" / "tiny-pair"
@@ -89,18 +88,6 @@ def all_prompt_ids(tokenizer, per_kind=None):
     """(kind, text, ids) of every prompt, or of the first `per_kind` of each kind."""
     return [(kind, text, prompt_ids(tokenizer, kind, text))
             for kind, texts in PROMPTS.items() for text in texts[:per_kind]]
-
-
-@contextmanager
-def served_rounds(drafter, costs, fixed_block=False):
-    """The drafter as the server configures it (dflash2_engine, configure_drafter): the round
-    policy decides each round from the cost table; with a fixed block the requested block
-    runs every round."""
-    drafter.round_costs, drafter.prefer_requested_block_size = costs, fixed_block
-    try:
-        yield
-    finally:
-        del drafter.round_costs, drafter.prefer_requested_block_size
 
 
 def acceptance_cases(model, tokenizer, drafter, costs, prompts, max_tokens, blocks=BLOCKS):
@@ -173,9 +160,9 @@ def speed_ratio(model, tokenizer, drafter, costs, max_tokens, repeats=5):
     sources = {}  # the last run's tokens from rounds and from plain steps, per arm
 
     def speculative(fixed_block):
-        with served_rounds(drafter, costs, fixed_block=fixed_block):
+        with served_rounds(drafter, costs, fixed_block=fixed_block) as state:
             greedy(model, ids, max_tokens, drafter=drafter, block_size=SPEED_BLOCK if fixed_block else None)
-        counts = drafter.round_counts
+        counts = state.round_counts
         sources[fixed_block] = {"tokens_from_rounds": counts.tokens_from_rounds,
                                 "tokens_from_plain_steps": counts.tokens_from_plain_steps}
 

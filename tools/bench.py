@@ -62,7 +62,7 @@ import dflash2_verify  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
 from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
-from parity import greedy  # noqa: E402
+from parity import greedy, served_rounds  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 # The sampled arms' settings beside their temperature (Qwen3.5's recommended top_p and top_k)
@@ -481,7 +481,8 @@ def main():
         # its temperature (what the oracle proposes for sampled requests).
         references = {temperature: greedy(model, prompt_ids, count, sampler=sampled_sampler(temperature))
                       for temperature in [None, *temperatures]}
-        identical_by_arm, oracles, tables_before, seeds_before = {}, {}, {}, {}
+        # arm_states: arm -> the DrafterState its last full run was served by (its oracle drafter, round counts)
+        identical_by_arm, arm_states, tables_before, seeds_before = {}, {}, {}, {}
         token_gaps = {}  # arm -> each full run's gaps between tokens handed on (the first: from the start)
 
         def timed_greedy(key, tokens, **kwargs):
@@ -538,10 +539,6 @@ def main():
                     acceptance=acceptance[profile] if acceptance else None, seed=draws_seed,
                     block_size=block or BLOCK, target_layer_ids=taps, cost_drafter=drafter,
                 )
-                oracle.round_costs = costs
-                oracle.prefer_requested_block_size = block is not None
-                if key in memories:
-                    oracle.acceptance_memory = memories[key]
                 table = costs.to_json()  # the learning table this run's policy starts from
                 # The acceptance its first choice reads (what the arm's earlier runs left), and how many
                 # requests the memory saw.
@@ -550,17 +547,20 @@ def main():
                 default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
                 dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
                 try:
-                    if key in routes and not routes[key](oracle, kind):  # the server would route it plain
-                        output = timed_greedy(key, tokens, sampler=sampler)
-                        oracle.round_counts = dflash2_policy.RoundCounts(tokens_from_plain_steps=len(output) - 1)
-                        routed_plain[key] = routed_plain.get(key, 0) + (tokens == count)
-                    else:
-                        output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK, sampler=sampler)
+                    with served_rounds(oracle, costs, fixed_block=block is not None,
+                                       acceptance_memory=memories.get(key)) as state:
+                        if key in routes and not routes[key](state, kind):  # the server would route it plain
+                            output = timed_greedy(key, tokens, sampler=sampler)
+                            state.round_counts = dflash2_policy.RoundCounts(tokens_from_plain_steps=len(output) - 1)
+                            routed_plain[key] = routed_plain.get(key, 0) + (tokens == count)
+                        else:
+                            output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK,
+                                                  sampler=sampler)
                 finally:
                     dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
                 if tokens == count:
                     accepted_runs.setdefault(key, []).append((draws_seed, list(oracle.accept_lens)))
-                    tables_before[key], oracles[key] = table, oracle
+                    tables_before[key], arm_states[key] = table, state
                     identical_by_arm[key] = output == references[temperature]
                     seeds_before[key] = seed
 
@@ -637,9 +637,9 @@ def main():
         first_vs_best_fixed = {profile: first / best_fixed[profile] for profile, first in e2e_first.items()}
         policy_arms = {f"{profile}{suffix}": arm_name(profile, None, first_request=bool(suffix))
                        for profile in profiles for suffix in ("", ", first request")[: 1 + args.first_request_arms]}
-        round_counts = {name: vars(oracles[arm].round_counts) for name, arm in policy_arms.items()}
+        round_counts = {name: vars(arm_states[arm].round_counts) for name, arm in policy_arms.items()}
         # Each round's drafts (block - 1) in the policy's last run per profile: what it chose.
-        policy_drafts = {name: oracles[arm].draft_lens for name, arm in policy_arms.items()}
+        policy_drafts = {name: arm_states[arm].drafter.draft_lens for name, arm in policy_arms.items()}
         # Profiles are named by tokens per round at block 8: the mean over the arm's full runs
         # (the passes' draws differ under the stochastic model).
         block_runs = {profile: [lens for _, lens in accepted_runs[arm_name(profile, BLOCK)]] for profile in profiles}
@@ -705,7 +705,7 @@ def main():
             "e2e_speedup_sampled": e2e_sampled,
             "e2e_sampled_settings": SAMPLED_SETTINGS if temperatures else None,
             "sampled_block_sampling": block_sampling.summary() if block_sampling else None,
-            "policy_round_counts_sampled": {t: {profile: vars(oracles[arm].round_counts) for profile, arm in by_profile.items()}
+            "policy_round_counts_sampled": {t: {profile: vars(arm_states[arm].round_counts) for profile, arm in by_profile.items()}
                                             for t, by_profile in sampled_arms.items()},
             "policy_runs_routed_plain_sampled": {t: {profile: routed_plain.get(arm, 0) for profile, arm in by_profile.items()}
                                                  for t, by_profile in sampled_arms.items()},

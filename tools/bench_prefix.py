@@ -38,6 +38,7 @@ from mlx_vlm.generate.ar import BatchGenerator  # noqa: E402
 import dflash2_drafter  # noqa: E402
 import dflash2_engine  # noqa: E402
 import dflash2_runtime  # noqa: E402
+import dflash2_rounds  # noqa: E402
 import dflash2_timing  # noqa: E402
 from dflash2_prefix_cache import PrefixPromptBatch, PrefixStore  # noqa: E402
 from parity import differing  # noqa: E402
@@ -292,8 +293,9 @@ def main():
     dflash2_engine.use_first_tokens_first()  # as both servers hand out a first token
     print(prefill_inverse, flush=True)
     if drafter is not None:  # the policy's table, as the speculative server measures it at start-up
-        drafter.round_costs = dflash2_timing.measure_round_costs(model, drafter)
-        print("round costs:", drafter.round_costs.summary(), flush=True)
+        costs = dflash2_timing.measure_round_costs(model, drafter)
+        dflash2_rounds.serve_rounds_with(dflash2_rounds.DrafterState(drafter, costs))
+        print("round costs:", costs.summary(), flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
     results, memory, peak_over_plain, peak_spread, drafter_cache = {}, {}, {}, {}, {}

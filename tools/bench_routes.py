@@ -140,17 +140,17 @@ def measure(generator, max_tokens: int, repeats: int) -> tuple:
 
         def sample():
             speculative = generator.rounds_can_pay() if route == "as routed" else route == "speculative"
-            drafter = generator.speculation.drafter
-            table = drafter.round_costs
+            state = generator.speculation.state
+            table = state.round_costs
             if flags:  # a variant's timings must not teach the table the server's routes read
-                drafter.round_costs = copy.deepcopy(table)
+                state.round_costs = copy.deepcopy(table)
             variant.flags = flags
             try:
                 request = timed_request(generator, prompt, max_tokens, speculative)
             finally:
                 variant.flags = ()
                 variant.restore_stream()
-                drafter.round_costs = table
+                state.round_costs = table
             requests[name].append(request)
             return request["ms_per_token"]
 
@@ -180,7 +180,7 @@ def main(argv=None):
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "prompt": PROMPT,
-        "round_costs": generator.speculation.drafter.round_costs.to_json(),
+        "round_costs": generator.speculation.state.round_costs.to_json(),
         "ms_per_token": {arm: {key: stats[key] for key in ("median", "min", "max", "samples")}
                          for arm, stats in timings.items()},
         "plain_over_arm": {arm: dflash2_timing.paired_ratio(timings["plain"], stats) for arm, stats in timings.items()},
