@@ -21,6 +21,27 @@ from dflash2_audit import _with_globals
 from dflash2_rounds import greedy_drafting
 
 
+@dataclass(frozen=True)
+class BlockLimits:
+    """The verify block's bounds, checked once (block_limits) before any weights load."""
+
+    ceiling: int  # the largest block a round verifies: 2..min(trained block, MAX_ROWS)
+    fixed: bool  # every round verifies the ceiling (--dflash2-block-size)
+
+
+def block_limits(trained: int, block_size: Optional[int] = None, block_cap: Optional[int] = None) -> BlockLimits:
+    """--dflash2-block-size and --dflash2-block-cap against the drafter's trained block and
+    the exact kernels' rows; a ValueError names the option. No option: the adaptive block
+    up to both."""
+    top = min(trained, dflash2_kernels.MAX_ROWS)
+    for option, value in (("--dflash2-block-size", block_size), ("--dflash2-block-cap", block_cap)):
+        if value is not None and not 2 <= value <= top:
+            raise ValueError(f"{option} {value} is outside 2..{top} (the drafter was trained on blocks of "
+                             f"{trained}; the exact kernels take up to {dflash2_kernels.MAX_ROWS} rows)")
+    ceiling = top if block_size is None else block_size
+    return BlockLimits(ceiling if block_cap is None else min(ceiling, block_cap), block_size is not None)
+
+
 @dataclass
 class RuntimeOptions:
     """Experiment knobs; the defaults are what the pack serves."""
@@ -39,15 +60,7 @@ def configure_drafter(drafter, options: RuntimeOptions) -> None:
     cap bounds the choice. Whether the block is fixed and how the drafter drafts are the
     pack's, not the drafter's: dflash2_rounds.DrafterState carries them.
     """
-    trained = int(drafter.config.block_size)
-    ceiling = min(trained, dflash2_kernels.MAX_ROWS)
-    for name, value in (("block size", options.block_size), ("block cap", options.block_cap)):
-        if value is not None and not 2 <= value <= min(trained, dflash2_kernels.MAX_ROWS):
-            raise ValueError(f"{name} must be 2..{min(trained, dflash2_kernels.MAX_ROWS)}, got {value}")
-    if options.block_size is not None:
-        ceiling = options.block_size
-    if options.block_cap is not None:
-        ceiling = min(ceiling, options.block_cap)
+    ceiling = block_limits(int(drafter.config.block_size), options.block_size, options.block_cap).ceiling
     # _dflash_block_total reads min(block_size, runtime_block_size) each request.
     drafter.config.runtime_block_size = ceiling
     if options.sliding_window:

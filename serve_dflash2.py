@@ -50,7 +50,7 @@ import logging
 from dflash2_engine import DrafterSetup, read_round_costs, warm_up
 from dflash2_gateway import Gateway, serve
 from dflash2_launch import open_pack, read_options, start_pack_engine
-from dflash2_options import int_in, interrupted_start_exits, make_parser, pack_folder
+from dflash2_options import interrupted_start_exits, make_parser, pack_folder
 from dflash2_routing import decider, route_chat
 
 logger = logging.getLogger("dflash2.server")
@@ -83,11 +83,11 @@ def make_dflash2_parser():
     dflash2 = parser.add_argument_group("DFlash2 options")
     dflash2.add_argument("--dflash2-multimodal", choices=["speculative", "plain"], default="speculative",
                          help="route requests with images speculative (default) or plain")
-    # 8: dflash2_kernels.MAX_ROWS, which imports mlx-vlm (not before the environment check);
-    # configure_drafter checks both against it and the drafter's trained block.
-    dflash2.add_argument("--dflash2-block-size", type=int_in(2, 8),
+    # Their range is the drafter's (its trained block, up to the kernels' rows): start checks
+    # both once it has read the drafter's config.json.
+    dflash2.add_argument("--dflash2-block-size", type=int,
                          help="experimental: fixed verify block instead of the adaptive one")
-    dflash2.add_argument("--dflash2-block-cap", type=int_in(2, 8),
+    dflash2.add_argument("--dflash2-block-cap", type=int,
                          help="experimental: upper bound for the adaptive verify block")
     dflash2.add_argument("--dflash2-candidate-selector", action="store_true",
                          help="experimental: draft greedily through the trained candidate selector")
@@ -129,6 +129,15 @@ def start(argv=None):
         print(format_verify_table(results))
         sys.exit(0 if all(ok for _, ok, _ in results) else 1)
     pack = open_pack(parser, args, HERE, with_drafter=not args.no_dflash2)
+    drafter_dir = pack.drafter_dir or pack.pack_dir / "drafter"
+    if not args.no_dflash2:  # a block the drafter cannot take stops the start before any weight loads
+        from dflash2_drafter import block_limits
+        from dflash2_pack import drafter_trained_block
+
+        try:
+            block_limits(drafter_trained_block(drafter_dir), args.dflash2_block_size, args.dflash2_block_cap)
+        except ValueError as error:
+            parser.error(str(error))
     from dflash2_verdicts import VerdictCache, pack_key
 
     options = dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
@@ -136,7 +145,7 @@ def start(argv=None):
     verdicts = None if args.no_dflash2 else VerdictCache(
         pack_key(pack.pack_dir, pack.target_dir, pack.drafter_dir, options), recheck=args.recheck)
     drafter = None if args.no_dflash2 else DrafterSetup(
-        pack.drafter_dir or pack.pack_dir / "drafter", options,
+        drafter_dir, options,
         read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None, verdicts)
     generator, inner_app = start_pack_engine(pack, args, drafter)
     if generator.speculation.error:
