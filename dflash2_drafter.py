@@ -1,7 +1,8 @@
 """The drafter's set-up: its block options, the dtype it drafts in, and its attention off cuDNN.
 
-Only the drafter's proposals depend on anything here, never the tokens: configure_drafter
-applies the experiment options (RuntimeOptions) to a loaded drafter, choose_drafter_dtype
+Only the drafter's proposals depend on anything here, never the tokens: block_limits checks
+the block options once, configure_drafter applies the experiment options (RuntimeOptions) to
+a loaded drafter, choose_drafter_dtype
 times bf16 against promoted activations as serving drafts, and dflash2_runtime installs
 this module's drafter calls in mlx-vlm.
 """
@@ -42,27 +43,27 @@ def block_limits(trained: int, block_size: Optional[int] = None, block_cap: Opti
     return BlockLimits(ceiling if block_cap is None else min(ceiling, block_cap), block_size is not None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuntimeOptions:
     """Experiment knobs; the defaults are what the pack serves."""
 
-    block_size: Optional[int] = None  # fixed verify block (2..8); None adapts
-    block_cap: Optional[int] = None  # upper bound for the adaptive block
+    blocks: Optional[BlockLimits] = None  # block_limits' value; None: block_limits(trained block)
     candidate_selector: bool = False  # use the trained selector when drafting greedily
     sliding_window: bool = False  # drafter attends to its last `sliding_window` context positions
 
 
-def configure_drafter(drafter, options: RuntimeOptions) -> None:
-    """Apply the experiment options to a loaded drafter's config and layers.
+def configure_drafter(drafter, options: RuntimeOptions) -> BlockLimits:
+    """Apply the experiment options to a loaded drafter's config and layers; returns the
+    block limits it applied.
 
-    The verify block never exceeds the drafter's trained block nor the kernel's
-    8 rows, and the round policy chooses within that; a fixed block pins it, a
-    cap bounds the choice. Whether the block is fixed and how the drafter drafts are the
-    pack's, not the drafter's: dflash2_rounds.DrafterState carries them.
+    The round policy chooses each block up to the limits' ceiling, already checked against
+    the drafter's trained block and the kernels' rows. Whether the block is fixed and how
+    the drafter drafts are the pack's, not the drafter's: dflash2_rounds.DrafterState
+    carries them.
     """
-    ceiling = block_limits(int(drafter.config.block_size), options.block_size, options.block_cap).ceiling
+    blocks = options.blocks or block_limits(int(drafter.config.block_size))
     # _dflash_block_total reads min(block_size, runtime_block_size) each request.
-    drafter.config.runtime_block_size = ceiling
+    drafter.config.runtime_block_size = blocks.ceiling
     if options.sliding_window:
         # z-lab's window mask: mlx-vlm's sliding drafter layers keep only the last
         # `sliding_window - 1` context positions and a rotating cache of that size,
@@ -74,6 +75,7 @@ def configure_drafter(drafter, options: RuntimeOptions) -> None:
         for layer in drafter.layers:
             layer.self_attn.is_sliding = True
             layer.self_attn.sliding_window = window
+    return blocks
 
 
 # Drafter precision: the target hands over fp16 activations; meeting bf16 drafter

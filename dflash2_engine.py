@@ -16,7 +16,7 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import dflash2_audit
@@ -30,7 +30,7 @@ class DrafterSetup:
     """What the speculative server asks of the drafter's start-up."""
 
     drafter_dir: Path
-    options: dict = field(default_factory=dict)  # dflash2_drafter.RuntimeOptions' fields; none: the pack's
+    options: object = None  # dflash2_drafter.RuntimeOptions, its blocks checked; None: the pack's
     round_costs: object = None  # dflash2_policy.RoundCosts given on the command line; None: measure
     verdicts: object = None  # dflash2_verdicts.VerdictCache, not yet opened; None: every check runs
 
@@ -120,10 +120,10 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
     logger.info("DFlash2 %s (%s)", sampling.summary(), verdicts.source("sampled verify draws"))
     drafter, kind = load_drafter(str(setup.drafter_dir), kind="dflash")
     validate_drafter_compatibility(model, drafter, kind)
-    options = dflash2_drafter.RuntimeOptions(**setup.options)
+    options = setup.options or dflash2_drafter.RuntimeOptions()
     try:
-        dflash2_drafter.configure_drafter(drafter, options)
-    except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
+        blocks = dflash2_drafter.configure_drafter(drafter, options)
+    except ValueError as error:  # e.g. --dflash2-sliding-window on a drafter without a window
         return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
     selector = options.candidate_selector
     # What a round costs here decides each greedy request's route, then each round's block or plain steps.
@@ -150,12 +150,12 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
     if not setup.round_costs:  # a given table stays as given: each request starts from the prior
         memory = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
         logger.info("DFlash2: each request's acceptance estimate starts from the drafter's recent rounds")
-    state = dflash2_rounds.DrafterState(drafter, round_costs, fixed_block=options.block_size is not None,
+    state = dflash2_rounds.DrafterState(drafter, round_costs, fixed_block=blocks.fixed,
                                         candidate_selector=selector, acceptance_memory=memory, counts_to=counts_to)
     dflash2_rounds.serve_rounds_with(state)
     if state.fixed_block:
         logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
-                    "whatever the table says", drafter.config.runtime_block_size)
+                    "whatever the table says", blocks.ceiling)
     elif not dflash2_rounds.rounds_can_pay(state):
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
                     "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "

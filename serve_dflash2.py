@@ -103,6 +103,28 @@ def make_dflash2_parser():
 # ---------------------------------------------------------------------------------------
 
 
+def drafter_setup(parser, args, pack) -> DrafterSetup:
+    """The drafter's start-up as the options ask; a block the drafter cannot take stops the
+    start here (exit 2), before any weight loads."""
+    from dflash2_drafter import RuntimeOptions, block_limits
+    from dflash2_pack import drafter_trained_block
+    from dflash2_verdicts import VerdictCache, pack_key
+
+    drafter_dir = pack.drafter_dir or pack.pack_dir / "drafter"
+    try:
+        blocks = block_limits(drafter_trained_block(drafter_dir), args.dflash2_block_size, args.dflash2_block_cap)
+    except ValueError as error:
+        parser.error(str(error))
+    # The verdicts' key holds the options as given: a start with other ones checks again.
+    given = dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
+                 candidate_selector=args.dflash2_candidate_selector, sliding_window=args.dflash2_sliding_window)
+    verdicts = VerdictCache(pack_key(pack.pack_dir, pack.target_dir, pack.drafter_dir, given), recheck=args.recheck)
+    options = RuntimeOptions(blocks, candidate_selector=args.dflash2_candidate_selector,
+                             sliding_window=args.dflash2_sliding_window)
+    costs = read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None
+    return DrafterSetup(drafter_dir, options, costs, verdicts)
+
+
 def main(argv=None):
     with interrupted_start_exits():
         gateway, args = start(argv)
@@ -129,24 +151,8 @@ def start(argv=None):
         print(format_verify_table(results))
         sys.exit(0 if all(ok for _, ok, _ in results) else 1)
     pack = open_pack(parser, args, HERE, with_drafter=not args.no_dflash2)
-    drafter_dir = pack.drafter_dir or pack.pack_dir / "drafter"
-    if not args.no_dflash2:  # a block the drafter cannot take stops the start before any weight loads
-        from dflash2_drafter import block_limits
-        from dflash2_pack import drafter_trained_block
-
-        try:
-            block_limits(drafter_trained_block(drafter_dir), args.dflash2_block_size, args.dflash2_block_cap)
-        except ValueError as error:
-            parser.error(str(error))
-    from dflash2_verdicts import VerdictCache, pack_key
-
-    options = dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
-                   candidate_selector=args.dflash2_candidate_selector, sliding_window=args.dflash2_sliding_window)
-    verdicts = None if args.no_dflash2 else VerdictCache(
-        pack_key(pack.pack_dir, pack.target_dir, pack.drafter_dir, options), recheck=args.recheck)
-    drafter = None if args.no_dflash2 else DrafterSetup(
-        drafter_dir, options,
-        read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None, verdicts)
+    drafter = None if args.no_dflash2 else drafter_setup(parser, args, pack)
+    verdicts = drafter and drafter.verdicts
     generator, inner_app = start_pack_engine(pack, args, drafter)
     if generator.speculation.error:
         generator.stop_and_join()

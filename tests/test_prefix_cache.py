@@ -229,14 +229,16 @@ def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
                 getattr(drafter.config, "runtime_block_size", None))
 
     before = state()
+    windowed = dflash2_drafter.RuntimeOptions(dflash2_drafter.block_limits(drafter.config.block_size, block_cap=2),
+                                              sliding_window=True)
     assert drafter.config.sliding_window  # the synthetic drafters have one
     with attention_layout_kept(drafter) as restore:
-        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True, block_cap=2))
+        dflash2_drafter.configure_drafter(drafter, windowed)
         assert all(layer.self_attn.is_sliding for layer in drafter.layers)
         assert drafter.config.runtime_block_size == 2
         restore()  # the whole-context requests between windowed ones
         assert state() == before
-        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True, block_cap=2))
+        dflash2_drafter.configure_drafter(drafter, windowed)
     assert state() == before
 
 

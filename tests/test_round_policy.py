@@ -455,7 +455,8 @@ def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
     model, _, drafter = target
     before = drafter.config.runtime_block_size
     try:
-        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(block_cap=3))
+        capped = dflash2_drafter.block_limits(drafter.config.block_size, block_cap=3)
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(capped))
         assert _dflash_block_total(drafter, None) == 3
         costs = dflash2_timing.measure_round_costs(model, drafter, repeats=1, run=2)
         assert costs.blocks == [2, 3]

@@ -13,7 +13,7 @@ import pytest
 
 import dflash2_runtime
 from acceptance import PAIR, VARIED_PROMPTS, served_rounds, varied_answers
-from dflash2_pack import read_sha256sums, sha256_file
+from dflash2_pack import drafter_trained_block, read_sha256sums, sha256_file
 from dflash2_policy import RoundCosts
 from dflash2_rounds import RequestDecoder
 from gpu_rounding import swap_row_variant_ops
@@ -165,14 +165,16 @@ def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plai
     selector, a given table): its DrafterState carries the pack's state and the round loop
     serves it; none of it is written onto the drafter (an mlx nn.Module: a dict too), before
     or after a request's rounds, and each request's counts go where counts_to says."""
+    import dflash2_drafter
     import dflash2_engine
     import dflash2_rounds
 
     model = pair[0]
     status = dflash2_runtime.install()  # the patches only, as the pair fixture installs them
     monkeypatch.setattr(dflash2_runtime, "install", lambda model, verdicts: status)
-    setup = dflash2_engine.DrafterSetup(PAIR / "drafter", {"block_size": 4, "candidate_selector": True},
-                                        PAYING_COSTS)
+    blocks = dflash2_drafter.block_limits(drafter_trained_block(PAIR / "drafter"), block_size=4)
+    options = dflash2_drafter.RuntimeOptions(blocks, candidate_selector=True)
+    setup = dflash2_engine.DrafterSetup(PAIR / "drafter", options, PAYING_COSTS)
     handed = []
     try:
         speculation = dflash2_engine.load_speculation(model, setup, counts_to=handed.append)
