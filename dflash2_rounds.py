@@ -33,7 +33,7 @@ from dflash2_sampling import is_position_keyed, logprobs_like_decode
 
 @dataclass
 class DrafterState:
-    """The pack's state for the drafter it serves, set once (dflash2_engine.load_speculation;
+    """The pack's state for the drafter it serves, set once (dflash2_speculation.load_speculation;
     a tool, per run) and read by name; nothing of it is written onto the drafter."""
 
     drafter: object

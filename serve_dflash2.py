@@ -20,7 +20,7 @@ Responses that generate nothing (/v1/models, /health) carry the server's mode.
 A speculative request runs rounds only while they pay: dflash2_policy picks each round's
 block, or plain decode steps, from a round cost table measured at start-up (in /health) and
 the request's acceptance; its timings say how many tokens came from rounds and from plain steps.
-Start-up only: the routing is dflash2_routing.py's, the drafter's lifecycle dflash2_engine.py's,
+Start-up only: the routing is dflash2_routing.py's, the drafter's start-up dflash2_speculation.py's,
 and the hardening (loopback only, exact pass-through options, refused environment, path
 scrubbing, one sequence at a time) is shared with serve.py (dflash2_launch.py,
 dflash2_options.py, dflash2_gateway.py).
@@ -47,11 +47,12 @@ HERE = Path(__file__).absolute().parent
 runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
 import logging
 
-from dflash2_engine import DrafterSetup, read_round_costs, warm_up
+from dflash2_engine import warm_up
 from dflash2_gateway import Gateway, serve
 from dflash2_launch import open_pack, read_options, start_pack_engine
 from dflash2_options import interrupted_start_exits, make_parser, pack_folder
 from dflash2_routing import decider, route_chat
+from dflash2_speculation import DrafterSetup, read_round_costs
 
 logger = logging.getLogger("dflash2.server")
 

@@ -166,7 +166,7 @@ def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plai
     serves it; none of it is written onto the drafter (an mlx nn.Module: a dict too), before
     or after a request's rounds, and each request's counts go where counts_to says."""
     import dflash2_drafter
-    import dflash2_engine
+    import dflash2_speculation
     import dflash2_rounds
 
     model = pair[0]
@@ -174,10 +174,10 @@ def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plai
     monkeypatch.setattr(dflash2_runtime, "install", lambda model, verdicts: status)
     blocks = dflash2_drafter.block_limits(drafter_trained_block(PAIR / "drafter"), block_size=4)
     options = dflash2_drafter.RuntimeOptions(blocks, candidate_selector=True)
-    setup = dflash2_engine.DrafterSetup(PAIR / "drafter", options, PAYING_COSTS)
+    setup = dflash2_speculation.DrafterSetup(PAIR / "drafter", options, PAYING_COSTS)
     handed = []
     try:
-        speculation = dflash2_engine.load_speculation(model, setup, counts_to=handed.append)
+        speculation = dflash2_speculation.load_speculation(model, setup, counts_to=handed.append)
         state = speculation.state
         drafter = state.drafter
         assert speculation.error is None and dflash2_rounds.served_state(drafter) is state

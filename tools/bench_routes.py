@@ -47,7 +47,8 @@ ARMS = {
 
 def start_engine(pack: Path):
     """serve_dflash2.main up to serving: the engine with its drafter, warmed up on both routes."""
-    from dflash2_engine import DrafterSetup, start_engine, warm_up
+    from dflash2_engine import start_engine, warm_up
+    from dflash2_speculation import DrafterSetup
     from dflash2_options import make_parser, pack_limits, parse_args, pass_options_to_mlx_vlm
     from dflash2_pack import find_pack
 

@@ -324,7 +324,7 @@ def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
 
 @contextmanager
 def served_rounds(drafter, costs, fixed_block=False, acceptance_memory=None):
-    """The drafter as the server serves it (dflash2_engine.load_speculation): the round
+    """The drafter as the server serves it (dflash2_speculation.load_speculation): the round
     policy decides each round from the cost table; with a fixed block the requested block
     runs every round. Yields its dflash2_rounds.DrafterState (round_counts: the last run's);
     afterwards the state served before is served again."""
