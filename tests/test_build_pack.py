@@ -316,6 +316,7 @@ LAYERS = [
     "serve",
     "dflash2_launch",
     "dflash2_engine",
+    "dflash2_generator",
     "dflash2_speculation",
     "dflash2_prefix_cache",
     "dflash2_gateway",

@@ -1,5 +1,5 @@
 """The engine's worker admits each queued request with the record its gateway made for it
-(dflash2_engine.start_engine): the record travels with the request's arguments."""
+(dflash2_generator.PackGenerator): the record travels with the request's arguments."""
 
 import threading
 import time

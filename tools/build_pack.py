@@ -42,6 +42,7 @@ RUNTIME_FILES = (
     "serve.py",
     "dflash2_launch.py",
     "dflash2_engine.py",
+    "dflash2_generator.py",
     "dflash2_speculation.py",
     "dflash2_prefix_cache.py",
     "dflash2_gateway.py",
