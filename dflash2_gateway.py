@@ -208,21 +208,22 @@ class Gateway:
     """Serves the pack's endpoints, decides each chat request's route, and forwards the
     request to mlx-vlm's app with a normalised body.
 
-    decide(body) validates and routes a chat body (raising Refusal); header, when set,
-    names the response header that carries each response's mode.
+    decide(body) validates and routes a chat body (raising Refusal) against limits (the
+    pack's PackLimits, which /openapi.json states too); header, when set, names the response
+    header that carries each response's mode.
     """
 
-    def __init__(self, app, *, model_id, scrubber, decide, header=None, server_mode=("plain", None),
+    def __init__(self, app, *, limits, scrubber, decide, header=None, server_mode=("plain", None),
                  health=None, request_timeout=None):
         self.app = app
-        self.model_id = model_id
+        self.model_id = limits.model_id
         self.scrub = scrubber
         self.decide = decide
         self.header = header
         self.server_mode = server_mode
         self.health = health or dict  # () -> what /health adds, read at each request
         self.request_timeout = request_timeout or None
-        self.openapi = openapi_schema(model_id)
+        self.openapi = openapi_schema(limits)
         self.created = int(time.time())
         self.ids = itertools.count(1)
         self.checking = asyncio.Lock()  # one chat body parsed and checked at a time (check_body)

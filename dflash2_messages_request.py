@@ -2,12 +2,14 @@
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
-from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, MAX_STOP_SEQUENCES,
-                              TOOL_NAME, InvalidRequest, PackLimits, Refusal, StopSequence, Strict, check_sampling,
-                              context_refusal, json_object, load_checked_image, number, request_text_chars,
-                              served_model, validated, whole)
+from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
+                              MAX_STOP_SEQUENCES, NON_BLANK_TEXT, TEMPERATURE, TOOL_NAME, TOP_K, InvalidRequest,
+                              PackLimits, Refusal, ServedModel, StopSequence, Strict, check_sampling, context_refusal,
+                              has_text, integer, json_object, load_checked_image, misplaced, number,
+                              request_text_chars, served_model, validated, whole)
 
 
 class CacheControl(Strict):
@@ -33,7 +35,7 @@ class URLImageSource(Strict):
     """Checked as chat's image URLs are: remote ones refused, local files only from --allow-image-dir."""
 
     type: Literal["url"]
-    url: str
+    url: Annotated[str, IMAGE_URL]
 
 
 class ImageBlock(Strict):
@@ -56,7 +58,8 @@ class ToolUseBlock(Strict):
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, Annotated[list[ToolResultPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
+    # The block counts towards MAX_CONTENT_PARTS with its parts (check_messages_sizes).
+    content: Union[str, Annotated[list[ToolResultPart], Field(max_length=MAX_CONTENT_PARTS - 1)], None] = None
     is_error: Optional[bool] = None
     cache_control: Optional[CacheControl] = None
 
@@ -74,13 +77,27 @@ class RedactedThinkingBlock(Strict):
     data: str
 
 
-ContentBlock = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
-                               RedactedThinkingBlock], Field(discriminator="type")]
+# Each role's blocks; another role's are recognised and refused naming the block.
+MisplacedAssistantBlock = misplaced(("tool_use", "thinking", "redacted_thinking"),
+                                    "{kind} blocks are accepted in assistant messages only")
+MisplacedUserBlock = misplaced(("image", "tool_result"), "{kind} blocks are accepted in user messages only")
+UserBlock = Annotated[Union[TextBlock, ImageBlock, ToolResultBlock, MisplacedAssistantBlock],
+                      Field(discriminator="type")]
+AssistantBlock = Annotated[Union[TextBlock, ToolUseBlock, ThinkingBlock, RedactedThinkingBlock, MisplacedUserBlock],
+                           Field(discriminator="type")]
 
 
-class AnthropicMessage(Strict):
-    role: Literal["user", "assistant"]
-    content: Union[str, list[ContentBlock]]
+class AnthropicUserMessage(Strict):
+    role: Literal["user"]
+    content: Union[str, list[UserBlock]]
+
+
+class AnthropicAssistantMessage(Strict):
+    role: Literal["assistant"]
+    content: Union[str, list[AssistantBlock]]
+
+
+AnthropicMessage = Annotated[Union[AnthropicUserMessage, AnthropicAssistantMessage], Field(discriminator="role")]
 
 
 class AnthropicTool(Strict):
@@ -107,7 +124,7 @@ class ThinkingEnabled(Strict):
     max_tokens bounds the thinking and the answer together."""
 
     type: Literal["enabled"]
-    budget_tokens: Annotated[int, Field(ge=1, le=1 << 31)]
+    budget_tokens: integer(1, 1 << 31)
 
 
 class ThinkingToggle(Strict):
@@ -118,11 +135,43 @@ class AnthropicMetadata(Strict):
     user_id: Optional[str] = None
 
 
+def kept_in_the_prompt(message) -> bool:
+    """Whether mlx-vlm keeps a user message as a user turn: it renders one whose blocks are all
+    tool results (and text of white space only) as the tool messages alone."""
+    content = message.content
+    return isinstance(content, str) or not any(isinstance(block, ToolResultBlock) for block in content) or any(
+        isinstance(block, TextBlock) and has_text(block.text) for block in content)
+
+
+def with_a_place_for_images(messages: list) -> list:
+    """mlx-vlm places a user message's image blocks in the last user turn it keeps, and fails
+    (Text entry 0 contains 0 image placeholders) where it keeps none."""
+    users = [message for message in messages if message.role == "user"]
+    if any(isinstance(message.content, list) and any(isinstance(block, ImageBlock) for block in message.content)
+           for message in users) and not any(kept_in_the_prompt(message) for message in users):
+        raise PydanticCustomError("no_place_for_images", "images beside tool results need a user turn with text "
+                                                         "(other than white space) or without tool results")
+    return messages
+
+
+# with_a_place_for_images, published: no user message has image blocks, or one is kept.
+IMAGES_HAVE_A_PLACE = {"anyOf": [
+    {"items": {"anyOf": [{"properties": {"role": {"const": "assistant"}}}, {"properties": {"content": {"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"properties": {"type": {"enum": ["text", "tool_result"]}}}}]}}}]}},
+    {"contains": {"required": ["role", "content"], "properties": {"role": {"const": "user"}, "content": {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"properties": {"type": {"enum": ["text", "image"]}}}},
+        {"type": "array", "contains": {"required": ["type", "text"],
+                                       "properties": {"type": {"const": "text"}, "text": NON_BLANK_TEXT}}}]}}}}]}
+
+
 class CountTokensRequest(Strict):
     """A Messages count_tokens request (Anthropic's fields this pack honours)."""
 
-    model: Optional[str] = None
-    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    model: ServedModel = None
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES,
+                                                      json_schema_extra=IMAGES_HAVE_A_PLACE),
+                        AfterValidator(with_a_place_for_images)]
     system: Union[str, list[TextBlock], None] = None
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Annotated[Union[AnthropicToolChoiceKind, AnthropicToolChoiceTool, None],
@@ -134,10 +183,10 @@ class CountTokensRequest(Strict):
 class MessagesRequest(CountTokensRequest):
     """An Anthropic Messages request, as this pack serves it."""
 
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 31)]
-    temperature: number(0, 2) = None
+    max_tokens: integer(1, 1 << 31, CONTEXT)
+    temperature: number(0, 2, TEMPERATURE) = None
     top_p: number(0, 1) = None
-    top_k: whole(0, 1 << 31) = None
+    top_k: whole(0, 1 << 31, TOP_K) = None
     stop_sequences: Optional[Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)]] = None
     stream: Optional[bool] = None
     metadata: Optional[AnthropicMetadata] = None
@@ -171,10 +220,6 @@ def check_messages_sizes(body: dict):
     images = sum(isinstance(block, dict) and block.get("type") == "image" for block in blocks)
     if images > MAX_IMAGES:
         raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
-
-
-ROLE_OF_BLOCK = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
-                 "tool_result": "user", "image": "user"}
 
 
 def messages_rendered_chars(request: CountTokensRequest) -> int:
@@ -216,12 +261,8 @@ def check_messages_request(body, limits: PackLimits, request_model=MessagesReque
                       f"characters of text; this server takes at most {limits.prompt_chars_limit} "
                       "(its --max-prompt-chars)", "messages")
     pixels = 0
-    for index, where, block in message_blocks(body["messages"]):
-        role = body["messages"][index]["role"]
-        kind = block["type"]
-        if ROLE_OF_BLOCK.get(kind, role) != role:
-            raise InvalidRequest(where, f"{kind} blocks are accepted in {ROLE_OF_BLOCK[kind]} messages only")
-        if kind == "image":
+    for _, where, block in message_blocks(body["messages"]):
+        if block["type"] == "image":
             source = block["source"]
             url = source["url"] if source["type"] == "url" else \
                 f"data:{source['media_type']};base64,{source['data']}"

@@ -1,8 +1,9 @@
 """The OpenAPI description of the endpoints the gateway serves (its /openapi.json).
 
-Request bodies are described by the request models' own JSON schemas."""
+Request bodies are described by the request models' own JSON schemas, with the bounds
+that the pack and the server's options set (PackLimit) filled in."""
 
-from dflash2_requests import ChatRequest
+from dflash2_requests import PACK_LIMITS, ChatRequest, PackLimits
 from dflash2_messages_request import CountTokensRequest, MessagesRequest
 from dflash2_responses_request import ResponsesRequest
 
@@ -23,18 +24,37 @@ def request_schemas(*models) -> dict:
     return components
 
 
+def with_pack_limits(schema, limits: PackLimits):
+    """schema with each PackLimit marker ("x-pack-limit") replaced by the bound it names."""
+    if isinstance(schema, list):
+        return [with_pack_limits(item, limits) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: with_pack_limits(value, limits) for key, value in schema.items()}
+    name = schema.pop("x-pack-limit", None)
+    return {**schema, **PACK_LIMITS[name](limits)} if name else schema
+
+
 def json_body(model):
     return {"required": True, "content": {
         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+
+
+# One server-sent event, as OpenAPI 3.1 describes a text/event-stream response: by its events.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
 
 
 def json_response(schema, description="OK"):
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def openapi_schema(model_id: str) -> dict:
-    """OpenAPI 3.1 for the endpoints the gateway serves (aliases without /v1 left out)."""
-    components = request_schemas(ChatRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
+def openapi_schema(limits: PackLimits) -> dict:
+    """OpenAPI 3.1 for the endpoints the gateway serves (aliases without /v1 left out), as
+    this server's pack and options bound them."""
+    model_id = limits.model_id
+    components = with_pack_limits(request_schemas(ChatRequest, MessagesRequest, CountTokensRequest,
+                                                  ResponsesRequest), limits)
     components["Error"] = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
@@ -64,7 +84,7 @@ def openapi_schema(model_id: str) -> dict:
                 "responses": {
                     "200": {"description": "a completion, or server-sent events when stream is true",
                             "content": {"application/json": {"schema": completion},
-                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                                        "text/event-stream": {"schema": SSE_EVENT}}},
                     **error_responses(400, 404, 405, 413, 415, 421, 503, 504)}}},
             "/v1/messages": {"post": {
                 "operationId": "createMessage",
@@ -72,7 +92,7 @@ def openapi_schema(model_id: str) -> dict:
                 "responses": {
                     "200": {"description": "a message, or server-sent events when stream is true",
                             "content": {"application/json": {"schema": message},
-                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                                        "text/event-stream": {"schema": SSE_EVENT}}},
                     **error_responses(400, 404, 405, 413, 415, 421, 503, 504, schema="AnthropicError")}}},
             "/v1/messages/count_tokens": {"post": {
                 "operationId": "countMessageTokens",
@@ -87,7 +107,7 @@ def openapi_schema(model_id: str) -> dict:
                 "responses": {
                     "200": {"description": "a response, or its typed server-sent events when stream is true",
                             "content": {"application/json": {"schema": response},
-                                        "text/event-stream": {"schema": {"type": "string"}}}},
+                                        "text/event-stream": {"schema": SSE_EVENT}}},
                     **error_responses(400, 404, 405, 413, 415, 421, 503, 504)}}},
             "/v1/models": {"get": {"operationId": "listModels", "responses": {
                 "200": json_response({"type": "object", "properties": {"data": {

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 from urllib.parse import unquote, urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+                      model_validator)
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 # A request's images are decoded here in full before the model sees them: these bound the
@@ -80,13 +83,30 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
+@dataclass(frozen=True)
+class PackLimit:
+    """In a field's type: a bound that the pack or the server's options set, which the checks
+    enforce (check_sampling, served_model, load_checked_image, ...) and which the published
+    schema states per server: PACK_LIMITS[name](limits), filled in by dflash2_openapi."""
+
+    name: str
+
+    def __get_pydantic_json_schema__(self, core_schema, handler):
+        return {**handler(core_schema), "x-pack-limit": self.name}
+
+
+SERVED_MODEL, CONTEXT, TEMPERATURE, TOP_K, TOP_LOGPROBS, TOKEN_IDS, IMAGE_URL = map(PackLimit, (
+    "model", "context", "temperature", "top_k", "top_logprobs", "token_ids", "image_url"))
+ServedModel = Optional[Annotated[str, SERVED_MODEL]]
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
 class ImageURL(Strict):
-    url: str
+    url: Annotated[str, IMAGE_URL]
     detail: Optional[Literal["auto", "low", "high"]] = None
 
 
@@ -96,18 +116,39 @@ class ImagePart(Strict):
 
 
 class UnsupportedPart(BaseModel):
-    """Audio and video parts: recognised, then refused by name."""
+    """Audio and video parts: recognised, then refused by name (check_message); not in the
+    published schema."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal[UNSUPPORTED_PARTS]
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart, UnsupportedPart], Field(discriminator="type")]
+def misplaced(kinds, message: str):
+    """A union member for parts (or blocks) of the given kinds in a role that does not take
+    them: recognised, and refused with message ({kind}: the part's type; error_param names the
+    part); left out of the published schema, where the role's union lists what it takes."""
+    class Misplaced(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        type: Literal[kinds]
+
+        @model_validator(mode="after")
+        def refuse(self):
+            raise PydanticCustomError("misplaced", message, {"kind": self.type})
+
+    return SkipJsonSchema[Misplaced]
+
+
+UserPart = Annotated[Union[TextPart, ImagePart, SkipJsonSchema[UnsupportedPart]], Field(discriminator="type")]
+MisplacedImage = misplaced("image_url", "images are accepted in user messages only")
+TextOnlyPart = Annotated[Union[TextPart, MisplacedImage, SkipJsonSchema[UnsupportedPart]], Field(discriminator="type")]
 
 
 class FunctionCall(Strict):
+    """An earlier turn's tool call: the chat template renders its arguments, and cannot
+    without them."""
+
     name: str
-    arguments: Union[str, dict[str, Any]] = ""
+    arguments: Union[str, dict[str, Any]]
 
 
 class ToolCall(Strict):
@@ -116,14 +157,88 @@ class ToolCall(Strict):
     function: FunctionCall
 
 
-class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
+class MessageFields(Strict):
+    """What every role's message may hold; the roles below say what each requires."""
+
     name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
+    tool_calls: None = None  # an assistant's only
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
+
+
+class SystemMessage(MessageFields):
+    role: Literal["system", "developer"]
+    content: Union[str, list[TextOnlyPart]]
+
+
+class UserMessage(MessageFields):
+    role: Literal["user"]
+    content: Union[str, list[UserPart]]
+
+
+class AssistantMessage(MessageFields):
+    """Content may be left out where the turn is tool calls."""
+
+    role: Literal["assistant"]
+    content: Union[str, list[TextOnlyPart], None] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+class ToolMessage(MessageFields):
+    role: Literal["tool"]
+    content: Union[str, list[TextOnlyPart]]
+    tool_call_id: str
+
+
+MESSAGE_ROLES = (SystemMessage, UserMessage, AssistantMessage, ToolMessage)
+Message = Annotated[Union[MESSAGE_ROLES], Field(discriminator="role")]
+
+# A character str.strip() keeps: Python's \s takes \x1c-\x1f too, JSON Schema's regexes do not.
+NON_BLANK = r"[^\s\x1c-\x1f]"
+NON_BLANK_TEXT = {"type": "string", "pattern": NON_BLANK}
+
+
+def has_text(value) -> bool:
+    """Whether value is a string with more than white space in it."""
+    return isinstance(value, str) and re.search(NON_BLANK, value) is not None
+
+
+def nothing_to_answer(where: str) -> PydanticCustomError:
+    return PydanticCustomError("nothing_to_answer", f"{where} hold no text (other than white space), image, tool call "
+                                                    "or reasoning: there is nothing to answer")
+
+
+def message_has_input(message) -> bool:
+    """Whether mlx-vlm finds input in a chat message (its _message_has_effective_input): text
+    other than white space, an image, a tool call, reasoning_content but a system or developer
+    message's (mlx-vlm keeps only their content, in the system prompt); or an audio or video
+    part, which check_message refuses by name."""
+    content = message.content
+    if has_text(content) or message.tool_calls:
+        return True
+    if has_text(message.reasoning_content) and not isinstance(message, SystemMessage):
+        return True
+    return isinstance(content, list) and any(
+        isinstance(part, (ImagePart, UnsupportedPart)) or isinstance(part, TextPart) and has_text(part.text)
+        for part in content)
+
+
+def with_input(messages: list) -> list:
+    """mlx-vlm refuses a chat request none of whose messages has input."""
+    if not any(message_has_input(message) for message in messages):
+        raise nothing_to_answer("the messages")
+    return messages
+
+
+# message_has_input, published: a message with input, among messages.
+MESSAGE_WITH_INPUT = {"anyOf": [
+    {"required": ["content"], "properties": {"content": {"anyOf": [NON_BLANK_TEXT, {"type": "array", "contains": {
+        "anyOf": [{"required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": NON_BLANK_TEXT}},
+                  {"required": ["type"], "properties": {"type": {"const": "image_url"}}}]}}]}}},
+    {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+    {"required": ["role", "reasoning_content"],
+     "properties": {"role": {"enum": ["user", "assistant", "tool"]}, "reasoning_content": NON_BLANK_TEXT}}]}
 
 
 class FunctionDefinition(Strict):
@@ -151,17 +266,33 @@ class StreamOptions(Strict):
     include_usage: Optional[bool] = None
 
 
+# Formats other than text are recognised and refused by name (structured-output).
+TEXT_FORMAT_ONLY = WithJsonSchema({"type": "string", "enum": ["text"],
+                                   "description": "other formats are refused: structured output is not supported"})
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    type: str
+    type: Annotated[str, TEXT_FORMAT_ONLY]
 
 
-def number(low, high):
-    return Optional[Annotated[float, Field(ge=low, le=high)]]
+def number(low, high, limit: PackLimit = None):
+    return Optional[Annotated[float, Field(ge=low, le=high), *([limit] if limit else [])]]
 
 
-def whole(low, high):
-    return Optional[Annotated[int, Field(ge=low, le=high)]]
+def integral(value):
+    """A JSON number without a fraction as the integer it is: JSON has one kind of number and
+    JSON Schema's "integer" takes 2.0 (a serializer may write one); 2.5 is left to be refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(low, high, limit: PackLimit = None):
+    # The bounds before the validator, so that they stay the integer's (and its schema's).
+    return Annotated[int, Field(ge=low, le=high), *([limit] if limit else []), BeforeValidator(integral)]
+
+
+def whole(low, high, limit: PackLimit = None):
+    return Optional[integer(low, high, limit)]
 
 
 StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
@@ -170,13 +301,20 @@ StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 class ChatRequest(Strict):
     """A chat completion request, as this pack serves it (OpenAI's fields it honours)."""
 
-    model: Optional[str] = None
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_tokens: whole(1, 1 << 31) = None
-    max_completion_tokens: whole(1, 1 << 31) = None
-    temperature: number(0, 2) = None
+    # top_logprobs above 0 needs logprobs (check_sampling)
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
+    model: ServedModel = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES,
+                                             json_schema_extra={"contains": MESSAGE_WITH_INPUT}),
+                        AfterValidator(with_input)]
+    max_tokens: whole(1, 1 << 31, CONTEXT) = None
+    max_completion_tokens: whole(1, 1 << 31, CONTEXT) = None
+    temperature: number(0, 2, TEMPERATURE) = None
     top_p: number(0, 1) = None
-    top_k: whole(0, 1 << 31) = None
+    top_k: whole(0, 1 << 31, TOP_K) = None
     min_p: number(0, 1) = None
     seed: whole(-(1 << 63), 1 << 64) = None
     stream: Optional[bool] = None
@@ -185,16 +323,19 @@ class ChatRequest(Strict):
     tool_choice: Union[Literal["none", "auto", "required"], ToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     logprobs: Optional[bool] = None
-    top_logprobs: whole(0, 20) = None
+    top_logprobs: whole(0, 20, TOP_LOGPROBS) = None
     presence_penalty: number(-2, 2) = None
     frequency_penalty: number(-2, 2) = None
     repetition_penalty: number(0.01, 10) = None
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
-    n: whole(1, 128) = None
+    logit_bias: Optional[Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], TOKEN_IDS]] = None
+    n: Annotated[whole(1, 128), WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": 1},
+                                                          {"type": "null"}],
+                                                "description": "n > 1 is refused (n-above-1)"})] = None
     stop: Union[StopSequence, Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)], None] = None
     enable_thinking: Optional[bool] = None
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
-    thinking_budget: whole(0, 1 << 31) = None
+    thinking_budget: Annotated[whole(0, 1 << 31), WithJsonSchema({
+        "type": "null", "description": "thinking budgets are refused (thinking-budget): use enable_thinking"})] = None
     response_format: Optional[ResponseFormat] = None
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
@@ -205,7 +346,7 @@ def error_param(body, error) -> str:
     """The field an error is about, written like messages[0].content: the error's location
     with pydantic's union labels (keys that are not in the request) left out."""
     value, parts = body, []
-    loc = error["loc"]
+    loc = error["loc"][:-1] if error["type"] == "misplaced" else error["loc"]  # misplaced(): the part itself
     for index, key in enumerate(loc):
         if (isinstance(value, dict) and key == value.get("type") and index < len(loc) - 1
                 and not isinstance(value.get(key), (dict, list))):
@@ -218,7 +359,8 @@ def error_param(body, error) -> str:
             continue
         parts.append(key)
     if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        parts.append("type")
+        discriminator = error["ctx"]["discriminator"]  # 'role', or a callable's name: response_item_kind()
+        parts.append(discriminator.strip("'") if discriminator.startswith("'") else "type")
     text = ""
     for key in parts:
         text += f"[{key}]" if isinstance(key, int) else f".{key}"
@@ -319,8 +461,8 @@ def load_checked_image(url: str, where: str, image_dir: Optional[Path], pixels_l
 
 
 def check_message(raw: dict, message: Message, where: str, limits: PackLimits, pixels_left: int) -> tuple:
-    """The rules between a message's fields: (the message with its images checked, their
-    pixels), its images within the request's pixels_left."""
+    """A message's parts against the pack (its role's model took the rest): (the message with
+    its images checked, their pixels), its images within the request's pixels_left."""
     pixels = 0
     if isinstance(message.content, list):
         parts = []
@@ -330,20 +472,12 @@ def check_message(raw: dict, message: Message, where: str, limits: PackLimits, p
                 raise Refusal(400, "unsupported-input",
                               f"{at}: {part.type} parts are not supported by this pack (text and images only)", at)
             if isinstance(part, ImagePart):
-                if message.role != "user":
-                    raise InvalidRequest(at, "images are accepted in user messages only")
                 url, size = load_checked_image(part.image_url.url, f"{at}.image_url.url", limits.image_dir,
                                                pixels_left - pixels)
                 pixels += size
                 raw_part = {**raw_part, "image_url": {**raw_part["image_url"], "url": url}}
             parts.append(raw_part)
         raw = {**raw, "content": parts}
-    elif message.content is None and message.role != "assistant":
-        raise InvalidRequest(f"{where}.content", "is required")
-    if message.tool_calls is not None and message.role != "assistant":
-        raise InvalidRequest(f"{where}.tool_calls", "must be a list, on an assistant message")
-    if message.role == "tool" and message.tool_call_id is None:
-        raise InvalidRequest(f"{where}.tool_call_id", "is required on a tool message")
     return raw, pixels
 
 
@@ -369,6 +503,19 @@ def lowest_temperature(vocab_size: int) -> float:
     return math.ceil(bound * scale) / scale
 
 
+def token_id_pattern(vocab_size: int) -> str:
+    """A regular expression for the token ids 0 to vocab_size - 1 as decimal JSON keys
+    (logit_bias's), without leading zeros."""
+    top = str(vocab_size - 1)
+    options = [f"0|[1-9][0-9]{{0,{len(top) - 2}}}"] if len(top) > 1 else []  # the shorter numbers
+    for index, digit in enumerate(top):  # as long as top: a smaller digit here, any digits after
+        low = "1" if index == 0 and len(top) > 1 else "0"
+        if digit > low:
+            rest = len(top) - index - 1
+            options.append(f"{top[:index]}[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return f"^({'|'.join([*options, top])})$"
+
+
 def check_sampling(request, limits: PackLimits):
     """Sampling values against the pack: a temperature its sampler can take, and values
     that index the vocabulary."""
@@ -379,8 +526,9 @@ def check_sampling(request, limits: PackLimits):
                                             "overflows the model's float16 log-probabilities")
     if getattr(request, "top_k", None) is not None and request.top_k >= limits.vocab_size:
         raise InvalidRequest("top_k", f"must be from 0 (off) to {limits.vocab_size - 1}")
+    token_id = token_id_pattern(limits.vocab_size)
     for key in getattr(request, "logit_bias", None) or {}:
-        if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= limits.vocab_size:
+        if not re.fullmatch(token_id, key):
             raise InvalidRequest("logit_bias", f"key {key!r} is not a token id from 0 to {limits.vocab_size - 1}")
     if getattr(request, "top_logprobs", None):
         if not request.logprobs:
@@ -388,6 +536,22 @@ def check_sampling(request, limits: PackLimits):
         if request.top_logprobs > limits.top_logprobs_k:
             raise InvalidRequest("top_logprobs", f"this server returns at most {limits.top_logprobs_k} "
                                           "alternatives per token (its --top-logprobs-k)")
+
+
+DATA_IMAGE_URL = "^data:image/[^,]*;base64,."  # load_checked_image's base64 data URL
+# The published schema's bounds, by PackLimit name: what the checks above (and served_model,
+# load_checked_image, check_chat_request's context check) enforce.
+PACK_LIMITS = {
+    "model": lambda limits: {"enum": [limits.model_id]},
+    "context": lambda limits: {"maximum": limits.context_length},
+    "top_k": lambda limits: {"maximum": limits.vocab_size - 1},
+    "top_logprobs": lambda limits: {"maximum": min(20, limits.top_logprobs_k)},
+    "temperature": lambda limits: {"anyOf": [{"maximum": 0}, {"minimum": lowest_temperature(limits.vocab_size)}]},
+    "token_ids": lambda limits: {"propertyNames": {"pattern": token_id_pattern(limits.vocab_size)}},
+    # With --allow-image-dir, also absolute paths and file:// URLs (of files inside that folder).
+    "image_url": lambda limits: {"pattern": DATA_IMAGE_URL if limits.image_dir is None else
+                                 f"({DATA_IMAGE_URL}|^/|^file://)"},
+}
 
 
 def rendered_text_chars(request: ChatRequest) -> int:
@@ -451,11 +615,16 @@ def json_object(body) -> dict:
 
 
 def validated(body: dict, request_model):
-    """The body as its API's request model, or the Refusal naming the first field wrong."""
+    """The body as its API's request model, or the Refusal naming the first field wrong;
+    integers sent as 2.0 go on as 2."""
     try:
-        return request_model.model_validate(body)
+        request = request_model.model_validate(body)
     except ValidationError as error:
         raise refusal_for(body, error) from None
+    for name, value in body.items():
+        if isinstance(value, float) and isinstance(getattr(request, name, None), int):
+            body[name] = getattr(request, name)
+    return request
 
 
 def served_model(body: dict, limits: PackLimits) -> None:

@@ -2,12 +2,13 @@
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from dflash2_requests import (MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS, TOOL_NAME,
-                              InvalidRequest, PackLimits, Refusal, Strict, check_sampling, context_refusal,
-                              json_object, load_checked_image, number, request_text_chars, served_model, validated,
-                              whole)
+from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
+                              NON_BLANK_TEXT, TEMPERATURE, TEXT_FORMAT_ONLY, TOOL_NAME, TOP_K, InvalidRequest,
+                              PackLimits, Refusal, ServedModel, Strict, check_sampling, context_refusal, has_text,
+                              json_object, load_checked_image, misplaced, nothing_to_answer, number,
+                              request_text_chars, served_model, validated, whole)
 
 
 class ResponseInputText(Strict):
@@ -19,7 +20,7 @@ class ResponseInputImage(Strict):
     """Checked as chat's image URLs are: a base64 data URL, or a file from --allow-image-dir."""
 
     type: Literal["input_image"]
-    image_url: str
+    image_url: Annotated[str, IMAGE_URL]
     detail: Optional[Literal["auto", "low", "high"]] = None
 
 
@@ -32,19 +33,27 @@ class ResponseOutputText(Strict):
     logprobs: Optional[list[dict[str, Any]]] = None
 
 
-ResponseContentPart = Annotated[Union[ResponseInputText, ResponseInputImage, ResponseOutputText],
-                                Field(discriminator="type")]
+ResponseUserPart = Annotated[Union[ResponseInputText, ResponseInputImage, ResponseOutputText],
+                             Field(discriminator="type")]
+MisplacedImage = misplaced("input_image", "images are accepted in user messages and function call outputs only")
+ResponseTextPart = Annotated[Union[ResponseInputText, ResponseOutputText, MisplacedImage], Field(discriminator="type")]
 ResponseToolOutputPart = Annotated[Union[ResponseInputText, ResponseInputImage], Field(discriminator="type")]
 
 
 class ResponseMessageItem(Strict):
-    """A message item; type may be left out (the SDK's EasyInputMessage)."""
+    """A message item; type may be left out (the SDK's EasyInputMessage). Images in user
+    messages only (ResponseUserMessageItem)."""
 
     type: Optional[Literal["message"]] = None
-    role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, Annotated[list[ResponseContentPart], Field(max_length=MAX_CONTENT_PARTS)]]
+    role: Literal["assistant", "system", "developer"]
+    content: Union[str, Annotated[list[ResponseTextPart], Field(max_length=MAX_CONTENT_PARTS)]]
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class ResponseUserMessageItem(ResponseMessageItem):
+    role: Literal["user"]
+    content: Union[str, Annotated[list[ResponseUserPart], Field(max_length=MAX_CONTENT_PARTS)]]
 
 
 class ResponseFunctionCallItem(Strict):
@@ -80,18 +89,26 @@ class ResponseReasoningItem(Strict):
 
 
 def response_item_kind(item) -> str:
-    """A Responses input item's type; message items may leave it out."""
+    """A Responses input item's type; message items may leave it out (or send null)."""
     if isinstance(item, dict):
-        return item.get("type", "message")
+        return item.get("type") or "message"
     return getattr(item, "type", None) or "message"
 
 
+def response_item_tag(item) -> str:
+    """response_item_kind, with user messages (which may hold images) apart."""
+    kind = response_item_kind(item)
+    role = item.get("role") if isinstance(item, dict) else getattr(item, "role", None)
+    return "user_message" if kind == "message" and role == "user" else kind
+
+
 ResponseInputItem = Annotated[Union[
+    Annotated[ResponseUserMessageItem, Tag("user_message")],
     Annotated[ResponseMessageItem, Tag("message")],
     Annotated[ResponseFunctionCallItem, Tag("function_call")],
     Annotated[ResponseFunctionCallOutputItem, Tag("function_call_output")],
     Annotated[ResponseReasoningItem, Tag("reasoning")],
-], Discriminator(response_item_kind)]
+], Discriminator(response_item_tag)]
 
 
 class ResponseFunctionTool(Strict):
@@ -115,24 +132,52 @@ class ResponseReasoning(Strict):
 
 class ResponseTextFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    type: str
+    type: Annotated[str, TEXT_FORMAT_ONLY]
 
 
 class ResponseTextConfig(Strict):
     format: Optional[ResponseTextFormat] = None
 
 
+def item_has_input(item) -> bool:
+    """Whether mlx-vlm finds input in a Responses item (_response_items_to_chat, then
+    _message_has_effective_input): a function call, or text other than white space or an
+    image in a message or a function call output."""
+    if isinstance(item, ResponseFunctionCallItem):
+        return True
+    content = item.content if isinstance(item, ResponseMessageItem) else \
+        item.output if isinstance(item, ResponseFunctionCallOutputItem) else ""
+    if isinstance(content, str):
+        return has_text(content)
+    return any(isinstance(part, ResponseInputImage) or has_text(part.text) for part in content)
+
+
+# item_has_input, published.
+PARTS_WITH_INPUT = {"anyOf": [NON_BLANK_TEXT, {"type": "array", "contains": {"anyOf": [
+    {"required": ["type", "text"], "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": NON_BLANK_TEXT}},
+    {"required": ["type"], "properties": {"type": {"const": "input_image"}}}]}}]}
+ITEM_WITH_INPUT = {"anyOf": [
+    {"required": ["type"], "properties": {"type": {"const": "function_call"}}},
+    {"required": ["content"], "properties": {"content": PARTS_WITH_INPUT}},  # message items
+    {"required": ["type", "output"], "properties": {"type": {"const": "function_call_output"}, "output": PARTS_WITH_INPUT}}]}
+
+
 class ResponsesRequest(Strict):
     """An OpenAI Responses request, as this pack serves it: stateless (no previous_response_id,
     nothing stored), function tools only."""
 
-    model: Optional[str] = None
+    # mlx-vlm refuses a request with no input: instructions or an input item must have some.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["instructions"], "properties": {"instructions": NON_BLANK_TEXT}},
+        {"properties": {"input": {"anyOf": [NON_BLANK_TEXT, {"type": "array", "contains": ITEM_WITH_INPUT}]}}}]})
+
+    model: ServedModel = None
+    instructions: Optional[str] = None  # before input, which item_has_input checks with it
     input: Union[str, Annotated[list[ResponseInputItem], Field(min_length=1, max_length=MAX_MESSAGES)]]
-    instructions: Optional[str] = None
-    max_output_tokens: whole(1, 1 << 31) = None
-    temperature: number(0, 2) = None
+    max_output_tokens: whole(1, 1 << 31, CONTEXT) = None
+    temperature: number(0, 2, TEMPERATURE) = None
     top_p: number(0, 1) = None
-    top_k: whole(0, 1 << 31) = None
+    top_k: whole(0, 1 << 31, TOP_K) = None
     stream: Optional[bool] = None
     tools: Optional[list[ResponseFunctionTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], ResponseToolChoiceFunction, None] = None
@@ -143,6 +188,15 @@ class ResponsesRequest(Strict):
     metadata: Optional[Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)]] = None
     store: Optional[bool] = None
     user: Optional[str] = None
+
+    @field_validator("input")
+    @classmethod
+    def with_input(cls, value, info: ValidationInfo):
+        items = [value] if isinstance(value, str) else value
+        if not has_text(info.data.get("instructions")) and not any(
+                has_text(item) if isinstance(item, str) else item_has_input(item) for item in items):
+            raise nothing_to_answer("the instructions and input")
+        return value
 
 
 def response_items(body: dict) -> list:
@@ -233,12 +287,9 @@ def check_responses_request(body, limits: PackLimits) -> dict:
                       f"characters of text; this server takes at most {limits.prompt_chars_limit} "
                       "(its --max-prompt-chars)", "input")
     pixels = 0
-    for index, where, part in response_parts(response_items(body)):
+    for _, where, part in response_parts(response_items(body)):
         if part["type"] != "input_image":
             continue
-        item = body["input"][index]
-        if item.get("type", "message") == "message" and item["role"] != "user":
-            raise InvalidRequest(where, "images are accepted in user messages and function call outputs only")
         reference, size = load_checked_image(part["image_url"], f"{where}.image_url", limits.image_dir,
                                              MAX_REQUEST_PIXELS - pixels)
         pixels += size

@@ -51,7 +51,7 @@ def start(argv=None):
     pack = open_pack(parser, args, HERE, with_drafter=False)
     generator, inner_app = start_pack_engine(pack, args)
     warm_up(generator, "plain")
-    return Gateway(inner_app, model_id=pack.model_id, scrubber=pack.scrubber, request_timeout=args.request_timeout,
+    return Gateway(inner_app, limits=pack.limits, scrubber=pack.scrubber, request_timeout=args.request_timeout,
                    decide=decider(pack.limits, plain_decision)), args
 
 

@@ -182,7 +182,7 @@ def start(argv=None):
         return {"dflash2": server_mode[0], "reason": server_reason, "runtime": speculation.runtime,
                 "round_costs": costs, "start_up_checks": verdicts and verdicts.to_json()}
 
-    return Gateway(inner_app, model_id=pack.model_id, scrubber=pack.scrubber, decide=decide, header="x-dflash2",
+    return Gateway(inner_app, limits=pack.limits, scrubber=pack.scrubber, decide=decide, header="x-dflash2",
                    server_mode=server_mode, health=health, request_timeout=args.request_timeout), args
 
 

@@ -658,11 +658,12 @@ def test_make_evidence_runs_parity_then_bench_on_the_pack(tmp_path, monkeypatch)
     assert all(command[-1] == str(tmp_path / "out") for command in ran)
 
 
-def test_the_battery_s_schemathesis_hooks_keep_generated_chat_requests_short():
+def test_the_schemathesis_hooks_keep_answers_short_and_positive_cases_valid():
     """tools/schemathesis_hooks.py, loaded from its file as schemathesis loads SCHEMATHESIS_HOOKS
-    (tools/battery.py), registers map_body: a chat body's token limits within the context
-    come down to MAX_TOKENS (one is added where none is asked), values past the context and
-    non-integers stay for the server to refuse, and other bodies pass untouched."""
+    (tools/battery.py, tests/test_openapi_schemathesis.py), registers map_case: token limits
+    within the context come down to MAX_TOKENS (one is added to chat and Responses bodies that
+    ask none; Messages requires its own), values past the context and non-integers stay for the
+    server to refuse; a positive case gets real images and tool names that are unique and named."""
     import importlib.util
 
     hooks = pytest.importorskip("schemathesis.hooks")
@@ -670,19 +671,39 @@ def test_the_battery_s_schemathesis_hooks_keep_generated_chat_requests_short():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     try:
-        assert module.map_body in hooks.GLOBAL_HOOK_DISPATCHER.get_all_by_name("map_body")
-        short = module.MAX_TOKENS
-        assert module.map_body(None, {"messages": [], "max_tokens": 100}) == {"messages": [], "max_tokens": short}
-        assert module.map_body(None, {"messages": [], "max_completion_tokens": 9}) == {
+        assert module.map_case in hooks.GLOBAL_HOOK_DISPATCHER.get_all_by_name("map_case")
+        chat, short = "/v1/chat/completions", module.MAX_TOKENS
+        assert module.short(chat, {"messages": [], "max_tokens": 100}) == {"messages": [], "max_tokens": short}
+        assert module.short(chat, {"messages": [], "max_tokens": 100.0}) == {"messages": [], "max_tokens": short}
+        assert module.short(chat, {"messages": [], "max_completion_tokens": 9}) == {
             "messages": [], "max_completion_tokens": short}
-        assert module.map_body(None, {"messages": []}) == {"messages": [], "max_tokens": short}
+        assert module.short(chat, {"messages": []}) == {"messages": [], "max_tokens": short}
         past = {"messages": [], "max_tokens": module.CONTEXT + 1, "max_completion_tokens": True}
-        assert module.map_body(None, dict(past)) == past
-        assert module.map_body(None, {"messages": [], "max_tokens": 2}) == {"messages": [], "max_tokens": 2}
-        assert module.map_body(None, {"input": "hi", "max_tokens": 100}) == {"input": "hi", "max_tokens": 100}
-        assert module.map_body(None, ["not", "a", "dict"]) == ["not", "a", "dict"]
+        assert module.short(chat, dict(past)) == past
+        assert module.short(chat, {"messages": [], "max_tokens": 2}) == {"messages": [], "max_tokens": 2}
+        assert module.short(chat, {"messages": [], "max_tokens": 9.5}) == {"messages": [], "max_tokens": 9.5}
+        assert module.short("/v1/responses", {"input": "hi"}) == {"input": "hi", "max_output_tokens": short}
+        assert module.short(chat, {"max_tokens": None, "max_completion_tokens": None}) == {
+            "max_tokens": short, "max_completion_tokens": None}
+        assert module.short("/v1/messages", {"messages": []}) == {"messages": []}
+        assert module.short("/v1/messages/count_tokens", {"messages": []}) == {"messages": []}
+        assert module.short(chat, ["not", "a", "dict"]) == ["not", "a", "dict"]
+
+        body = module.made_valid({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x", "detail": "low"}},
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {"type": "url", "url": ""}}]}]}],
+            "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f", "x": 1}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}})
+        assert body["messages"][0]["content"][0]["image_url"] == {"url": module.PNG_URL, "detail": "low"}
+        assert body["messages"][0]["content"][1]["content"][0]["source"]["data"] == module.PNG
+        assert body["tools"] == [{"type": "function", "function": {"name": "f"}}]
+        assert body["tool_choice"]["function"]["name"] == "f"
+        body = module.made_valid({"input": [{"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_image", "image_url": ""}]}], "tool_choice": {"type": "function", "name": "g"}})
+        assert body == {"input": [{"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_image", "image_url": module.PNG_URL}]}]}
     finally:
-        hooks.unregister(module.map_body)
+        hooks.unregister(module.map_case)
 
 
 def test_device_27b_runs_only_tools_that_exist():

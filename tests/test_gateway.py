@@ -105,7 +105,7 @@ def make_gateway(image_dir=None, top_logprobs_k=5, server_reason=None, max_promp
         checking()
         return checked(body, api)
 
-    gateway = Gateway(stub_mlx_vlm, model_id=MODEL_ID, scrubber=PathScrubber(local_paths([], MODEL_ID)),
+    gateway = Gateway(stub_mlx_vlm, limits=limits, scrubber=PathScrubber(local_paths([], MODEL_ID)),
                       decide=decide, header="x-dflash2", request_timeout=TIMEOUT_S)
     return with_loopback_cors(gateway)
 
@@ -201,6 +201,7 @@ def test_malformed_json(client, raw):
     ({"messages": MESSAGES, "tool_choice": "sometimes"}, "tool_choice"),
     ({"messages": MESSAGES, "logit_bias": {"token": 1}}, "logit_bias"),
     ({"messages": MESSAGES, "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": " "}]}, "messages"),  # nothing to answer
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_wrong_types(client, body, param):
     assert_refused(post(client, body), 400, "invalid-request", param)
@@ -506,9 +507,11 @@ def test_head_answers_like_get_without_a_body(client, path):
     assert head.content == b"" and int(head.headers["content-length"]) == len(get.content)
 
 
-def test_openapi_describes_the_served_endpoints(client):
+def test_openapi_describes_the_served_endpoints(client, image_dir):
     document = client.get("/openapi.json").json()
-    assert document == json.loads(json.dumps(openapi_schema(MODEL_ID)))
+    limits = PackLimits(MODEL_ID, VOCAB, CONTEXT, 5, image_dir.resolve())  # make_client's
+    assert document == json.loads(json.dumps(openapi_schema(limits)))
+    assert "x-pack-limit" not in json.dumps(document)
     assert set(document["paths"]) == {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                                       "/v1/responses", "/v1/models", "/v1/models/{model}", "/health"}
     schemas = document["components"]["schemas"]

@@ -33,9 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash2_requests import ChatRequest, Message  # noqa: E402
-from dflash2_messages_request import AnthropicMessage, CountTokensRequest, MessagesRequest  # noqa: E402
-from dflash2_responses_request import ResponseMessageItem, ResponsesRequest  # noqa: E402
+from dflash2_requests import ChatRequest, UserMessage  # noqa: E402
+from dflash2_messages_request import AnthropicUserMessage, CountTokensRequest, MessagesRequest  # noqa: E402
+from dflash2_responses_request import ResponseUserMessageItem, ResponsesRequest  # noqa: E402
 from records import code_digest, git_state, write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -82,7 +82,7 @@ def field_probes(quick):
     probes = [chat_probe(f"{name}={value!r:.40}", {**TINY, name: value}) for name in top for value in values]
     probes += [chat_probe(f"messages[0].{name}={value!r:.40}",
                           {**TINY, "messages": [{"role": "user", "content": "Hi", name: value}]})
-               for name in Message.model_fields for value in values]
+               for name in UserMessage.model_fields for value in values]
     probes += [chat_probe(f"messages={value!r:.40}", {**TINY, "messages": value}) for value in values]
     tool = {"name": "f", "parameters": {"type": "object"}}
     # A request with tools carries the template's long tools preamble; --quick (CI, on CPU)
@@ -118,7 +118,7 @@ def messages_probes(quick):
                for name in CountTokensRequest.model_fields for value in values]
     probes += [messages_probe(f"messages[0].{name}={value!r:.40}",
                               {**tiny, "messages": [{"role": "user", "content": "Hi", name: value}]})
-               for name in AnthropicMessage.model_fields for value in values]
+               for name in AnthropicUserMessage.model_fields for value in values]
     blocks = [{"type": "text", "text": "Hi"}, {"type": "tool_result", "tool_use_id": "t", "content": "x"},
               {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]
     probes += [messages_probe(f"block {block['type']}.{name}={value!r:.40}",
@@ -143,7 +143,7 @@ def responses_probes(quick):
               for value in values]
     probes += [probe(f"input[0].{name}={value!r:.40}",
                      {**tiny, "input": [{"role": "user", "content": "Hi", name: value}]})
-               for name in ResponseMessageItem.model_fields for value in values]
+               for name in ResponseUserMessageItem.model_fields for value in values]
     items = [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "c", "output": "x"},
              {"type": "reasoning", "summary": []}]
