@@ -10,6 +10,7 @@ refuse to start and name every difference. Importing this module patches nothing
 import hashlib
 import importlib
 import inspect
+import types
 from dataclasses import dataclass
 
 MLX_VERSION = "0.32.2"
@@ -55,7 +56,7 @@ REPLACED = (
         "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__",
         "7eaabc86f5be71f93d2c7ae79cfd3baaaa2f812885119a737c5619d9602c073d",
         "Its own code runs with its fused attention call routed through "
-        "dflash2_runtime.drafter_attention: on CUDA a bf16 drafter's attention would go to "
+        "dflash2_drafter.drafter_attention: on CUDA a bf16 drafter's attention would go to "
         "cuDNN, which builds a graph for every new key length. The sliding-window option "
         "relies on it trimming the drafter's context to its window and advancing the cache's "
         "offset past what it skips, as RequestDecoder does for taps the prefill dropped.",
@@ -75,7 +76,7 @@ REPLACED = (
         "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__",
         "0ab0be71156568f50a248f898d431b657b36b399166e29e25c16c7a45f6cc81b",
         "Decode's step, where measured faster (the convolution arm), for one unpadded row: "
-        "the layer as verify runs it at one position (dflash2_runtime.gated_delta_positions), "
+        "the layer as verify runs it at one position (dflash2_verify.gated_delta_positions), "
         "its concatenated window, convolution and silu in one kernel launch, both gates in "
         "one and its gated output norm in one; every other call runs it as is. Mirrored per "
         "verify position.",
@@ -98,8 +99,9 @@ REPLACED = (
         "eee8dc9ab95a74ed87c74064607736003b7d0dafbdafc32c9fba91dc190d2b32",
         "The round loop generate_step and the server call (dflash's _dflash_rounds is the same "
         "function): each round's block, or plain decode steps, chosen from measured costs and "
-        "the request's acceptance; dflash2_policy mirrors it (draft, verify, walk, commit) and "
-        "runs it as is for sampling and when no cost table was measured.",
+        "the request's acceptance; dflash2_rounds mirrors it (draft, verify, walk, commit) for the "
+        "drafter whose DrafterState it serves, and runs it as is for any other drafter and for "
+        "samplers not keyed by position.",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5DecoderLayer.__call__",
@@ -414,7 +416,7 @@ AUDITED = (
     Audited(
         "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet._normalize_qk",
         "7e59605b8fabf61f8d799e75cd31667f48d5f0bb6dc6d4d6115e5057c4eebb3a",
-        "Mirrored by dflash2_runtime._normalize_qk (each scale as its norm's weight).",
+        "Mirrored by dflash2_verify._normalize_qk (each scale as its norm's weight).",
     ),
     Audited(
         "mlx_vlm.models.qwen3_5.gated_delta:compute_g",
@@ -509,7 +511,8 @@ AUDITED = (
     Audited(
         "mlx_vlm.server.generation:GenerationArguments",
         "98083c9de47f873427d238f68ce5e512b18c04a93c83f18c3c70d7f057123fe3",
-        "Warm-up builds its greedy request arguments with it.",
+        "Warm-up builds its greedy request arguments with it; the engine's RoutedArguments "
+        "subclasses it (adding the request's record) and copies each request's fields into one.",
     ),
     Audited(
         "mlx_vlm.server.generation:get_configured_context_limit",
@@ -707,3 +710,17 @@ def replace(target: str, replacement) -> None:
     if getattr(current, "__dflash2_stock__", None) is None:
         replacement.__dflash2_stock__ = current
         setattr(owner, name, replacement)
+
+
+# A replacement made of an audited function's own code, some names rebound (verify's
+# projections, the drafter's attention, the prefill's chunked scan): the runtime's
+# modules share it from here, below them all.
+def _with_globals(function, **names):
+    """`function`'s own code with some of its module's names bound to others (a snapshot of
+    its module's names: later changes to that module are not seen)."""
+    rebound = types.FunctionType(
+        function.__code__, {**function.__globals__, **names}, function.__name__,
+        function.__defaults__, function.__closure__,
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    return rebound

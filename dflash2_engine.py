@@ -1,51 +1,24 @@
 """Runs mlx-vlm's server engine on the pack: the target (and drafter) loaded on its worker
 thread, one sequence at a time, each request on the route its record carries.
 
-The engine subclasses mlx-vlm's ResponseGenerator, swaps two of mlx_vlm.server's functions
-and, on every route, one function of the GatedDeltaNet prefill (same bits, fewer copies) and
+Its ResponseGenerator is dflash2_generator's; it swaps two of mlx_vlm.server's functions and,
+on every route, one function of the GatedDeltaNet prefill (same bits, fewer copies) and
 plain generation's step (a request's first token handed out before its second step is built);
 dflash2_audit lists each with its audited source, checked before any weight loads.
-The drafter's start-up (dflash2_runtime's install and self-checks, the round costs; verdicts
-an earlier start cached serve instead, through dflash2_verdicts) ends in one Speculation value:
-a drafter to serve with, or why every request is served plain.
+The drafter's start-up is dflash2_speculation's.
 """
 
-import dataclasses
 import json
 import logging
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import dflash2_audit
 from dflash2_record import RequestRecord, current_request
+from dflash2_speculation import DrafterSetup
 
 logger = logging.getLogger("dflash2.server")
-
-
-@dataclass(frozen=True)
-class DrafterSetup:
-    """What the speculative server asks of the drafter's start-up."""
-
-    drafter_dir: Path
-    options: dict = field(default_factory=dict)  # dflash2_runtime.RuntimeOptions' fields; none: the pack's
-    round_costs: object = None  # dflash2_policy.RoundCosts given on the command line; None: measure
-    verdicts: object = None  # dflash2_verdicts.VerdictCache, not yet opened; None: every check runs
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """What the drafter's start-up came to. drafter None: every request is served plain,
-    for `reason` (the x-dflash2 header's); error: the server must not start."""
-
-    drafter: object = None
-    kind: str = None
-    reason: str = None
-    error: str = None
-    round_costs: dict = None  # as /health shows them
-    runtime: dict = None  # dflash2_runtime.RuntimeStatus.to_json(): kernels, self-check, decode path
 
 
 def use_exact_prefill_inverse(gdn_heads: int = 48, prefill_step: int = 2048) -> str:
@@ -80,136 +53,6 @@ def use_exact_prefill_inverse(gdn_heads: int = 48, prefill_step: int = 2048) -> 
                 + "".join(f" ({reason})" for reason in failed)
                 + f" ({time.perf_counter() - started:.1f} s)")
     return f"prefill inverse: mlx-vlm's ({'; '.join(failed)}), {time.perf_counter() - started:.1f} s"
-
-
-def load_speculation(model, setup: DrafterSetup) -> Speculation:
-    """Installs the runtime and loads the drafter; runs on mlx-vlm's worker thread, right
-    after it loaded the target."""
-    import dflash2_policy
-    import dflash2_runtime
-    import dflash2_sampling
-    import dflash2_verdicts
-    from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
-
-    verdicts = setup.verdicts or dflash2_verdicts.VerdictCache()
-    verdicts.open()  # after dflash2_runtime's import: its key asks MLX for the device
-    try:
-        status = dflash2_runtime.install(model, verdicts)
-    except dflash2_audit.SourceMismatch as mismatch:
-        return Speculation(error=str(mismatch))
-    logger.info("DFlash2 runtime: backend %s, speculation %s", status.backend,
-                "on" if status.speculative else f"off ({status.reason})")
-    for line in status.log_lines():
-        logger.info("DFlash2 %s", line)
-    runtime = status.to_json()
-    if not status.speculative:
-        # e.g. kernel-self-test-failed, verify-self-check-failed
-        verdicts.discard()
-        return Speculation(reason=status.reason.split(":")[0], runtime=runtime)
-    # Sampled rounds draw a verify block's tokens as decode draws each: in one call where that
-    # is bitwise decode's per row here, else row by row.
-    vocab = int(model.language_model.args.vocab_size)
-    sampling = verdicts.check("sampled verify draws", lambda: dflash2_sampling.check_block_sampling(vocab),
-                              lambda value: dflash2_sampling.BlockSampling(**value))
-    dflash2_sampling.use_batched_rows(sampling.batched)
-    runtime["sampled_verify"] = sampling.summary()
-    logger.info("DFlash2 %s (%s)", sampling.summary(), verdicts.source("sampled verify draws"))
-    drafter, kind = load_drafter(str(setup.drafter_dir), kind="dflash")
-    validate_drafter_compatibility(model, drafter, kind)
-    try:
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(**setup.options))
-    except ValueError as error:  # e.g. a block size beyond what the drafter was trained for
-        return Speculation(error=f"--dflash2-* options: {error}", runtime=runtime)
-    # What a round costs here decides each greedy request's route, then each round's block or plain steps.
-    try:
-        dtype = verdicts.check("drafter activations", lambda: dflash2_runtime.choose_drafter_dtype(model, drafter),
-                               dflash2_runtime.DrafterDtypeChoice.from_json)
-        dflash2_runtime.use_drafter_bf16(dtype.bf16)
-        logger.info("DFlash2 %s (%s)", dtype.summary(), verdicts.source("drafter activations"))
-        runtime["drafter_activations"] = dtype.summary()
-        # A cached table keeps learning from requests, as one measured now does.
-        drafter.round_costs = setup.round_costs or verdicts.check(
-            "round costs", lambda: dflash2_policy.measure_round_costs(model, drafter),
-            lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table), learning=True),
-            dflash2_policy.RoundCosts.to_json)
-    except Exception:
-        logger.exception("timing the drafter or the round costs failed; every request is served plain")
-        return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
-    logger.info("DFlash2 round costs (%s): %s",
-                "from --dflash2-round-costs" if setup.round_costs else verdicts.source("round costs"),
-                drafter.round_costs.summary())
-    verdicts.save()
-    if not setup.round_costs:  # a given table stays as given: each request starts from the prior
-        drafter.acceptance_memory = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
-        logger.info("DFlash2: each request's acceptance estimate starts from the drafter's recent rounds")
-    if getattr(drafter, "prefer_requested_block_size", False):
-        logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
-                    "whatever the table says", drafter.config.runtime_block_size)
-    elif not dflash2_policy.rounds_can_pay(drafter):
-        logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
-                    "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "
-                    "gets one in %d to learn from", dflash2_policy.ROUTE_PROBE_EVERY)
-    return Speculation(drafter, kind, round_costs=drafter.round_costs.to_json(), runtime=runtime)
-
-
-def read_round_costs(path: Path):
-    """A --dflash2-round-costs table, or exit with what is wrong with the file."""
-    from dflash2_policy import RoundCosts
-
-    try:
-        return RoundCosts.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError) as error:
-        sys.exit(f"error: --dflash2-round-costs {path.name}: {error}")
-
-
-class RecordingTokens:
-    """mlx-vlm's token iterator for one request: notes counts and draft statistics on the
-    request record, ends the text at the request's stop sequences, and ends early when
-    the record is cancelled.
-
-    Stop sequences are matched on the detokenized text, which is the same on every route
-    because the tokens are; text that could be the start of a stop sequence is held back
-    until the next token decides it.
-    """
-
-    def __init__(self, tokens, record):
-        self._tokens = tokens
-        self._record = record
-        self._held = ""
-        self._ended = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        record = self._record
-        if self._ended or (record is not None and record.cancelled):
-            self.close()
-            raise StopIteration
-        token = next(self._tokens)
-        if record is None:
-            return token
-        record.note_token(token)
-        return self.apply_stop(token, record.stop, record) if record.stop else token
-
-    def apply_stop(self, token, stops, record=None):
-        text = self._held + token.text
-        found = [(index, stop) for index, stop in ((text.find(stop), stop) for stop in stops) if index >= 0]
-        if found:
-            self._ended = True
-            self.close()  # the rest is never generated
-            index, stop = min(found, key=lambda item: item[0])
-            if record is not None:  # Messages answers name it (dflash2_gateway.with_stop_reason)
-                record.stop_sequence = stop
-            return dataclasses.replace(token, text=text[:index], finish_reason="stop")
-        held = 0 if token.finish_reason else max(
-            (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-        self._held = text[len(text) - held:] if held else ""
-        return dataclasses.replace(token, text=text[:len(text) - held])
-
-    def close(self):
-        self._tokens.close()
-
 
 
 # ---------------------------------------------------------------------------
@@ -284,11 +127,12 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     A drafter is used only for requests routed speculative: stock mlx-vlm sends every
     request through a loaded drafter, sampling ones included.
     """
-    import mlx.core as mx
     import mlx_vlm.server as server
     from fastapi import HTTPException
-    from mlx_vlm.server.generation import GenerationContext, ResponseGenerator, get_prefill_step_size
+    from mlx_vlm.server.generation import get_prefill_step_size
     from mlx_vlm.vision_cache import VisionFeatureCache
+
+    from dflash2_generator import PackGenerator
 
     try:  # before any weight loads: the overrides below are audited there too
         dflash2_audit.check_sources()
@@ -305,99 +149,9 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
     dflash2_prefix_cache.PrefixPromptBatch.store = store
     dflash2_audit.replace("mlx_vlm.generate:PromptProcessingBatch", dflash2_prefix_cache.PrefixPromptBatch)
 
-    class PackGenerator(ResponseGenerator):
-        speculation = Speculation()  # no drafter: every request plain
-
-        def __init__(self, *args, **kwargs):
-            import dflash2_policy
-
-            # Records of requests generate() queued and the worker has not admitted yet,
-            # by id of their GenerationArguments: how each route reaches the worker.
-            self.waiting_records = {}
-            self.speculative_route = dflash2_policy.SpeculativeRoute()
-            super().__init__(*args, **kwargs)
-            # Reentrant: _cpu_preprocess takes it too, for count_tokens, which calls it directly.
-            self._tokenizer_lock = threading.RLock()
-
-        def _initialize_model(self):
-            super()._initialize_model()  # the target, through mlx-vlm's own loader
-            if drafter is not None:
-                self.speculation = load_speculation(self.model, drafter)
-                self.draft_kind = self.speculation.kind  # the worker picks the round loop by it
-
-        def rounds_can_pay(self, kind: str = "greedy") -> bool:
-            """Whether a request of this acceptance kind (greedy or sampled) goes speculative
-            (dflash2_policy.SpeculativeRoute)."""
-            return self.speculative_route(self.speculation.drafter, kind)
-
-        def _make_sampler(self, args):
-            # Every temperature the pack accepts draws by position, min_p included.
-            from dflash2_sampling import PositionSampler
-
-            if args.temperature == 0 or args.top_n_sigma > 0 or args.p_less or args.typical_p < 1.0:
-                return super()._make_sampler(args)
-            return PositionSampler(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                   min_p=args.min_p, seed=args.seed)
-
-        def serve_plain(self, reason: str):
-            """Every later request is served plain, with this reason."""
-            self.speculation = Speculation(reason=reason, round_costs=self.speculation.round_costs,
-                                           runtime=self.speculation.runtime)
-
-        def generate(self, prompt, images=None, audio=None, args=None, **kwargs):
-            record = current_request.get()
-            if record is not None and args is not None:
-                self.waiting_records[id(args)] = record
-            try:
-                ctx, tokens = super().generate(prompt, images, audio, args, **kwargs)
-            finally:
-                if args is not None:  # admitted already, or never queued
-                    self.waiting_records.pop(id(args), None)
-            tokens = RecordingTokens(tokens, record)
-            if record is not None:
-                record.prompt_tokens = ctx.prompt_tokens
-                record.log_arrival()  # after mlx-vlm's own checks (the context budget among them)
-                record.token_stream = tokens
-                if record.cancelled:  # while it waited for its turn
-                    tokens.close()
-            return ctx, tokens
-
-        def _cpu_preprocess(self, *args, **kwargs):
-            # Messages' count_tokens tokenizes here without the lock generate() holds.
-            with self._tokenizer_lock:
-                return super()._cpu_preprocess(*args, **kwargs)
-
-        def validate_context_budget(self, *args, **kwargs):
-            # mlx-vlm's check before a stream opens tokenizes without the lock generate()
-            # holds around the shared tokenizer.
-            with self._tokenizer_lock:
-                return super().validate_context_budget(*args, **kwargs)
-
-        def _collect_pending_requests(self, *, active, capacity=None, **kwargs):
-            # Single sequence: admit the next request only when the running one has
-            # finished. The worker then builds a fresh BatchGenerator for it with
-            # self.draft_model, which is how each request gets its own route.
-            pending, should_stop = super()._collect_pending_requests(
-                active=active, capacity=0 if active else 1, **kwargs)
-            if pending:
-                record = self.waiting_records.pop(id(pending[0].args), None)
-                if record is not None and record.cancelled:
-                    # Its client left, or its time ran out, while it waited for its turn: its
-                    # generate() gets an empty token stream instead of a prefill nobody reads.
-                    logger.info("request %d not started: cancelled (%s) while it waited", record.id,
-                                record.cancelled)
-                    pending[0].rqueue.put(GenerationContext(uid=-1, prompt_tokens=pending[0].prompt_tokens))
-                    pending[0].rqueue.put(None)
-                    return [], should_stop
-                speculative = record is not None and record.speculative
-                self.draft_model = self.speculation.drafter if speculative else None
-                if self.draft_model is not None:  # the round loop hands this request its token counts
-                    self.draft_model.round_counts_listener = record.note_round_counts
-                mx.reset_peak_memory()  # so each finish line reports its own request's peak
-            return pending, should_stop
-
     vision_cache = VisionFeatureCache(max_size=20)
     generator = PackGenerator(
+        drafter,
         model_path=str(target_dir),
         vision_cache=vision_cache,
         top_logprobs_k=top_logprobs_k or 0,
@@ -453,7 +207,8 @@ def warm_up(generator, route):
             pass
     finally:
         current_request.reset(token)
-    memory = getattr(generator.speculation.drafter, "acceptance_memory", None)
+    state = generator.speculation.state
+    memory = state and state.acceptance_memory
     if memory is not None:  # a warm-up's rounds say nothing of the requests to come
         memory.forget()
     logger.info("warm-up %s: %d tokens in %.2fs", route, record.tokens, time.perf_counter() - started)

@@ -313,7 +313,7 @@ class Gateway:
         else:
             record.mode, record.reason = decision.mode, decision.reason
         record.speculative = decision.mode == "speculative" and api != "count_tokens"
-        # Stop sequences end the text here (dflash2_engine.RecordingTokens), on every route alike.
+        # Stop sequences end the text here (dflash2_generator.RecordingTokens), on every route alike.
         # (The Responses API has no stop sequences.)
         record.stop = decision.body.pop({"chat": "stop", "messages": "stop_sequences"}.get(api, "stop"), [])
         record.seed = decision.body.get("seed")

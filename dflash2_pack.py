@@ -308,6 +308,12 @@ def drafter_fit_problems(config, target_text):
     return problems
 
 
+def drafter_trained_block(drafter_dir) -> int:
+    """The block the drafter was trained on: dflash_config.block_size, which mlx-vlm's
+    DFlash2Config reads as config.block_size. check_drafter has checked it."""
+    return read_config(drafter_dir)["dflash_config"]["block_size"]
+
+
 def normalized_drafter_names(headers):
     """Header names as mlx-vlm's DFlash2 sanitize maps them ("model." prefix dropped,
     bare codebooks get ".weight"); returns the mapping and any collisions."""

@@ -41,7 +41,7 @@ from mlx_vlm.apc import media_token_spans, multimodal_token_ids_from_config
 from mlx_vlm.generate.ar import PromptProcessingBatch, _slice_sequence_aligned_prompt_kwarg
 from mlx_vlm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from dflash2_policy import context_window, serves_rounds
+from dflash2_rounds import context_window, served_state, serves_rounds
 
 # The cache layers a snapshot knows how to copy (quantized KV is not among them).
 SNAPSHOT_TYPES = (KVCache, BatchKVCache, ArraysCache)
@@ -232,7 +232,7 @@ class PrefixPromptBatch(PromptProcessingBatch):
         # The drafter's window where the prompt's earlier taps may go (see the module's doc).
         self._tap_window = None
         if (self._speculative_prefill.kwargs and len(self.uids) == 1
-                and serves_rounds(self.draft_model, self.greedy_sampling)):
+                and serves_rounds(served_state(self.draft_model), self.greedy_sampling)):
             self._tap_window = context_window(self.draft_model)
         self._taps_start = 0
         self._layout = self._prefix_layout()

@@ -1,8 +1,10 @@
 """One request's record: what the gateway decided for it, and what its generation reported.
 
-The gateway makes one per request and hands it to mlx-vlm's worker thread through
-`current_request` (tasks copy the context); the engine notes tokens, draft counts and the
-round loop's token sources on it; the gateway logs its arrival and finish lines from it.
+The gateway makes one per request and hands it to the engine's generate() through
+`current_request` (tasks copy the context), which queues it with the request's arguments for
+mlx-vlm's worker thread (dflash2_generator's RoutedArguments); the engine notes tokens, draft
+counts and the round loop's token sources on it; the gateway logs its arrival and finish
+lines from it.
 """
 
 import contextvars
@@ -27,7 +29,7 @@ class RequestRecord:
     reason: str = None
     speculative: bool = False
     stop: list = field(default_factory=list)  # the request's stop sequences
-    stop_sequence: str = None  # the one its answer ended at (dflash2_engine.RecordingTokens)
+    stop_sequence: str = None  # the one its answer ended at (dflash2_generator.RecordingTokens)
     seed: int = None  # a sampled request's, sent or picked (dflash2_routing.with_seed)
     announced: bool = False  # arrival line logged
     cancelled: str = None  # disconnected | timeout | shutdown

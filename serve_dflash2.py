@@ -20,7 +20,7 @@ Responses that generate nothing (/v1/models, /health) carry the server's mode.
 A speculative request runs rounds only while they pay: dflash2_policy picks each round's
 block, or plain decode steps, from a round cost table measured at start-up (in /health) and
 the request's acceptance; its timings say how many tokens came from rounds and from plain steps.
-Start-up only: the routing is dflash2_routing.py's, the drafter's lifecycle dflash2_engine.py's,
+Start-up only: the routing is dflash2_routing.py's, the drafter's start-up dflash2_speculation.py's,
 and the hardening (loopback only, exact pass-through options, refused environment, path
 scrubbing, one sequence at a time) is shared with serve.py (dflash2_launch.py,
 dflash2_options.py, dflash2_gateway.py).
@@ -47,11 +47,12 @@ HERE = Path(__file__).absolute().parent
 runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
 import logging
 
-from dflash2_engine import DrafterSetup, read_round_costs, warm_up
+from dflash2_engine import warm_up
 from dflash2_gateway import Gateway, serve
 from dflash2_launch import open_pack, read_options, start_pack_engine
-from dflash2_options import int_in, interrupted_start_exits, make_parser, pack_folder
+from dflash2_options import interrupted_start_exits, make_parser, pack_folder
 from dflash2_routing import decider, route_chat
+from dflash2_speculation import DrafterSetup, read_round_costs
 
 logger = logging.getLogger("dflash2.server")
 
@@ -83,11 +84,11 @@ def make_dflash2_parser():
     dflash2 = parser.add_argument_group("DFlash2 options")
     dflash2.add_argument("--dflash2-multimodal", choices=["speculative", "plain"], default="speculative",
                          help="route requests with images speculative (default) or plain")
-    # 8: dflash2_kernels.MAX_ROWS, which imports mlx-vlm (not before the environment check);
-    # configure_drafter checks both against it and the drafter's trained block.
-    dflash2.add_argument("--dflash2-block-size", type=int_in(2, 8),
+    # Their range is the drafter's (its trained block, up to the kernels' rows): start checks
+    # both once it has read the drafter's config.json.
+    dflash2.add_argument("--dflash2-block-size", type=int,
                          help="experimental: fixed verify block instead of the adaptive one")
-    dflash2.add_argument("--dflash2-block-cap", type=int_in(2, 8),
+    dflash2.add_argument("--dflash2-block-cap", type=int,
                          help="experimental: upper bound for the adaptive verify block")
     dflash2.add_argument("--dflash2-candidate-selector", action="store_true",
                          help="experimental: draft greedily through the trained candidate selector")
@@ -101,6 +102,28 @@ def make_dflash2_parser():
 
 
 # ---------------------------------------------------------------------------------------
+
+
+def drafter_setup(parser, args, pack) -> DrafterSetup:
+    """The drafter's start-up as the options ask; a block the drafter cannot take stops the
+    start here (exit 2), before any weight loads."""
+    from dflash2_drafter import RuntimeOptions, block_limits
+    from dflash2_pack import drafter_trained_block
+    from dflash2_verdicts import VerdictCache, pack_key
+
+    drafter_dir = pack.drafter_dir or pack.pack_dir / "drafter"
+    try:
+        blocks = block_limits(drafter_trained_block(drafter_dir), args.dflash2_block_size, args.dflash2_block_cap)
+    except ValueError as error:
+        parser.error(str(error))
+    # The verdicts' key holds the options as given: a start with other ones checks again.
+    given = dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
+                 candidate_selector=args.dflash2_candidate_selector, sliding_window=args.dflash2_sliding_window)
+    verdicts = VerdictCache(pack_key(pack.pack_dir, pack.target_dir, pack.drafter_dir, given), recheck=args.recheck)
+    options = RuntimeOptions(blocks, candidate_selector=args.dflash2_candidate_selector,
+                             sliding_window=args.dflash2_sliding_window)
+    costs = read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None
+    return DrafterSetup(drafter_dir, options, costs, verdicts)
 
 
 def main(argv=None):
@@ -129,15 +152,8 @@ def start(argv=None):
         print(format_verify_table(results))
         sys.exit(0 if all(ok for _, ok, _ in results) else 1)
     pack = open_pack(parser, args, HERE, with_drafter=not args.no_dflash2)
-    from dflash2_verdicts import VerdictCache, pack_key
-
-    options = dict(block_size=args.dflash2_block_size, block_cap=args.dflash2_block_cap,
-                   candidate_selector=args.dflash2_candidate_selector, sliding_window=args.dflash2_sliding_window)
-    verdicts = None if args.no_dflash2 else VerdictCache(
-        pack_key(pack.pack_dir, pack.target_dir, pack.drafter_dir, options), recheck=args.recheck)
-    drafter = None if args.no_dflash2 else DrafterSetup(
-        pack.drafter_dir or pack.pack_dir / "drafter", options,
-        read_round_costs(args.dflash2_round_costs) if args.dflash2_round_costs else None, verdicts)
+    drafter = None if args.no_dflash2 else drafter_setup(parser, args, pack)
+    verdicts = drafter and drafter.verdicts
     generator, inner_app = start_pack_engine(pack, args, drafter)
     if generator.speculation.error:
         generator.stop_and_join()
@@ -162,7 +178,7 @@ def start(argv=None):
     def health():
         speculation = generator.speculation
         # A measured cost table keeps learning from requests: /health shows it as it is now.
-        costs = speculation.drafter.round_costs.to_json() if speculation.drafter else speculation.round_costs
+        costs = speculation.state.round_costs.to_json() if speculation.state else speculation.round_costs
         return {"dflash2": server_mode[0], "reason": server_reason, "runtime": speculation.runtime,
                 "round_costs": costs, "start_up_checks": verdicts and verdicts.to_json()}
 

@@ -2,6 +2,7 @@
 
 import base64
 import fcntl
+import hashlib
 import http.client
 import io
 import json
@@ -140,12 +141,21 @@ def start_server(tmp_path_factory):
     shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
     warmed = shared / "mlx-cpu-kernels-warmed"
 
+    def home(command):
+        # One HOME, so one start-up verdict cache (dflash2_verdicts), for the run's servers: a
+        # server whose pack, modules and options an earlier one checked starts in seconds, as a
+        # user's second start does (tests/test_verdict_cache.py tests the cache itself). A server
+        # run under a wrapper (python -c: the GPU-like rounding backend) gets a HOME of its
+        # wrapper's: the cache's key does not see a backend patched in the same process.
+        wrapper = hashlib.sha256(str(command[1]).encode()).hexdigest()[:12] if str(command[0]) == "-c" else ""
+        return shared / f"home{'-' + wrapper if wrapper else ''}"
+
     def start(name, command, cwd=None):
         key = (tuple(map(str, command)), str(cwd))
         if key not in started or started[key].process.poll() is not None:
             with open(shared / "mlx-cpu-kernels.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                started[key] = ServerProcess(name, command, tmp_path_factory.mktemp(name), cwd)
+                started[key] = ServerProcess(name, command, tmp_path_factory.mktemp(name), cwd, home=home(command))
                 if not warmed.exists():
                     try:
                         started[key].wait_ready()

@@ -12,7 +12,7 @@ import mlx.core as mx
 import openai
 import pytest
 
-import dflash2_runtime
+import dflash2_decode_arms
 from build_pack import RUNTIME_FILES, build_pack
 from conftest import data_url, flip_byte, png, request
 from dflash2_pack import verify_pack
@@ -240,7 +240,7 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
         assert check["blocks"] == 7 and check["differing"] == 0 and check["stock_block"] == 8
         assert list(check["seconds_by_part"]) == ["decode steps", "exact rounds", "stock round"]
         assert runtime["drafter_activations"] == "drafter activations: promoted (bf16 is emulated on CPU)"
-        assert runtime["plain_decode_path"]["arm"] in dflash2_runtime.DECODE_ARMS
+        assert runtime["plain_decode_path"]["arm"] in dflash2_decode_arms.DECODE_ARMS
         # The log says the fixed block runs rounds, not that requests go plain.
         assert "block fixed at 2 (--dflash2-block-size): greedy requests run rounds of it" in server.log()
         assert "each request's acceptance estimate starts from the drafter's recent rounds" in server.log()
@@ -316,6 +316,8 @@ LAYERS = [
     "serve",
     "dflash2_launch",
     "dflash2_engine",
+    "dflash2_generator",
+    "dflash2_speculation",
     "dflash2_prefix_cache",
     "dflash2_gateway",
     "dflash2_record",
@@ -326,6 +328,11 @@ LAYERS = [
     "dflash2_responses_request",
     "dflash2_requests",
     "dflash2_runtime",
+    "dflash2_decode_arms",
+    "dflash2_drafter",
+    "dflash2_verify",
+    "dflash2_timing",
+    "dflash2_rounds",
     "dflash2_policy",
     "dflash2_sampling",
     "dflash2_verdicts",
@@ -358,3 +365,9 @@ def test_the_pack_ships_every_module_and_imports_run_downward():
         assert not upward, f"{name} imports {upward}"
     for path in (REPO / "tools").rglob("*.py"):
         assert not imported_modules(path) & {"serve", "serve_dflash2"}, path.name
+
+
+def test_the_round_policy_decides_without_mlx():
+    # Its decisions are plain Python on measured numbers; dflash2_rounds and dflash2_timing run
+    # MLX. (It still takes MAX_ROWS, a kernel's limit, from dflash2_kernels.)
+    assert not imported_modules(REPO / "dflash2_policy.py") & {"mlx", "mlx_vlm"}

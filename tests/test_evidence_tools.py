@@ -332,6 +332,7 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     figure per layer of the served verify forward, and the served forward back as it was."""
     import bench
     import dflash2_runtime
+    import dflash2_verify
     from make_synthetic_pack import SIZES, build_target_model
     from profile_verify import host_ms_by_layer, host_split_ms, split_steps
 
@@ -340,10 +341,10 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     lm = model.language_model
     taps = list(SIZES["tiny"]["drafter"]["target_layer_ids"])
     cache, _ = bench.prefill(lm, [3, 5, 7, 9], taps)
-    served = dflash2_runtime.ExactVerifier._layer
+    served = dflash2_verify.ExactVerifier._layer
     layers = host_ms_by_layer(bench.verify_round_steps(lm, cache, taps, 3), 2)
     assert len(layers) == len(lm.model.layers) and all(ms >= 0 for ms in layers)
-    assert dflash2_runtime.ExactVerifier._layer is served
+    assert dflash2_verify.ExactVerifier._layer is served
 
     # The host split: each step's parts timed, and a verify step commits its round (the cache
     # advances by its accepted half plus the bonus token, as bench's verify rounds do).
@@ -355,7 +356,7 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     assert cache[lm.model.fa_idx].offset == before + 3 * 3
     assert all(split[part] >= 0 and split[f"{part}_min_max"][0] <= split[part] <= split[f"{part}_min_max"][1]
                for part in ("build", "launch", "wait"))
-    assert dflash2_runtime.VERIFY_EVAL_EVERY == 8  # the served interval is back
+    assert dflash2_verify.VERIFY_EVAL_EVERY == 8  # the served interval is back
 
 
 def test_the_bench_summary_takes_the_server_s_round_apart_where_the_record_timed_it():
@@ -536,28 +537,29 @@ def test_bench_routes_summary_gives_each_arm_its_routes_and_ratio_to_plain():
 
 
 def test_bench_routes_variants_change_the_round_loop_only_while_flagged(monkeypatch, tmp_path):
-    """bench_routes' measurement variants patch dflash2_policy's round loop: with no flag each
-    patched call is the policy's own; no_rounds chooses plain steps for the whole request,
-    drop_taps drops the tap a plain step kept, worker_stream builds the request on the calling
-    thread's default stream until restore_stream. Its arguments are checked before any engine
-    starts."""
+    """bench_routes' measurement variants patch the round loop (dflash2_policy's choices,
+    dflash2_rounds' steps): with no flag each patched call is the policy's own; no_rounds
+    chooses plain steps for the whole request, drop_taps drops the tap a plain step kept,
+    worker_stream builds the request on the calling thread's default stream until
+    restore_stream. Its arguments are checked before any engine starts."""
     from types import SimpleNamespace
 
     import mlx.core as mx
 
     import bench_routes
     import dflash2_policy as policy
+    import dflash2_rounds
 
     calls = []
     # Stand-ins for what the variant wraps (monkeypatch puts the real ones back afterwards).
     monkeypatch.setattr(policy.RoundPolicy, "choose_block", lambda p, remaining: 4)
     monkeypatch.setattr(policy.RoundPolicy, "plain_run", lambda p, remaining: 0)
-    monkeypatch.setattr(policy.RequestDecoder, "_plain_step", lambda d, token: d.context.append(token) or token + 1)
-    monkeypatch.setattr(policy.RequestDecoder, "__init__", lambda d, *a, **k: calls.append(policy.generation_stream))
-    monkeypatch.setattr(policy, "generation_stream", policy.generation_stream)
-    served = policy.generation_stream
+    monkeypatch.setattr(dflash2_rounds.RequestDecoder, "_plain_step", lambda d, token: d.context.append(token) or token + 1)
+    monkeypatch.setattr(dflash2_rounds.RequestDecoder, "__init__", lambda d, *a, **k: calls.append(dflash2_rounds.generation_stream))
+    monkeypatch.setattr(dflash2_rounds, "generation_stream", dflash2_rounds.generation_stream)
+    served = dflash2_rounds.generation_stream
     variant = bench_routes.Variant()
-    rounds, decoder = policy.RoundPolicy, policy.RequestDecoder
+    rounds, decoder = policy.RoundPolicy, dflash2_rounds.RequestDecoder
     step = SimpleNamespace(context=[])
 
     assert rounds.choose_block(None, 9) == 4 and rounds.plain_run(None, 9) == 0
@@ -572,7 +574,7 @@ def test_bench_routes_variants_change_the_round_loop_only_while_flagged(monkeypa
     assert calls[-1] == mx.default_stream(mx.default_device()) and calls[-1] != served
     variant.flags = ()
     variant.restore_stream()
-    assert policy.generation_stream is served
+    assert dflash2_rounds.generation_stream is served
 
     with pytest.raises(SystemExit) as refused:
         bench_routes.main(["--pack", str(tmp_path), "--repeats", "4"])

@@ -10,13 +10,13 @@ checks can fail.
 
 import pytest
 
-import dflash2_runtime
+import dflash2_drafter
 import dflash2_sampling
 from conftest import GENERATED, raw_ids
 from dflash2_sampling import PositionSampler
 from oracle_drafter import OracleDrafter
 from parity import (FIXED_BLOCK_COSTS, PROMPTS, SAMPLED_ERROR_RATE, SAMPLED_SETTINGS, case_mismatches, chat_ids, fixture_cases, greedy,
-                    image_inputs, oracle_token_case, sampled_token_cases)
+                    image_inputs, oracle_token_case, sampled_token_cases, served_rounds)
 
 # The pack's random drafter accepts nothing, so each token after the first costs a full
 # round: five rounds a fixture.
@@ -83,8 +83,8 @@ def test_bench_s_sampled_arms_accept_at_the_profile_s_rate_only_proposing_plain_
     proposals = plain if proposes == "sampled" else greedy(model, ids, GENERATED)
     oracle = OracleDrafter(proposals, prompt_length=ids.shape[1], vocab_size=model.language_model.lm_head.weight.shape[0],
                            accepted_per_round=PROFILE_TOKENS_PER_ROUND["chat"] - 1, block_size=8)
-    oracle.round_costs, oracle.prefer_requested_block_size = FIXED_BLOCK_COSTS, True
-    assert greedy(model, ids, GENERATED, drafter=oracle, block_size=8, sampler=sampled_sampler(0.6)) == plain
+    with served_rounds(oracle, FIXED_BLOCK_COSTS, fixed_block=True):
+        assert greedy(model, ids, GENERATED, drafter=oracle, block_size=8, sampler=sampled_sampler(0.6)) == plain
     tokens_per_round = full_round_tokens(oracle.accept_lens)
     assert (tokens_per_round == 2.0) == (proposes == "sampled"), tokens_per_round
 
@@ -115,8 +115,8 @@ def test_sliding_window_drafter_has_bounded_caches_and_plain_tokens(target, tiny
     model, processor, _ = target
     drafter, _ = load_drafter(tiny_pack["drafter"])  # its own copy: the option changes it
     drafter.config.sliding_window = 8  # shorter than the prompt, so the window trims
-    dflash2_runtime.configure_drafter(
-        drafter, dflash2_runtime.RuntimeOptions(sliding_window=True)
+    dflash2_drafter.configure_drafter(
+        drafter, dflash2_drafter.RuntimeOptions(sliding_window=True)
     )
     caches = drafter.make_cache()
     assert all(isinstance(c, RotatingKVCache) and c.max_size == 7 for c in caches)

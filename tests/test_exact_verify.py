@@ -24,11 +24,13 @@ from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
 
 import dflash2_audit
+import dflash2_decode_arms
 import dflash2_kernel_base
 import dflash2_kernel_fused
 import dflash2_kernel_gdn
 import dflash2_kernels
 import dflash2_runtime
+import dflash2_verify
 from conftest import GENERATED, raw_ids
 from parity import (PROMPTS, differing, greedy, oracle_token_case, prefill_route_cases, rollback_cases,
                     served_prefill_logits, verify_cases)
@@ -67,11 +69,11 @@ def test_every_decode_arm_gives_plain_decoding_s_tokens(target, raw_plain):
     model, processor, _ = target
     ids = raw_ids(processor, PROMPTS[0])
     try:
-        for arm in dflash2_runtime.DECODE_ARMS:
-            dflash2_runtime.use_decode_arm(arm)
+        for arm in dflash2_decode_arms.DECODE_ARMS:
+            dflash2_decode_arms.use_decode_arm(arm)
             assert greedy(model, ids, GENERATED) == raw_plain[0], arm
     finally:
-        dflash2_runtime.use_decode_arm("mlx")
+        dflash2_decode_arms.use_decode_arm("mlx")
 
 
 def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypatch):
@@ -83,7 +85,7 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
     from test_first_token import PROMPTS as BATCH_PROMPTS, run
 
     one_row_layers, rotary_calls, norm_calls = [], [], []
-    positions, rope_rows = dflash2_runtime.gated_delta_positions, dflash2_kernels.rope_rows
+    positions, rope_rows = dflash2_decode_arms.gated_delta_positions, dflash2_kernels.rope_rows
     add_rms_norm = dflash2_kernels.add_rms_norm
 
     def counted(layer, inputs, cache, linear, linears):
@@ -94,7 +96,7 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         rotary_calls.append(dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin))
         return rope_rows(q, k, cos, sin, variant)
 
-    monkeypatch.setattr(dflash2_runtime, "gated_delta_positions", counted)
+    monkeypatch.setattr(dflash2_decode_arms, "gated_delta_positions", counted)
     def counted_norm(x, residual, weight, eps, variant=None):
         norm_calls.append(dflash2_kernel_fused.norm_kernel_supports(x, weight, residual))
         return add_rms_norm(x, residual, weight, eps, variant)
@@ -106,21 +108,21 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
     stock = run(target, BATCH_PROMPTS[:1], **alone)[0], run(target, BATCH_PROMPTS, **shared)[0]
     assert one_row_layers == []
     try:
-        for arm in dflash2_runtime.DECODE_ARMS:
-            dflash2_runtime.use_decode_arm(arm)
+        for arm in dflash2_decode_arms.DECODE_ARMS:
+            dflash2_decode_arms.use_decode_arm(arm)
             one_row_layers.clear()
             rotary_calls.clear()
             norm_calls.clear()
             assert run(target, BATCH_PROMPTS[:1], **alone)[0] == stock[0], arm
-            took_layer = "convolution" in dflash2_runtime.DECODE_ARMS[arm]
+            took_layer = "convolution" in dflash2_decode_arms.DECODE_ARMS[arm]
             assert bool(one_row_layers) == took_layer and set(one_row_layers) <= {(1, 1)}, arm
             assert rotary_calls == [True] * len(rotary_calls) and bool(rotary_calls) == (
-                "rope" in dflash2_runtime.DECODE_ARMS[arm]), arm
+                "rope" in dflash2_decode_arms.DECODE_ARMS[arm]), arm
             assert norm_calls == [True] * len(norm_calls) and bool(norm_calls) == (
-                "residual" in dflash2_runtime.DECODE_ARMS[arm]), arm
+                "residual" in dflash2_decode_arms.DECODE_ARMS[arm]), arm
             assert run(target, BATCH_PROMPTS, **shared)[0] == stock[1], arm
     finally:
-        dflash2_runtime.use_decode_arm("mlx")
+        dflash2_decode_arms.use_decode_arm("mlx")
 
 
 def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
@@ -134,7 +136,7 @@ def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
                 x = dflash2_kernel_base.make_inputs(kind, rows, 2 * layer.key_dim, mx.random.key(rows))
                 x = x.astype(dtype).reshape(1, rows, 2, layer.num_k_heads, layer.head_k_dim)
                 q, k = x[:, :, 0], x[:, :, 1]
-                for got, want in zip(dflash2_runtime._normalize_qk(q, k), layer._normalize_qk(q, k)):
+                for got, want in zip(dflash2_verify._normalize_qk(q, k), layer._normalize_qk(q, k)):
                     assert got.dtype == want.dtype and mx.array_equal(
                         dflash2_kernels.raw_bits(got), dflash2_kernels.raw_bits(want)).item(), (dtype, kind, rows)
 
@@ -157,23 +159,23 @@ def test_a_decode_arm_whose_step_differs_from_stock_is_found(target, monkeypatch
     kernel rounds differently (the convolution's, the gated norm's, the gates' or the
     residual norm's, one bit off) are named."""
     lm = target[0].language_model
-    arms = [arm for arm in dflash2_runtime.DECODE_ARMS if arm != "mlx"]
-    assert dflash2_runtime.decode_arm_differences(lm, arms) == {arm: 0 for arm in arms}
+    arms = [arm for arm in dflash2_decode_arms.DECODE_ARMS if arm != "mlx"]
+    assert dflash2_decode_arms.decode_arm_differences(lm, arms) == {arm: 0 for arm in arms}
     for name, feature in (("conv_rows", "convolution"), ("gated_rms_norm", "convolution"),
                           ("gdn_gates", "convolution"), ("add_rms_norm", "residual")):
         with monkeypatch.context() as patch:
             patch.setattr(dflash2_kernels, name, last_output_a_bit_off(getattr(dflash2_kernels, name)))
-            differing = dflash2_runtime.decode_arm_differences(lm, arms)
-        taking = [arm for arm in arms if feature in dflash2_runtime.DECODE_ARMS[arm]]
+            differing = dflash2_decode_arms.decode_arm_differences(lm, arms)
+        taking = [arm for arm in arms if feature in dflash2_decode_arms.DECODE_ARMS[arm]]
         assert taking and all(differing.pop(arm) > 0 for arm in taking), name
         assert differing == {arm: 0 for arm in arms if arm not in taking}, name
-    assert dflash2_runtime._decode_path == dflash2_runtime.DECODE_ARMS["mlx"]  # the served arm kept
+    assert dflash2_decode_arms._decode_path == dflash2_decode_arms.DECODE_ARMS["mlx"]  # the served arm kept
 
     def rope_rows_unbuilt(*args, **kwargs):
         raise RuntimeError("the kernel did not build")
 
     monkeypatch.setattr(dflash2_kernels, "rope_rows", rope_rows_unbuilt)
-    differing = dflash2_runtime.decode_arm_differences(lm, ["rotation+recurrence+convolution+rope"])
+    differing = dflash2_decode_arms.decode_arm_differences(lm, ["rotation+recurrence+convolution+rope"])
     assert differing == {"rotation+recurrence+convolution+rope": "raised RuntimeError: the kernel did not build"}
 
 
@@ -183,14 +185,14 @@ def test_a_decode_step_whose_shared_input_rotation_differs_is_found(target, monk
     (dflash2_kernels.rotate_group; the matmul arm's one row, exact_linear_group): one bit off
     in its last output is found in every arm that takes it, and in no other."""
     lm = target[0].language_model
-    arms = [arm for arm in dflash2_runtime.DECODE_ARMS if arm != "mlx"]
+    arms = [arm for arm in dflash2_decode_arms.DECODE_ARMS if arm != "mlx"]
     with monkeypatch.context() as patch:
         patch.setattr(dflash2_kernels, "rotate_group", last_output_a_bit_off(dflash2_kernels.rotate_group))
-        differing = dflash2_runtime.decode_arm_differences(lm, arms)
+        differing = dflash2_decode_arms.decode_arm_differences(lm, arms)
     assert {arm for arm, n in differing.items() if n} == {arm for arm in arms
-                                                          if "matmul" not in dflash2_runtime.DECODE_ARMS[arm]}
+                                                          if "matmul" not in dflash2_decode_arms.DECODE_ARMS[arm]}
     monkeypatch.setattr(dflash2_kernels, "exact_linear_group", last_output_a_bit_off(dflash2_kernels.exact_linear_group))
-    differing = dflash2_runtime.decode_arm_differences(lm, ["rotation+recurrence+matmul"])
+    differing = dflash2_decode_arms.decode_arm_differences(lm, ["rotation+recurrence+matmul"])
     assert differing["rotation+recurrence+matmul"] > 0
 
 
@@ -200,16 +202,16 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
     lm = target[0].language_model
     layer = next(layer.linear_attn for layer in lm.model.layers if layer.is_linear)
     taken = []
-    positions = dflash2_runtime.gated_delta_positions
-    monkeypatch.setattr(dflash2_runtime, "gated_delta_positions",
+    positions = dflash2_decode_arms.gated_delta_positions
+    monkeypatch.setattr(dflash2_decode_arms, "gated_delta_positions",
                         lambda *args: taken.append(type(args[0])) or positions(*args))
     monkeypatch.setattr(layer, "__class__", type("Subclass", (type(layer),), {}))
-    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution")
+    dflash2_decode_arms.use_decode_arm("rotation+recurrence+convolution")
     try:
         cache = lm.make_cache()
         mx.eval(lm(mx.array([[1, 2, 3]]), cache=cache).logits, lm(mx.array([[5]]), cache=cache).logits)
     finally:
-        dflash2_runtime.use_decode_arm("mlx")
+        dflash2_decode_arms.use_decode_arm("mlx")
     linear_layers = sum(layer.is_linear for layer in lm.model.layers)
     assert len(taken) == linear_layers - 1 and type(layer) not in taken
 
@@ -243,14 +245,14 @@ def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch,
         return kernel(*args, variant=variant)
 
     monkeypatch.setattr(dflash2_kernels, name, recorded)
-    dflash2_runtime.use_decode_arm(arm)
+    dflash2_decode_arms.use_decode_arm(arm)
     try:
         cache = lm.make_cache()
         mx.eval(lm(raw_ids(processor, PROMPTS[0]), cache=cache).logits)
         assert taken == []
         mx.eval(lm(mx.array([[5]]), cache=cache).logits)
     finally:
-        dflash2_runtime.use_decode_arm("mlx")
+        dflash2_decode_arms.use_decode_arm("mlx")
     hidden, transaction, tokens = dflash_rounds._dflash_verify_greedy(
         lm, mx.array([[7, 8, 9]]), cache, taps, lambda logits: mx.argmax(logits, axis=-1))
     mx.eval(tokens)
@@ -286,7 +288,7 @@ def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_pla
 
     cache = lm.make_cache()
     mx.eval(lm(ids, cache=cache, capture_layer_ids=taps).logits)
-    monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 3)
+    monkeypatch.setattr(dflash2_verify, "VERIFY_EVAL_EVERY", 3)
     monkeypatch.setattr(mx, "async_eval", async_eval)
     for _ in range(3):  # after layer 3 of 4 in each (a count carried over would hand off 4 times)
         hidden, states, tokens = dflash_rounds._dflash_verify_greedy(lm, mx.array([raw_plain[0][:4]]), cache, taps, None)
@@ -294,7 +296,7 @@ def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_pla
         abort_speculative_round(states)
     monkeypatch.setattr(mx, "async_eval", real_async_eval)
     assert len(lm.model.layers) == 4 and len(handed) == 3 and all(len(arrays) == 1 for arrays in handed)
-    monkeypatch.setattr(dflash2_runtime, "VERIFY_EVAL_EVERY", 1)
+    monkeypatch.setattr(dflash2_verify, "VERIFY_EVAL_EVERY", 1)
     cases = verify_cases(lm, ids, taps, raw_plain[0][:8], lengths=(2, 8))
     assert [c for c in cases if c["logits"] or c["hidden"]] == []
     rollback = rollback_cases(lm, ids, taps, raw_plain[0][:8], lengths=(8,))

@@ -3,6 +3,7 @@
 import mlx.core as mx
 import pytest
 
+import dflash2_decode_arms
 import dflash2_kernel_qmv
 import dflash2_kernel_rotate
 import dflash2_kernels as dk
@@ -57,11 +58,11 @@ def counts():
     change no count."""
     model, taps = load_target(None)
     dflash2_runtime.apply_patches()
-    dflash2_runtime.use_decode_arm("rotation+recurrence+convolution+rope+residual")
+    dflash2_decode_arms.use_decode_arm("rotation+recurrence+convolution+rope+residual")
     try:
         return count_steps(model.language_model, taps, lengths=(8,))
     finally:
-        dflash2_runtime.use_decode_arm("mlx")
+        dflash2_decode_arms.use_decode_arm("mlx")
 
 
 def test_counts_see_the_whole_step(counts):

@@ -59,7 +59,7 @@ def test_the_round_loop_accepts_what_the_model_draws_and_gives_plain_s_tokens(ta
     reference, a wrong token where the draws say) accepts per round exactly the model's
     simulation, and the tokens are the reference's (plain greedy, or plain seeded sampling)."""
     from bench import sampled_sampler
-    from parity import FIXED_BLOCK_COSTS, PROMPTS, greedy
+    from parity import FIXED_BLOCK_COSTS, PROMPTS, greedy, served_rounds
 
     model, processor, _ = target
     ids = raw_ids(processor, PROMPTS[1])
@@ -71,8 +71,8 @@ def test_the_round_loop_accepts_what_the_model_draws_and_gives_plain_s_tokens(ta
         for block in (2, 5, 8):
             oracle = OracleDrafter(plain, prompt_length=ids.shape[1], vocab_size=model.language_model.lm_head.weight.shape[0],
                                    acceptance=code, seed=seed, block_size=block)
-            oracle.round_costs, oracle.prefer_requested_block_size = FIXED_BLOCK_COSTS, True
-            assert greedy(model, ids, GENERATED, drafter=oracle, block_size=block, sampler=sampler) == plain
+            with served_rounds(oracle, FIXED_BLOCK_COSTS, fixed_block=True):
+                assert greedy(model, ids, GENERATED, drafter=oracle, block_size=block, sampler=sampler) == plain
             assert oracle.accept_lens == code.simulate(block, GENERATED, seed), (seed, block)
             seen.add(tuple(oracle.accept_lens))
     assert len(seen) > 3  # the draws really vary with the seed and the block

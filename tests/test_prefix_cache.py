@@ -219,7 +219,7 @@ def test_drafter_memory_counts_its_own_weights_not_the_targets(target, tiny_pack
 def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
     """bench_prefix measures memory with the drafter's sliding window, then times requests:
     the window option must not outlive the memory runs."""
-    import dflash2_runtime
+    import dflash2_drafter
     from bench_prefix import attention_layout_kept
 
     _, _, drafter = target
@@ -229,14 +229,16 @@ def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
                 getattr(drafter.config, "runtime_block_size", None))
 
     before = state()
+    windowed = dflash2_drafter.RuntimeOptions(dflash2_drafter.block_limits(drafter.config.block_size, block_cap=2),
+                                              sliding_window=True)
     assert drafter.config.sliding_window  # the synthetic drafters have one
     with attention_layout_kept(drafter) as restore:
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True, block_cap=2))
+        dflash2_drafter.configure_drafter(drafter, windowed)
         assert all(layer.self_attn.is_sliding for layer in drafter.layers)
         assert drafter.config.runtime_block_size == 2
         restore()  # the whole-context requests between windowed ones
         assert state() == before
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True, block_cap=2))
+        dflash2_drafter.configure_drafter(drafter, windowed)
     assert state() == before
 
 
@@ -261,17 +263,18 @@ def sliding_drafter(target, monkeypatch):
     (drafter, per request: the hidden states its round loop started from, the positions the
     target had processed, and the drafter's cache offsets right after its first draft)."""
     import dflash2_policy
-    import dflash2_runtime
+    import dflash2_drafter
+    import dflash2_rounds
     from bench_prefix import attention_layout_kept
+    from parity import served_rounds
 
     _, _, drafter = target
     blocks = range(2, dflash2_policy.MAX_ROWS + 1)
-    monkeypatch.setattr(drafter, "round_costs", dflash2_policy.RoundCosts(60.0, {b: 0.5 for b in blocks},
-                                                                          {b: 0.1 for b in blocks}), raising=False)
-    seen, start, draft = [], dflash2_policy.RequestDecoder.__init__, dflash2_policy.RequestDecoder.draft
+    costs = dflash2_policy.RoundCosts(60.0, {b: 0.5 for b in blocks}, {b: 0.1 for b in blocks})
+    seen, start, draft = [], dflash2_rounds.RequestDecoder.__init__, dflash2_rounds.RequestDecoder.draft
 
     def recording_start(self, model, draft_model, prompt_cache, hidden, *args):
-        seen.append({"hidden": hidden, "processed": dflash2_policy.processed_tokens(prompt_cache)})
+        seen.append({"hidden": hidden, "processed": dflash2_rounds.processed_tokens(prompt_cache)})
         start(self, model, draft_model, prompt_cache, hidden, *args)
 
     def recording_draft(self, block, hidden):
@@ -279,10 +282,10 @@ def sliding_drafter(target, monkeypatch):
         seen[-1].setdefault("offsets", [layer.offset for layer in self.draft_cache])
         return tokens
 
-    monkeypatch.setattr(dflash2_policy.RequestDecoder, "__init__", recording_start)
-    monkeypatch.setattr(dflash2_policy.RequestDecoder, "draft", recording_draft)
-    with attention_layout_kept(drafter):
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
+    monkeypatch.setattr(dflash2_rounds.RequestDecoder, "__init__", recording_start)
+    monkeypatch.setattr(dflash2_rounds.RequestDecoder, "draft", recording_draft)
+    with attention_layout_kept(drafter), served_rounds(drafter, costs):
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True))
         yield drafter, seen
 
 

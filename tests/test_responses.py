@@ -24,7 +24,8 @@ GREEDY = {"temperature": 0, "extra_body": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def servers(built_pack, start_server, tmp_path_factory):
-    costs = tmp_path_factory.mktemp("costs") / "round-costs.json"
+    # One file for both agent APIs' tests: on one worker they share their servers.
+    costs = tmp_path_factory.getbasetemp() / "agent-api-round-costs.json"
     costs.write_text(json.dumps(ROUND_COSTS))
     commands = {"spec": [built_pack / "serve_dflash2.py", "--dflash2-round-costs", costs],
                 "plain": [built_pack / "serve.py"],

@@ -6,6 +6,7 @@ synthetic cost table: the tokens equal plain decoding at full, zero and recoveri
 acceptance, and the policy's blocks and plain steps are the ones the costs call for.
 """
 
+import dataclasses
 import random
 import time
 
@@ -13,10 +14,12 @@ import mlx.core as mx
 import pytest
 
 import dflash2_policy
+import dflash2_rounds
+import dflash2_timing
 from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
 from kernel_cases import patch_kernels
 from oracle_drafter import OracleDrafter
-from parity import PROMPTS, chat_ids, greedy
+from parity import PROMPTS, chat_ids, greedy, served_rounds
 
 BLOCKS = range(2, 9)
 # Blocks up to 5 verify cheaply, bigger ones do not: at full acceptance block 5 is best.
@@ -173,24 +176,23 @@ def test_routing_asks_whether_a_block_up_to_the_ceiling_beats_plain_at_full_acce
     # A round of block b yields b tokens at full acceptance: at b decode steps it only ties,
     # and it must beat plain by PAY_MARGIN.
     tie = RoundCosts(1.0, {b: b - 0.5 for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=True)
-    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=tie)
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8))
+    state = dflash2_rounds.DrafterState(drafter, tie)
+    assert not dflash2_rounds.rounds_can_pay(state)
     tie.verify_steps_by_block[6] = 6 / PAY_MARGIN - 0.5  # block 6 at exactly the margin: not yet
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(state)
     tie.verify_steps_by_block[6] -= 0.01  # now it pays, by a hundredth of a step
-    assert dflash2_policy.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(state)
     drafter.config.runtime_block_size = 5  # beyond the drafter's ceiling it does not count
-    assert not dflash2_policy.rounds_can_pay(drafter)
+    assert not dflash2_rounds.rounds_can_pay(state)
     # The live table: plain steps observed slower make the same rounds pay.
     tie.observe_plain(10, 20.0)
-    assert dflash2_policy.rounds_can_pay(drafter)
+    assert dflash2_rounds.rounds_can_pay(state)
     # A fixed block runs rounds whatever they cost; without a table mlx-vlm's loop runs.
     never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS})
-    drafter.round_costs = never
-    assert not dflash2_policy.rounds_can_pay(drafter)
-    drafter.prefer_requested_block_size = True
-    assert dflash2_policy.rounds_can_pay(drafter)
-    assert dflash2_policy.rounds_can_pay(SimpleNamespace(config=drafter.config))
+    assert not dflash2_rounds.rounds_can_pay(dflash2_rounds.DrafterState(drafter, never))
+    assert dflash2_rounds.rounds_can_pay(dflash2_rounds.DrafterState(drafter, never, fixed_block=True))
+    assert dflash2_rounds.rounds_can_pay(None)
 
 
 def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes():
@@ -198,10 +200,11 @@ def test_while_a_measured_table_cannot_pay_one_greedy_request_in_so_many_probes(
 
     def drafter(learning):
         never = RoundCosts(1.0, {b: float(b) for b in BLOCKS}, {b: 0.5 for b in BLOCKS}, learning=learning)
-        return SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=never)
+        return dflash2_rounds.DrafterState(SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8)),
+                                           never)
 
     every = dflash2_policy.ROUTE_PROBE_EVERY
-    measured, given = dflash2_policy.SpeculativeRoute(), dflash2_policy.SpeculativeRoute()
+    measured, given = dflash2_rounds.SpeculativeRoute(), dflash2_rounds.SpeculativeRoute()
     learning, fixed = drafter(True), drafter(False)
     routes = [measured(learning) for _ in range(2 * every)]
     assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
@@ -214,7 +217,7 @@ def test_a_plain_run_teaches_only_its_steady_steps():
     """The refill (first token) and the last gap, which builds no step after it (on the
     H200 the device's time alone), are left out; runs too short for a steady step teach
     nothing, and a table fed only those keeps its step."""
-    steady = dflash2_policy.steady_plain_steps
+    steady = dflash2_rounds.steady_plain_steps
     assert steady([90.0, 126.5, 163.0, 199.5, 225.5]) == (3, 109.5)  # 36.5 ms steps, a 26 ms last gap
     assert steady([90.0]) == (0, 0.0) and steady([90.0, 116.0]) == (0, 0.0)
     table = RoundCosts(36.5, {2: 1.5}, {2: 0.2}, 1.0, learning=True)
@@ -253,11 +256,10 @@ def run_policy(target, prompt_and_plain, error_rate):  # noqa: F811
     ids, plain = prompt_and_plain
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=error_rate,
                            target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False  # the policy chooses
-    oracle.round_costs = COSTS
-    tokens = greedy(model, ids, GENERATED, drafter=oracle)
+    with served_rounds(oracle, COSTS) as state:  # the policy chooses
+        tokens = greedy(model, ids, GENERATED, drafter=oracle)
     blocks = [drafted + 1 for drafted in oracle.draft_lens]
-    return tokens == plain, oracle.round_counts, list(zip(blocks, oracle.accept_lens))
+    return tokens == plain, state.round_counts, list(zip(blocks, oracle.accept_lens))
 
 
 def test_full_acceptance_runs_the_best_block(target, prompt_and_plain):  # noqa: F811
@@ -303,7 +305,7 @@ def test_plain_steps_record_the_taps_capture_layer_ids_gives(target):  # noqa: F
     caches = [lm.make_cache(), lm.make_cache()]
     outs = [lm(ids, cache=cache, capture_layer_ids=taps) for cache in caches]
     first = int(mx.argmax(outs[0].logits[0, -1]).item())
-    decoder = dflash2_policy.RequestDecoder(
+    decoder = dflash2_rounds.RequestDecoder(
         model, drafter, caches[0], mx.concatenate(outs[0].hidden_states, -1), first,
         lambda x: mx.argmax(x, -1), mx.int32)
     tokens = list(decoder.plain_steps(3))
@@ -369,9 +371,8 @@ def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, pr
     before = {b: round_ms(b) for b in BLOCKS}
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=0.0,
                            target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False
-    oracle.round_costs = cheap
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    with served_rounds(oracle, cheap):
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
     blocks = [drafted + 1 for drafted in oracle.draft_lens]
     timed = set(blocks[1:])  # the first round is not learned from (its drafter reads the prompt)
     assert timed
@@ -385,26 +386,26 @@ def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, pr
 def test_drafter_dtype_is_the_faster_of_bf16_and_promoted_off_cpu(target, monkeypatch):
     """choose_drafter_dtype off CPU (the backend name says cuda; MLX still runs on CPU):
     both dtypes timed side by side, the faster one served; on CPU promoted, untimed."""
-    import dflash2_runtime
+    import dflash2_drafter
 
     model, _, drafter = target
     try:
-        choice = dflash2_runtime.choose_drafter_dtype(model, drafter)
-        assert not choice.bf16 and not choice.pass_ms and not dflash2_runtime._drafter_in_bf16()
+        choice = dflash2_drafter.choose_drafter_dtype(model, drafter)
+        assert not choice.bf16 and not choice.pass_ms and not dflash2_drafter._drafter_in_bf16()
         patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
-        choice = dflash2_runtime.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
+        choice = dflash2_drafter.choose_drafter_dtype(model, drafter, repeats=1, passes=1)
         assert set(choice.pass_ms) == {"bf16", "promoted"}
-        assert choice.bf16 == (dflash2_policy.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
-        assert dflash2_runtime._drafter_in_bf16() == choice.bf16
+        assert choice.bf16 == (dflash2_timing.paired_ratio(choice.pass_ms["bf16"], choice.pass_ms["promoted"]) < 1)
+        assert dflash2_drafter._drafter_in_bf16() == choice.bf16
         assert ("drafter activations: bf16" if choice.bf16 else "drafter activations: promoted") in choice.summary()
     finally:
-        dflash2_runtime.use_drafter_bf16(None)
+        dflash2_drafter.use_drafter_bf16(None)
 
 
 def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
     """On CUDA a bf16 drafter's attention runs in fp32 (cuDNN would build a graph for every
     new key length); elsewhere, and for fp32 inputs, it is MLX's own call, bit for bit."""
-    import dflash2_runtime
+    import dflash2_drafter
     from mlx_vlm.models.base import create_causal_mask
 
     keys = mx.random.split(mx.random.key(3), 3)
@@ -415,11 +416,11 @@ def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
              dict(mask=None, sinks=mx.array([0.5, -1.0, 0.0, 2.0], dtype=mx.bfloat16))]
     for case in cases:
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
-        assert mx.array_equal(dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case), stock)
+        assert mx.array_equal(dflash2_drafter.drafter_attention(q, k, v, scale=0.125, **case), stock)
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     for case in cases:
         stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, **case)
-        out = dflash2_runtime.drafter_attention(q, k, v, scale=0.125, **case)
+        out = dflash2_drafter.drafter_attention(q, k, v, scale=0.125, **case)
         wide = mx.fast.scaled_dot_product_attention(
             q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=0.125,
             **{name: value.astype(mx.float32) if name == "sinks" else value for name, value in case.items()})
@@ -430,16 +431,16 @@ def test_drafter_attention_leaves_bf16_off_cudnn_on_cuda_only(monkeypatch):
 def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeypatch):
     """The installed DFlashAttention.__call__ is mlx-vlm's code with its fused attention call
     routed through drafter_attention: once per drafter layer and pass."""
-    import dflash2_runtime
+    import dflash2_drafter
 
     model, _, drafter = target
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
-        return dflash2_runtime.drafter_attention(*args, **kwargs)
+        return dflash2_drafter.drafter_attention(*args, **kwargs)
 
-    monkeypatch.setattr(dflash2_runtime._DrafterMlx.fast, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(dflash2_drafter._DrafterMlx.fast, "scaled_dot_product_attention", counted)
     lm = model.language_model
     hidden = mx.zeros((1, 3, len(drafter.config.target_layer_ids) * lm.args.hidden_size), mx.float16)
     mx.eval(drafter.draft_block_greedy(1, hidden, drafter.reset(model), 4, None))
@@ -448,15 +449,16 @@ def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeyp
 
 
 def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
-    import dflash2_runtime
+    import dflash2_drafter
     from mlx_vlm.speculative.common import _dflash_block_total
 
     model, _, drafter = target
     before = drafter.config.runtime_block_size
     try:
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(block_cap=3))
+        capped = dflash2_drafter.block_limits(drafter.config.block_size, block_cap=3)
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(capped))
         assert _dflash_block_total(drafter, None) == 3
-        costs = dflash2_policy.measure_round_costs(model, drafter, repeats=1, run=2)
+        costs = dflash2_timing.measure_round_costs(model, drafter, repeats=1, run=2)
         assert costs.blocks == [2, 3]
         assert 0.0 <= costs.refill_steps < float("inf") and costs.decode_step_ms > 0
     finally:
@@ -493,8 +495,8 @@ def test_start_up_costs_pair_each_arm_with_the_plain_steps_of_its_pass(target, m
                 stats([10.0 * factor.get(name, 1.5 if name[0] == "round" else 0.1) * f for f in slowed_later])
                 for name in arms}
 
-    monkeypatch.setattr(dflash2_policy, "interleaved_ms", timings)
-    costs = dflash2_policy.measure_round_costs(model, drafter)
+    monkeypatch.setattr(dflash2_timing, "interleaved_ms", timings)
+    costs = dflash2_timing.measure_round_costs(model, drafter)
     assert costs.decode_step_ms == 30.0 and costs.refill_steps == 0.0
     assert all(costs.round_steps(block) == pytest.approx(1.5) for block in costs.blocks)
 
@@ -508,10 +510,9 @@ def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(target,
                        learning=True)  # about a tiny-pack decode step on CPU
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False
-    oracle.round_costs = table
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
-    assert oracle.round_counts.tokens_from_plain_steps > 0
+    with served_rounds(oracle, table) as state:
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    assert state.round_counts.tokens_from_plain_steps > 0
     assert 1 <= table.observed.get("refill", 0) <= len(oracle.draft_lens)
     assert table.observed.get("plain", 0) >= 1
 
@@ -527,13 +528,13 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     refilled = RoundCosts(COSTS.decode_step_ms, COSTS.verify_steps_by_block, COSTS.draft_steps_by_block, 1.0,
                           learning=True)
     memory = dflash2_policy.AcceptanceMemory(8)
-    drafter = SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8), round_costs=refilled,
-                              acceptance_memory=memory)
-    assert memory.rounds_pay(refilled, 8) and dflash2_policy.rounds_can_pay(drafter)  # nothing seen yet
+    drafter = dflash2_rounds.DrafterState(SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8)),
+                                          refilled, acceptance_memory=memory)
+    assert memory.rounds_pay(refilled, 8) and dflash2_rounds.rounds_can_pay(drafter)  # nothing seen yet
     for _ in range(3):
         memory.record(2, 0)
-    assert not memory.rounds_pay(refilled, 8) and not dflash2_policy.rounds_can_pay(drafter)
-    route, every = dflash2_policy.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
+    assert not memory.rounds_pay(refilled, 8) and not dflash2_rounds.rounds_can_pay(drafter)
+    route, every = dflash2_rounds.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
     routes = [route(drafter) for _ in range(2 * every)]
     assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
     estimate = memory.start_request()  # a probe reaches the round loop
@@ -564,17 +565,14 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 2.0)
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False
-    oracle.round_costs = table
-    oracle.acceptance_memory = dflash2_policy.AcceptanceMemory(8)
-    assert dflash2_policy.rounds_can_pay(oracle)
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
-    assert oracle.round_counts.tokens_from_rounds >= 1
-    assert not dflash2_policy.rounds_can_pay(oracle)
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain  # a probe
-    assert oracle.draft_lens[:1] and oracle.round_counts.tokens_from_plain_steps >= GENERATED - 3
-    del oracle.acceptance_memory
-    assert dflash2_policy.rounds_can_pay(oracle)
+    with served_rounds(oracle, table, acceptance_memory=dflash2_policy.AcceptanceMemory(8)) as state:
+        assert dflash2_rounds.rounds_can_pay(state)
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+        assert state.round_counts.tokens_from_rounds >= 1
+        assert not dflash2_rounds.rounds_can_pay(state)
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain  # a probe
+        assert oracle.draft_lens[:1] and state.round_counts.tokens_from_plain_steps >= GENERATED - 3
+    assert dflash2_rounds.rounds_can_pay(dataclasses.replace(state, acceptance_memory=None))
 
 
 def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain,  # noqa: F811
@@ -587,8 +585,6 @@ def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(
     table = RoundCosts(60.0, {b: 1.2 for b in BLOCKS}, {b: 0.0 for b in BLOCKS})
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size,
                            accepted_per_round=1.0, target_layer_ids=drafter.config.target_layer_ids)
-    oracle.prefer_requested_block_size = False
-    oracle.round_costs = table
     choose_block, choices = RoundPolicy.choose_block, []
 
     def plain_first(policy, remaining):  # the request's first three choices: plain steps
@@ -597,8 +593,9 @@ def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(
 
     monkeypatch.setattr(RoundPolicy, "choose_block", plain_first)
     monkeypatch.setattr(RoundPolicy, "plain_run", lambda policy, remaining: 1)
-    assert greedy(model, ids, GENERATED, drafter=oracle) == plain
-    assert oracle.round_counts.tokens_from_plain_steps >= 3 and oracle.accept_lens
+    with served_rounds(oracle, table) as state:
+        assert greedy(model, ids, GENERATED, drafter=oracle) == plain
+    assert state.round_counts.tokens_from_plain_steps >= 3 and oracle.accept_lens
     assert oracle.accept_lens[:-1] == [1] * (len(oracle.accept_lens) - 1), oracle.accept_lens
 
 
@@ -616,15 +613,15 @@ def test_interleaved_ms_stops_after_a_timed_pass_when_the_repeats_left_would_pas
         return sample
 
     slow_warm_up = {"a": arm("a", warm_up_s=0.3), "b": arm("b")}
-    stats = dflash2_policy.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
+    stats = dflash2_timing.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
     assert calls == ["a", "b", "b", "a"] * 3 and stats["b"]["median"] == 20.0  # fits, though 5 warm-ups would not
     calls.clear()
     arms = {"a": arm("a"), "b": arm("b")}
     with pytest.raises(TimeoutError, match="timed pass 1 took"):
-        dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
+        dflash2_timing.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
     assert calls == ["a", "b", "b", "a"]  # the warm-up pass and one timed pass
     calls.clear()
-    stats = dflash2_policy.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
+    stats = dflash2_timing.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
     assert calls == ["a", "b", "b", "a"] * 3 and stats["a"]["median"] == 20.0
 
 
@@ -638,12 +635,12 @@ def test_passes_take_each_arm_first_in_turn_and_ratios_pair_samples_of_one_pass(
             return ms * slow.get(((len(calls) - 1) // 3, name), 1.0)
         return sample
 
-    stats = dflash2_policy.interleaved_ms({"a": arm("a", 10.0), "b": arm("b", 20.0), "c": arm("c", 30.0)}, repeats=3)
+    stats = dflash2_timing.interleaved_ms({"a": arm("a", 10.0), "b": arm("b", 20.0), "c": arm("c", 30.0)}, repeats=3)
     passes = [calls[i:i + 3] for i in range(0, 12, 3)]
     assert [p[0] for p in passes] == ["a", "b", "c", "a"] and all(sorted(p) == ["a", "b", "c"] for p in passes)
     assert stats["b"]["samples"] == [20.0, 100.0, 30.0] and stats["a"]["samples"] == [10.0, 50.0, 10.0]
     assert stats["b"]["median"] / stats["a"]["median"] == 3.0  # medians of different passes
-    assert dflash2_policy.paired_ratio(stats["b"], stats["a"]) == 2.0
+    assert dflash2_timing.paired_ratio(stats["b"], stats["a"]) == 2.0
 
 
 def test_each_arm_runs_behind_a_different_arm_in_each_timed_pass_and_never_behind_itself():
@@ -653,15 +650,15 @@ def test_each_arm_runs_behind_a_different_arm_in_each_timed_pass_and_never_behin
     the same one in all but one pass. And from 3 arms on no arm runs twice in a row (its
     second sample would be spared the switch every other sample pays)."""
     names = [f"arm {i}" for i in range(18)]
-    sequence = [name for index in range(6) for name in dflash2_policy.pass_order(names, index)]
+    sequence = [name for index in range(6) for name in dflash2_timing.pass_order(names, index)]
     behind = {name: [] for name in names}
     for before, name in zip(sequence[len(names) - 1:], sequence[len(names):]):  # the timed passes
         behind[name].append(before)
     assert all(len(set(b)) == len(b) == 5 for b in behind.values()), behind
     for count in range(3, 22):
         names = list(range(count))
-        sequence = [name for index in range(10) for name in dflash2_policy.pass_order(names, index)]
-        assert all(sorted(dflash2_policy.pass_order(names, index)) == names for index in range(10))
+        sequence = [name for index in range(10) for name in dflash2_timing.pass_order(names, index)]
+        assert all(sorted(dflash2_timing.pass_order(names, index)) == names for index in range(10))
         assert all(before != name for before, name in zip(sequence, sequence[1:])), count
 
 
@@ -675,5 +672,5 @@ def test_a_batch_cache_s_state_is_its_whole_buffers():
     attention.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
     recurrent = ArraysCache(size=2)
     recurrent[0] = mx.zeros((1, 3, 8))
-    arrays = dflash2_policy.cache_arrays([attention, recurrent])
+    arrays = dflash2_rounds.cache_arrays([attention, recurrent])
     assert [a.shape for a in arrays] == [attention.keys.shape, attention.values.shape, (1, 3, 8)]

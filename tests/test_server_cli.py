@@ -257,6 +257,34 @@ def test_demo_refuses_a_damaged_fixture(tmp_path, script):
     assert "drafter/model.safetensors: sha256 differs from SHA256SUMS" in result.stderr
 
 
+def trained_block_of(folder, block):
+    """A source-layout copy of the tiny pair in `folder` whose drafter was trained on `block`."""
+    for part in ("target", "drafter"):
+        shutil.copytree(REPO / "fixtures" / "tiny-pair" / part, folder / part)
+    config_path = folder / "drafter" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dflash_config"].update(block_size=block, runtime_block_size=min(block, 5))
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("trained, argv, refusal", [
+    (8, ["--dflash2-block-size", "9"], "--dflash2-block-size 9 is outside 2..8"),
+    (8, ["--dflash2-block-cap", "1"], "--dflash2-block-cap 1 is outside 2..8"),
+    (6, ["--dflash2-block-size", "7"], "--dflash2-block-size 7 is outside 2..6"),
+    (6, ["--dflash2-block-cap", "8"], "--dflash2-block-cap 8 is outside 2..6"),
+], ids=["demo size 9", "demo cap 1", "trained 6 size 7", "trained 6 cap 8"])
+def test_a_block_the_drafter_cannot_take_stops_the_start_before_loading(tmp_path, trained, argv, refusal):
+    """Checked once, against the drafter's trained block (read from its config.json) and
+    the exact kernels' 8 rows, before any weights load; the demo's drafter was trained on 8."""
+    where = ["--demo"] if trained == 8 else ["--pack", str(trained_block_of(tmp_path, trained))]
+    result = run("serve_dflash2.py", *where, *argv, "--port", str(free_port()))
+    assert result.returncode == 2, result.stderr
+    assert (f"error: {refusal} (the drafter was trained on blocks of {trained}; the exact kernels take "
+            "up to 8 rows)") in result.stderr
+    assert "DFlash2 runtime" not in result.stderr  # the engine never started
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_demo_and_pack_exclude_each_other(tmp_path, script):
     result = run(script, "--demo", "--pack", str(tmp_path), "--port", str(free_port()))

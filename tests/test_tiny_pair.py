@@ -13,8 +13,9 @@ import pytest
 
 import dflash2_runtime
 from acceptance import PAIR, VARIED_PROMPTS, served_rounds, varied_answers
-from dflash2_pack import read_sha256sums, sha256_file
-from dflash2_policy import RequestDecoder, RoundCosts
+from dflash2_pack import drafter_trained_block, read_sha256sums, sha256_file
+from dflash2_policy import RoundCosts
+from dflash2_rounds import RequestDecoder
 from gpu_rounding import swap_row_variant_ops
 from parity import chat_ids, greedy
 
@@ -72,10 +73,10 @@ def test_fixture_matches_its_sha256sums():
 def test_speculative_equals_plain_with_accepted_drafts(pair, prompts, plain):
     model, _, drafter = pair
     accepted = []
-    with served_rounds(drafter, PAYING_COSTS, fixed_block=True):  # as the demo serves
+    with served_rounds(drafter, PAYING_COSTS, fixed_block=True) as state:  # as the demo serves
         for ids, expected in zip(prompts, plain):
             assert greedy(model, ids, GENERATED, drafter=drafter, block_size=4) == expected
-            assert drafter.round_counts.tokens_from_plain_steps == 0
+            assert state.round_counts.tokens_from_plain_steps == 0
             accepted.append(list(drafter.accept_lens))
     # Drafts accepted for every prompt, in rounds that accepted part of their block too.
     assert all(sum(counts) > 0 for counts in accepted), accepted
@@ -139,7 +140,7 @@ def test_partial_acceptance_leaves_the_drafter_exactly_the_committed_context(pai
 def test_round_policy_raises_the_block_when_rounds_pay(pair, prompts, plain):
     model, _, drafter = pair
     raised, accepted = False, 0
-    with served_rounds(drafter, PAYING_COSTS):
+    with served_rounds(drafter, PAYING_COSTS) as state:
         for ids, expected in zip(prompts, plain):
             assert greedy(model, ids, GENERATED, drafter=drafter) == expected
             blocks = [drafted + 1 for drafted in drafter.draft_lens]
@@ -147,10 +148,48 @@ def test_round_policy_raises_the_block_when_rounds_pay(pair, prompts, plain):
             # still wanted only ever shrink a block.
             raised |= any(later > earlier for earlier, later in zip(blocks, blocks[1:]))
             accepted += sum(drafter.accept_lens)
-            counts = drafter.round_counts
+            counts = state.round_counts
             assert counts.tokens_from_rounds + counts.tokens_from_plain_steps == len(expected) - 1
     assert accepted > 0
     assert raised
+
+
+# What the pack once wrote onto mlx-vlm's drafter object; dflash2_rounds.DrafterState carries it.
+PACK_STATE_NAMES = {"round_costs", "acceptance_memory", "round_counts", "round_counts_listener",
+                    "prefer_requested_block_size", "draft_block_greedy"}
+
+
+@pytest.mark.usefixtures("gpu_like_rounding")
+def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plain, monkeypatch):
+    """load_speculation, as the engine starts the drafter (a fixed block, the candidate
+    selector, a given table): its DrafterState carries the pack's state and the round loop
+    serves it; none of it is written onto the drafter (an mlx nn.Module: a dict too), before
+    or after a request's rounds, and each request's counts go where counts_to says."""
+    import dflash2_drafter
+    import dflash2_speculation
+    import dflash2_rounds
+
+    model = pair[0]
+    status = dflash2_runtime.install()  # the patches only, as the pair fixture installs them
+    monkeypatch.setattr(dflash2_runtime, "install", lambda model, verdicts: status)
+    blocks = dflash2_drafter.block_limits(drafter_trained_block(PAIR / "drafter"), block_size=4)
+    options = dflash2_drafter.RuntimeOptions(blocks, candidate_selector=True)
+    setup = dflash2_speculation.DrafterSetup(PAIR / "drafter", options, PAYING_COSTS)
+    handed = []
+    try:
+        speculation = dflash2_speculation.load_speculation(model, setup, counts_to=handed.append)
+        state = speculation.state
+        drafter = state.drafter
+        assert speculation.error is None and dflash2_rounds.served_state(drafter) is state
+        assert state.fixed_block and state.candidate_selector and state.round_costs is PAYING_COSTS
+        assert state.acceptance_memory is None  # a given table: each request starts from the prior
+        assert not PACK_STATE_NAMES & (set(vars(drafter)) | set(drafter.keys()))
+        assert greedy(model, prompts[0], GENERATED, drafter=drafter) == plain[0]
+        assert handed == [state.round_counts] and state.round_counts.tokens_from_plain_steps == 0
+        assert drafter.draft_lens[0] == 3  # the fixed block, 4 (later ones fit the tokens left)
+        assert not PACK_STATE_NAMES & (set(vars(drafter)) | set(drafter.keys()))
+    finally:
+        dflash2_rounds.serve_rounds_with(None)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 45 item 5: the shipped pair answers 5 of 16 distinctly")

@@ -21,7 +21,6 @@ minutes), not Ternary-Bonsai-2-27B: its figures say the drafter path works, not 
 
 import argparse
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,7 +28,7 @@ import mlx.core as mx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-from parity import WEATHER_TOOL, chat_ids, greedy  # noqa: E402
+from parity import WEATHER_TOOL, chat_ids, greedy, served_rounds  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 PAIR = REPO / "fixtures" / "tiny-pair"
@@ -89,18 +88,6 @@ def all_prompt_ids(tokenizer, per_kind=None):
     """(kind, text, ids) of every prompt, or of the first `per_kind` of each kind."""
     return [(kind, text, prompt_ids(tokenizer, kind, text))
             for kind, texts in PROMPTS.items() for text in texts[:per_kind]]
-
-
-@contextmanager
-def served_rounds(drafter, costs, fixed_block=False):
-    """The drafter as the server configures it (dflash2_engine, configure_drafter): the round
-    policy decides each round from the cost table; with a fixed block the requested block
-    runs every round."""
-    drafter.round_costs, drafter.prefer_requested_block_size = costs, fixed_block
-    try:
-        yield
-    finally:
-        del drafter.round_costs, drafter.prefer_requested_block_size
 
 
 def acceptance_cases(model, tokenizer, drafter, costs, prompts, max_tokens, blocks=BLOCKS):
@@ -165,24 +152,24 @@ def summarize(cases):
 
 def speed_ratio(model, tokenizer, drafter, costs, max_tokens, repeats=5):
     """Plain, speculative at the demo's fixed block and speculative with the round policy,
-    on a code prompt, interleaved (dflash2_policy.interleaved_ms: one warm-up pass)."""
-    import dflash2_policy
+    on a code prompt, interleaved (dflash2_timing.interleaved_ms: one warm-up pass)."""
+    import dflash2_timing
 
     ids = prompt_ids(tokenizer, "code", PROMPTS["code"][0])
 
     sources = {}  # the last run's tokens from rounds and from plain steps, per arm
 
     def speculative(fixed_block):
-        with served_rounds(drafter, costs, fixed_block=fixed_block):
+        with served_rounds(drafter, costs, fixed_block=fixed_block) as state:
             greedy(model, ids, max_tokens, drafter=drafter, block_size=SPEED_BLOCK if fixed_block else None)
-        counts = drafter.round_counts
+        counts = state.round_counts
         sources[fixed_block] = {"tokens_from_rounds": counts.tokens_from_rounds,
                                 "tokens_from_plain_steps": counts.tokens_from_plain_steps}
 
-    ms = dflash2_policy.interleaved_ms({
-        "plain": dflash2_policy.timed_ms(lambda: greedy(model, ids, max_tokens)),
-        "speculative, fixed block": dflash2_policy.timed_ms(lambda: speculative(True)),
-        "speculative, round policy": dflash2_policy.timed_ms(lambda: speculative(False)),
+    ms = dflash2_timing.interleaved_ms({
+        "plain": dflash2_timing.timed_ms(lambda: greedy(model, ids, max_tokens)),
+        "speculative, fixed block": dflash2_timing.timed_ms(lambda: speculative(True)),
+        "speculative, round policy": dflash2_timing.timed_ms(lambda: speculative(False)),
     }, repeats)
     return {
         "block": SPEED_BLOCK, "max_tokens": max_tokens, "repeats": repeats, "ms": ms,
@@ -261,16 +248,17 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=40)
     args = parser.parse_args()
 
+    import dflash2_drafter
     import dflash2_runtime
     from dflash2_pack import find_pack, load_pack
-    from dflash2_policy import measure_round_costs
+    from dflash2_timing import measure_round_costs
 
     model, processor, drafter = load_pack(*find_pack(args.pack))
     status = dflash2_runtime.install(model)
     if not status.speculative:
         sys.exit(f"speculation is off: {status.reason}")
     # As the server starts: its default options, then the round costs measured on this machine.
-    dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions())
+    dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions())
     costs = measure_round_costs(model, drafter)
     tokenizer = processor.tokenizer
     cases = acceptance_cases(model, tokenizer, drafter, costs, all_prompt_ids(tokenizer), args.max_tokens)

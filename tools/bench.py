@@ -50,14 +50,19 @@ from mlx_vlm.speculative import dflash as dflash_rounds  # noqa: E402
 from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
 from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
+import dflash2_decode_arms  # noqa: E402
+import dflash2_drafter  # noqa: E402
 import dflash2_engine  # noqa: E402
 import dflash2_policy  # noqa: E402
+import dflash2_rounds  # noqa: E402
 import dflash2_runtime  # noqa: E402
 import dflash2_sampling  # noqa: E402
+import dflash2_timing  # noqa: E402
+import dflash2_verify  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
 from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
-from parity import greedy  # noqa: E402
+from parity import greedy, served_rounds  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 # The sampled arms' settings beside their temperature (Qwen3.5's recommended top_p and top_k)
@@ -67,7 +72,7 @@ SAMPLED_SETTINGS = {"top_p": 0.95, "top_k": 20, "seed": 0}
 BLOCK = 8
 # Blocks whose verify round is also timed with the forward handed to the device every
 # EVAL_EVERY_ARMS layers (0 would be: evaluated once at its end), beside the runtime's own
-# dflash2_runtime.VERIFY_EVAL_EVERY. One eval at the end was the slowest at blocks 2 and 8 in
+# dflash2_verify.VERIFY_EVAL_EVERY. One eval at the end was the slowest at blocks 2 and 8 in
 # sessions 23 and 24 (1.17-1.86 decode steps); every 16 layers beat every 8 at block 2 in
 # both, and lost at block 8: block 4 joins, so a per-block interval can be read off the record.
 EARLY_EVAL_BLOCKS = (2, 4, 8)
@@ -87,7 +92,7 @@ def prefill(lm, tokens, taps):
     cache = lm.make_cache()
     out = lm(mx.array([tokens]), cache=cache, capture_layer_ids=taps)
     hidden = mx.concatenate(out.hidden_states, axis=-1)
-    mx.eval(hidden, dflash2_policy.cache_arrays(cache))
+    mx.eval(hidden, dflash2_rounds.cache_arrays(cache))
     return cache, hidden
 
 
@@ -107,7 +112,7 @@ def prefilled_target(size: str, context: int) -> tuple:
 
 def cache_settler(cache):
     """settle(): evaluate what steps on `cache` left lazy (its KV and recurrent states)."""
-    return lambda: mx.eval(dflash2_policy.cache_arrays(cache))
+    return lambda: mx.eval(dflash2_rounds.cache_arrays(cache))
 
 
 def decode_steps(lm, cache):
@@ -121,7 +126,7 @@ def decode_steps(lm, cache):
     return steps
 
 
-def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_policy.commit_round):
+def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_rounds.commit_round):
     """steps(count): `count` exact verify rounds of `length` positions on `cache` (forward,
     greedy choice, commit of `accepted` drafts: half the block unless given), committed as
     the server commits (or by `commit`)."""
@@ -140,9 +145,9 @@ def verify_round_steps(lm, cache, taps, length, accepted=None, commit=dflash2_po
 
 def handed_off_every(layers, steps):
     """steps(count) with each verify forward handed to the device every `layers` layers (0:
-    evaluated once at its end), not dflash2_runtime.VERIFY_EVAL_EVERY: a side-by-side arm."""
+    evaluated once at its end), not dflash2_verify.VERIFY_EVAL_EVERY: a side-by-side arm."""
     def run(count):
-        with dflash2_runtime.verify_eval_every(layers):
+        with dflash2_verify.verify_eval_every(layers):
             steps(count)
 
     return run
@@ -155,27 +160,27 @@ def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
     `hidden` still covers every position `cache` holds; the other arms then grow `cache`
     past what its drafter has read, which changes the target's key lengths, as a longer
     request would, and not what a round runs."""
-    decoder = dflash2_policy.RequestDecoder(lm, drafter, cache, hidden, 7, lambda logits: mx.argmax(logits, axis=-1),
+    decoder = dflash2_rounds.RequestDecoder(lm, drafter, cache, hidden, 7, lambda logits: mx.argmax(logits, axis=-1),
                                             mx.int32)
 
     def steps(count):
-        dflash2_runtime.use_drafter_bf16(bf16)
+        dflash2_drafter.use_drafter_bf16(bf16)
         for _ in range(count):
             decoder.round(length, length)
 
-    return steps, lambda: dflash2_policy.settle_decoder(decoder)
+    return steps, lambda: dflash2_timing.settle_decoder(decoder)
 
 
 def on_generation_stream(steps):
     def run(count):
-        with mx.stream(dflash2_policy.generation_stream):
+        with mx.stream(dflash2_rounds.generation_stream):
             steps(count)
 
     return run
 
 
 def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
-    """Samples (dflash2_policy.steady_ms: `run` back to back after a lead-in, per step) of:
+    """Samples (dflash2_timing.steady_ms: `run` back to back after a lead-in, per step) of:
     a decode step, an exact verify round per block (forward, greedy choice, commit of half
     the block), the same at EARLY_EVAL_BLOCKS handed off every EVAL_EVERY_ARMS layers, a draft
     of 8 per drafter form, in bf16 and in the dtype its inputs promote to, and at block 8 the
@@ -183,26 +188,26 @@ def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
     that round runs on: what the server's cost table times, taken apart."""
     settle = cache_settler(cache)
     served_steps, served_settle = served_round_steps(lm, cache, hidden, *served, BLOCK)
-    arms = {"decode": dflash2_policy.steady_ms(decode_steps(lm, cache), run, settle)}
+    arms = {"decode": dflash2_timing.steady_ms(decode_steps(lm, cache), run, settle)}
     for length in range(2, BLOCK + 1):
-        arms[f"verify {length}"] = dflash2_policy.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
+        arms[f"verify {length}"] = dflash2_timing.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
     for length in EARLY_EVAL_BLOCKS:
         for layers in EVAL_EVERY_ARMS:
-            arms[f"verify {length}, eval every {layers}"] = dflash2_policy.steady_ms(
+            arms[f"verify {length}, eval every {layers}"] = dflash2_timing.steady_ms(
                 handed_off_every(layers, verify_round_steps(lm, cache, taps, length)), run, settle)
     # Drafter passes as serving drafts them, each at a new key length (as
-    # dflash2_runtime.choose_drafter_dtype's arms).
+    # dflash2_drafter.choose_drafter_dtype's arms).
     for form, drafter in drafters.items():
         for name, bf16 in (("bf16", True), ("promoted", False)):
-            drafts = dflash2_runtime.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
-            arms[f"draft {form}, {name}"] = dflash2_policy.steady_ms(drafts, run, settle)
+            drafts = dflash2_drafter.drafter_passes(lm, drafter, hidden, bf16, BLOCK)
+            arms[f"draft {form}, {name}"] = dflash2_timing.steady_ms(drafts, run, settle)
     # The commit as mlx-vlm leaves it, lazy for the next round's first evaluation: its graphs
-    # change shape and MLX instantiates them anew (dflash2_policy.commit_round).
-    arms[f"verify {BLOCK}, commit left lazy"] = dflash2_policy.steady_ms(
+    # change shape and MLX instantiates them anew (dflash2_rounds.commit_round).
+    arms[f"verify {BLOCK}, commit left lazy"] = dflash2_timing.steady_ms(
         verify_round_steps(lm, cache, taps, BLOCK, commit=commit_speculative_round), run, settle)
-    arms[f"verify {BLOCK}, generation stream"] = dflash2_policy.steady_ms(
+    arms[f"verify {BLOCK}, generation stream"] = dflash2_timing.steady_ms(
         on_generation_stream(verify_round_steps(lm, cache, taps, BLOCK)), run, settle)
-    arms[f"served round {BLOCK}"] = dflash2_policy.steady_ms(served_steps, run, served_settle)
+    arms[f"served round {BLOCK}"] = dflash2_timing.steady_ms(served_steps, run, served_settle)
     return arms
 
 
@@ -364,7 +369,7 @@ def main():
                 drafters[form], _ = load_drafter(Path(folder) / form)
     mx.eval([drafter.parameters() for drafter in drafters.values()])
     for drafter in drafters.values():  # as the server configures its drafter (blocks 2..8)
-        dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions())
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions())
     lm = model.language_model
     log("target and drafters ready")
     # The end-to-end profiles pay the form a pack should ship: 4-bit when there is one.
@@ -379,11 +384,11 @@ def main():
     # Every end-to-end arm prefills as the servers do (at mlx-vlm's default prefill step).
     prefill_inverse = dflash2_engine.use_exact_prefill_inverse(lm.args.linear_num_value_heads)
     log(prefill_inverse)
-    # Each form in the dtype the server would choose for it (dflash2_runtime.choose_drafter_dtype).
-    dtypes = {form: dflash2_runtime.choose_drafter_dtype(model, drafter) for form, drafter in drafters.items()}
+    # Each form in the dtype the server would choose for it (dflash2_drafter.choose_drafter_dtype).
+    dtypes = {form: dflash2_drafter.choose_drafter_dtype(model, drafter) for form, drafter in drafters.items()}
     log("drafter dtypes: " + "; ".join(f"{form}: {choice.summary()}" for form, choice in dtypes.items()))
-    dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(cost_drafter)]].bf16)
-    costs = dflash2_policy.measure_round_costs(model, cost_drafter)
+    dflash2_drafter.use_drafter_bf16(dtypes[drafter_names[id(cost_drafter)]].bf16)
+    costs = dflash2_timing.measure_round_costs(model, cost_drafter)
     log(f"round policy costs: {costs.summary()}")
     process = {  # what this process installed and measured at start-up, as a server would
         "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
@@ -399,28 +404,28 @@ def main():
                                  "repeats": args.repeats})
     else:
         cache, hidden = prefill(lm, prompt, taps)
-        with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
+        with mx.stream(dflash2_timing.batch_stream):  # as the server's batch generator runs requests
             arms = round_arms(lm, cache, taps, drafters, hidden,
                               (cost_drafter, dtypes[drafter_names[id(cost_drafter)]].bf16))
-            rounds = dflash2_policy.interleaved_ms(arms, args.repeats)
+            rounds = dflash2_timing.interleaved_ms(arms, args.repeats)
         decode_ms = rounds["decode"]["median"]
-        verify = {L: dflash2_policy.paired_ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
+        verify = {L: dflash2_timing.paired_ratio(rounds[f"verify {L}"], rounds["decode"]) for L in range(2, BLOCK + 1)}
         by_eval_every = {
-            L: {**{layers: dflash2_policy.paired_ratio(rounds[f"verify {L}, eval every {layers}"], rounds["decode"])
+            L: {**{layers: dflash2_timing.paired_ratio(rounds[f"verify {L}, eval every {layers}"], rounds["decode"])
                    for layers in EVAL_EVERY_ARMS},
-                dflash2_runtime.VERIFY_EVAL_EVERY: verify[L]}
+                dflash2_verify.VERIFY_EVAL_EVERY: verify[L]}
             for L in EARLY_EVAL_BLOCKS
         }
         served = {form: "bf16" if choice.bf16 else "promoted" for form, choice in dtypes.items()}
-        drafter_cost = {form: dflash2_policy.paired_ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"])
+        drafter_cost = {form: dflash2_timing.paired_ratio(rounds[f"draft {form}, {served[form]}"], rounds["decode"])
                         for form in drafters}
         cost_form = drafter_names[id(cost_drafter)]
         served_round = {  # the server's round at block 8 and its parts, in decode steps
-            "served round": dflash2_policy.paired_ratio(rounds[f"served round {BLOCK}"], rounds["decode"]),
-            "verify on the generation stream": dflash2_policy.paired_ratio(
+            "served round": dflash2_timing.paired_ratio(rounds[f"served round {BLOCK}"], rounds["decode"]),
+            "verify on the generation stream": dflash2_timing.paired_ratio(
                 rounds[f"verify {BLOCK}, generation stream"], rounds["decode"]),
             "verify on the batch stream": verify[BLOCK],
-            "verify on the batch stream, commit left lazy": dflash2_policy.paired_ratio(
+            "verify on the batch stream, commit left lazy": dflash2_timing.paired_ratio(
                 rounds[f"verify {BLOCK}, commit left lazy"], rounds["decode"]),
             f"draft {cost_form}": drafter_cost[cost_form],
         }
@@ -441,7 +446,7 @@ def main():
             "served_round_by_part": served_round,
             # verify round / decode step (paired) by the layers its forward is handed to the
             # device after (0: evaluated once at its end), the served value included
-            "verify_eval_every": dflash2_runtime.VERIFY_EVAL_EVERY,
+            "verify_eval_every": dflash2_verify.VERIFY_EVAL_EVERY,
             "verify_ratio_by_eval_every": by_eval_every,
             "drafter_ratio_by_form": drafter_cost,
             # Counted on CPU for the same layer pattern (tools/graph_count.py): launches per step.
@@ -458,7 +463,7 @@ def main():
     # of its own arm) so every arm sees the same machine; one such loop per --tokens count.
     vocab = lm.lm_head.weight.shape[0]
     prompt_ids = mx.array([prompt[:8]])
-    dflash2_runtime.use_decode_arm("mlx")
+    dflash2_decode_arms.use_decode_arm("mlx")
     # As a server starts: how a verify block's rows are drawn (self-test at this vocabulary).
     block_sampling = dflash2_sampling.choose_block_sampling(vocab) if temperatures else None
     if block_sampling:
@@ -476,7 +481,8 @@ def main():
         # its temperature (what the oracle proposes for sampled requests).
         references = {temperature: greedy(model, prompt_ids, count, sampler=sampled_sampler(temperature))
                       for temperature in [None, *temperatures]}
-        identical_by_arm, oracles, tables_before, seeds_before = {}, {}, {}, {}
+        # arm_states: arm -> the DrafterState its last full run was served by (its oracle drafter, round counts)
+        identical_by_arm, arm_states, tables_before, seeds_before = {}, {}, {}, {}
         token_gaps = {}  # arm -> each full run's gaps between tokens handed on (the first: from the start)
 
         def timed_greedy(key, tokens, **kwargs):
@@ -490,7 +496,7 @@ def main():
             key = plain_name(arm, temperature)
 
             def run(tokens):
-                dflash2_runtime.use_decode_arm(arm)
+                dflash2_decode_arms.use_decode_arm(arm)
                 output = timed_greedy(key, tokens, sampler=sampled_sampler(temperature))
                 if tokens == count:
                     identical_by_arm[key] = output == references[temperature]
@@ -519,11 +525,11 @@ def main():
             kind = dflash2_policy.GREEDY if temperature is None else dflash2_policy.SAMPLED
             if block is None and not first_request:
                 memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
-                routes[key] = dflash2_policy.SpeculativeRoute()
+                routes[key] = dflash2_rounds.SpeculativeRoute()
 
             def run(tokens):
-                dflash2_runtime.use_decode_arm(chosen_arm)
-                dflash2_runtime.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
+                dflash2_decode_arms.use_decode_arm(chosen_arm)
+                dflash2_drafter.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
                 # The pass this run belongs to (each arm runs once a pass, the warm-up pass 0; a
                 # lead-in run takes the pass of the full run after it): its acceptance draws.
                 draws_seed = args.acceptance_seed + len(accepted_runs.get(key, []))
@@ -533,10 +539,6 @@ def main():
                     acceptance=acceptance[profile] if acceptance else None, seed=draws_seed,
                     block_size=block or BLOCK, target_layer_ids=taps, cost_drafter=drafter,
                 )
-                oracle.round_costs = costs
-                oracle.prefer_requested_block_size = block is not None
-                if key in memories:
-                    oracle.acceptance_memory = memories[key]
                 table = costs.to_json()  # the learning table this run's policy starts from
                 # The acceptance its first choice reads (what the arm's earlier runs left), and how many
                 # requests the memory saw.
@@ -545,17 +547,20 @@ def main():
                 default_decay = dflash2_policy.PRIOR_DEPTH_DECAY
                 dflash2_policy.PRIOR_DEPTH_DECAY = prior_depth_decay or default_decay
                 try:
-                    if key in routes and not routes[key](oracle, kind):  # the server would route it plain
-                        output = timed_greedy(key, tokens, sampler=sampler)
-                        oracle.round_counts = dflash2_policy.RoundCounts(tokens_from_plain_steps=len(output) - 1)
-                        routed_plain[key] = routed_plain.get(key, 0) + (tokens == count)
-                    else:
-                        output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK, sampler=sampler)
+                    with served_rounds(oracle, costs, fixed_block=block is not None,
+                                       acceptance_memory=memories.get(key)) as state:
+                        if key in routes and not routes[key](state, kind):  # the server would route it plain
+                            output = timed_greedy(key, tokens, sampler=sampler)
+                            state.round_counts = dflash2_policy.RoundCounts(tokens_from_plain_steps=len(output) - 1)
+                            routed_plain[key] = routed_plain.get(key, 0) + (tokens == count)
+                        else:
+                            output = timed_greedy(key, tokens, drafter=oracle, block_size=block or BLOCK,
+                                                  sampler=sampler)
                 finally:
                     dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
                 if tokens == count:
                     accepted_runs.setdefault(key, []).append((draws_seed, list(oracle.accept_lens)))
-                    tables_before[key], oracles[key] = table, oracle
+                    tables_before[key], arm_states[key] = table, state
                     identical_by_arm[key] = output == references[temperature]
                     seeds_before[key] = seed
 
@@ -575,16 +580,16 @@ def main():
             cache and buffer cache in states no server sees. (On the H200 zero acceptance once
             lost about a fifth to plain here, with and without the lead-in; later, routed plain,
             it ran 15-21% faster than the plain arm, which then always came right after stock
-            mlx's: dflash2_policy.pass_order now changes what comes before each arm.)"""
+            mlx's: dflash2_timing.pass_order now changes what comes before each arm.)"""
             def sample():
                 if args.lead_in_tokens:
                     run(args.lead_in_tokens)
-                return dflash2_policy.timed_ms(lambda: run(count))()
+                return dflash2_timing.timed_ms(lambda: run(count))()
 
             return sample
 
         drafted_profiles = [profile for profile in profiles if profile != "zero"]  # where drafter forms differ
-        decode_arms = [arm for arm in dflash2_runtime.DECODE_ARMS if args.all_decode_arms or arm in ("mlx", chosen_arm)]
+        decode_arms = [arm for arm in dflash2_decode_arms.DECODE_ARMS if args.all_decode_arms or arm in ("mlx", chosen_arm)]
         arms = {f"plain {arm}": after_lead_in(plain_arm(arm)) for arm in decode_arms}
         for profile in profiles:
             arms[arm_name(profile, None)] = after_lead_in(speculative_arm(profile))
@@ -608,12 +613,12 @@ def main():
                 for profile in drafted_profiles:
                     arms[arm_name(profile, BLOCK, drafter)] = after_lead_in(speculative_arm(profile, BLOCK, drafter))
         try:
-            e2e_ms = dflash2_policy.interleaved_ms(arms, args.repeats, deadline)
+            e2e_ms = dflash2_timing.interleaved_ms(arms, args.repeats, deadline)
         except TimeoutError as error:
             sys.exit(f"error: --deadline-s {args.deadline_s:g}: {error}")
-        dflash2_runtime.use_decode_arm(chosen_arm)
+        dflash2_decode_arms.use_decode_arm(chosen_arm)
         plain = e2e_ms[f"plain {chosen_arm}"]
-        speedup = {name: dflash2_policy.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
+        speedup = {name: dflash2_timing.paired_ratio(plain, stats) for name, stats in e2e_ms.items()}
         e2e = {profile: speedup[arm_name(profile, None)] for profile in profiles}
         e2e_first = {profile: speedup[arm_name(profile, None, first_request=True)]
                      for profile in profiles if args.first_request_arms}
@@ -632,9 +637,9 @@ def main():
         first_vs_best_fixed = {profile: first / best_fixed[profile] for profile, first in e2e_first.items()}
         policy_arms = {f"{profile}{suffix}": arm_name(profile, None, first_request=bool(suffix))
                        for profile in profiles for suffix in ("", ", first request")[: 1 + args.first_request_arms]}
-        round_counts = {name: vars(oracles[arm].round_counts) for name, arm in policy_arms.items()}
+        round_counts = {name: vars(arm_states[arm].round_counts) for name, arm in policy_arms.items()}
         # Each round's drafts (block - 1) in the policy's last run per profile: what it chose.
-        policy_drafts = {name: oracles[arm].draft_lens for name, arm in policy_arms.items()}
+        policy_drafts = {name: arm_states[arm].drafter.draft_lens for name, arm in policy_arms.items()}
         # Profiles are named by tokens per round at block 8: the mean over the arm's full runs
         # (the passes' draws differ under the stochastic model).
         block_runs = {profile: [lens for _, lens in accepted_runs[arm_name(profile, BLOCK)]] for profile in profiles}
@@ -650,7 +655,7 @@ def main():
         identical = all(identical_by_arm.values())
         sampled_arms = {f"{t:g}": {profile: arm_name(profile, None, temperature=t) for profile in profiles}
                         for t in temperatures}
-        e2e_sampled = {t: {profile: dflash2_policy.paired_ratio(e2e_ms[plain_name(chosen_arm, float(t))], e2e_ms[arm])
+        e2e_sampled = {t: {profile: dflash2_timing.paired_ratio(e2e_ms[plain_name(chosen_arm, float(t))], e2e_ms[arm])
                            for profile, arm in by_profile.items()}
                        for t, by_profile in sampled_arms.items()}
         # Where the time goes: per token position, the median gap over the timed runs (the
@@ -672,8 +677,8 @@ def main():
             # Each arm's median run as tokens per second (the request's whole time, prefill included).
             "e2e_tok_s": {arm: generated / (stats["median"] / 1000) for arm, stats in e2e_ms.items()},
             "e2e_lead_in_tokens": args.lead_in_tokens,  # each timed sample after an untimed run this long
-            "installed_plain_ratio": dflash2_policy.paired_ratio(e2e_ms["plain mlx"], plain),
-            "plain_ratio_by_arm": {arm: dflash2_policy.paired_ratio(e2e_ms["plain mlx"], e2e_ms[f"plain {arm}"])
+            "installed_plain_ratio": dflash2_timing.paired_ratio(e2e_ms["plain mlx"], plain),
+            "plain_ratio_by_arm": {arm: dflash2_timing.paired_ratio(e2e_ms["plain mlx"], e2e_ms[f"plain {arm}"])
                                    for arm in decode_arms},
             # The round policy, as the server runs it (acceptance memory across requests, each run
             # routed plain where the server would route its request plain); as
@@ -700,7 +705,7 @@ def main():
             "e2e_speedup_sampled": e2e_sampled,
             "e2e_sampled_settings": SAMPLED_SETTINGS if temperatures else None,
             "sampled_block_sampling": block_sampling.summary() if block_sampling else None,
-            "policy_round_counts_sampled": {t: {profile: vars(oracles[arm].round_counts) for profile, arm in by_profile.items()}
+            "policy_round_counts_sampled": {t: {profile: vars(arm_states[arm].round_counts) for profile, arm in by_profile.items()}
                                             for t, by_profile in sampled_arms.items()},
             "policy_runs_routed_plain_sampled": {t: {profile: routed_plain.get(arm, 0) for profile, arm in by_profile.items()}
                                                  for t, by_profile in sampled_arms.items()},
@@ -808,7 +813,7 @@ def summary_markdown(r) -> str:
         ]
     def ratio(stats, reference):  # records before samples were kept: a ratio of medians
         if "samples" in stats:
-            return dflash2_policy.paired_ratio(stats, reference)
+            return dflash2_timing.paired_ratio(stats, reference)
         return stats["median"] / reference["median"]
 
     lines += ["| arm | ms per round | ratio to a decode step |", "|---|---|---|"]
@@ -829,7 +834,7 @@ def summary_markdown(r) -> str:
                               for L, ratios in by_eval_every.items()) + "."]
     served_round = r.get("served_round_by_part")  # absent from records before it was timed
     if served_round:
-        lines += ["", f"The server's round at block {BLOCK} (dflash2_policy.RequestDecoder.round: draft, verify, "
+        lines += ["", f"The server's round at block {BLOCK} (dflash2_rounds.RequestDecoder.round: draft, verify, "
                   "walk, commit, on mlx-vlm's generation stream) and its parts timed alone, in decode steps: "
                   + "; ".join(f"{part} {ratio:.2f}" for part, ratio in served_round.items())
                   + ". The cost table's verify is a round less the drafter's pass."]

@@ -35,9 +35,11 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from mlx_vlm.generate.ar import BatchGenerator  # noqa: E402
 
+import dflash2_drafter  # noqa: E402
 import dflash2_engine  # noqa: E402
-import dflash2_policy  # noqa: E402
 import dflash2_runtime  # noqa: E402
+import dflash2_rounds  # noqa: E402
+import dflash2_timing  # noqa: E402
 from dflash2_prefix_cache import PrefixPromptBatch, PrefixStore  # noqa: E402
 from parity import differing  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -165,7 +167,7 @@ def spec_extra_memory(model, processor, drafter, contexts, step, repeats):
     def peak(context, layout=None):
         """One request's peak memory: plain (layout None) or speculative with that layout."""
         if layout == "sliding_window":
-            dflash2_runtime.configure_drafter(drafter, dflash2_runtime.RuntimeOptions(sliding_window=True))
+            dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions(sliding_window=True))
         elif layout == "full":
             loaded_layout()  # configure_drafter never switches the window back off
         inputs = {"input_ids": mx.array([turns(context, 1, vocab, seed=0)[0]])}
@@ -291,8 +293,9 @@ def main():
     dflash2_engine.use_first_tokens_first()  # as both servers hand out a first token
     print(prefill_inverse, flush=True)
     if drafter is not None:  # the policy's table, as the speculative server measures it at start-up
-        drafter.round_costs = dflash2_policy.measure_round_costs(model, drafter)
-        print("round costs:", drafter.round_costs.summary(), flush=True)
+        costs = dflash2_timing.measure_round_costs(model, drafter)
+        dflash2_rounds.serve_rounds_with(dflash2_rounds.DrafterState(drafter, costs))
+        print("round costs:", costs.summary(), flush=True)
     routes = {"plain": None, **({"speculative": drafter} if args.speculative else {})}
     request(model, processor, {"input_ids": mx.array([list(range(1, 40))])}, step=16)  # compile and warm up
     results, memory, peak_over_plain, peak_spread, drafter_cache = {}, {}, {}, {}, {}

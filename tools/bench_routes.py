@@ -47,7 +47,8 @@ ARMS = {
 
 def start_engine(pack: Path):
     """serve_dflash2.main up to serving: the engine with its drafter, warmed up on both routes."""
-    from dflash2_engine import DrafterSetup, start_engine, warm_up
+    from dflash2_engine import start_engine, warm_up
+    from dflash2_speculation import DrafterSetup
     from dflash2_options import make_parser, pack_limits, parse_args, pass_options_to_mlx_vlm
     from dflash2_pack import find_pack
 
@@ -74,12 +75,13 @@ class Variant:
         import mlx.core as mx
 
         import dflash2_policy as policy
+        import dflash2_rounds
 
         self.flags = ()
-        rounds, decoder = policy.RoundPolicy, policy.RequestDecoder
+        rounds, decoder = policy.RoundPolicy, dflash2_rounds.RequestDecoder
         choose_block, plain_run = rounds.choose_block, rounds.plain_run
         plain_step, start = decoder._plain_step, decoder.__init__
-        speculative_stream = policy.generation_stream
+        speculative_stream = dflash2_rounds.generation_stream
         rounds.choose_block = lambda p, remaining: None if "no_rounds" in self.flags else choose_block(p, remaining)
         rounds.plain_run = lambda p, remaining: remaining if "no_rounds" in self.flags else plain_run(p, remaining)
 
@@ -91,11 +93,11 @@ class Variant:
 
         def choose_stream(decoder, *args, **kwargs):  # read when each round or step is built
             worker = "worker_stream" in self.flags
-            policy.generation_stream = mx.default_stream(mx.default_device()) if worker else speculative_stream
+            dflash2_rounds.generation_stream = mx.default_stream(mx.default_device()) if worker else speculative_stream
             start(decoder, *args, **kwargs)
 
         decoder._plain_step, decoder.__init__ = drop_taps, choose_stream
-        self.restore_stream = lambda: setattr(policy, "generation_stream", speculative_stream)
+        self.restore_stream = lambda: setattr(dflash2_rounds, "generation_stream", speculative_stream)
 
 
 def timed_request(generator, prompt, max_tokens: int, speculative: bool) -> dict:
@@ -128,7 +130,7 @@ def measure(generator, max_tokens: int, repeats: int) -> tuple:
     """interleaved_ms over the arms; returns (timings, each arm's requests)."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
-    import dflash2_policy
+    import dflash2_timing
 
     prompt = apply_chat_template(generator.processor, generator.config, [{"role": "user", "content": PROMPT}])
     variant = Variant()
@@ -139,23 +141,23 @@ def measure(generator, max_tokens: int, repeats: int) -> tuple:
 
         def sample():
             speculative = generator.rounds_can_pay() if route == "as routed" else route == "speculative"
-            drafter = generator.speculation.drafter
-            table = drafter.round_costs
+            state = generator.speculation.state
+            table = state.round_costs
             if flags:  # a variant's timings must not teach the table the server's routes read
-                drafter.round_costs = copy.deepcopy(table)
+                state.round_costs = copy.deepcopy(table)
             variant.flags = flags
             try:
                 request = timed_request(generator, prompt, max_tokens, speculative)
             finally:
                 variant.flags = ()
                 variant.restore_stream()
-                drafter.round_costs = table
+                state.round_costs = table
             requests[name].append(request)
             return request["ms_per_token"]
 
         return sample
 
-    timings = dflash2_policy.interleaved_ms({name: arm(name) for name in ARMS}, repeats)
+    timings = dflash2_timing.interleaved_ms({name: arm(name) for name in ARMS}, repeats)
     return timings, requests
 
 
@@ -168,7 +170,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 5 or args.max_tokens < 2:
         parser.error("--repeats must be at least 5 and --max-tokens at least 2")
-    import dflash2_policy
+    import dflash2_timing
 
     started = time.time()
     generator = start_engine(args.pack.resolve())
@@ -179,10 +181,10 @@ def main(argv=None):
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "prompt": PROMPT,
-        "round_costs": generator.speculation.drafter.round_costs.to_json(),
+        "round_costs": generator.speculation.state.round_costs.to_json(),
         "ms_per_token": {arm: {key: stats[key] for key in ("median", "min", "max", "samples")}
                          for arm, stats in timings.items()},
-        "plain_over_arm": {arm: dflash2_policy.paired_ratio(timings["plain"], stats) for arm, stats in timings.items()},
+        "plain_over_arm": {arm: dflash2_timing.paired_ratio(timings["plain"], stats) for arm, stats in timings.items()},
         # Every request, warm-up pass included: its route and the tokens its rounds gave.
         "routes": {arm: [request["route"] for request in done] for arm, done in requests.items()},
         "tokens_from_rounds": {arm: [request["tokens_from_rounds"] for request in done]

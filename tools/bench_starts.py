@@ -12,7 +12,6 @@ Writes evidence/starts-<backend>.json and .md with the git commit and whether th
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time

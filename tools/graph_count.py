@@ -227,9 +227,9 @@ def count_verify(lm, cache, block, taps) -> tuple[int, int, Counter]:
     from mlx_vlm.speculative import dflash as rounds
     from mlx_vlm.speculative.cache_state import abort_speculative_round
 
-    import dflash2_runtime
+    import dflash2_verify
 
-    with one_launch_calls() as calls, dflash2_runtime.verify_eval_every(0):
+    with one_launch_calls() as calls, dflash2_verify.verify_eval_every(0):
         hidden, transaction, tokens = rounds._dflash_verify_greedy(
             lm, mx.array([block]), cache, taps, lambda logits: mx.argmax(logits, axis=-1)
         )
@@ -284,6 +284,7 @@ def main():
     parser.add_argument("--out", default=str(REPO / "evidence"))
     args = parser.parse_args()
 
+    import dflash2_decode_arms
     import dflash2_runtime
 
     model, taps = load_target(args.pack)
@@ -293,11 +294,11 @@ def main():
     exact = count_steps(lm, taps)
     # Plain decode under each replacement arm a machine may choose at install.
     decode_by_arm, decode_views_by_arm = {}, {}
-    for arm in dflash2_runtime.DECODE_ARMS:
-        dflash2_runtime.use_decode_arm(arm)
+    for arm in dflash2_decode_arms.DECODE_ARMS:
+        dflash2_decode_arms.use_decode_arm(arm)
         arm_counts = count_steps(lm, taps, lengths=())
         decode_by_arm[arm], decode_views_by_arm[arm] = arm_counts["decode"], arm_counts["decode_views"]
-    dflash2_runtime.use_decode_arm(status.decode_path.arm)
+    dflash2_decode_arms.use_decode_arm(status.decode_path.arm)
     record = {
         **run_environment(
             "graph_count.py",
@@ -339,7 +340,7 @@ def summary_markdown(record) -> str:
         f"Rule: {record['rule']} (tools/graph_count.py).",
         "",
         f"Decode step: {record['decode_primitives']} primitives as stock mlx-vlm runs it; "
-        "with the runtime's replacement arms (dflash2_runtime.DECODE_ARMS, chosen at install "
+        "with the runtime's replacement arms (dflash2_decode_arms.DECODE_ARMS, chosen at install "
         "by measurement): "
         + ", ".join(f"{arm} {n}" for arm, n in record["decode_primitives_by_arm"].items())
         + ". Ratios below are to the stock decode step.",

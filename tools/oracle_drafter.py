@@ -143,8 +143,6 @@ class OracleDrafter:
             block_size=block_size,
             runtime_block_size=block_size,
         )
-        # Always verify the full requested block: acceptance is what we control.
-        self.prefer_requested_block_size = True
         self.accept_lens, self.draft_lens = [], []
 
     def reset(self, target_model):

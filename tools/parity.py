@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 # As the runtime does, before MLX starts: a larger CUDA graph cache that evicts
@@ -40,6 +41,7 @@ from PIL import Image  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
+import dflash2_rounds  # noqa: E402
 import dflash2_sampling  # noqa: E402
 from dflash2_policy import RoundCosts  # noqa: E402
 from dflash2_sampling import PositionSampler  # noqa: E402
@@ -59,7 +61,7 @@ SAMPLED_SETTINGS = (
     dict(temperature=0.8, top_p=1.0, min_p=0.05),
 )
 SAMPLED_ERROR_RATE = 0.35
-# Sampled requests speculate in the server's round loop (dflash2_policy.RequestDecoder), which
+# Sampled requests speculate in the server's round loop (dflash2_rounds.RequestDecoder), which
 # runs for drafters with a cost table; at a fixed block the table's figures go unused.
 FIXED_BLOCK_COSTS = RoundCosts(1.0, {b: 1.0 for b in range(2, 9)}, {b: 0.0 for b in range(2, 9)})
 
@@ -320,14 +322,27 @@ def all_token_combos(blocks=range(2, 9), errors=(0.0, 0.35, 1.0)):
     ]
 
 
+@contextmanager
+def served_rounds(drafter, costs, fixed_block=False, acceptance_memory=None):
+    """The drafter as the server serves it (dflash2_speculation.load_speculation): the round
+    policy decides each round from the cost table; with a fixed block the requested block
+    runs every round. Yields its dflash2_rounds.DrafterState (round_counts: the last run's);
+    afterwards the state served before is served again."""
+    state = dflash2_rounds.DrafterState(drafter, costs, fixed_block=fixed_block, acceptance_memory=acceptance_memory)
+    previous = dflash2_rounds.serve_rounds_with(state)
+    try:
+        yield state
+    finally:
+        dflash2_rounds.serve_rounds_with(previous)
+
+
 def oracle_token_case(model, ids, plain, block, error_rate, max_tokens, sampler=None, **labels):
     """Speculative tokens (oracle drafter proposing `plain`, at one block and error rate)
     against plain's: greedy, or drawn by `sampler` with `plain` its plain seeded run."""
     vocab = model.language_model.lm_head.weight.shape[0]
     drafter = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=vocab, error_rate=error_rate, block_size=block)
-    if sampler is not None:
-        drafter.round_costs, drafter.prefer_requested_block_size = FIXED_BLOCK_COSTS, True
-    spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block, sampler=sampler)
+    with served_rounds(drafter, FIXED_BLOCK_COSTS, fixed_block=True) if sampler is not None else nullcontext():
+        spec = greedy(model, ids, max_tokens, drafter=drafter, block_size=block, sampler=sampler)
     return {
         "check": "tokens" if sampler is None else "sampled tokens",
         **labels,

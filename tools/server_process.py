@@ -52,13 +52,13 @@ class ServerFailed(RuntimeError):
 
 class ServerProcess:
     """`python COMMAND --port PORT`, run in cwd (default workdir/cwd) with HOME set to
-    workdir/home, so that nothing of the user's reaches it (nor an XDG_CACHE_HOME of theirs:
-    the start-up verdict cache is HOME's; servers of one workdir share it); stdout and stderr go to
-    workdir/NAME.log. python=None runs COMMAND as it is written (a README's command line)."""
+    workdir/home (or home), so that nothing of the user's reaches it (nor an XDG_CACHE_HOME of
+    theirs: the start-up verdict cache is HOME's; servers of one HOME share it); stdout and stderr
+    go to workdir/NAME.log. python=None runs COMMAND as it is written (a README's command line)."""
 
-    def __init__(self, name, command, workdir: Path, cwd: Path = None, python=sys.executable):
+    def __init__(self, name, command, workdir: Path, cwd: Path = None, python=sys.executable, home: Path = None):
         self.name, self.command, self.port, self.workdir = name, list(command), free_port(), workdir
-        self.home, self.cwd = workdir / "home", Path(cwd or workdir / "cwd")
+        self.home, self.cwd = Path(home or workdir / "home"), Path(cwd or workdir / "cwd")
         for folder in (self.home, self.cwd):
             folder.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / f"{name.replace('.', '-')}.log"

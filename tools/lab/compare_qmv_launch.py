@@ -28,7 +28,7 @@ import mlx.core as mx
 
 import kernel_parity  # first: it puts the repository on sys.path
 import dflash2_kernel_qmv as qmv  # noqa: E402
-import dflash2_policy  # noqa: E402
+import dflash2_timing  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 ROWS = tuple(range(2, qmv.MAX_ROWS + 1))
@@ -76,7 +76,7 @@ def kernel_us(passes: dict, calls: int, repeats: int) -> dict:
     for arm, run in passes.items():
         kernels = launched([run])
         names[arm] = {name for name, *_ in kernels} if len(kernels) == calls else set()
-    order = [passes[arm] for repeat in range(repeats) for arm in dflash2_policy.pass_order(list(passes), repeat)]
+    order = [passes[arm] for repeat in range(repeats) for arm in dflash2_timing.pass_order(list(passes), repeat)]
     intervals = {}
     for name, start, end in launched(order):
         intervals.setdefault(name, []).append((start, end))
@@ -117,7 +117,7 @@ def time_shape(n, k, previous: dict, repeats: int, key, previous_kernels=qmv, cu
             mismatches[f"{name} {rows}"] = qmv._differing(got, bench.want[:rows])
             arms[f"{name} {rows}"] = pass_ms(call, x, bench.copies)
             passes[f"{name} {rows}"] = one_pass(call, x, bench.copies)
-    timings = dflash2_policy.interleaved_ms(arms, repeats)
+    timings = dflash2_timing.interleaved_ms(arms, repeats)
     print(f"N={n} K={k}: " + ", ".join(f"{name} {t['median'] * 1000:.1f} us" for name, t in timings.items()), flush=True)
     shape = {"timings_us": timings_us(timings), "mismatches_vs_single_rows": mismatches}
     if cupti_repeats:

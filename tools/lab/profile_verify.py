@@ -28,8 +28,9 @@ import bench  # noqa: E402  (first: it sets MLX's CUDA graph cache before MLX st
 import mlx.core as mx  # noqa: E402
 
 import dflash2_kernels  # noqa: E402
-import dflash2_policy  # noqa: E402
-import dflash2_runtime  # noqa: E402
+import dflash2_rounds  # noqa: E402
+import dflash2_timing  # noqa: E402
+import dflash2_verify  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 NAME_CHARS = 120  # kernel names are long template instantiations: their head says enough
@@ -82,7 +83,7 @@ def host_ms_by_layer(steps, count: int) -> list:
     """Median ms the host spends building each layer of the served verify forward (its hand-off
     to the device included), over `count` rounds: a layer far above its neighbours is where
     the host waits (a sync, a graph build) instead of queueing work."""
-    served_layer = dflash2_runtime.ExactVerifier._layer
+    served_layer = dflash2_verify.ExactVerifier._layer
     marks = []
     steps(1)  # lead-in: the switch from the previous arm stays out of the record
 
@@ -93,11 +94,11 @@ def host_ms_by_layer(steps, count: int) -> list:
         marks[-1].append(time.perf_counter())
         return hidden
 
-    dflash2_runtime.ExactVerifier._layer = timed_layer
+    dflash2_verify.ExactVerifier._layer = timed_layer
     try:
         steps(count)
     finally:
-        dflash2_runtime.ExactVerifier._layer = served_layer
+        dflash2_verify.ExactVerifier._layer = served_layer
     per_round = [[1000 * (b - a) for a, b in zip(times, times[1:])] for times in marks]
     if not per_round or len({len(layers) for layers in per_round}) != 1:
         raise RuntimeError(f"the served verify built {sorted({len(layers) for layers in per_round})} layers a round")
@@ -129,7 +130,7 @@ def host_split_ms(step, settle, count: int) -> dict:
 
 def split_steps(lm, cache, taps, blocks) -> dict:
     """name -> step() for host_split_ms: a decode step, and per block a verify round as served
-    (handed off every dflash2_runtime.VERIFY_EVAL_EVERY layers) and built whole (one eval)."""
+    (handed off every dflash2_verify.VERIFY_EVAL_EVERY layers) and built whole (one eval)."""
     token = mx.array([[7]])
     steps = {"decode": lambda: ([lm(token, cache=cache).logits], lambda: None)}
 
@@ -137,15 +138,15 @@ def split_steps(lm, cache, taps, blocks) -> dict:
         block = mx.array([[11 + i for i in range(length)]])
 
         def step():
-            with dflash2_runtime.verify_eval_every(every):
+            with dflash2_verify.verify_eval_every(every):
                 hidden_out, states, tokens = bench.dflash_rounds._dflash_verify_greedy(
                     lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1))
-            return [tokens, hidden_out], lambda: dflash2_policy.commit_round(lm, cache, states, length // 2, length)
+            return [tokens, hidden_out], lambda: dflash2_rounds.commit_round(lm, cache, states, length // 2, length)
 
         return step
 
     for length in blocks:
-        steps[f"verify {length}"] = verify(length, dflash2_runtime.VERIFY_EVAL_EVERY)
+        steps[f"verify {length}"] = verify(length, dflash2_verify.VERIFY_EVAL_EVERY)
         steps[f"verify {length}, one eval"] = verify(length, 0)
     return steps
 
@@ -240,9 +241,9 @@ def main():
     arm_steps[f"verify {blocks[-1]}, one eval"] = bench.handed_off_every(
         0, bench.verify_round_steps(lm, cache, taps, blocks[-1]))
     arms = {}
-    with mx.stream(dflash2_policy.batch_stream):  # as the server's batch generator runs requests
-        wall = dflash2_policy.interleaved_ms(
-            {name: dflash2_policy.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
+    with mx.stream(dflash2_timing.batch_stream):  # as the server's batch generator runs requests
+        wall = dflash2_timing.interleaved_ms(
+            {name: dflash2_timing.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
         # before the profiler: CUPTI, once attached, may slow the host's CUDA calls after it
         host_split = {name: host_split_ms(step, settle, 2 * args.steps)
                       for name, step in split_steps(lm, cache, taps, blocks).items()}

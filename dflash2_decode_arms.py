@@ -1,0 +1,272 @@
+"""Plain decode's arms: the exact replacements a decode step can take, and the measured choice.
+
+Each arm (DECODE_ARMS) puts a set of plain decode's mlx-vlm calls through dflash2_kernels'
+fused launches or through the verify forward's own layer pieces at one position
+(dflash2_verify); each is bitwise decode's own result. An arm serves only where its step
+gives stock's bits here (decode_arm_differences), and the fastest of those serves
+(choose_decode_path): the choice changes speed, never tokens.
+"""
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
+from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
+from mlx_vlm.models.qwen3_5 import gated_delta as gated_delta_module
+
+import dflash2_kernels
+import dflash2_rounds
+import dflash2_timing
+from dflash2_verify import (
+    _exact_linear_group,
+    _fused_residual_layer,
+    _packed_linear,
+    _shared_rotation_block,
+    gated_delta_positions,
+)
+
+
+@dataclass
+class DecodePathChoice:
+    """Which replacements plain decode uses (a DECODE_ARMS key), and why."""
+
+    arm: str
+    why: str
+    step_ms: dict = field(default_factory=dict)  # arm -> {"median", "min", "max"}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DecodePathChoice":
+        """A cached choice (dataclasses.asdict's); ValueError for an arm this runtime lacks."""
+        choice = cls(**data)
+        if choice.arm not in DECODE_ARMS:
+            raise ValueError(f"no decode arm {choice.arm!r}")
+        return choice
+
+
+# mlx-vlm's own calls, taken at import: dflash2_runtime imports this module before it
+# installs the replacements in their place.
+_stock_hadamard_linear_call = HadamardQuantizedLinear.__call__
+_stock_gated_delta_ops = gated_delta_module.gated_delta_ops
+_stock_gated_delta_net_call = qwen3_5_language.Qwen3_5GatedDeltaNet.__call__
+_stock_rotary_call = qwen3_5_language.apply_multimodal_rotary_pos_emb
+_stock_decoder_layer_call = qwen3_5_language.Qwen3_5DecoderLayer.__call__
+
+# Plain decode's replacements in use, chosen by choose_decode_path from an
+# end-to-end measurement on this machine. Each is bitwise decode's own result
+# (their self-tests prove it), so the choice changes speed, never tokens.
+DECODE_ARMS = {
+    "mlx": frozenset(),
+    "rotation": frozenset({"rotation"}),
+    "rotation+recurrence": frozenset({"rotation", "recurrence"}),
+    "rotation+recurrence+convolution": frozenset({"rotation", "recurrence", "convolution"}),
+    "rotation+recurrence+convolution+rope": frozenset({"rotation", "recurrence", "convolution", "rope"}),
+    "rotation+recurrence+convolution+rope+residual":
+        frozenset({"rotation", "recurrence", "convolution", "rope", "residual"}),
+    "rotation+recurrence+matmul": frozenset({"rotation", "recurrence", "matmul"}),
+}
+_decode_path: frozenset = frozenset()
+
+
+def _hadamard_linear_call(self, x):
+    """HadamardQuantizedLinear.__call__ with the rotation as one kernel and, for
+    one fp16 row, optionally the exact matmul kernel (both bitwise stock's)."""
+    if "rotation" not in _decode_path or x.dtype != mx.float16:
+        return _stock_hadamard_linear_call(self, x)
+    if "matmul" in _decode_path and x.size == x.shape[-1]:
+        return _packed_linear(self, x)
+    if self.block:
+        x = dflash2_kernels.rotate(x, self.block, self["signs"])
+    return _mlx_packed_matmul(self, x)
+
+
+def _mlx_packed_matmul(linear, rotated):
+    """The module's own MLX matmul on its rotated input (decode's, at any row count)."""
+    return mx.quantized_matmul(  # items, not attributes: see _packed_linear
+        rotated, linear["weight"], linear["scales"], linear["biases"], transpose=True,
+        group_size=linear.group_size, bits=linear.bits,
+    )
+
+
+def _decode_linears(linears, x):
+    """Linears that share x (an MLP's gate and up; a GatedDeltaNet's in_proj_qkv and
+    in_proj_z) as decode's own calls compute them; with the rotation, x rotated for all of
+    them in one launch (dflash2_kernels.rotate_group, the same bits), then each one's matmul
+    as _hadamard_linear_call runs it."""
+    block = _shared_rotation_block(linears, x) if "rotation" in _decode_path else 0
+    if not block:
+        return tuple(linear(x) for linear in linears)
+    if "matmul" in _decode_path and x.size == x.shape[-1]:
+        return _exact_linear_group(linears, x, block)
+    signs = [linear["signs"] for linear in linears]
+    return tuple(_mlx_packed_matmul(linear, rotated)
+                 for linear, rotated in zip(linears, dflash2_kernels.rotate_group(x, block, signs)))
+
+
+def _mlp_call(self, x):
+    """Qwen3_5MLP.__call__, its gate and up through _decode_linears."""
+    return self.down_proj(qwen3_5_language.swiglu(*_decode_linears((self.gate_proj, self.up_proj), x)))
+
+
+def _gated_delta_ops_call(q, k, v, g, beta, state=None, mask=None):
+    """gated_delta_ops with decode's single step on the recurrence kernel."""
+    if "recurrence" not in _decode_path or mask is not None or q.shape[1] != 1 or state is None:
+        return _stock_gated_delta_ops(q, k, v, g, beta, state, mask)
+    y, states = dflash2_kernels.gdn_recurrence(q, k, v, g, beta, state)
+    return y, states[:, -1]
+
+
+def _gated_delta_net_call(self, inputs, mask=None, cache=None):
+    """Qwen3_5GatedDeltaNet.__call__; with the convolution, decode's one unpadded fp16 row
+    runs the layer as verify does at one position (gated_delta_positions): the window,
+    convolution and silu in one launch instead of six (dflash2_kernels.conv_rows), both
+    gates in one (dense_rows). Each kernel is bitwise decode's (its self-test), and
+    choose_decode_path compares a step of the arm with stock's before it can serve."""
+    if ("convolution" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5GatedDeltaNet
+            or self.training or mask is not None or cache is None
+            or inputs.shape[:2] != (1, 1) or inputs.dtype != mx.float16):
+        return _stock_gated_delta_net_call(self, inputs, mask, cache)
+    return gated_delta_positions(self, inputs, cache, _module_call, _decode_linears)
+
+
+def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
+    """language.apply_multimodal_rotary_pos_emb; with the rope, decode's queries and keys
+    rotated in one launch instead of twelve (dflash2_kernels.rope_rows, bitwise mlx-vlm's
+    compiled rotary: its self-test)."""
+    if "rope" not in _decode_path or unqueeze_dim != 1 or q.shape[2] != 1:
+        return _stock_rotary_call(q, k, cos, sin, unqueeze_dim)
+    return dflash2_kernels.rope_rows(q, k, cos, sin)
+
+
+def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
+    """Qwen3_5DecoderLayer.__call__; with the residual, decode's residual add and the norm
+    after it in one launch instead of two (_add_and_norm, the same bits). During a plain
+    step the drafter's tap layers keep their outputs (dflash2_rounds.keep_tap_output)."""
+    if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
+        output = _stock_decoder_layer_call(self, x, mask, cache, position_ids, position_embeddings)
+    else:
+        if self.is_linear:
+            def mixer(normed):
+                return self.linear_attn(normed, mask, cache)
+        else:
+            def mixer(normed):
+                return self.self_attn(normed, mask=mask, cache=cache, position_ids=position_ids,
+                                      position_embeddings=position_embeddings)
+        output = _fused_residual_layer(self, x, mixer, _module_call)
+    dflash2_rounds.keep_tap_output(self, output)
+    return output
+
+
+def _module_call(module, x):
+    return module(x)
+
+
+def _differing_bits(pairs) -> list:
+    """Differing elements of each (a, b) pair as raw bits, evaluated together (one wait
+    for the device instead of one per array)."""
+    counts = []
+    for a, b in pairs:
+        if a.shape != b.shape or a.dtype != b.dtype:
+            counts.append(mx.array(max(a.size, b.size)))
+            continue
+        counts.append((dflash2_kernels.raw_bits(a) != dflash2_kernels.raw_bits(b)).sum())
+    mx.eval(counts)
+    return [int(count.item()) for count in counts]
+
+
+def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:
+    """interleaved_ms of plain decode steps under each arm (name -> set-up function).
+
+    Steps are pipelined as generation runs them: the next step's graph is built and
+    queued (async_eval) before the previous token is read, so host work that overlaps
+    the GPU is not counted twice."""
+    cache = language_model.make_cache()
+    mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
+
+    def next_token(token):
+        logits = language_model(token, cache=cache).logits[:, -1, :]
+        return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)[:, None]
+
+    def sample(set_up):
+        def run():
+            set_up()
+            token = next_token(mx.array([[5]]))  # graph and kernels warm
+            mx.eval(token)
+            start = time.perf_counter()
+            for _ in range(steps):
+                following = next_token(token)
+                mx.async_eval(following)
+                token.item()
+                token = following
+            token.item()
+            return 1000 * (time.perf_counter() - start) / steps
+
+        return run
+
+    return dflash2_timing.interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats)
+
+
+def use_decode_arm(arm: str) -> None:
+    """Switch plain decode's replacements to one of DECODE_ARMS."""
+    global _decode_path
+    _decode_path = DECODE_ARMS[arm]
+
+
+def decode_arm_differences(language_model, arms) -> dict:
+    """Elements of one plain decode step, its logits and every cache array, that differ
+    as bits from stock's (the "mlx" arm) under each arm, from the same prompt; an arm
+    whose step raised maps to what it raised."""
+    global _decode_path
+    cache = language_model.make_cache()
+    mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
+    served = _decode_path
+
+    def step(arm):
+        use_decode_arm(arm)
+        trial = copy.deepcopy(cache)
+        arrays = [language_model(mx.array([[5]]), cache=trial).logits, *dflash2_rounds.cache_arrays(trial)]
+        mx.eval(arrays)
+        return arrays
+
+    try:
+        stock = step("mlx")
+        differing = {}
+        for arm in arms:
+            try:
+                arrays = step(arm)
+            except Exception as error:  # a kernel that failed to build, say: the arm is left out
+                differing[arm] = f"raised {type(error).__name__}: {error}"
+                continue
+            counts = _differing_bits(zip(arrays, stock))
+            differing[arm] = sum(counts) if len(arrays) == len(stock) else "another number of cache arrays"
+    finally:
+        _decode_path = served
+    return differing
+
+
+def choose_decode_path(model) -> DecodePathChoice:
+    """Give plain decode the replacements that make it fastest end to end here.
+
+    Each arm is timed on this machine, interleaved after warm-up, among the arms whose
+    decode step gives stock's bits here (decode_arm_differences: the tokens are the same
+    under every arm that serves). Off CUDA no arm has a kernel to use, so decode stays
+    MLX's own."""
+    if dflash2_kernels.backend_name() != "cuda":
+        use_decode_arm("mlx")
+        return DecodePathChoice("mlx", "no decode kernel on this backend")
+    differing = decode_arm_differences(model.language_model, [arm for arm in DECODE_ARMS if arm != "mlx"])
+    arms = {arm: (lambda arm=arm: use_decode_arm(arm)) for arm in DECODE_ARMS if not differing.get(arm)}
+    repeats = 7
+    timings = time_decode_steps(model.language_model, arms, repeats=repeats, steps=4)
+    # By each arm's fastest sample: the noise is one-sided (on the H200 a switch between arms
+    # can rebuild CUDA graphs mid-sample), and medians there once picked stock against an arm
+    # that ran 1.22x faster end to end.
+    fastest = min(timings, key=lambda arm: timings[arm]["min"])
+    use_decode_arm(fastest)
+    why = f"fastest decode step of the arms (fastest of {repeats} interleaved samples)"
+    left_out = {arm: n for arm, n in differing.items() if n}
+    if left_out:
+        why += "; left out, their step differing from stock's: " + ", ".join(
+            f"{arm} ({n} elements)" if isinstance(n, int) else f"{arm} ({n})" for arm, n in left_out.items())
+    return DecodePathChoice(fastest, why, timings)
