@@ -3,10 +3,9 @@ accepted and those it calls invalid refused, no answer is a server error, and st
 on a real server bodies, content types and stream events) are as published.
 
   gateway  serve.py's gateway in process (test_gateway's stand-in in mlx-vlm's place) on
-           uvicorn in a thread: 100 generated requests an operation, the request checks.
-           (schemathesis's coverage phase, each field's boundaries and each rule broken in
-           turn, sends some 3,200 more and takes minutes: run it by hand with --phases
-           coverage.)
+           uvicorn in a thread: schemathesis's coverage phase (each field's boundaries, each
+           rule broken in turn: some 2,900 requests) and 60 generated requests an operation,
+           the request checks.
   server   serve.py on the tiny pack as tools/build_pack.py builds it (test_responses.py's
            plain server): 10 generated requests an operation, every check, answers generated
            by the model.
@@ -16,10 +15,11 @@ tools/schemathesis_hooks.py: answers of at most 4 tokens, and in valid requests 
 Schema cannot say made true (images that decode, tool names unique and named). The
 in-process check of the same rule, row by row: test_openapi.py.
 
-A limit of schemathesis 4.32.5: for some seeds its generator fails on an array it builds to
-break the Messages request's rules ("Schema Error: Cannot generate an array with 1
-demanded elements"; seed 2 of the gateway run), a failure of its own, before any request.
-Seed 1 does not meet it.
+A limit of schemathesis 4.32.5: now and then (the draws differ with the server's port) its
+generator fails on an array it builds to break a Messages request's rules ("Schema Error:
+Cannot generate an array with 1 demanded elements") and stops that operation's fuzzing.
+That is a failure of its own, before any request: it is let pass (GENERATOR_LIMIT), and
+every other error fails the test.
 """
 
 import base64
@@ -41,10 +41,12 @@ HOOKS = Path(__file__).resolve().parent.parent / "tools" / "schemathesis_hooks.p
 REQUEST_CHECKS = ["not_a_server_error", "positive_data_acceptance", "negative_data_rejection",
                   "status_code_conformance"]
 ANSWER_CHECKS = ["response_schema_conformance", "content_type_conformance"]
+GENERATOR_LIMIT = "InvalidSchema: Cannot generate an array with "
 
 
 def schemathesis_run(url, report_dir, *, phases, checks, max_examples, seed, timeout, env=None):
-    """(exit code, failures: one line each, output) of `schemathesis run` against url."""
+    """(failures, errors: one line each, output) of `schemathesis run` against url; errors
+    but schemathesis's GENERATOR_LIMIT, and a run that did not finish, among the failures."""
     report = report_dir / "events.ndjson"
     command = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--phases", ",".join(phases),
                "--checks", ",".join(checks), "--max-examples", str(max_examples), "--seed", str(seed),
@@ -53,14 +55,25 @@ def schemathesis_run(url, report_dir, *, phases, checks, max_examples, seed, tim
                "--report", "ndjson", "--report-ndjson-path", str(report)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=report_dir,
                             env={**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS), **(env or {})})
-    return result.returncode, failures(report), result.stdout[-6000:] + result.stderr[-2000:]
+    found, errors, finished = read_report(report)
+    if not finished:
+        found.append(f"schemathesis did not finish (exit code {result.returncode})")
+    found += [error for error in errors if GENERATOR_LIMIT not in error]
+    return found, errors, result.stdout[-6000:] + result.stderr[-2000:]
 
 
-def failures(report) -> list:
-    """Each failed check in an ndjson report: operation, check, status, the answer's start, the body's."""
-    found = []
+def read_report(report) -> tuple:
+    """(each failed check, each error, whether the run finished) in an ndjson report; a failed
+    check as operation, check, status, the answer's start and the body's."""
+    found, errors, finished = [], [], False
     for line in report.read_text().splitlines() if report.exists() else ():
-        event = json.loads(line).get("ScenarioFinished") or {}
+        events = json.loads(line)
+        finished |= "EngineFinished" in events
+        error = events.get("NonFatalError") or events.get("FatalError")
+        if error:
+            value = error.get("value") or {}
+            errors.append(f"{error.get('label')} {value.get('type')}: {value.get('message')}")
+        event = events.get("ScenarioFinished") or {}
         recorder = event.get("recorder") or {}
         for case_id, checks in (recorder.get("checks") or {}).items():
             for check in checks:
@@ -71,7 +84,7 @@ def failures(report) -> list:
                 body = json.dumps(recorder["cases"][case_id]["value"].get("body"))
                 found.append(f"{recorder['label']} {check['name']}: {response.get('status_code')} {answer[:300]} "
                              f"<- {body[:300]}")
-    return found
+    return found, errors, finished
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +111,15 @@ def plain(built_pack, start_server):
 
 
 def test_schemathesis_finds_no_mismatch_against_the_gateway(gateway_url, tmp_path):
-    code, found, output = schemathesis_run(gateway_url, tmp_path, phases=["fuzzing"], checks=REQUEST_CHECKS,
-                                           max_examples=100, seed=1, timeout=600)
-    assert found == [] and code == 0, "\n".join(found) or output
+    found, _, output = schemathesis_run(gateway_url, tmp_path, phases=["coverage", "fuzzing"], checks=REQUEST_CHECKS,
+                                        max_examples=60, seed=1, timeout=600)
+    assert found == [], "\n".join(found) + "\n" + output
 
 
 def test_schemathesis_finds_no_mismatch_against_a_real_server(plain, tmp_path):
     """Valid requests that generate are sent when their body is short (a long prompt's prefill
     takes minutes on a CPU); the gateway test sends the long ones to the same checks."""
-    code, found, output = schemathesis_run(plain.url, tmp_path, phases=["fuzzing"],
-                                           checks=REQUEST_CHECKS + ANSWER_CHECKS, max_examples=10, seed=1,
-                                           timeout=600, env={"SCHEMATHESIS_MAX_PROMPT_BYTES": "400"})
-    assert found == [] and code == 0, "\n".join(found) or output
+    found, _, output = schemathesis_run(plain.url, tmp_path, phases=["fuzzing"], checks=REQUEST_CHECKS + ANSWER_CHECKS,
+                                        max_examples=10, seed=1, timeout=600,
+                                        env={"SCHEMATHESIS_MAX_PROMPT_BYTES": "400"})
+    assert found == [], "\n".join(found) + "\n" + output
