@@ -2,7 +2,7 @@
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
@@ -168,6 +168,12 @@ IMAGES_HAVE_A_PLACE = {"anyOf": [
 class CountTokensRequest(Strict):
     """A Messages count_tokens request (Anthropic's fields this pack honours)."""
 
+    # tool_choice {"type": "any"} needs tools (check_messages_request)
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "type": "object", "required": ["type"], "properties": {"type": {"const": "any"}}}}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}})
+
     model: ServedModel = None
     messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES,
                                                       json_schema_extra=IMAGES_HAVE_A_PLACE),
@@ -251,6 +257,8 @@ def check_messages_request(body, limits: PackLimits, request_model=MessagesReque
             raise InvalidRequest(f"tools[{index}].name", f"{name!r} names two tools")
     if isinstance(request.tool_choice, AnthropicToolChoiceTool) and request.tool_choice.name not in names:
         raise InvalidRequest("tool_choice.name", f"{request.tool_choice.name!r} is not one of the request's tools")
+    if isinstance(request.tool_choice, AnthropicToolChoiceKind) and request.tool_choice.type == "any" and not names:
+        raise InvalidRequest("tool_choice", '{"type": "any"} needs at least one tool in tools')
     if limits.max_prompt_chars is not None and messages_rendered_chars(request) > limits.max_prompt_chars:
         raise context_refusal(f"the system prompt, user messages and tool results hold more than "
                               f"{limits.max_prompt_chars} characters, more than the model's context of "

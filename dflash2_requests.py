@@ -301,10 +301,12 @@ StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 class ChatRequest(Strict):
     """A chat completion request, as this pack serves it (OpenAI's fields it honours)."""
 
-    # top_logprobs above 0 needs logprobs (check_sampling)
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
-        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+    # top_logprobs above 0 needs logprobs (check_sampling); tool_choice "required" needs tools (check_tools)
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "required"}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}]})
 
     model: ServedModel = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES,
@@ -489,6 +491,8 @@ def check_tools(request: ChatRequest):
     if isinstance(request.tool_choice, ToolChoice) and request.tool_choice.function.name not in names:
         raise InvalidRequest("tool_choice.function.name",
                       f"{request.tool_choice.function.name!r} is not one of the request's tools")
+    if request.tool_choice == "required" and not names:
+        raise InvalidRequest("tool_choice", '"required" needs at least one tool in tools')
 
 
 def lowest_temperature(vocab_size: int) -> float:

@@ -40,18 +40,32 @@ ResponseTextPart = Annotated[Union[ResponseInputText, ResponseOutputText, Mispla
 ResponseToolOutputPart = Annotated[Union[ResponseInputText, ResponseInputImage], Field(discriminator="type")]
 
 
-class ResponseMessageItem(Strict):
-    """A message item; type may be left out (the SDK's EasyInputMessage). Images in user
-    messages only (ResponseUserMessageItem)."""
+class ResponseMessageFields(Strict):
+    """A message item's fields; type may be left out (the SDK's EasyInputMessage)."""
 
     type: Optional[Literal["message"]] = None
-    role: Literal["assistant", "system", "developer"]
-    content: Union[str, Annotated[list[ResponseTextPart], Field(max_length=MAX_CONTENT_PARTS)]]
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
 
-class ResponseUserMessageItem(ResponseMessageItem):
+class ResponseMessageItem(ResponseMessageFields):
+    """An assistant, system or developer message: text only. An earlier answer's message item
+    comes back as the SDK keeps it, with the fields mlx-vlm writes on it (ChatMessage's):
+    its reasoning is that turn's thinking; its tool calls come as function_call items, so
+    those fields are null."""
+
+    role: Literal["assistant", "system", "developer"]
+    content: Union[str, Annotated[list[ResponseTextPart], Field(max_length=MAX_CONTENT_PARTS)]]
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: None = None
+    tool_call_id: None = None
+    name: None = None
+
+
+class ResponseUserMessageItem(ResponseMessageFields):
+    """A user message: text and images."""
+
     role: Literal["user"]
     content: Union[str, Annotated[list[ResponseUserPart], Field(max_length=MAX_CONTENT_PARTS)]]
 
@@ -141,11 +155,14 @@ class ResponseTextConfig(Strict):
 
 def item_has_input(item) -> bool:
     """Whether mlx-vlm finds input in a Responses item (_response_items_to_chat, then
-    _message_has_effective_input): a function call, or text other than white space or an
-    image in a message or a function call output."""
+    _message_has_effective_input): a function call, text other than white space or an image
+    in a message or a function call output, or an assistant message's reasoning."""
     if isinstance(item, ResponseFunctionCallItem):
         return True
-    content = item.content if isinstance(item, ResponseMessageItem) else \
+    if isinstance(item, ResponseMessageItem) and item.role == "assistant" and has_text(
+            item.reasoning if item.reasoning_content is None else item.reasoning_content):
+        return True
+    content = item.content if isinstance(item, ResponseMessageFields) else \
         item.output if isinstance(item, ResponseFunctionCallOutputItem) else ""
     if isinstance(content, str):
         return has_text(content)
@@ -159,6 +176,10 @@ PARTS_WITH_INPUT = {"anyOf": [NON_BLANK_TEXT, {"type": "array", "contains": {"an
 ITEM_WITH_INPUT = {"anyOf": [
     {"required": ["type"], "properties": {"type": {"const": "function_call"}}},
     {"required": ["content"], "properties": {"content": PARTS_WITH_INPUT}},  # message items
+    {"required": ["role", "reasoning_content"],
+     "properties": {"role": {"const": "assistant"}, "reasoning_content": NON_BLANK_TEXT}},
+    {"required": ["role", "reasoning"], "properties": {"role": {"const": "assistant"}, "reasoning": NON_BLANK_TEXT,
+                                                       "reasoning_content": {"type": "null"}}},
     {"required": ["type", "output"], "properties": {"type": {"const": "function_call_output"}, "output": PARTS_WITH_INPUT}}]}
 
 
@@ -241,7 +262,7 @@ def responses_rendered_chars(request: ResponsesRequest) -> int:
     if isinstance(request.input, str):
         return len(request.instructions or "") + len(request.input)
     return len(request.instructions or "") + sum(
-        text(item.content) if isinstance(item, ResponseMessageItem) and item.role != "assistant" else
+        text(item.content) if isinstance(item, ResponseMessageFields) and item.role != "assistant" else
         text(item.output) if isinstance(item, ResponseFunctionCallOutputItem) else 0 for item in request.input)
 
 

@@ -658,13 +658,15 @@ def test_make_evidence_runs_parity_then_bench_on_the_pack(tmp_path, monkeypatch)
     assert all(command[-1] == str(tmp_path / "out") for command in ran)
 
 
-def test_the_schemathesis_hooks_keep_answers_short_and_positive_cases_valid():
+def test_the_schemathesis_hooks_keep_answers_short_and_positive_cases_valid(monkeypatch):
     """tools/schemathesis_hooks.py, loaded from its file as schemathesis loads SCHEMATHESIS_HOOKS
     (tools/battery.py, tests/test_openapi_schemathesis.py), registers map_case: token limits
     within the context come down to MAX_TOKENS (one is added to chat and Responses bodies that
     ask none; Messages requires its own), values past the context and non-integers stay for the
-    server to refuse; a positive case gets real images and tool names that are unique and named."""
+    server to refuse; a positive case gets real images and tool names that are unique and named;
+    with SCHEMATHESIS_MAX_PROMPT_BYTES, long valid requests that generate are not sent."""
     import importlib.util
+    from types import SimpleNamespace
 
     hooks = pytest.importorskip("schemathesis.hooks")
     spec = importlib.util.spec_from_file_location("battery_schemathesis_hooks", REPO / "tools" / "schemathesis_hooks.py")
@@ -702,8 +704,21 @@ def test_the_schemathesis_hooks_keep_answers_short_and_positive_cases_valid():
             {"type": "input_image", "image_url": ""}]}], "tool_choice": {"type": "function", "name": "g"}})
         assert body == {"input": [{"type": "function_call_output", "call_id": "c", "output": [
             {"type": "input_image", "image_url": module.PNG_URL}]}]}
+
+        def case(path, positive, body):
+            mode = SimpleNamespace(is_positive=positive)
+            return SimpleNamespace(operation=SimpleNamespace(path=path), body=body,
+                                   meta=SimpleNamespace(generation=SimpleNamespace(mode=mode)))
+        long = {"messages": [{"role": "user", "content": "x" * 500}]}
+        assert module.filter_case(None, case(chat, True, long))  # no limit set
+        monkeypatch.setenv("SCHEMATHESIS_MAX_PROMPT_BYTES", "400")
+        assert not module.filter_case(None, case(chat, True, long))
+        assert module.filter_case(None, case(chat, False, long))  # invalid requests are all sent
+        assert module.filter_case(None, case("/v1/messages/count_tokens", True, long))  # generates nothing
+        assert module.filter_case(None, case(chat, True, {"messages": [{"role": "user", "content": "x"}]}))
     finally:
         hooks.unregister(module.map_case)
+        hooks.unregister(module.filter_case)
 
 
 def test_device_27b_runs_only_tools_that_exist():

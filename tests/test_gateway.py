@@ -68,7 +68,7 @@ async def stub_mlx_vlm(scope, receive, send):
 def first_content(body):
     """The first message's content: chat's and Messages' messages, or Responses' input."""
     if "messages" in body:
-        return body["messages"][0]["content"]
+        return body["messages"][0].get("content")
     return body["input"] if isinstance(body["input"], str) else body["input"][0].get("content")
 
 

@@ -163,6 +163,27 @@ ROWS = [
     (COUNT_TOKENS, {"messages": [{"role": "user", "content": [IMAGE]}, {"role": "user", "content": [TOOL_RESULT]}]},
      True),
     (COUNT_TOKENS, {"messages": [{"role": "user", "content": [{**TOOL_RESULT, "content": [IMAGE]}]}]}, True),
+    # An earlier answer's message item, sent back as the SDK keeps it, with the fields mlx-vlm writes on it (a real
+    # server through the openai client: 400 input[1].reasoning_content is not a known field).
+    (RESPONSES, {"input": [USER, {"role": "assistant", "content": [{"type": "output_text", "text": "Hi", "annotations": []}],
+                                  "reasoning_content": None, "reasoning": None, "tool_calls": None, "tool_call_id": None,
+                                  "name": None, "id": "msg_1", "type": "message", "status": "completed"}]}, True),
+    (RESPONSES, {"input": [{"role": "assistant", "content": "", "reasoning": "Thought."}]}, True),
+    (RESPONSES, {"input": [{"role": "assistant", "content": "", "reasoning_content": "", "reasoning": "x"}]}, False),
+    (RESPONSES, {"input": [USER, {"role": "assistant", "content": "a", "tool_calls": []}]}, False),
+    (RESPONSES, {"input": [{**USER, "reasoning": "x"}]}, False),
+    # A tool choice that requires a call needs tools (a real server: 400 tool_choice 'required' requires at least one
+    # tool., param null); Responses passes it to the template only, and takes it.
+    (CHAT, chat(USER, tool_choice="required"), False),
+    (CHAT, chat(USER, tool_choice="required", tools=None), False),
+    (CHAT, chat(USER, tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), True),
+    (CHAT, chat(USER, tool_choice="auto"), True),
+    (MESSAGES, {"max_tokens": 1, "messages": [USER], "tool_choice": {"type": "any"}}, False),
+    (COUNT_TOKENS, {"messages": [USER], "tool_choice": {"type": "any"}, "tools": []}, False),
+    (COUNT_TOKENS, {"messages": [USER], "tool_choice": {"type": "any"}, "tools": [{"name": "f", "input_schema": {}}]},
+     True),
+    (COUNT_TOKENS, {"messages": [USER], "tool_choice": {"type": "auto"}}, True),
+    (RESPONSES, {"input": "Hi", "tool_choice": "required"}, True),
     # A message item's type may be null, as any optional field may (schemathesis: refused as an unknown tag).
     (RESPONSES, {"input": [{"type": None, "role": "user", "content": "Hi"}]}, True),
 ]

@@ -4,6 +4,9 @@ the tiny pack as tools/build_pack.py builds it:
   plain      serve.py
   baseline   serve_dflash2.py --no-dflash2
 One conversation gives the same tokens through chat completions and responses on all three.
+A function tool conversation (the first answer's output items sent back as the SDK gives
+them, a function call and its output) and an image as a data URL are answered alike on the
+speculative and plain routes, streamed and not.
 The refusals that never reach generation are in test_responses_gateway.py (in process).
 """
 
@@ -12,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from openai.types.responses import ResponseFunctionToolCall
 
-from conftest import SEEN
+from conftest import SEEN, data_url, png
 from test_server import CONTEXT, PACK_NAME, ROUND_COSTS, client as openai_client
 
 MAX_TOKENS = 5
@@ -107,6 +111,61 @@ def test_a_sampled_request_is_speculative_and_its_seed_reproduces_it_through_cha
     assert mode == "speculative" and seed is not None
     _, completion = chat(servers["plain"], seed=int(seed))
     assert completion.choices[0].message.content == response.output_text
+
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather for a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+WEATHER = [{"role": "user", "content": "Weather in Paris?"}]
+# A call as the SDK returns one: the tiny pack's random weights answer the question with text
+# (and the trained pair's calls are malformed JSON), so the conversation brings its own.
+CALL = ResponseFunctionToolCall(type="function_call", call_id="call_1", name="get_weather",
+                                arguments='{"city": "Paris"}', id="fc_1", status="completed")
+
+
+def streamed_text(events):
+    return "".join(event.delta for event in events if event.type == "response.output_text.delta")
+
+
+def on_both(*jobs):
+    """The (function, server, fields) jobs at once: each server decodes on about one core."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return [future.result() for future in [pool.submit(fetch, server, **fields) for fetch, server, fields in jobs]]
+
+
+def test_a_function_tool_conversation_through_the_sdk(servers):
+    """The question with a function tool; then the question, the first answer's output items as
+    the SDK gave them, a function call and its output: served speculative, with plain
+    decoding's tokens, streamed and not."""
+    spec, plain = servers["spec"], servers["plain"]
+    (mode, _, first), (_, first_events) = on_both((create, spec, {"input": WEATHER, "tools": TOOLS}),
+                                                  (create_streamed, plain, {"input": WEATHER, "tools": TOOLS}))
+    assert mode == "speculative" and first.status == "completed"
+    assert {item.type for item in first.output} <= {"message", "function_call", "reasoning"}, first.output
+    assert streamed_text(first_events) == first.output_text and first_events[-1].type == "response.completed"
+    calls = [item for item in first.output if item.type == "function_call"]
+    call = calls[0] if calls else CALL
+    turn = [*WEATHER, *first.output, *([] if calls else [CALL]),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
+    fields = {"input": turn, "tools": TOOLS, "max_output_tokens": 8}
+    (mode, _, answer), (plain_mode, _, expected), (streamed_mode, events) = on_both(
+        (create, spec, fields), (create, plain, fields), (create_streamed, spec, fields))
+    assert (mode, plain_mode, streamed_mode) == ("speculative", None, "speculative")
+    assert answer.output_text == expected.output_text == streamed_text(events) and answer.output_text
+    assert answer.usage.output_tokens == expected.usage.output_tokens
+    assert answer.usage.input_tokens == expected.usage.input_tokens > first.usage.input_tokens
+    assert [event.type for event in events][-1] == "response.completed"
+
+
+def test_an_image_as_a_data_url_is_answered_alike_streamed_and_not(servers):
+    image = [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                          {"type": "input_image", "image_url": data_url(png())}]}]
+    (mode, _, answer), (plain_mode, _, expected), (streamed_mode, events) = on_both(
+        (create, servers["spec"], {"input": image}), (create, servers["plain"], {"input": image}),
+        (create_streamed, servers["spec"], {"input": image}))
+    assert (mode, plain_mode, streamed_mode) == ("speculative", None, "speculative")
+    assert answer.output_text == expected.output_text == streamed_text(events) and answer.output_text
+    _, _, text_only = create(servers["plain"], input=[{"role": "user", "content": "What is this?"}])
+    assert answer.usage.input_tokens == expected.usage.input_tokens > text_only.usage.input_tokens  # the image's tokens
 
 
 @pytest.mark.parametrize("fields, reason", [
