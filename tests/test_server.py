@@ -349,15 +349,17 @@ def assert_refused(response, status, reason, param=None):
     if param is not None:
         assert error["param"] == param
     assert b"Traceback" not in response.body
+    return error
 
 
-def test_mlx_vlm_errors_are_reshaped(servers):
-    # mlx-vlm's own 400 ({"detail": ...}) comes back in OpenAI's error shape.
+def test_what_mlx_vlm_refuses_is_refused_first_in_openais_shape(servers):
+    # mlx-vlm answers this with its own 400 ({"detail": ...}, no param); the pack refuses it
+    # before forwarding, in OpenAI's error shape, naming the field.
     since = len(servers["spec"].log())
     response = request(servers["spec"], "POST", "/v1/chat/completions",
                        {"messages": MESSAGES, "tool_choice": "required", "temperature": 0})
-    assert_refused(response, 400, "invalid-request")
-    assert "requires at least one tool" in response.json()["error"]["message"]
+    error = assert_refused(response, 400, "invalid-request", "tool_choice")
+    assert error["message"] == 'tool_choice: "required" needs at least one tool in tools'
     # Logged once, as refused: never as speculative first.
     arrivals = [line for line in servers["spec"].log()[since:].splitlines() if "POST /v1/chat" in line]
     assert len(arrivals) == 1 and arrivals[0].endswith("refused; reason=invalid-request"), arrivals
