@@ -445,6 +445,28 @@ def test_records_readme_quotes_name_commits_head_descends_from(tmp_path):
     assert records.commits_outside_history(evidence, env=env) == []
 
 
+def test_parity_token_runs_add_only_to_the_same_runs_verify_part(tmp_path):
+    """parity.py --part tokens completes a verify part's record (one process ran past a
+    device call's limit): it refuses before loading anything where that record is missing or
+    already whole, and when the verify part measured other code or another machine."""
+    from parity import earlier_part, same_run
+
+    with pytest.raises(SystemExit, match="unreadable"):
+        earlier_part(tmp_path, "cuda")
+    record = json.loads((EVIDENCE / "parity-cuda.json").read_text())
+    (tmp_path / "parity-cuda.json").write_text(json.dumps({**record, "parts": ["verify", "tokens"]}))
+    with pytest.raises(SystemExit, match="adds to a verify part's record"):
+        earlier_part(tmp_path, "cuda")
+    (tmp_path / "parity-cuda.json").write_text(json.dumps({**record, "parts": ["verify"], "git_commit": "a" * 40}))
+    verify = earlier_part(tmp_path, "cuda")
+    environment = {key: verify.get(key) for key in ("git_commit", "git_clean", "code", "device", "versions")}
+    same_run(verify, environment)
+    with pytest.raises(SystemExit, match="another git_commit"):
+        same_run(verify, {**environment, "git_commit": "b" * 40})
+    with pytest.raises(SystemExit, match="another code"):
+        same_run(verify, {**environment, "code": "0" * 12})
+
+
 def test_the_parity_summary_counts_sampled_runs_and_says_how_block_rows_are_drawn():
     from parity import case_mismatches, summary_markdown
 
@@ -495,7 +517,8 @@ def test_device_27b_all_lists_the_calls_that_regenerate_readme_s_gpu_records(tmp
            if json.loads((EVIDENCE / f"{stem}.json").read_text())["backend"] == "cuda"]
     assert gpu and all(stem in plan.stdout.splitlines()[0] for stem in gpu)
     calls = [line for line in plan.stdout.splitlines() if "bash tools/device_27b.sh " in line]
-    assert [line.split("device_27b.sh ")[1].split()[0] for line in calls] == ["rounds", "e2e-long", "e2e", "parity", "prefix-4k"]
+    assert [line.split("device_27b.sh ")[1].split()[0] for line in calls] == ["parity", "parity-tokens", "rounds", "e2e", "e2e-long",
+                                                                                   "prefix-4k"]
     try:
         head = git("rev-parse", "HEAD")
         assert all(f"RECORD_GIT_COMMIT={head} " in line for line in calls)

@@ -1,8 +1,8 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | starts | rounds | e2e | e2e-long | prefix-4k | tune | compare | profile | ncu | parity | kernels
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | parity | parity-tokens | rounds | e2e | e2e-long | prefix-4k | tune | compare | profile | ncu | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
-#                                     regenerate every GPU record README quotes, at HEAD: five calls,
+#                                     regenerate every GPU record README quotes, at HEAD: six calls,
 #                                     one part each (no two of them fit one call's 585 s)
 # Records name the commit they measured (tools/records.py git_state). The device's copy of the
 # tree has no git history: pass RECORD_GIT_COMMIT (the full hash of the commit sent, `git
@@ -15,8 +15,9 @@
 # packaging==26.2 pygments==2.20.0"). Records go to
 # $OUT (the device tool brings them back); copy them into evidence/ here. Scratch lives in
 # /tmp, which a warm machine keeps between calls: the pack that server and routes build once,
-# and the round-phase record that e2e adds to (carried back in as .gpu/b27/ if the machine
-# went cold in between).
+# and the records that a later part adds to: the round phase's for e2e, parity's verify part's
+# for its token runs (carried back in as .gpu/b27/ or .gpu/parity/ if the machine went cold
+# in between).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -55,16 +56,19 @@ plan() {  # the device calls that regenerate README's GPU records at this commit
   else clean=${RECORD_GIT_CLEAN:-'<1|0>'}; fi
   cat <<PLAN
 Regenerating every GPU record README quotes (parity-cuda, bench-cuda-27b, prefix-cache-cuda-27b-4k)
-at $commit: five device calls of one H200 (nvidia-h200), in this order, each under 585 s
-(about 33 minutes of device time in all, start-up not counted):
-  1. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh rounds      # ~300 s: bench round phase
-  2. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e-long    # ~450 s: 256 tokens, greedy
-  3. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e         # ~370 s: 40 tokens, greedy + sampled
-  4. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity      # ~430 s
-  5. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh prefix-4k   # ~420 s
-Calls 2 and 3 add to the record call 1 left in /tmp/b27; if the machine went cold in between,
-carry the latest bench-cuda-27b.json back in as .gpu/b27/ (carry: [".gpu"]). Copy each call's
-\$OUT records into evidence/ as they come back (call 5's from \$OUT/p4k/). Then, here:
+at $commit: six device calls of one H200 (nvidia-h200), in this order, each under 585 s
+(about 45 minutes of device time in all, start-up not counted: more than one session's 30;
+a session that runs out leaves the rest to the next, at the commit it then has):
+  1. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity         # ~480 s: controls, verify, rollback, kernels
+  2. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity-tokens  # ~400 s: greedy and sampled token runs
+  3. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh rounds         # ~310 s: bench round phase
+  4. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e            # ~450 s: 40 tokens, greedy + sampled
+  5. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e-long       # ~450 s: 256 tokens, greedy
+  6. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh prefix-4k      # ~420 s
+Call 2 adds to the record call 1 left in /tmp/parity, calls 4 and 5 to call 3's in /tmp/b27; if
+the machine went cold in between, carry the latest parity-cuda.json or bench-cuda-27b.json back
+in as .gpu/parity/ or .gpu/b27/ (carry: [".gpu"]). Copy each call's \$OUT records into
+evidence/ as they come back (call 6's from \$OUT/p4k/). Then, here:
   python tools/records.py --readme
   python -m pytest -q tests/test_evidence_tools.py
 PLAN
@@ -110,9 +114,18 @@ case "${1:-}" in
            t=$(left) || exit 124; timeout "$t" python3 tools/lab/compare_qmv_launch.py --previous "$PREVIOUS" \
              ${PREVIOUS_KERNELS:+--previous-kernels "$PREVIOUS_KERNELS"} --repeats 15 --cupti-repeats 5 --out "$OUT" ;;
   profile) t=$(left) || exit 124; timeout "$t" python3 tools/lab/profile_verify.py --out "$OUT" ;;
-  # parity: about 430 s greedy-only; the sampled runs (3 settings x blocks 2..8, 16 tokens) and the
-  # block sampling self-test add well under a minute
-  parity) need_commit parity; t=$(left) || exit 124; timeout "$t" python3 tools/parity.py --size 27b --out "$OUT" --max-tokens 16 ;;
+  # parity in two calls: one process ran past 585 s on a fresh H200 (session 39: the token runs
+  # had begun at 478 s). Each part builds the model and installs the runtime (about 200 s);
+  # parity-tokens adds the greedy and sampled runs (3 settings x blocks 2..8, 16 tokens) to
+  # the verify part's record.
+  parity) need_commit parity; mkdir -p /tmp/parity; t=$(left) || exit 124
+       timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part verify; rc=$?
+       cp /tmp/parity/* "$OUT"/; exit $rc ;;
+  parity-tokens) need_commit parity-tokens; mkdir -p /tmp/parity
+       [ -f /tmp/parity/parity-cuda.json ] || cp .gpu/parity/parity-cuda.json /tmp/parity/ || exit 7
+       t=$(left) || exit 124
+       timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part tokens; rc=$?
+       cp /tmp/parity/* "$OUT"/; exit $rc ;;
   ncu)  # Nsight Compute on MLX's single-row qmv and the exact kernel at 1 and 8 rows, one
         # launch each at (17408, 5120): where the 8-row kernel stalls (issue 13 item 3)
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -134,5 +147,5 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/lab/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh all|server|routes|rounds|e2e|e2e-long|prefix-4k|tune|compare|profile|ncu|parity|kernels" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh all|server|routes|starts|parity|parity-tokens|rounds|e2e|e2e-long|prefix-4k|tune|compare|profile|ncu|kernels" >&2; exit 2 ;;
 esac

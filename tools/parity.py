@@ -18,6 +18,7 @@ speculative with the pack's own drafter) to evidence/fixture-checks-<backend>.*.
 
 import argparse
 import copy
+import json
 import os
 import sys
 import tempfile
@@ -48,6 +49,7 @@ from dflash2_sampling import PositionSampler  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
+PARTS = ("all", "verify", "tokens")
 PROMPTS = [
     "Write a short poem about the sea.",
     "List three prime numbers and explain why.",
@@ -411,6 +413,12 @@ def main():
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
+    parser.add_argument(
+        "--part", choices=PARTS, default="all",
+        help="verify: the negative controls, verify, rollback, prefill routes and the kernel self-test; "
+        "tokens: the greedy and sampled token runs (and the fixture checks), added to the verify part's "
+        "record in --out (same commit and code); all: both in one process",
+    )
     args = parser.parse_args()
 
     import dflash2_kernel_qmv
@@ -418,6 +426,9 @@ def main():
     import dflash2_runtime
     from dflash2_pack import find_pack, load_pack
     from make_synthetic_pack import SIZES, build_target_model, make_pack
+
+    # Before minutes of loading: the tokens part needs the verify part's record.
+    earlier = earlier_part(Path(args.out), dflash2_kernels.backend_name()) if args.part == "tokens" else None
 
     started = time.time()
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
@@ -441,68 +452,71 @@ def main():
     continuation = greedy(model, ids, 8)
     contexts = (250, 252, 254, 256, 258, 262, 1030) if args.size == "27b" and not args.pack else (5, 12)
     log(f"model ready; prefilling contexts {contexts}")
-    snapshots = prefill_snapshots(lm, taps, contexts)
-    log("stock verify (negative control)")
-
-    # Before install: the stock verifier (the negative control).
-    stock = verify_cases(lm, ids, taps, continuation) + context_cases(lm, taps, snapshots, continuation)
-    stock_decode = decode_logits(lm, ids, continuation)
-    status = dflash2_runtime.install(model)
-    log(f"runtime installed: speculative {status.speculative} {status.reason or ''}")
-    # Plain decode after install (one-row matmuls on the exact kernel) against stock.
-    exact = [
-        {
-            "check": "plain decode",
-            "logits": differing(decode_logits(lm, ids, continuation), stock_decode),
-        }
-    ]
-    exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
-    log("exact verify and rollback")
-    exact += context_cases(lm, taps, snapshots, continuation, rollback_contexts=(contexts[1], contexts[-1]))
-    log("prefill routes")
-    exact += prefill_route_cases(model, taps, contexts, step=256 if contexts[-1] > 256 else 4)
-    log("greedy token runs")
-    if processor is None:
-        exact += raw_token_cases(model, ids, args.max_tokens)
-        fixtures = []
-    else:
-        exact += token_cases(model, processor.tokenizer, args.max_tokens, all_token_combos())
-        fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
-    # As a server starts: the self-test picks one call over a block's rows or decode's call
-    # per row, and the sampled runs then draw as it chose.
-    vocab = lm.lm_head.weight.shape[0]
-    block_sampling = dflash2_sampling.choose_block_sampling(vocab)
-    log(f"{block_sampling.summary()}; sampled token runs")
-    exact += sampled_token_cases(model, ids, args.max_tokens)
-    log("kernel self-test")
-    shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
-    kernel = dflash2_kernels.self_test(shapes=shapes)
-
     environment = run_environment(
         "parity.py", Path(args.pack).name if args.pack else f"synthetic {args.size} target, seed 0"
     )
-    backend = environment["backend"]
-    record = {
-        **environment,
-        "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
-        "exact_mismatches": sum(case_mismatches(c) for c in exact) + kernel.mismatches,
-        "stock_mismatches": sum(case_mismatches(c) for c in stock) + kernel.stock_mismatches,
-        "kernel_self_test": {
-            "ok": kernel.ok,
-            "shapes": [list(s) for s in (shapes or [])],
-            "mismatches": kernel.mismatches,
-            "stock_mismatches": kernel.stock_mismatches,
-            "cases": len(kernel.cases),
-        },
+    if earlier is not None:
+        same_run(earlier, environment)
+    record = {**environment, "parts": ["verify", "tokens"] if args.part == "all" else [args.part]}
+    exact = []
+    if args.part != "tokens":
+        snapshots = prefill_snapshots(lm, taps, contexts)
+        log("stock verify (negative control)")
+        # Before install: the stock verifier (the negative control).
+        stock = verify_cases(lm, ids, taps, continuation) + context_cases(lm, taps, snapshots, continuation)
+        stock_decode = decode_logits(lm, ids, continuation)
+    status = dflash2_runtime.install(model)
+    log(f"runtime installed: speculative {status.speculative} {status.reason or ''}")
+    if args.part != "tokens":
+        # Plain decode after install (one-row matmuls on the exact kernel) against stock.
+        exact.append({"check": "plain decode", "logits": differing(decode_logits(lm, ids, continuation), stock_decode)})
+        exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
+        log("exact verify and rollback")
+        exact += context_cases(lm, taps, snapshots, continuation, rollback_contexts=(contexts[1], contexts[-1]))
+        log("prefill routes")
+        exact += prefill_route_cases(model, taps, contexts, step=256 if contexts[-1] > 256 else 4)
+        log("kernel self-test")
+        shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
+        kernel = dflash2_kernels.self_test(shapes=shapes)
+        record.update({
+            "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
+            "kernel_self_test": {
+                "ok": kernel.ok,
+                "shapes": [list(s) for s in (shapes or [])],
+                "mismatches": kernel.mismatches,
+                "stock_mismatches": kernel.stock_mismatches,
+                "cases": len(kernel.cases),
+            },
+            "stock_cases": stock,
+        })
+    fixtures = []
+    if args.part != "verify":
+        log("greedy token runs")
+        if processor is None:
+            exact += raw_token_cases(model, ids, args.max_tokens)
+        else:
+            exact += token_cases(model, processor.tokenizer, args.max_tokens, all_token_combos())
+            fixtures = fixture_cases(model, processor, drafter, args.max_tokens)
+        # As a server starts: the self-test picks one call over a block's rows or decode's call
+        # per row, and the sampled runs then draw as it chose.
+        vocab = lm.lm_head.weight.shape[0]
+        block_sampling = dflash2_sampling.choose_block_sampling(vocab)
+        log(f"{block_sampling.summary()}; sampled token runs")
+        exact += sampled_token_cases(model, ids, args.max_tokens)
         # Rows whose one-call draw differed from decode's per-row call: not a mismatch, as
         # the sampled runs then draw row by row (batched false).
-        "block_sampling": {"vocab": vocab, "differing_rows": block_sampling.differing,
-                           "batched": block_sampling.batched, "seconds": block_sampling.seconds,
-                           "summary": block_sampling.summary()},
-        "stock_cases": stock,
-        "cases": exact,
-        "seconds": round(time.time() - started, 1),
-    }
+        record["block_sampling"] = {"vocab": vocab, "differing_rows": block_sampling.differing,
+                                    "batched": block_sampling.batched, "seconds": block_sampling.seconds,
+                                    "summary": block_sampling.summary()}
+    record.update(cases=exact, seconds=round(time.time() - started, 1))
+    if earlier is not None:
+        record = {**earlier, **record, "command": earlier["command"], "tokens_command": record["command"],
+                  "parts": ["verify", "tokens"], "cases": earlier["cases"] + exact,
+                  "seconds": round(earlier["seconds"] + record["seconds"], 1)}
+    kernel = record["kernel_self_test"]
+    record["exact_mismatches"] = sum(case_mismatches(c) for c in record["cases"]) + kernel["mismatches"]
+    record["stock_mismatches"] = sum(case_mismatches(c) for c in record["stock_cases"]) + kernel["stock_mismatches"]
+    backend = environment["backend"]
     write_record(args.out, f"parity-{backend}", record, summary_markdown(record))
     fixture_record = {**environment, "all_identical": all(c["identical"] for c in fixtures), "cases": fixtures}
     if fixtures:
@@ -528,6 +542,26 @@ def fixture_markdown(record) -> str:
             f"| {c['fixture']} | {c['tokens']} | {c['rounds']} | {c['accepted']} | {c['identical']} |"
         )
     return "\n".join(lines + [""])
+
+
+def earlier_part(out: Path, backend: str) -> dict:
+    """The verify part's record in out, which the tokens part completes."""
+    path = out / f"parity-{backend}.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--part tokens adds to the verify part's record: {path} unreadable ({error})")
+    if record.get("parts") != ["verify"]:
+        raise SystemExit(f"--part tokens adds to a verify part's record: {path} has parts {record.get('parts')}")
+    return record
+
+
+def same_run(earlier: dict, environment: dict):
+    """The two parts of one record measure the same code on the same machine."""
+    for key in ("git_commit", "git_clean", "code", "device", "versions"):
+        if earlier.get(key) != environment.get(key):
+            raise SystemExit(f"--part tokens: the verify part's record has another {key} "
+                             f"({earlier.get(key)!r}, here {environment.get(key)!r}): run both parts again")
 
 
 def summary_markdown(record) -> str:
@@ -580,6 +614,10 @@ def summary_markdown(record) -> str:
     block_sampling = record.get("block_sampling")
     if block_sampling:
         lines += ["", f"Block sampling self-test at vocabulary {block_sampling['vocab']}: {block_sampling['summary']}."]
+    if record.get("parts") == ["verify"]:
+        lines += ["", "Token runs: not in this record yet (`--part tokens` adds them)."]
+    elif record.get("tokens_command"):
+        lines += ["", f"Token runs in a second process on the same machine: `{record['tokens_command']}`."]
     lines += [
         "",
         f"exact_mismatches = {record['exact_mismatches']}, "
