@@ -16,8 +16,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dflash2_kernels import MAX_ROWS
-
 # A round is chosen over plain steps only when its expected tokens per decode-step-equivalent
 # beat plain's one by this factor: the table is a noisy measurement (on the H200 a block's
 # start-up and learned figures differ by up to a third), and within it a round gains little
@@ -140,8 +138,9 @@ class RoundCosts:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "RoundCosts":
-        """The table to_json wrote (e.g. /health's round_costs); ValueError names what is wrong."""
+    def from_json(cls, data: dict, max_block: int) -> "RoundCosts":
+        """The table to_json wrote (e.g. /health's round_costs), its blocks 2..max_block (the
+        exact kernels' MAX_ROWS); ValueError names what is wrong."""
         try:
             step = float(data["decode_step_ms"])
             tables = [{int(block): float(steps) for block, steps in data[key].items()}
@@ -152,9 +151,9 @@ class RoundCosts:
         if tables[0].keys() != tables[1].keys() or not tables[0]:
             raise ValueError("verify_steps_by_block and draft_steps_by_block need the same blocks")
         values = [step, refill, *tables[0].values(), *tables[1].values()]
-        blocks_in_range = all(2 <= block <= MAX_ROWS for block in tables[0])
+        blocks_in_range = all(2 <= block <= max_block for block in tables[0])
         if not blocks_in_range or not all(math.isfinite(v) and v >= 0 for v in values):
-            raise ValueError(f"blocks must be 2..{MAX_ROWS} and costs finite and non-negative")
+            raise ValueError(f"blocks must be 2..{max_block} and costs finite and non-negative")
         return cls(step, *tables, refill)
 
     def summary(self) -> str:
@@ -270,7 +269,7 @@ class RoundPolicy:
         self.costs = costs
         self.blocks = [block for block in costs.blocks if block <= ceiling]
         self.fixed_block = fixed_block
-        # A seed holds MAX_ROWS positions, as many as any block drafts or more.
+        # A seed holds as many positions as the largest block drafts, or more.
         self.estimate = estimate if estimate is not None else AcceptanceEstimate(max(self.blocks, default=1))
         self.can_pay = costs.can_pay(ceiling)
         self.rounds = 0

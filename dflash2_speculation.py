@@ -45,6 +45,7 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
     after it loaded the target. The round loop serves the drafter by the state made here
     (dflash2_rounds.serve_rounds_with), handing each request's RoundCounts to `counts_to`."""
     import dflash2_drafter
+    import dflash2_kernels
     import dflash2_policy
     import dflash2_rounds
     import dflash2_runtime
@@ -95,7 +96,8 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
         # A cached table keeps learning from requests, as one measured now does.
         round_costs = setup.round_costs or verdicts.check(
             "round costs", lambda: dflash2_timing.measure_round_costs(model, drafter, candidate_selector=selector),
-            lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table), learning=True),
+            lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table, dflash2_kernels.MAX_ROWS),
+                                              learning=True),
             dflash2_policy.RoundCosts.to_json)
     except Exception:
         logger.exception("timing the drafter or the round costs failed; every request is served plain")
@@ -106,7 +108,7 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
     verdicts.save()
     memory = None
     if not setup.round_costs:  # a given table stays as given: each request starts from the prior
-        memory = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
+        memory = dflash2_policy.AcceptanceMemory(dflash2_kernels.MAX_ROWS)
         logger.info("DFlash2: each request's acceptance estimate starts from the drafter's recent rounds")
     state = dflash2_rounds.DrafterState(drafter, round_costs, fixed_block=blocks.fixed,
                                         candidate_selector=selector, acceptance_memory=memory, counts_to=counts_to)
@@ -123,9 +125,10 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
 
 def read_round_costs(path: Path):
     """A --dflash2-round-costs table, or exit with what is wrong with the file."""
+    from dflash2_kernels import MAX_ROWS
     from dflash2_policy import RoundCosts
 
     try:
-        return RoundCosts.from_json(json.loads(path.read_text()))
+        return RoundCosts.from_json(json.loads(path.read_text()), MAX_ROWS)
     except (OSError, ValueError) as error:
         sys.exit(f"error: --dflash2-round-costs {path.name}: {error}")

@@ -262,14 +262,15 @@ def sliding_drafter(target, monkeypatch):
     RequestDecoder runs them, as in the servers); restored as loaded afterwards. Yields
     (drafter, per request: the hidden states its round loop started from, the positions the
     target had processed, and the drafter's cache offsets right after its first draft)."""
-    import dflash2_policy
     import dflash2_drafter
+    import dflash2_kernels
+    import dflash2_policy
     import dflash2_rounds
     from bench_prefix import attention_layout_kept
     from parity import served_rounds
 
     _, _, drafter = target
-    blocks = range(2, dflash2_policy.MAX_ROWS + 1)
+    blocks = range(2, dflash2_kernels.MAX_ROWS + 1)
     costs = dflash2_policy.RoundCosts(60.0, {b: 0.5 for b in blocks}, {b: 0.1 for b in blocks})
     seen, start, draft = [], dflash2_rounds.RequestDecoder.__init__, dflash2_rounds.RequestDecoder.draft
 

@@ -228,16 +228,18 @@ def test_a_plain_run_teaches_only_its_steady_steps():
 
 
 def test_cost_table_round_trips_and_bad_tables_are_named():
-    assert RoundCosts.from_json(COSTS.to_json()).to_json() == COSTS.to_json()
+    assert RoundCosts.from_json(COSTS.to_json(), 8).to_json() == COSTS.to_json()
     refilled = RoundCosts(2.0, {2: 1.5}, {2: 0.25}, 0.75)
-    assert RoundCosts.from_json(refilled.to_json()) == refilled
+    assert RoundCosts.from_json(refilled.to_json(), 8) == refilled
     older = {key: value for key, value in refilled.to_json().items() if key != "refill_steps"}
-    assert RoundCosts.from_json(older).refill_steps == 0.0  # tables written before it
+    assert RoundCosts.from_json(older, 8).refill_steps == 0.0  # tables written before it
     for bad in ({}, {**COSTS.to_json(), "draft_steps_by_block": {"2": 0.1}},
                 {**COSTS.to_json(), "decode_step_ms": -1}, {**COSTS.to_json(), "refill_steps": -0.5},
                 {**COSTS.to_json(), "verify_steps_by_block": {str(b): 1.0 for b in range(1, 8)}}):
         with pytest.raises(ValueError):
-            RoundCosts.from_json(bad)
+            RoundCosts.from_json(bad, 8)
+    with pytest.raises(ValueError, match=r"2\.\.4"):
+        RoundCosts.from_json(COSTS.to_json(), 4)  # COSTS has blocks up to 8
 
 
 # ---------------------------------------------------------------------------

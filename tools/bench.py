@@ -53,6 +53,7 @@ from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 import dflash2_decode_arms  # noqa: E402
 import dflash2_drafter  # noqa: E402
 import dflash2_engine  # noqa: E402
+import dflash2_kernels  # noqa: E402
 import dflash2_policy  # noqa: E402
 import dflash2_rounds  # noqa: E402
 import dflash2_runtime  # noqa: E402
@@ -524,7 +525,7 @@ def main():
             sampler = sampled_sampler(temperature)
             kind = dflash2_policy.GREEDY if temperature is None else dflash2_policy.SAMPLED
             if block is None and not first_request:
-                memories[key] = dflash2_policy.AcceptanceMemory(dflash2_policy.MAX_ROWS)
+                memories[key] = dflash2_policy.AcceptanceMemory(dflash2_kernels.MAX_ROWS)
                 routes[key] = dflash2_rounds.SpeculativeRoute()
 
             def run(tokens):
