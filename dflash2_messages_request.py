@@ -5,9 +5,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
+from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_REQUEST_PIXELS,
                               MAX_STOP_SEQUENCES, NON_BLANK_TEXT, TEMPERATURE, TOOL_NAME, TOP_K, InvalidRequest,
-                              PackLimits, Refusal, ServedModel, StopSequence, Strict, check_sampling, context_refusal,
+                              PackLimits, Refusal, ServedModel, StopSequence, Strict, check_counts, check_sampling, context_refusal,
                               has_text, integer, json_object, load_checked_image, misplaced, number,
                               request_text_chars, served_model, validated, whole)
 
@@ -212,20 +212,13 @@ def message_blocks(messages):
 
 
 def check_messages_sizes(body: dict):
-    """check_sizes for a Messages body: messages, content blocks (tool results' parts
-    included) and images, before the body is parsed into models."""
+    """check_counts for a Messages body: messages, content blocks (tool results' parts
+    included) and images."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidRequest("messages", f"holds {len(messages)} messages; this server takes at most {MAX_MESSAGES}")
     blocks = [block for _, _, block in message_blocks(messages)]
-    if len(blocks) > MAX_CONTENT_PARTS:
-        raise InvalidRequest("messages", f"hold {len(blocks)} content blocks; this server takes at most "
-                                         f"{MAX_CONTENT_PARTS}")
-    images = sum(isinstance(block, dict) and block.get("type") == "image" for block in blocks)
-    if images > MAX_IMAGES:
-        raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
+    check_counts("messages", messages, "messages", blocks, "content blocks", "image")
 
 
 def messages_rendered_chars(request: CountTokensRequest) -> int:

@@ -589,22 +589,26 @@ def request_text_chars(body: dict, fields=("messages", "tools"), skip=("role", "
     return total
 
 
+def check_counts(param: str, items: list, item_word: str, parts: list, part_word: str, image_type: str):
+    """The counts that bound a request's checking, before it is parsed into models (every
+    API's): its messages or input items, their content parts, and the images among those."""
+    if len(items) > MAX_MESSAGES:
+        raise InvalidRequest(param, f"{len(items)} {item_word}; this server takes at most {MAX_MESSAGES}")
+    if len(parts) > MAX_CONTENT_PARTS:
+        raise InvalidRequest(param, f"{len(parts)} {part_word} in all; this server takes at most {MAX_CONTENT_PARTS}")
+    images = sum(isinstance(part, dict) and part.get("type") == image_type for part in parts)
+    if images > MAX_IMAGES:
+        raise InvalidRequest(param, f"{images} images in all; this server takes at most {MAX_IMAGES} a request")
+
+
 def check_sizes(body: dict):
-    """Counts that bound a request's checking before it is parsed into models: messages,
-    content parts and images."""
+    """check_counts for a chat body: messages, content parts and images."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return  # the model's validation names what is wrong
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidRequest("messages", f"holds {len(messages)} messages; this server takes at most {MAX_MESSAGES}")
     parts = [part for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
              for part in message["content"]]
-    if len(parts) > MAX_CONTENT_PARTS:
-        raise InvalidRequest("messages", f"hold {len(parts)} content parts; this server takes at most "
-                                         f"{MAX_CONTENT_PARTS}")
-    images = sum(isinstance(part, dict) and part.get("type") == "image_url" for part in parts)
-    if images > MAX_IMAGES:
-        raise InvalidRequest("messages", f"hold {images} images; this server takes at most {MAX_IMAGES} a request")
+    check_counts("messages", messages, "messages", parts, "content parts", "image_url")
 
 
 def json_object(body) -> dict:

@@ -4,9 +4,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_IMAGES, MAX_MESSAGES, MAX_REQUEST_PIXELS,
+from dflash2_requests import (CONTEXT, IMAGE_URL, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_REQUEST_PIXELS,
                               NON_BLANK_TEXT, TEMPERATURE, TEXT_FORMAT_ONLY, TOOL_NAME, TOP_K, InvalidRequest,
-                              PackLimits, Refusal, ServedModel, Strict, check_sampling, context_refusal, has_text,
+                              PackLimits, Refusal, ServedModel, Strict, check_counts, check_sampling, context_refusal, has_text,
                               json_object, load_checked_image, misplaced, nothing_to_answer, number,
                               request_text_chars, served_model, validated, whole)
 
@@ -238,18 +238,10 @@ def response_parts(items):
 
 
 def check_responses_sizes(body: dict):
-    """check_sizes for a Responses body: input items, content parts and images, before the
-    body is parsed into models."""
+    """check_counts for a Responses body: input items, content parts and images."""
     items = response_items(body)
-    if len(items) > MAX_MESSAGES:
-        raise InvalidRequest("input", f"holds {len(items)} items; this server takes at most {MAX_MESSAGES}")
-    parts = [part for _, _, part in response_parts(items)]
-    if len(parts) > MAX_CONTENT_PARTS:
-        raise InvalidRequest("input", f"holds {len(parts)} content parts; this server takes at most "
-                                      f"{MAX_CONTENT_PARTS}")
-    images = sum(isinstance(part, dict) and part.get("type") == "input_image" for part in parts)
-    if images > MAX_IMAGES:
-        raise InvalidRequest("input", f"holds {images} images; this server takes at most {MAX_IMAGES} a request")
+    check_counts("input", items, "items", [part for _, _, part in response_parts(items)], "content parts",
+                 "input_image")
 
 
 def responses_rendered_chars(request: ResponsesRequest) -> int:

@@ -177,6 +177,9 @@ def test_the_same_limits_as_chat(server_reason):
     assert_refused(post(client, result), 400, "context-length-exceeded", "messages")
     many = {**BODY, "messages": MESSAGES * 4097}
     assert_refused(post(client, many), 400, "invalid-request", "messages")
+    blocks = {**BODY, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 4097}]}
+    assert "4097 content blocks in all" in assert_refused(post(client, blocks), 400, "invalid-request",
+                                                         "messages")["message"]
     images = {**BODY, "messages": [{"role": "user", "content": [image_block("AAAA")] * 65}]}
     assert "at most 64 a request" in assert_refused(post(client, images), 400, "invalid-request", "messages")["message"]
 

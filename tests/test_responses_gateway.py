@@ -166,6 +166,9 @@ def test_the_same_limits_as_chat(server_reason):
     assert_refused(post(client, output), 400, "context-length-exceeded", "messages")
     many = {**BODY, "input": [{"role": "user", "content": "Hi"}] * 4097}
     assert_refused(post(client, many), 400, "invalid-request", "input")
+    parts = {**BODY, "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * 4097}]}
+    assert "4097 content parts in all" in assert_refused(post(client, parts), 400, "invalid-request",
+                                                        "input")["message"]
     images = {**BODY, "input": [{"role": "user", "content": [IMAGE] * 65}]}
     assert "at most 64 a request" in assert_refused(post(client, images), 400, "invalid-request", "input")["message"]
 
