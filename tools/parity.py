@@ -427,8 +427,13 @@ def main():
     from dflash2_pack import find_pack, load_pack
     from make_synthetic_pack import SIZES, build_target_model, make_pack
 
-    # Before minutes of loading: the tokens part needs the verify part's record.
-    earlier = earlier_part(Path(args.out), dflash2_kernels.backend_name()) if args.part == "tokens" else None
+    environment = run_environment(
+        "parity.py", Path(args.pack).name if args.pack else f"synthetic {args.size} target, seed 0"
+    )
+    # Before minutes of loading: the tokens part needs the verify part's record, from this run.
+    earlier = earlier_part(Path(args.out), environment["backend"]) if args.part == "tokens" else None
+    if earlier is not None:
+        same_run(earlier, environment)
 
     started = time.time()
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
@@ -452,11 +457,6 @@ def main():
     continuation = greedy(model, ids, 8)
     contexts = (250, 252, 254, 256, 258, 262, 1030) if args.size == "27b" and not args.pack else (5, 12)
     log(f"model ready; prefilling contexts {contexts}")
-    environment = run_environment(
-        "parity.py", Path(args.pack).name if args.pack else f"synthetic {args.size} target, seed 0"
-    )
-    if earlier is not None:
-        same_run(earlier, environment)
     record = {**environment, "parts": ["verify", "tokens"] if args.part == "all" else [args.part]}
     exact = []
     if args.part != "tokens":
