@@ -9,12 +9,11 @@ The refusals that never reach generation are in test_messages_gateway.py (in pro
 
 import base64
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import pytest
 
-from conftest import SEEN, png, request
+from conftest import SEEN, per_server, png, request
 from test_server import CONTEXT, PACK_NAME, ROUND_COSTS, client as openai_client
 
 MAX_TOKENS = 5
@@ -79,14 +78,13 @@ def text(message):
 
 @pytest.fixture(scope="module")
 def answers(servers):
-    """The greedy conversation through both APIs on each server, one thread per server."""
+    """The greedy conversation through both APIs on each server."""
     def run(name):
         server = servers[name]
         return {"chat": chat(server, temperature=0), "messages": create(server, **GREEDY),
                 "stream": create_streamed(server, **GREEDY)}
 
-    with ThreadPoolExecutor(len(servers)) as pool:
-        return dict(zip(servers, pool.map(run, servers)))
+    return per_server(servers, run)
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.responses import ResponseFunctionToolCall
 
-from conftest import SEEN, data_url, png
+from conftest import SEEN, per_server, data_url, png
 from test_server import CONTEXT, PACK_NAME, ROUND_COSTS, client as openai_client
 
 MAX_TOKENS = 5
@@ -70,13 +70,12 @@ def chat(server, **fields):
 
 @pytest.fixture(scope="module")
 def answers(servers):
-    """The greedy conversation through both APIs on each server, one thread per server."""
+    """The greedy conversation through both APIs on each server."""
     def run(name):
         server = servers[name]
         return {"chat": chat(server, temperature=0), "responses": create(server), "stream": create_streamed(server)}
 
-    with ThreadPoolExecutor(len(servers)) as pool:
-        return dict(zip(servers, pool.map(run, servers)))
+    return per_server(servers, run)
 
 
 def test_the_same_tokens_through_chat_and_responses_on_every_server(answers):
