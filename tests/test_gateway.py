@@ -120,11 +120,13 @@ def post(client, body, **headers):
                        headers={"content-type": "application/json", **headers})
 
 
-def assert_refused(response, status, reason, param=None):
+def assert_refused(response, status, reason, param=None, kind="invalid_request_error"):
+    """Refused with its reason in x-dflash2 and the error's code (OpenAI's error shape, which
+    Anthropic's shares inside its envelope), a message, and param where given."""
     assert response.status_code == status, response.text
     assert response.headers["x-dflash2"] == f"refused; reason={reason}"
     error = response.json()["error"]
-    assert error["code"] == reason and error["type"] == "invalid_request_error"
+    assert error["code"] == reason and error["type"] == kind and error["message"]
     if param is not None:
         assert error["param"] == param, error
     assert "Traceback" not in response.text

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from conftest import png
-from test_gateway import MODEL_ID, VOCAB, CONTEXT, image_dir, make_client  # noqa: F401 (image_dir: a fixture)
+from test_gateway import MODEL_ID, VOCAB, CONTEXT, image_dir, make_client
+from test_gateway import assert_refused as assert_chat_refusal  # noqa: F401 (image_dir: a fixture)
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 BODY = {"model": MODEL_ID, "max_tokens": 5, "messages": MESSAGES}
@@ -30,15 +31,8 @@ def post(client, body, path="/v1/messages", **headers):
 
 def assert_refused(response, status, reason, param=None, kind="invalid_request_error"):
     """Refused in Anthropic's error shape, with chat's reason and param beside."""
-    assert response.status_code == status, response.text
-    assert response.headers["x-dflash2"] == f"refused; reason={reason}"
-    payload = response.json()
-    assert payload["type"] == "error" and set(payload) == {"type", "error"}
-    error = payload["error"]
-    assert error["type"] == kind and error["code"] == reason and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    assert "Traceback" not in response.text
+    error = assert_chat_refusal(response, status, reason, param, kind)
+    assert response.json()["type"] == "error" and set(response.json()) == {"type", "error"}
     return error
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from conftest import data_url, png
-from test_gateway import MODEL_ID, VOCAB, CONTEXT, image_dir, make_client  # noqa: F401 (image_dir: a fixture)
+from test_gateway import MODEL_ID, VOCAB, CONTEXT, assert_refused, image_dir, make_client  # noqa: F401 (image_dir: a fixture)
 
 BODY = {"model": MODEL_ID, "max_output_tokens": 5, "input": "Hi"}
 IMAGE = {"type": "input_image", "image_url": data_url(png((32, 32)))}
@@ -23,18 +23,6 @@ def client(image_dir):  # noqa: F811
 
 def post(client, body, path="/v1/responses", **headers):
     return client.post(path, content=json.dumps(body), headers={"content-type": "application/json", **headers})
-
-
-def assert_refused(response, status, reason, param=None):
-    """Refused in OpenAI's error shape, as chat's refusals are."""
-    assert response.status_code == status, response.text
-    assert response.headers["x-dflash2"] == f"refused; reason={reason}"
-    error = response.json()["error"]
-    assert error["code"] == reason and error["type"] == "invalid_request_error" and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    assert "Traceback" not in response.text
-    return error
 
 
 @pytest.mark.parametrize("server_reason", [None, "no-dflash2", "serve.py"])
