@@ -33,7 +33,7 @@ import dflash2_runtime
 import dflash2_verify
 from conftest import GENERATED, raw_ids
 from parity import (PROMPTS, differing, greedy, oracle_token_case, prefill_route_cases, rollback_cases,
-                    served_prefill_logits, verify_cases)
+                    served_prefill_logits, stock_mlx_vlm, verify_cases)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -304,10 +304,23 @@ def test_verify_handing_each_layer_to_the_device_keeps_every_bit(target, raw_pla
 
 
 @pytest.fixture
-def stock_verify(monkeypatch):
+def stock_verify():
     """The runtime's replacements put back for one test: stock mlx-vlm, as if not installed."""
-    for target in dflash2_runtime.REPLACEMENTS:
-        monkeypatch.setattr(*dflash2_audit.resolve(target), dflash2_audit.stock(target))
+    with stock_mlx_vlm():
+        yield
+
+
+def test_stock_mlx_vlm_is_mlx_vlm_as_shipped_and_then_the_runtime_again(target):
+    """parity.stock_mlx_vlm (these negative controls, bench's peer arm): inside, every replaced
+    target is the stock object; afterwards, the replacement again."""
+    def current():
+        return {row.target: getattr(*dflash2_audit.resolve(row.target)) for row in dflash2_audit.REPLACED}
+
+    installed = current()
+    assert any(value is not dflash2_audit.stock(name) for name, value in installed.items())
+    with stock_mlx_vlm():
+        assert all(value is dflash2_audit.stock(name) for name, value in current().items())
+    assert current() == installed
 
 
 def test_stock_verify_fails_the_same_checks(target, raw_plain, stock_verify):

@@ -42,6 +42,7 @@ from PIL import Image  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
+import dflash2_audit  # noqa: E402
 import dflash2_rounds  # noqa: E402
 import dflash2_sampling  # noqa: E402
 from dflash2_policy import RoundCosts  # noqa: E402
@@ -336,6 +337,25 @@ def served_rounds(drafter, costs, fixed_block=False, acceptance_memory=None):
         yield state
     finally:
         dflash2_rounds.serve_rounds_with(previous)
+
+
+@contextmanager
+def stock_mlx_vlm():
+    """mlx-vlm 0.7.2 as shipped inside the block: every replaced target (dflash2_audit.REPLACED)
+    back to the object its replacement stands in for, the replacements again afterwards. What
+    a user of mlx-vlm's own --draft-model runs: the negative controls, and bench's peer arm."""
+    swapped = []
+    for row in dflash2_audit.REPLACED:
+        owner, name = dflash2_audit.resolve(row.target)
+        current = getattr(owner, name)
+        if hasattr(current, "__dflash2_stock__"):
+            setattr(owner, name, current.__dflash2_stock__)
+            swapped.append((owner, name, current))
+    try:
+        yield
+    finally:
+        for owner, name, current in swapped:
+            setattr(owner, name, current)
 
 
 def oracle_token_case(model, ids, plain, block, error_rate, max_tokens, sampler=None, **labels):
