@@ -140,6 +140,21 @@ def test_the_bench_summary_says_how_its_ratios_were_taken():
         {"round_ms": {"decode": medians}, "e2e_ms": {"plain mlx": paired}})
 
 
+def test_the_bench_summary_sets_the_peer_beside_the_pack():
+    """--peer-arms: mlx-vlm's own speculative decoding over plain, the pack's policy over it and
+    its tokens that differ from plain's, per profile; a record without the peer renders without."""
+    from bench import summary_markdown
+
+    record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    for key in ("e2e_speedup_peer", "pack_over_peer", "peer_tokens_differing"):
+        record.pop(key, None)
+    assert "The peer" not in summary_markdown(record)
+    record.update(e2e_speedup_peer={"median": 1.1, "code": 1.5}, pack_over_peer={"median": 1.32, "code": 1.41},
+                  peer_tokens_differing={"median": 7, "code": 0})
+    assert ("its tokens that differ from plain decoding's: median 1.10x, pack 1.32x, 7 differing; "
+            "code 1.50x, pack 1.41x, 0 differing.") in summary_markdown(record)
+
+
 def test_the_verify_profile_ranks_kernels_by_added_launches():
     """profile_verify's launch table: kernels whose launches per step grow most from the decode
     step to the longest round come first (on CUDA the host's cost follows launches); a record

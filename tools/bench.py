@@ -63,7 +63,7 @@ import dflash2_verify  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
 from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
-from parity import greedy, served_rounds  # noqa: E402
+from parity import greedy, served_rounds, stock_mlx_vlm  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 # The sampled arms' settings beside their temperature (Qwen3.5's recommended top_p and top_k)
@@ -320,6 +320,10 @@ def main():
     parser.add_argument("--first-request-arms", action=argparse.BooleanOptionalAction, default=True,
                         help="end to end, per profile, the policy as a server's first request too "
                         "(--no-first-request-arms: fewer arms between samples)")
+    parser.add_argument("--peer-arms", default="", metavar="PROFILES",
+                        help="end to end, for these profiles also mlx-vlm's own speculative decoding (its round "
+                        "loop and stock verify, the runtime off: what its --draft-model gives) at block 8, the "
+                        "same oracle draws ('': none)")
     parser.add_argument("--compare-prior-depth-decay", type=float, nargs="*", default=[],
                         help="end to end, per profile, the round policy also under these values of "
                         "dflash2_policy.PRIOR_DEPTH_DECAY (a candidate measured beside the default)")
@@ -339,8 +343,11 @@ def main():
     profiles = args.profiles.split(",")
     token_counts = sorted({int(count) for count in args.tokens.split(",")})
     temperatures = [float(t) for t in args.sampled_temperatures.split(",") if t]
+    peer_profiles = [profile for profile in args.peer_arms.split(",") if profile]
     if not profiles or not set(profiles) <= set(PROFILE_TOKENS_PER_ROUND):
         parser.error(f"--profiles: some of {', '.join(PROFILE_TOKENS_PER_ROUND)}")
+    if not set(peer_profiles) <= set(profiles):
+        parser.error(f"--peer-arms: some of --profiles ({', '.join(profiles)})")
     started = time.time()
     deadline = time.monotonic() + args.deadline_s if args.deadline_s else None
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
@@ -567,6 +574,34 @@ def main():
 
             return run
 
+        peer_differing = {}  # peer arm -> tokens of its last full run that differ from plain's
+
+        def peer_arm(profile):
+            """mlx-vlm 0.7.2's own speculative decoding (parity.stock_mlx_vlm: its round loop,
+            stock verify and drafter calls, plain decode's stock step) at block BLOCK, the
+            oracle's draws as the policy arm's. Its verify rounds batched rows as they come,
+            so its tokens may leave plain's: counted, not required equal."""
+            key = peer_name(profile)
+
+            def run(tokens):
+                draws_seed = args.acceptance_seed + len(accepted_runs.get(key, []))
+                oracle = OracleDrafter(
+                    references[None], prompt_length=prompt_ids.shape[1], vocab_size=vocab,
+                    accepted_per_round=None if acceptance else PROFILE_TOKENS_PER_ROUND[profile] - 1,
+                    acceptance=acceptance[profile] if acceptance else None, seed=draws_seed,
+                    block_size=BLOCK, target_layer_ids=taps, cost_drafter=cost_drafter,
+                )
+                with stock_mlx_vlm():
+                    output = timed_greedy(key, tokens, drafter=oracle, block_size=BLOCK)
+                if tokens == count:
+                    accepted_runs.setdefault(key, []).append((draws_seed, list(oracle.accept_lens)))
+                    peer_differing[key] = sum(a != b for a, b in zip(output, references[None]))
+
+            return run
+
+        def peer_name(profile):
+            return f"{profile}, mlx-vlm's own speculative decoding, block {BLOCK}"
+
         def arm_name(profile, block, drafter=cost_drafter, first_request=False, prior_depth_decay=None, temperature=None):
             name = f"{profile}, {'policy' if block is None else f'block {block}'}"
             name += ", first request" if first_request else ""
@@ -601,6 +636,8 @@ def main():
             for decay in args.compare_prior_depth_decay:
                 arms[arm_name(profile, None, prior_depth_decay=decay)] = after_lead_in(
                     speculative_arm(profile, prior_depth_decay=decay))
+            if profile in peer_profiles:
+                arms[peer_name(profile)] = after_lead_in(peer_arm(profile))
         # Sampled requests: plain seeded sampling on the chosen path, and the round policy per profile.
         for temperature in temperatures:
             arms[plain_name(chosen_arm, temperature)] = after_lead_in(plain_arm(chosen_arm, temperature))
@@ -654,6 +691,10 @@ def main():
             for form, drafter in drafters.items() if drafter is not cost_drafter
         }
         identical = all(identical_by_arm.values())
+        peers = {profile: peer_name(profile) for profile in peer_profiles}
+        e2e_peer = {profile: speedup[arm] for profile, arm in peers.items()}
+        pack_over_peer = {profile: dflash2_timing.paired_ratio(e2e_ms[arm], e2e_ms[arm_name(profile, None)])
+                          for profile, arm in peers.items()}
         sampled_arms = {f"{t:g}": {profile: arm_name(profile, None, temperature=t) for profile in profiles}
                         for t in temperatures}
         e2e_sampled = {t: {profile: dflash2_timing.paired_ratio(e2e_ms[plain_name(chosen_arm, float(t))], e2e_ms[arm])
@@ -701,6 +742,11 @@ def main():
             "round_costs_learned": costs.to_json(),
             "cost_drafter_form": drafter_names[id(cost_drafter)],
             "e2e_speedup_by_other_drafter_form": e2e_by_form,
+            # mlx-vlm 0.7.2's own speculative decoding at block BLOCK (what its --draft-model gives),
+            # over plain as above; the round policy over it; its tokens that differ from plain's.
+            "e2e_speedup_peer": e2e_peer,
+            "pack_over_peer": pack_over_peer,
+            "peer_tokens_differing": {profile: peer_differing[arm] for profile, arm in peers.items()},
             # Sampled requests (seeded, SAMPLED_SETTINGS), by temperature and profile: the round policy
             # over plain seeded sampling, the oracle proposing plain seeded sampling's tokens.
             "e2e_speedup_sampled": e2e_sampled,
@@ -919,6 +965,13 @@ def summary_markdown(r) -> str:
             lines.append(f"| {arm} | {gaps[0]:.1f} | {statistics.median(gaps[1:]):.1f} | "
                          f"{sum(gaps) - sum(plain_gaps):+.1f} | "
                          + ", ".join(f"{i}: {gaps[i]:.1f}" for i in slowest) + " |")
+    if r.get("e2e_speedup_peer"):  # absent from records before the peer arm
+        lines += ["", "The peer, mlx-vlm 0.7.2's own speculative decoding (its round loop and stock verify, "
+                  "the runtime off, the same oracle draws) at block 8: over plain, the pack's policy over it, "
+                  "and its tokens that differ from plain decoding's: "
+                  + "; ".join(f"{profile} {speedup:.2f}x, pack {r['pack_over_peer'][profile]:.2f}x, "
+                              f"{r['peer_tokens_differing'][profile]} differing"
+                              for profile, speedup in r["e2e_speedup_peer"].items()) + "."]
     for form, speedups in r["e2e_speedup_by_other_drafter_form"].items():
         lines.append("")
         lines.append(f"Same profiles at block 8 paying the {form} drafter's cost: "
