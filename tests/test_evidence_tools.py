@@ -16,7 +16,8 @@ EVIDENCE = REPO / "evidence"
 def test_a_split_bench_record_keeps_each_phase_s_own_process():
     """tools/bench.py --part e2e on a round-phase record, twice: the round phase's command,
     repeats and decode path stay under round_process; the summary names both phases."""
-    from bench import ROUND_PROCESS_KEYS, start_e2e_phase, summary_markdown
+    from bench import ROUND_PROCESS_KEYS, start_e2e_phase
+    from bench_summary import summary_markdown
 
     rounds = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
     for key in ("round_process", "e2e_ms"):
@@ -41,7 +42,8 @@ def test_bench_keeps_each_token_count_s_pass_and_puts_the_longest_on_top():
     """--part e2e at 256 tokens, then at 40 (separate device calls), then 256 again: each
     count's section under e2e_by_tokens, the top-level keys (README's) always the 256 pass's,
     git_commit and git_clean at top level beside the round phase's own."""
-    from bench import add_e2e_section, start_e2e_phase, summary_markdown, tokens_lines
+    from bench import add_e2e_section, start_e2e_phase
+    from bench_summary import summary_markdown, tokens_lines
 
     record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
     record.pop("round_process")
@@ -74,7 +76,8 @@ def test_bench_records_the_acceptance_curve_and_tokens_per_round_at_every_block(
     """acceptance_model: per profile the curve, expected and measured (over the passes' draws)
     tokens per round at blocks 2..8; a fixed-block arm that accepted other than its draws is
     named; the summary renders it."""
-    from bench import PROFILE_TOKENS_PER_ROUND, acceptance_lines, acceptance_record
+    from bench import PROFILE_TOKENS_PER_ROUND, acceptance_record
+    from bench_summary import acceptance_lines
 
     from oracle_drafter import DepthAcceptance
 
@@ -129,7 +132,7 @@ def test_server_ratios_pair_each_request_with_serve_py_s_of_the_same_pass():
 
 
 def test_the_bench_summary_says_how_its_ratios_were_taken():
-    from bench import ratio_method
+    from bench_summary import ratio_method
 
     medians, paired = {"median": 1.0}, {"median": 1.0, "samples": [1.0]}
     assert ratio_method({"round_ms": {"decode": medians}}) == "."
@@ -143,7 +146,7 @@ def test_the_bench_summary_says_how_its_ratios_were_taken():
 def test_the_bench_summary_sets_the_peer_beside_the_pack():
     """--peer-arms: mlx-vlm's own speculative decoding over plain, the pack's policy over it and
     its tokens that differ from plain's, per profile; a record without the peer renders without."""
-    from bench import summary_markdown
+    from bench_summary import summary_markdown
 
     record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
     for key in ("e2e_speedup_peer", "pack_over_peer", "peer_tokens_differing"):
@@ -345,7 +348,7 @@ def test_the_ncu_summary_reads_each_kernels_metrics_and_opcode_mix(tmp_path):
 def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     """profile_verify's host time by layer, on the tiny target with the runtime installed: one
     figure per layer of the served verify forward, and the served forward back as it was."""
-    import bench
+    import bench_arms
     import dflash2_runtime
     import dflash2_verify
     from make_synthetic_pack import SIZES, build_target_model
@@ -355,15 +358,15 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     assert dflash2_runtime.install().speculative  # the patches; the model's checks add nothing here
     lm = model.language_model
     taps = list(SIZES["tiny"]["drafter"]["target_layer_ids"])
-    cache, _ = bench.prefill(lm, [3, 5, 7, 9], taps)
+    cache, _ = bench_arms.prefill(lm, [3, 5, 7, 9], taps)
     served = dflash2_verify.ExactVerifier._layer
-    layers = host_ms_by_layer(bench.verify_round_steps(lm, cache, taps, 3), 2)
+    layers = host_ms_by_layer(bench_arms.verify_round_steps(lm, cache, taps, 3), 2)
     assert len(layers) == len(lm.model.layers) and all(ms >= 0 for ms in layers)
     assert dflash2_verify.ExactVerifier._layer is served
 
     # The host split: each step's parts timed, and a verify step commits its round (the cache
     # advances by its accepted half plus the bonus token, as bench's verify rounds do).
-    settle = bench.cache_settler(cache)
+    settle = bench_arms.cache_settler(cache)
     steps = split_steps(lm, cache, taps, [4])
     assert list(steps) == ["decode", "verify 4", "verify 4, one eval"]
     before = cache[lm.model.fa_idx].offset
@@ -375,7 +378,7 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
 
 
 def test_the_bench_summary_takes_the_server_s_round_apart_where_the_record_timed_it():
-    from bench import summary_markdown
+    from bench_summary import summary_markdown
 
     record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
     record.pop("served_round_by_part", None)  # as records from before it was timed
@@ -500,7 +503,8 @@ def test_the_parity_summary_counts_sampled_runs_and_says_how_block_rows_are_draw
 
 
 def test_the_bench_summary_gives_sampled_requests_speedups_by_temperature():
-    from bench import SAMPLED_SETTINGS, summary_markdown
+    from bench import SAMPLED_SETTINGS
+    from bench_summary import summary_markdown
 
     record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
     assert "Sampled requests" not in summary_markdown(record)  # records from before sampled arms

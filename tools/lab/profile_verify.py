@@ -21,9 +21,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench, records
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: bench_arms, records
 
-import bench  # noqa: E402  (first: it sets MLX's CUDA graph cache before MLX starts and puts the pack on sys.path)
+import bench_arms  # noqa: E402  (first: the runtime it imports sets MLX's CUDA graph cache before MLX starts; it puts the pack on sys.path)
 
 import mlx.core as mx  # noqa: E402
 
@@ -139,7 +139,7 @@ def split_steps(lm, cache, taps, blocks) -> dict:
 
         def step():
             with dflash2_verify.verify_eval_every(every):
-                hidden_out, states, tokens = bench.dflash_rounds._dflash_verify_greedy(
+                hidden_out, states, tokens = bench_arms.dflash_rounds._dflash_verify_greedy(
                     lm, block, cache, taps, lambda logits: mx.argmax(logits, axis=-1))
             return [tokens, hidden_out], lambda: dflash2_rounds.commit_round(lm, cache, states, length // 2, length)
 
@@ -219,7 +219,7 @@ def summary_markdown(record: dict) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(bench.REPO / "evidence"))
+    parser.add_argument("--out", default=str(bench_arms.REPO / "evidence"))
     parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
     parser.add_argument("--context", type=int, default=32, help="prompt tokens before profiling")
     parser.add_argument("--blocks", default="2,4,8", help="verify lengths to profile")
@@ -232,14 +232,14 @@ def main():
     torch.zeros(1, device="cuda")  # CUDA up in torch before its profiler starts
     blocks = sorted({int(block) for block in args.blocks.split(",")})
     started = time.time()
-    lm, cache, taps, status = bench.prefilled_target(args.size, args.context)
+    lm, cache, taps, status = bench_arms.prefilled_target(args.size, args.context)
     print(f"[{time.time() - started:6.1f}s] runtime installed: {'; '.join(status.log_lines())}", flush=True)
 
-    settle = bench.cache_settler(cache)
-    arm_steps = {"decode": bench.decode_steps(lm, cache)}
-    arm_steps.update({f"verify {length}": bench.verify_round_steps(lm, cache, taps, length) for length in blocks})
-    arm_steps[f"verify {blocks[-1]}, one eval"] = bench.handed_off_every(
-        0, bench.verify_round_steps(lm, cache, taps, blocks[-1]))
+    settle = bench_arms.cache_settler(cache)
+    arm_steps = {"decode": bench_arms.decode_steps(lm, cache)}
+    arm_steps.update({f"verify {length}": bench_arms.verify_round_steps(lm, cache, taps, length) for length in blocks})
+    arm_steps[f"verify {blocks[-1]}, one eval"] = bench_arms.handed_off_every(
+        0, bench_arms.verify_round_steps(lm, cache, taps, blocks[-1]))
     arms = {}
     with mx.stream(dflash2_timing.batch_stream):  # as the server's batch generator runs requests
         wall = dflash2_timing.interleaved_ms(
