@@ -73,7 +73,6 @@ SAMPLED_SETTINGS = {"top_p": 0.95, "top_k": 20, "seed": 0}
 # Profiles named by tokens per round at block 8 (seed 003's published figures:
 # chat and prose 2.0, median 2.71, code 4.5) and zero acceptance (a random drafter).
 PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.5}
-GB = 1e9
 # What a split run's round phase keeps of its own process when --part e2e adds to its record.
 ROUND_PROCESS_KEYS = ("runtime_status", "plain_decode_path", "round_costs", "drafter_dtype_by_form",
                       "command", "repeats", "code", "git_commit", "git_clean")
