@@ -170,9 +170,9 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="cancel a chat request still running after this long and answer 504 "
                              f"(default: {DEFAULT_REQUEST_TIMEOUT_S}; 0: no limit)")
     parser.add_argument("--full-hash", "--dflash2-full-hash", action="store_true",
-                        help="at launch, hash every file pinned in dflash2-pack.json whole, weight data "
-                             "included (minutes for a real pack; by default launch checks sizes, small "
-                             "files' sha256 and safetensors headers)")
+                        help="at launch, hash every file pinned in dflash2-pack.json whole, also weights "
+                             "an earlier start hashed and that have not changed since (by default those are "
+                             "checked by size, header and file identity, and the rest hashed)")
     cache = parser.add_argument_group("prefix cache")
     cache.add_argument("--prefix-cache-gb", type=positive_gb, metavar="GB", default=DEFAULT_PREFIX_CACHE_GB,
                        help="memory for the exact prefix cache's snapshots of recent prompts, least "
@@ -253,9 +253,11 @@ def exit_if_pins_differ(pack_dir: Path, full_hash: bool):
     in the log. A pack folder in the release layout (the target's files at its top, as
     build_pack writes it) or with SHA256SUMS is refused without one; a source layout
     (target/ and drafter/ folders, never built) is served with a warning, and so is a pinned
-    pack without its SHA256SUMS."""
+    pack without its SHA256SUMS. Weights are hashed where no earlier start hashed them as they
+    are now (dflash2_file_hashes)."""
     import logging
 
+    from dflash2_file_hashes import RememberedHashes
     from dflash2_pack import PINS_FILE, SUMS_FILE, check_pins
 
     logger = logging.getLogger("dflash2.server")
@@ -265,20 +267,24 @@ def exit_if_pins_differ(pack_dir: Path, full_hash: bool):
                      "download or build the pack again")
         logger.warning("no %s in the pack folder: file pins not checked", PINS_FILE)
         return
-    failures = check_pins(pack_dir, full_hash)
+    remembered = RememberedHashes()
+    if remembered.problem:
+        logger.warning("remembered weight hashes: %s", remembered.problem)
+    failures = check_pins(pack_dir, full_hash, remembered)
     if failures:
         sys.exit(f"error: the pack differs from {PINS_FILE}:\n  " + "\n  ".join(failures))
+    problem = remembered.save()
+    if problem:
+        logger.warning("weight hashes could not be remembered (the next start hashes them again): %s", problem)
     if not (pack_dir / SUMS_FILE).is_file():
         # The pins still hold every file, but shasum -c and --verify-pack have nothing to check.
         logger.warning("%s is missing from the pack folder (a built pack ships it): shasum -a 256 -c "
                        "and --verify-pack cannot check the pack; download or build it again", SUMS_FILE)
-    if full_hash:
-        logger.info("launch checks against %s: every pinned file's sha256 matches, and no weights file "
-                    "is unpinned", PINS_FILE)
-    else:
-        logger.info("launch checks against %s: sizes, small files' sha256 and safetensors headers match, "
-                    "and no weights file is unpinned; weight data not hashed (--full-hash or "
-                    "--verify-pack hash it)", PINS_FILE)
+    weights = ("--full-hash: every file hashed now" if full_hash else
+               f"weights hashed now: {len(remembered.hashed)}, unchanged since an earlier start hashed "
+               f"them: {len(remembered.reused)}")
+    logger.info("launch checks against %s: every pinned file's sha256 matches (%s), and no weights file "
+                "is unpinned", PINS_FILE, weights)
 
 
 def exit_if_pack_invalid(target_dir: Path, drafter_dir: Path = None):

@@ -500,14 +500,15 @@ def read_pins(pack_dir: Path) -> dict:
     return pins
 
 
-def check_pins(pack_dir: Path, full_hash: bool) -> list:
+def check_pins(pack_dir: Path, full_hash: bool, remembered=None) -> list:
     """Compares the pack folder with dflash2-pack.json; returns one line per failure.
 
     dflash2-pack.json holds {"files": {"<path in the pack>": {"size": bytes, "sha256": hex,
-    "header_sha256": hex}}} (header_sha256 for .safetensors files). At launch every pinned
-    file's size is checked, small files (configs, README, tokenizer, template) are hashed
-    whole, and weights by their safetensors header; --full-hash hashes every file.
-    """
+    "header_sha256": hex}}} (header_sha256 for .safetensors files). Every pinned file's size
+    is checked and small files (configs, README, tokenizer, template) are hashed whole. Weights
+    are checked by their safetensors header and, with `remembered` (the launch's
+    dflash2_file_hashes.RememberedHashes), hashed whole where it does not hold their pinned
+    hash for the file as it is now, each match remembered; full_hash hashes every file."""
     from tqdm import tqdm
 
     try:
@@ -531,19 +532,24 @@ def check_pins(pack_dir: Path, full_hash: bool) -> list:
         if size != pin["size"]:
             failures.append(f"{name}: size expected {pin['size']}, actual {size}")
             continue
-        if name.endswith(".safetensors") and not full_hash:
+        weights = name.endswith(".safetensors")
+        if weights and not full_hash:
             actual = safetensors_header_sha256(path)
             if actual != pin["header_sha256"]:
                 failures.append(f"{name}: safetensors header sha256 expected {pin['header_sha256']}, "
                                 f"actual {actual}")
-        else:
+                continue
+        if not weights or full_hash or (remembered is not None and not remembered.matches(path, pin["sha256"])):
             to_hash.append((name, path, pin))
+    weight_bytes = sum(path.stat().st_size for name, path, _ in to_hash if name.endswith(".safetensors"))
     with tqdm(total=sum(path.stat().st_size for _, path, _ in to_hash), unit="B", unit_scale=True,
-              desc="sha256", disable=not full_hash) as progress:
+              desc="sha256", disable=not weight_bytes) as progress:
         for name, path, pin in to_hash:
             actual = sha256_file(path, progress)
             if actual != pin["sha256"]:
                 failures.append(f"{name}: sha256 expected {pin['sha256']}, actual {actual}")
+            elif remembered is not None and name.endswith(".safetensors"):
+                remembered.remember(path, actual)
     return failures
 
 

@@ -336,6 +336,7 @@ LAYERS = [
     "dflash2_policy",
     "dflash2_sampling",
     "dflash2_verdicts",
+    "dflash2_file_hashes",
     "dflash2_pack",
     "dflash2_audit",
     "dflash2_kernels",

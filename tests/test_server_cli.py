@@ -427,22 +427,61 @@ STOP_AFTER_CHECKS = ("--max-tokens", "40000")
 STOPPED_AFTER_CHECKS = "--max-tokens 40000 is above the model's context length"
 
 
+@pytest.fixture
+def weight_hashes(tmp_path, monkeypatch):
+    """The servers' user cache folder (XDG_CACHE_HOME) for this test alone; the path of the
+    remembered weight hashes in it (dflash2_file_hashes)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "dflash2" / "weight-hashes.json"
+
+
+def hashed_now(stderr: str) -> str:
+    """The launch log's count of weights hashed now and unchanged since an earlier start."""
+    line = next(line for line in stderr.splitlines() if "launch checks against" in line)
+    return line.split("(")[1].split(")")[0]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_flipped_weight_byte_is_caught_by_the_full_hash_alone(pinned_pack, script):
-    """The launch checks read a weights file's size and header, not its data: a flipped byte
-    there passes them (README says so), and --full-hash (or --dflash2-full-hash) stops it."""
-    result = run(script, "--pack", str(pinned_pack), "--full-hash", *STOP_AFTER_CHECKS)
-    assert result.returncode == 1 and STOPPED_AFTER_CHECKS in result.stderr, result.stderr
-    assert "every pinned file's sha256 matches" in result.stderr
-    weights = pinned_pack / "model.safetensors"
-    flip_byte(weights, weights.stat().st_size - 3)  # a weight byte: size and header unchanged
+def test_weights_are_hashed_once_and_again_where_they_changed(pinned_pack, weight_hashes, script):
+    """A first launch hashes the weights whole (a progress bar) and remembers them; the next
+    hashes none; --full-hash (or --dflash2-full-hash) hashes every file all the same. A flipped
+    weight byte, size and header intact and the modification time set back, still changes the
+    file's status-change time: hashed again, and the start stops naming the file."""
     result = run(script, "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
     assert result.returncode == 1 and STOPPED_AFTER_CHECKS in result.stderr, result.stderr
+    assert hashed_now(result.stderr) == "weights hashed now: 2, unchanged since an earlier start hashed them: 0"
+    assert "sha256:" in result.stderr and weight_hashes.is_file()  # the progress bar
+    result = run(script, "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
+    assert hashed_now(result.stderr) == "weights hashed now: 0, unchanged since an earlier start hashed them: 2"
+    assert "sha256:" not in result.stderr
     for option in ("--full-hash", "--dflash2-full-hash"):
         result = run(script, "--pack", str(pinned_pack), option, *STOP_AFTER_CHECKS)
-        assert result.returncode == 1 and STOPPED_AFTER_CHECKS not in result.stderr
-        assert "model.safetensors: sha256 expected" in result.stderr, result.stderr
-        assert "sha256:" in result.stderr  # the progress bar
+        assert STOPPED_AFTER_CHECKS in result.stderr and "sha256:" in result.stderr, result.stderr
+        assert hashed_now(result.stderr) == "--full-hash: every file hashed now"
+    weights = pinned_pack / "model.safetensors"
+    before = weights.stat()
+    flip_byte(weights, before.st_size - 3)  # a weight byte: size and header unchanged
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    result = run(script, "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
+    assert result.returncode == 1 and STOPPED_AFTER_CHECKS not in result.stderr
+    assert "model.safetensors: sha256 expected" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("damage", ["edited", "not json"])
+def test_a_damaged_weight_hashes_file_is_set_aside_and_the_weights_hashed_again(pinned_pack, weight_hashes, damage):
+    run("serve.py", "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
+    data = json.loads(weight_hashes.read_text())
+    if damage == "edited":  # an entry changed, the file's own sha256 not
+        next(iter(data["files"].values()))["identity"][2] += 1
+        weight_hashes.write_text(json.dumps(data))
+    else:
+        weight_hashes.write_text("{")
+    result = run("serve.py", "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
+    assert STOPPED_AFTER_CHECKS in result.stderr, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "was set aside" in line]
+    assert len(warning) == 1 and ("content sha256 differs" if damage == "edited" else "Expecting") in warning[0]
+    assert hashed_now(result.stderr) == "weights hashed now: 2, unchanged since an earlier start hashed them: 0"
+    assert json.loads(weight_hashes.read_text())["sha256"]  # written whole again
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

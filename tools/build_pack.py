@@ -62,6 +62,7 @@ RUNTIME_FILES = (
     "dflash2_policy.py",
     "dflash2_sampling.py",
     "dflash2_verdicts.py",
+    "dflash2_file_hashes.py",
     "dflash2_pack.py",
     "dflash2_audit.py",
     "dflash2_kernels.py",
