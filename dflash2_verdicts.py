@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from dflash2_file_hashes import canonical, user_cache_folder
 from dflash2_pack import PINS_FILE, safetensors_header_sha256
 
 logger = logging.getLogger("dflash2.server")
@@ -50,21 +51,11 @@ ESTIMATES_S = {"cuda": {"kernel self-tests": 85, "verify self-check": 3, "plain 
 
 
 def cache_folder() -> Path:
-    """The platform's user cache folder for dflash2 (as platformdirs.user_cache_dir puts it)."""
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME", "")
-        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "dflash2" / "verdicts"
+    return user_cache_folder() / "verdicts"
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _canonical(value) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
 def pack_key(pack_dir: Path, target_dir: Path, drafter_dir: Optional[Path], options: dict) -> dict:
@@ -123,7 +114,7 @@ def read_cache_file(path: Path, key: Optional[dict]) -> dict:
         raise ValueError(f"{path.name} is not valid JSON ({error})") from None
     if not isinstance(data, dict) or set(data) != {"schema", "key", "verdicts", "sha256"}:
         raise ValueError(f"{path.name} is not a verdict file (its fields differ)")
-    if data["sha256"] != _sha256(_canonical({name: data[name] for name in ("schema", "key", "verdicts")})):
+    if data["sha256"] != _sha256(canonical({name: data[name] for name in ("schema", "key", "verdicts")})):
         raise ValueError(f"{path.name} was edited or is corrupt (its content sha256 differs)")
     if data["schema"] != SCHEMA:
         raise ValueError(f"{path.name} has schema {data['schema']!r}, this runtime reads {SCHEMA}")
@@ -174,8 +165,8 @@ class VerdictCache:
         if self.pack is None:
             self.full_check_because = "no verdict cache"
             return
-        self.key = json.loads(_canonical({**machine_key(), **self.pack}))  # as a file gives it back
-        self.path = cache_folder() / f"{_sha256(_canonical(self.key))[:32]}.json"
+        self.key = json.loads(canonical({**machine_key(), **self.pack}))  # as a file gives it back
+        self.path = cache_folder() / f"{_sha256(canonical(self.key))[:32]}.json"
         try:
             if not self.path.is_file():
                 raise ValueError("nothing cached for this key yet" + self._newest_other_start())
@@ -249,7 +240,7 @@ class VerdictCache:
         if self.path is None or not any(entry["value"] is not None for entry in self.measured.values()):
             return
         data = {"schema": SCHEMA, "key": self.key, "verdicts": {**self.cached, **self.measured}}
-        data["sha256"] = _sha256(_canonical(data))
+        data["sha256"] = _sha256(canonical(data))
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)
