@@ -349,6 +349,9 @@ def log_leaks(server):
 # Schemathesis and damaged packs
 
 
+SCHEMATHESIS_SEED = 1  # the same cases each run: a failure can be replayed
+
+
 def schemathesis_pass(server, max_examples):
     """Schemathesis's negative cases for every operation and positive ones for the GET
     operations, each run bounded in examples and time. A valid chat request runs
@@ -362,12 +365,15 @@ def schemathesis_pass(server, max_examples):
         result = subprocess.run(
             ["schemathesis", "run", f"http://127.0.0.1:{server.port}/openapi.json", "--mode", mode, *only,
              "--checks", "not_a_server_error", "--max-examples", str(max_examples), "--max-time", "300",
-             "--request-timeout", "60", "--workers", "1", "--no-color"],
+             "--request-timeout", "60", "--workers", "1", "--no-color", "--seed", str(SCHEMATHESIS_SEED)],
             capture_output=True, text=True, timeout=900, env=env)
         lines = [line.strip() for line in result.stdout.splitlines()]
+        # What failed, as schemathesis reports it: each case, its answer and a curl line to replay it.
+        report = result.stdout.partition("= FAILURES =")[2].partition("= SUMMARY =")[0]
         record[mode] = {"exit_code": result.returncode,
                         "cases": next((line for line in lines if " generated" in line), None),
-                        "failures": [line for line in lines if line.startswith("\u274c")]}
+                        "failures": [line for line in lines if line.startswith("\u274c")],
+                        "failure_report": report.strip()[:4000]}
     return record
 
 
@@ -474,6 +480,7 @@ def main(argv=None):
     failed = any(s["client_5xx"] or s["crashes"] or s["path_leaks"] or s["answers_changed"]
                  for s in record["servers"].values())
     failed |= any(not r["refused"] or r["traceback"] for r in record["damaged_packs"])
+    failed |= any(record["schemathesis"].get(mode, {}).get("failures") for mode in ("negative", "positive"))
     sys.exit(1 if failed else 0)
 
 
