@@ -271,8 +271,11 @@ def test_arrival_and_finish_log_lines(servers):
     for field in ("status=200", "tokens=3", "rounds=", "accepted=", "tokens_from_rounds=",
                   "tokens_from_plain_steps=", "peak_memory="):
         assert field in finish[0], finish[0]
-    # The launch check says what it hashed.
-    assert "weight data not hashed" in servers["spec"].log() and " passed" not in servers["spec"].log()
+    # The launch check says what it hashed: the weights now or, the run's servers sharing one
+    # cache folder, an earlier server's hashes of them unchanged.
+    hashed = re.search(r"weights hashed now: (\d+), unchanged since an earlier start hashed them: (\d+)",
+                       servers["spec"].log())
+    assert hashed and sum(map(int, hashed.groups())) == 2 and " passed" not in servers["spec"].log()
 
 
 def test_both_servers_prefill_with_the_row_appending_inverse(servers):
