@@ -700,6 +700,24 @@ def test_make_evidence_runs_parity_then_bench_on_the_pack(tmp_path, monkeypatch)
     assert all(command[-1] == str(tmp_path / "out") for command in ran)
 
 
+def test_the_battery_counts_a_schemathesis_request_timeout_apart():
+    """tools/battery.py reads each answer in schemathesis's failure report: the record's one (a 504
+    of --request-timeout on the CPU) is a timeout under load, not a failure; any other answer,
+    or a failure whose answer it cannot read, fails the run."""
+    from battery import failure_answers, schemathesis_failed
+
+    negative = json.loads((EVIDENCE / "battery-cpu.json").read_text())["schemathesis"]["negative"]
+    timeouts = failure_answers(negative["failure_report"])
+    assert timeouts == [(504, "request-timeout")] and negative["failures"]
+    assert not schemathesis_failed(negative["failures"], timeouts)
+    crashed = negative["failure_report"].replace("[504] Gateway Timeout", "[500] Internal Server Error").replace(
+        '"code": "request-timeout"', '"code": "internal-error"')
+    assert failure_answers(crashed) == [(500, "internal-error")]
+    assert schemathesis_failed(negative["failures"], failure_answers(crashed))
+    assert failure_answers("[500] Internal Server Error:\n\n    `not json`\n") == [(500, None)]
+    assert schemathesis_failed(negative["failures"], []) and not schemathesis_failed([], [])
+
+
 def test_the_schemathesis_hooks_keep_answers_short_and_positive_cases_valid(monkeypatch):
     """tools/schemathesis_hooks.py, loaded from its file as schemathesis loads SCHEMATHESIS_HOOKS
     (tools/battery.py, tests/test_openapi_schemathesis.py), registers map_case: token limits
