@@ -36,11 +36,10 @@ def canonical(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
-def identity(path: Path) -> list:
+def identity(status: os.stat_result) -> list:
     """What changes whenever a file's bytes can have: device, inode, size, and the modification
     and status-change times in ns (of the file a link resolves to: a Hugging Face snapshot's
     blob)."""
-    status = path.stat()
     return [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns]
 
 
@@ -70,16 +69,17 @@ class RememberedHashes:
     def matches(self, path: Path, sha256: str) -> bool:
         """Whether `path` was hashed to `sha256` by an earlier start and has not changed since."""
         entry = self.files.get(str(path.resolve()))
-        if entry is None or entry["sha256"] != sha256 or entry["identity"] != identity(path):
+        if entry is None or entry["sha256"] != sha256 or entry["identity"] != identity(path.stat()):
             return False
         self.reused.append(path)
         return True
 
-    def remember(self, path: Path, sha256: str) -> None:
-        """`path` hashed to `sha256` now (a pin it matched)."""
+    def remember(self, path: Path, sha256: str, status: os.stat_result) -> None:
+        """`path` hashed to `sha256` now (a pin it matched), `status` its stat from before the
+        hash: a file changed while it was hashed no longer matches it, and is hashed again."""
         name = str(path.resolve())
         self.files.pop(name, None)  # re-inserted last: the newest are kept
-        self.files[name] = {"identity": identity(path), "sha256": sha256}
+        self.files[name] = {"identity": identity(status), "sha256": sha256}
         self.hashed.append(path)
 
     def save(self) -> Optional[str]:

@@ -545,11 +545,12 @@ def check_pins(pack_dir: Path, full_hash: bool, remembered=None) -> list:
     with tqdm(total=sum(path.stat().st_size for _, path, _ in to_hash), unit="B", unit_scale=True,
               desc="sha256", disable=not weight_bytes) as progress:
         for name, path, pin in to_hash:
+            status = path.stat()
             actual = sha256_file(path, progress)
             if actual != pin["sha256"]:
                 failures.append(f"{name}: sha256 expected {pin['sha256']}, actual {actual}")
             elif remembered is not None and name.endswith(".safetensors"):
-                remembered.remember(path, actual)
+                remembered.remember(path, actual, status)
     return failures
 
 

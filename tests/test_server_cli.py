@@ -467,6 +467,32 @@ def test_weights_are_hashed_once_and_again_where_they_changed(pinned_pack, weigh
     assert "model.safetensors: sha256 expected" in result.stderr, result.stderr
 
 
+def test_a_weights_file_changed_while_it_is_hashed_is_hashed_again(pinned_pack, tmp_path, monkeypatch):
+    """The identity remembered is the file's from before its hash: a file that changes while it
+    is hashed (here: just after its bytes were read) does not match it, and the next launch
+    hashes it again."""
+    import dflash2_pack
+    from dflash2_file_hashes import RememberedHashes
+
+    weights = pinned_pack / "model.safetensors"
+    hash_file = dflash2_pack.sha256_file
+
+    def hash_then_change(path, progress=None):
+        digest = hash_file(path, progress)
+        if path == weights:
+            os.utime(path, ns=(0, 0))
+        return digest
+
+    monkeypatch.setattr(dflash2_pack, "sha256_file", hash_then_change)
+    remembered = RememberedHashes(tmp_path / "hashes.json")
+    assert dflash2_pack.check_pins(pinned_pack, False, remembered) == [] and len(remembered.hashed) == 2
+    assert remembered.save() is None
+    monkeypatch.setattr(dflash2_pack, "sha256_file", hash_file)
+    again = RememberedHashes(tmp_path / "hashes.json")
+    assert dflash2_pack.check_pins(pinned_pack, False, again) == []
+    assert again.hashed == [weights] and again.reused == [pinned_pack / "drafter" / "model.safetensors"]
+
+
 @pytest.mark.parametrize("damage", ["edited", "not json"])
 def test_a_damaged_weight_hashes_file_is_set_aside_and_the_weights_hashed_again(pinned_pack, weight_hashes, damage):
     run("serve.py", "--pack", str(pinned_pack), *STOP_AFTER_CHECKS)
