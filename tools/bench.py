@@ -385,6 +385,18 @@ def main():
         routes = {}  # policy arm -> its SpeculativeRoute: each run routed as the server would
         routed_plain = {}  # policy arm -> its full runs the route sent plain
 
+        def pass_oracle(key, profile, block, drafter, temperature=None):
+            """The oracle for a run of arm `key`, proposing the reference at `temperature` with the
+            draws of the pass the run belongs to (each arm runs once a pass, the warm-up pass 0; a
+            lead-in run takes the pass of the full run after it): its seed."""
+            return OracleDrafter(
+                references[temperature], prompt_length=prompt_ids.shape[1], vocab_size=vocab,
+                accepted_per_round=None if acceptance else PROFILE_TOKENS_PER_ROUND[profile] - 1,
+                acceptance=acceptance[profile] if acceptance else None,
+                seed=args.acceptance_seed + len(accepted_runs.get(key, [])),
+                block_size=block, target_layer_ids=taps, cost_drafter=drafter,
+            )
+
         def speculative_arm(profile, block=None, drafter=cost_drafter, first_request=False, prior_depth_decay=None,
                             temperature=None):
             """block None: the round policy (ceiling BLOCK), as the server runs it: each run
@@ -393,7 +405,6 @@ def main():
             server's first request, or a drafter the server did not measure); with
             prior_depth_decay, under that value of the policy's constant instead; with
             temperature, a sampled request (routed and remembered as the server does those)."""
-            accepted = PROFILE_TOKENS_PER_ROUND[profile] - 1
             key = arm_name(profile, block, drafter, first_request, prior_depth_decay, temperature)
             sampler = sampled_sampler(temperature)
             kind = dflash2_policy.GREEDY if temperature is None else dflash2_policy.SAMPLED
@@ -404,15 +415,7 @@ def main():
             def run(tokens):
                 dflash2_decode_arms.use_decode_arm(chosen_arm)
                 dflash2_drafter.use_drafter_bf16(dtypes[drafter_names[id(drafter)]].bf16)
-                # The pass this run belongs to (each arm runs once a pass, the warm-up pass 0; a
-                # lead-in run takes the pass of the full run after it): its acceptance draws.
-                draws_seed = args.acceptance_seed + len(accepted_runs.get(key, []))
-                oracle = OracleDrafter(
-                    references[temperature], prompt_length=prompt_ids.shape[1], vocab_size=vocab,
-                    accepted_per_round=None if acceptance else accepted,
-                    acceptance=acceptance[profile] if acceptance else None, seed=draws_seed,
-                    block_size=block or BLOCK, target_layer_ids=taps, cost_drafter=drafter,
-                )
+                oracle = pass_oracle(key, profile, block or BLOCK, drafter, temperature)
                 table = costs.to_json()  # the learning table this run's policy starts from
                 # The acceptance its first choice reads (what the arm's earlier runs left), and how many
                 # requests the memory saw.
@@ -433,7 +436,7 @@ def main():
                 finally:
                     dflash2_policy.PRIOR_DEPTH_DECAY = default_decay
                 if tokens == count:
-                    accepted_runs.setdefault(key, []).append((draws_seed, list(oracle.accept_lens)))
+                    accepted_runs.setdefault(key, []).append((oracle.seed, list(oracle.accept_lens)))
                     tables_before[key], arm_states[key] = table, state
                     identical_by_arm[key] = output == references[temperature]
                     seeds_before[key] = seed
@@ -450,17 +453,11 @@ def main():
             key = peer_name(profile)
 
             def run(tokens):
-                draws_seed = args.acceptance_seed + len(accepted_runs.get(key, []))
-                oracle = OracleDrafter(
-                    references[None], prompt_length=prompt_ids.shape[1], vocab_size=vocab,
-                    accepted_per_round=None if acceptance else PROFILE_TOKENS_PER_ROUND[profile] - 1,
-                    acceptance=acceptance[profile] if acceptance else None, seed=draws_seed,
-                    block_size=BLOCK, target_layer_ids=taps, cost_drafter=cost_drafter,
-                )
+                oracle = pass_oracle(key, profile, BLOCK, cost_drafter)
                 with stock_mlx_vlm():
                     output = timed_greedy(key, tokens, drafter=oracle, block_size=BLOCK)
                 if tokens == count:
-                    accepted_runs.setdefault(key, []).append((draws_seed, list(oracle.accept_lens)))
+                    accepted_runs.setdefault(key, []).append((oracle.seed, list(oracle.accept_lens)))
                     peer_differing[key] = sum(a != b for a, b in zip(output, references[None]))
 
             return run
