@@ -541,9 +541,8 @@ def check_pins(pack_dir: Path, full_hash: bool, remembered=None) -> list:
                 continue
         if not weights or full_hash or (remembered is not None and not remembered.matches(path, pin["sha256"])):
             to_hash.append((name, path, pin))
-    weight_bytes = sum(path.stat().st_size for name, path, _ in to_hash if name.endswith(".safetensors"))
-    with tqdm(total=sum(path.stat().st_size for _, path, _ in to_hash), unit="B", unit_scale=True,
-              desc="sha256", disable=not weight_bytes) as progress:
+    with tqdm(total=sum(pin["size"] for _, _, pin in to_hash), unit="B", unit_scale=True, desc="sha256",
+              disable=not any(name.endswith(".safetensors") for name, _, _ in to_hash)) as progress:
         for name, path, pin in to_hash:
             status = path.stat()
             actual = sha256_file(path, progress)
