@@ -46,7 +46,7 @@ def test_target_generates_varied_greedy_text(loaded):
     assert (steps[-1].finish_reason, steps[-1].generation_tokens) == ("length", 32)
     tokens = [step.token for step in steps if step.finish_reason is None]
     assert len(set(tokens)) >= 8, tokens
-    assert "".join(step.text for step in steps).isprintable()
+    assert all(char.isprintable() or char in "\n\t" for char in "".join(step.text for step in steps))
 
 
 def test_image_prompt_goes_through_the_vision_tower(loaded, tmp_path):
@@ -200,7 +200,7 @@ DRAFTER_CASES = {
     "layer count": (
         "config.json",
         lambda c: c.update(num_target_layers=64),
-        ["num_target_layers: expected 4 (the target's num_hidden_layers), got 64"],
+        ["num_target_layers: expected 2 (the target's num_hidden_layers), got 64"],
     ),
     "vocabulary": (
         "config.json",
@@ -210,7 +210,7 @@ DRAFTER_CASES = {
     "taps out of range": (
         "config.json",
         lambda c: c["dflash_config"].update(target_layer_ids=[5, 19, 33]),
-        ["dflash_config.target_layer_ids: expected 'increasing layer ids in [0, 4)', got [5, 19, 33]"],
+        ["dflash_config.target_layer_ids: expected 'increasing layer ids in [0, 2)', got [5, 19, 33]"],
     ),
     "mask token outside vocab": (
         "config.json",
@@ -294,10 +294,10 @@ def test_find_pack_layouts(tiny_pack, tmp_path):
 
 
 def test_layers_option_gives_the_real_layer_pattern(tmp_path):
-    paths = make_pack(tmp_path, size="tiny", seed=0, layers=64)
+    paths = make_pack(tmp_path, size="tiny-pair", seed=0, layers=64)
     model, _, drafter = load_pack(paths["target"], paths["drafter"])
     layers = model.language_model.model.layers
     assert len(layers) == 64 and drafter.config.num_target_layers == 64
     assert [i for i, layer in enumerate(layers) if not layer.is_linear] == list(range(3, 64, 4))
     with pytest.raises(ValueError, match="at least 4 layers, got 3"):
-        make_pack(tmp_path / "short", size="tiny", layers=3)
+        make_pack(tmp_path / "short", size="tiny-pair", layers=3)

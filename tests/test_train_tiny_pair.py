@@ -26,7 +26,7 @@ def test_the_packed_target_computes_what_training_saw(tmp_path):
     bitwise the dense weight the training forward used; the pack written from them passes the
     pack's checks, and mlx-vlm's loaded model gives the training model's logits up to fp16's
     rounding."""
-    config = target_config("tiny")
+    config = target_config(tiny.SIZE)
     lm = tiny.training_target(config, seed=0)
     lm.eval()
     tensors = tiny.target_tensors(lm, config)
@@ -40,7 +40,7 @@ def test_the_packed_target_computes_what_training_saw(tmp_path):
         assert mx.array_equal(weight, modules[record["path"]].dense()).item(), record["path"]
     assert tensors["language_model.model.layers.0.linear_attn.A_log"].dtype == mx.float32
 
-    write_target(tmp_path / "target", "tiny", 0, trained=tensors)
+    write_target(tmp_path / "target", tiny.SIZE, 0, trained=tensors)
     model, _, _ = load_pack(tmp_path / "target")
     ids = mx.array([[5, 9, 33, 100, 7, 300, 2, 41]])
     trained = lm(ids).logits.astype(mx.float32)

@@ -2,10 +2,11 @@
 """Write a synthetic DFlash2 model pack with random weights in the real on-disk formats.
 
     python tools/make_synthetic_pack.py --size tiny --seed 0 --out /tmp/pack
-    python tools/make_synthetic_pack.py --size tiny --layers 64 --out /tmp/pack64
+    python tools/make_synthetic_pack.py --size tiny-pair --layers 64 --out /tmp/pack64
 
---layers keeps a size's widths with another layer count (every 4th layer attention, as
-in the real model): tiny widths with the real 64-layer pattern for graph counts.
+--layers keeps a size's widths and attention interval with another layer count: tiny-pair's
+(every 4th layer attention, as in the real model) gives tiny widths with the real 64-layer
+pattern for graph counts.
 
 DIR/target is a prism_hadamard_qwen35 pack as mlx-vlm 0.7.2 loads it: 2-bit affine packed
 weights (uint32 codes, fp16 scales and biases, fp32 +-1 Hadamard signs where block > 0), a
@@ -40,14 +41,16 @@ from dflash2_pack import TARGET_SCHEMA, build_skeleton  # noqa: E402  (the forma
 # The tokenizer's trained byte-level BPE vocabulary; Qwen's special tokens follow it.
 BPE_VOCAB_SIZE = 448
 
-# Sizes. "27b" is the real Ternary-Bonsai-2-27B / DFlash2 drafter geometry. "tiny" keeps the
-# same structure (3 GDN layers + 1 attention layer, packed embedding and head, vision tower)
-# but small enough to decode on 2 CPU cores: MLX's fp16 2-bit matmul on CPU costs ~50 ns a
-# weight per row, so the inner widths are minimal (~2.1M packed weights, ~0.1 s a token).
-# Hidden 512 lets every module that reads the hidden state, the embedding and the head
-# included, use a 512 Hadamard block.
+# Sizes. "27b" is the real Ternary-Bonsai-2-27B / DFlash2 drafter geometry. "tiny-pair" keeps
+# the same structure (3 GDN layers + 1 attention layer, packed embedding and head, vision
+# tower) but small enough to decode on 2 CPU cores: MLX's fp16 2-bit matmul on CPU costs ~50 ns
+# a weight per row, so the inner widths are minimal (~2.1M packed weights, ~0.08 s a token);
+# the trained demo pair (fixtures/tiny-pair) has it. "tiny", the test suite's pack, has its
+# widths with one GDN layer and one attention layer (~0.045 s a token on CPU: the suite's time
+# is nearly all such rows). Hidden 512 lets every module that reads the hidden state, the
+# embedding and the head included, use a 512 Hadamard block.
 SIZES = {
-    "tiny": {
+    "tiny-pair": {
         "text": {
             "hidden_size": 512,
             "intermediate_size": 128,
@@ -131,6 +134,11 @@ SIZES = {
         # the ids between the BPE vocabulary and 248044 are reserved fillers.
         "special_base": 248044,
     },
+}
+SIZES["tiny"] = {
+    **SIZES["tiny-pair"],
+    "text": {**SIZES["tiny-pair"]["text"], "num_hidden_layers": 2, "full_attention_interval": 2},
+    "drafter": {**SIZES["tiny-pair"]["drafter"], "target_layer_ids": [0, 1]},
 }
 
 # Qwen's special tokens, in Qwen's id order. `False` marks tokens that decode as text
