@@ -294,10 +294,10 @@ def test_find_pack_layouts(tiny_pack, tmp_path):
 
 
 def test_layers_option_gives_the_real_layer_pattern(tmp_path):
-    paths = make_pack(tmp_path, size="tiny-pair", seed=0, layers=64)
+    paths = make_pack(tmp_path, size="tiny4", seed=0, layers=64)
     model, _, drafter = load_pack(paths["target"], paths["drafter"])
     layers = model.language_model.model.layers
     assert len(layers) == 64 and drafter.config.num_target_layers == 64
     assert [i for i, layer in enumerate(layers) if not layer.is_linear] == list(range(3, 64, 4))
     with pytest.raises(ValueError, match="at least 4 layers, got 3"):
-        make_pack(tmp_path / "short", size="tiny-pair", layers=3)
+        make_pack(tmp_path / "short", size="tiny4", layers=3)

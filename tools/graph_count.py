@@ -262,7 +262,7 @@ def count_steps(lm, taps, lengths=LENGTHS) -> dict:
 
 
 def load_target(pack):
-    """(model, drafter taps): a built pack, or the tiny-pair synthetic target with 64 layers."""
+    """(model, drafter taps): a built pack, or the tiny4 synthetic target with 64 layers."""
     if pack:
         from dflash2_pack import find_pack, load_pack
 
@@ -270,8 +270,8 @@ def load_target(pack):
         return model, list(drafter.config.target_layer_ids) if drafter else []
     from make_synthetic_pack import build_target_model, drafter_config
 
-    taps = drafter_config("tiny-pair", layers=64)["dflash_config"]["target_layer_ids"]
-    return build_target_model("tiny-pair", seed=0, layers=64), list(taps)
+    taps = drafter_config("tiny4", layers=64)["dflash_config"]["target_layer_ids"]
+    return build_target_model("tiny4", seed=0, layers=64), list(taps)
 
 
 def ratios(counts) -> dict:

@@ -2,9 +2,9 @@
 """Write a synthetic DFlash2 model pack with random weights in the real on-disk formats.
 
     python tools/make_synthetic_pack.py --size tiny --seed 0 --out /tmp/pack
-    python tools/make_synthetic_pack.py --size tiny-pair --layers 64 --out /tmp/pack64
+    python tools/make_synthetic_pack.py --size tiny4 --layers 64 --out /tmp/pack64
 
---layers keeps a size's widths and attention interval with another layer count: tiny-pair's
+--layers keeps a size's widths and attention interval with another layer count: tiny4's
 (every 4th layer attention, as in the real model) gives tiny widths with the real 64-layer
 pattern for graph counts.
 
@@ -41,16 +41,17 @@ from dflash2_pack import TARGET_SCHEMA, build_skeleton  # noqa: E402  (the forma
 # The tokenizer's trained byte-level BPE vocabulary; Qwen's special tokens follow it.
 BPE_VOCAB_SIZE = 448
 
-# Sizes. "27b" is the real Ternary-Bonsai-2-27B / DFlash2 drafter geometry. "tiny-pair" keeps
-# the same structure (3 GDN layers + 1 attention layer, packed embedding and head, vision
-# tower) but small enough to decode on 2 CPU cores: MLX's fp16 2-bit matmul on CPU costs ~50 ns
-# a weight per row, so the inner widths are minimal (~2.1M packed weights, ~0.08 s a token);
-# the trained demo pair (fixtures/tiny-pair) has it. "tiny", the test suite's pack, has its
-# widths with one GDN layer and one attention layer (~0.045 s a token on CPU: the suite's time
-# is nearly all such rows). Hidden 512 lets every module that reads the hidden state, the
-# embedding and the head included, use a 512 Hadamard block.
+# Sizes. "27b" is the real Ternary-Bonsai-2-27B / DFlash2 drafter geometry. "tiny4" keeps the
+# same structure (3 GDN layers + 1 attention layer, packed embedding and head, vision tower)
+# but small enough to decode on 2 CPU cores: MLX's fp16 2-bit matmul on CPU costs ~50 ns a
+# weight per row, so the inner widths are minimal (~2.1M packed weights, ~0.08 s a token);
+# graph counts take it to the real 64 layers. "tiny", the test suite's packs and the trained
+# demo pair (fixtures/tiny-pair), has its widths with one GDN layer and one attention layer
+# (~0.045 s a token on CPU: the suite's time is nearly all such rows). Hidden 512 lets every
+# module that reads the hidden state, the embedding and the head included, use a 512
+# Hadamard block.
 SIZES = {
-    "tiny-pair": {
+    "tiny4": {
         "text": {
             "hidden_size": 512,
             "intermediate_size": 128,
@@ -136,9 +137,9 @@ SIZES = {
     },
 }
 SIZES["tiny"] = {
-    **SIZES["tiny-pair"],
-    "text": {**SIZES["tiny-pair"]["text"], "num_hidden_layers": 2, "full_attention_interval": 2},
-    "drafter": {**SIZES["tiny-pair"]["drafter"], "target_layer_ids": [0, 1]},
+    **SIZES["tiny4"],
+    "text": {**SIZES["tiny4"]["text"], "num_hidden_layers": 2, "full_attention_interval": 2},
+    "drafter": {**SIZES["tiny4"]["drafter"], "target_layer_ids": [0, 1]},
 }
 
 # Qwen's special tokens, in Qwen's id order. `False` marks tokens that decode as text

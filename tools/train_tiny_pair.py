@@ -4,7 +4,7 @@
     python tools/train_tiny_pair.py --out fixtures/tiny-pair        # ~10-15 min on 2 CPU cores
     OPENBLAS_NUM_THREADS=1 python tools/train_tiny_pair.py ...      # on a CPU other work shares
 
-The target has make_synthetic_pack's tiny-pair geometry (3 GatedDeltaNet layers + 1 attention
+The target has make_synthetic_pack's tiny geometry (1 GatedDeltaNet layer + 1 attention
 layer, hidden 512, vocab 512) and is trained aware of its 2-bit packing: every packed
 matrix is a parameter in the rotated (Hadamard-signed) basis, quantized to 2-bit group-128
 affine codes in the forward pass with a straight-through gradient, so the packed file
@@ -65,7 +65,7 @@ from make_synthetic_pack import (  # noqa: E402
     write_target,
 )
 
-SIZE = "tiny-pair"
+SIZE = "tiny"
 SEQ_LEN = 128  # target training window
 BLOCK = 8  # the drafter's trained block (anchor + 7 drafts): drafter_config's block_size
 GROUP, BITS = 128, 2  # the pack's affine quantization
