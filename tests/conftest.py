@@ -110,7 +110,11 @@ def target(tiny_pack):
     return model, processor, drafter
 
 
-GENERATED = 12  # greedy tokens of the exactness checks' runs
+# Greedy tokens of the exactness checks' runs: on the 2-layer tiny pack stock verify's batched
+# rounding (the negative controls) first changes a token of tools/parity.py's prompts at the
+# 15th, 15th and 29th (at 12 none of the oracle or sampled token cases could fail under it;
+# at 20, four of the eleven oracle cases and six of the nine sampled ones do).
+GENERATED = 20
 
 
 def raw_ids(processor, text):

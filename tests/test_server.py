@@ -233,6 +233,7 @@ def test_streamed_equals_non_streamed(answers, case):
     # split_thinking) and streams the deltas as they come, on serve.py too.
     streamed = [(text or "").strip() or None for text in (streamed_content, streamed_reasoning)]
     assert streamed == [content, reasoning]
+    assert chunks[-1].usage.completion_tokens == answers["spec"][case][1].usage.completion_tokens
     assert chunks[-1].usage.completion_tokens <= MAX_TOKENS
     timings = chunks[-1].model_extra["timings"]
     assert timings["draft_rounds"] >= 1
