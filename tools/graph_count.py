@@ -280,7 +280,7 @@ def ratios(counts) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pack", help="pack folder (default: tiny synthetic target, 64 layers)")
+    parser.add_argument("--pack", help="pack folder (default: tiny4 synthetic target, 64 layers)")
     parser.add_argument("--out", default=str(REPO / "evidence"))
     args = parser.parse_args()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the tiny target + DFlash2 drafter pair in fixtures/tiny-pair (a test and demo fixture).
 
-    python tools/train_tiny_pair.py --out fixtures/tiny-pair        # ~10-15 min on 2 CPU cores
+    python tools/train_tiny_pair.py --out fixtures/tiny-pair        # ~7 min on 2 CPU cores
     OPENBLAS_NUM_THREADS=1 python tools/train_tiny_pair.py ...      # on a CPU other work shares
 
 The target has make_synthetic_pack's tiny geometry (1 GatedDeltaNet layer + 1 attention
