@@ -40,11 +40,14 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("gpu_like_rounding")
 
 
-def test_verify_logits_and_hidden_equal_sequential_decode(target, raw_plain):
+# The pack's drafter taps both of the tiny target's layers; the 27B's taps 5 of 64, so the
+# check also runs with a layer left untapped.
+@pytest.mark.parametrize("taps", [None, [0], [1]], ids=["the drafter's", "layer 0", "layer 1"])
+def test_verify_logits_and_hidden_equal_sequential_decode(target, raw_plain, taps):
     model, processor, drafter = target
     lm = model.language_model
     ids = raw_ids(processor, PROMPTS[0])
-    cases = verify_cases(lm, ids, drafter.config.target_layer_ids, raw_plain[0][:8])
+    cases = verify_cases(lm, ids, taps or drafter.config.target_layer_ids, raw_plain[0][:8])
     assert [c["length"] for c in cases] == list(range(2, 9))
     assert [c for c in cases if c["logits"] or c["hidden"]] == []
 
