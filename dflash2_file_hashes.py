@@ -36,6 +36,11 @@ def canonical(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
+def content_sha256(data: dict) -> str:
+    """What a cache file's own "sha256" field holds: the sha256 of its other fields, canonical."""
+    return hashlib.sha256(canonical({name: value for name, value in data.items() if name != "sha256"})).hexdigest()
+
+
 def identity(status: os.stat_result) -> list:
     """What changes whenever a file's bytes can have: device, inode, size, and the modification
     and status-change times in ns (of the file a link resolves to: a Hugging Face snapshot's
@@ -56,7 +61,7 @@ class RememberedHashes:
             data = json.loads(self.path.read_text())
             if not isinstance(data, dict) or set(data) != {"schema", "files", "sha256"}:
                 raise ValueError("its fields differ")
-            if data["sha256"] != hashlib.sha256(canonical({"schema": data["schema"], "files": data["files"]})).hexdigest():
+            if data["sha256"] != content_sha256(data):
                 raise ValueError("edited or corrupt: its content sha256 differs")
             if data["schema"] != SCHEMA or not isinstance(data["files"], dict) or not all(
                     isinstance(entry, dict) and set(entry) == {"identity", "sha256"} for entry in data["files"].values()):
@@ -88,7 +93,7 @@ class RememberedHashes:
             return None
         files = dict(list(self.files.items())[-KEEP_ENTRIES:])
         data = {"schema": SCHEMA, "files": files}
-        data["sha256"] = hashlib.sha256(canonical(data)).hexdigest()
+        data["sha256"] = content_sha256(data)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:

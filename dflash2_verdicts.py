@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from dflash2_file_hashes import canonical, user_cache_folder
+from dflash2_file_hashes import canonical, content_sha256, user_cache_folder
 from dflash2_pack import PINS_FILE, safetensors_header_sha256
 
 logger = logging.getLogger("dflash2.server")
@@ -114,7 +114,7 @@ def read_cache_file(path: Path, key: Optional[dict]) -> dict:
         raise ValueError(f"{path.name} is not valid JSON ({error})") from None
     if not isinstance(data, dict) or set(data) != {"schema", "key", "verdicts", "sha256"}:
         raise ValueError(f"{path.name} is not a verdict file (its fields differ)")
-    if data["sha256"] != _sha256(canonical({name: data[name] for name in ("schema", "key", "verdicts")})):
+    if data["sha256"] != content_sha256(data):
         raise ValueError(f"{path.name} was edited or is corrupt (its content sha256 differs)")
     if data["schema"] != SCHEMA:
         raise ValueError(f"{path.name} has schema {data['schema']!r}, this runtime reads {SCHEMA}")
@@ -240,7 +240,7 @@ class VerdictCache:
         if self.path is None or not any(entry["value"] is not None for entry in self.measured.values()):
             return
         data = {"schema": SCHEMA, "key": self.key, "verdicts": {**self.cached, **self.measured}}
-        data["sha256"] = _sha256(canonical(data))
+        data["sha256"] = content_sha256(data)
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)
