@@ -226,14 +226,15 @@ def test_no_dflash2_answer_equals_plain(answers, case):
 
 @pytest.mark.parametrize("case", ["text", "thinking"])
 def test_streamed_equals_non_streamed(answers, case):
-    content, reasoning, _ = answer(answers["spec"][case][1])
+    completion = answers["spec"][case][1]
+    content, reasoning, _ = answer(completion)
     mode, streamed_content, streamed_reasoning, chunks = answers["spec"][f"stream {case}"]
     assert mode == "speculative"
     # mlx-vlm strips a non-streamed answer's reasoning and content (server/responses_state.py
     # split_thinking) and streams the deltas as they come, on serve.py too.
     streamed = [(text or "").strip() or None for text in (streamed_content, streamed_reasoning)]
     assert streamed == [content, reasoning]
-    assert chunks[-1].usage.completion_tokens == answers["spec"][case][1].usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
     assert chunks[-1].usage.completion_tokens <= MAX_TOKENS
     timings = chunks[-1].model_extra["timings"]
     assert timings["draft_rounds"] >= 1
