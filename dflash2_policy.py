@@ -261,14 +261,26 @@ class AcceptanceMemory:
         return policy.pays(policy.best_block(ceiling))
 
 
+class FixedBlock:
+    """Per request under --dflash2-block-size: every round verifies the block (or what the
+    request has left), whatever a cost table says; no plain steps."""
+
+    def __init__(self, block: int):
+        self.block = block
+
+    def choose_block(self, remaining: int) -> int:
+        return min(self.block, remaining + 1)
+
+    def record_round(self, block: int, accepted: int, tokens: int) -> None:
+        """Nothing to learn: the block stays."""
+
+
 class RoundPolicy:
     """Per request: the next round's block, or how many plain steps come first."""
 
-    def __init__(self, costs: RoundCosts, ceiling: int, fixed_block: Optional[int] = None,
-                 estimate: AcceptanceEstimate = None):
+    def __init__(self, costs: RoundCosts, ceiling: int, estimate: AcceptanceEstimate = None):
         self.costs = costs
         self.blocks = [block for block in costs.blocks if block <= ceiling]
-        self.fixed_block = fixed_block
         # A seed holds as many positions as the largest block drafts, or more.
         self.estimate = estimate if estimate is not None else AcceptanceEstimate(max(self.blocks, default=1))
         self.can_pay = costs.can_pay(ceiling)
@@ -298,8 +310,6 @@ class RoundPolicy:
 
     def choose_block(self, remaining: int) -> Optional[int]:
         """The next round's block, or None for plain steps; `remaining` tokens are wanted."""
-        if self.fixed_block is not None:
-            return min(self.fixed_block, remaining + 1)
         best = self.best_block(remaining)
         if best is None:
             return None

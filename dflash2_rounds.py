@@ -23,7 +23,8 @@ from mlx_vlm.speculative.common import (
     generation_stream,
 )
 
-from dflash2_policy import GREEDY, ROUTE_PROBE_EVERY, SAMPLED, AcceptanceMemory, RoundCosts, RoundCounts, RoundPolicy
+from dflash2_policy import (GREEDY, ROUTE_PROBE_EVERY, SAMPLED, AcceptanceMemory, FixedBlock, RoundCosts, RoundCounts,
+                           RoundPolicy)
 from dflash2_sampling import is_position_keyed, logprobs_like_decode
 
 
@@ -310,10 +311,12 @@ def policy_rounds(
         return
     costs = state.round_costs
     ceiling = _dflash_block_total(draft_model, draft_block_size)
-    fixed = ceiling if state.fixed_block else None
     memory = state.acceptance_memory  # the engine's, with a measured table
     kind = GREEDY if greedy_sampling else SAMPLED
-    policy = RoundPolicy(costs, ceiling, fixed, memory.start_request(kind) if memory is not None else None)
+    if state.fixed_block:
+        policy = FixedBlock(ceiling)
+    else:
+        policy = RoundPolicy(costs, ceiling, memory.start_request(kind) if memory is not None else None)
     decoder = RequestDecoder(model, draft_model, prompt_cache, hidden, first_bonus, sampler, token_dtype,
                              state.candidate_selector)
     with mx.stream(generation_stream):

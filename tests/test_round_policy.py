@@ -16,7 +16,8 @@ import pytest
 import dflash2_policy
 import dflash2_rounds
 import dflash2_timing
-from dflash2_policy import PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, RoundCosts, RoundPolicy
+from dflash2_policy import (PAY_MARGIN, PRIOR_DEPTH_DECAY, PROBE_BUDGET, AcceptanceEstimate, FixedBlock, RoundCosts,
+                            RoundPolicy)
 from kernel_cases import patch_kernels
 from oracle_drafter import OracleDrafter
 from parity import PROMPTS, chat_ids, greedy, served_rounds
@@ -166,7 +167,7 @@ def test_costs_that_never_pay_mean_plain_steps_only_and_fixed_blocks_stay_fixed(
     assert not never.can_pay()
     policy = RoundPolicy(never, ceiling=8)
     assert policy.choose_block(50) is None and policy.plain_run(50) == 50
-    fixed = RoundPolicy(never, ceiling=6, fixed_block=6)
+    fixed = FixedBlock(6)
     assert [fixed.choose_block(remaining) for remaining in (50, 3)] == [6, 4]
 
 
@@ -541,7 +542,7 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
     estimate = memory.start_request()  # a probe reaches the round loop
     assert sum(estimate.tried) <= 2 * dflash2_policy.MEMORY_WEIGHT  # a seed, not the history
-    policy = RoundPolicy(refilled, 8, None, estimate)
+    policy = RoundPolicy(refilled, 8, estimate)
     best = policy.choose_block(39)
     assert best is not None and policy.value(best) < PAY_MARGIN  # runs though it does not pay
     policy.record_round(best, 0, 1)
@@ -553,7 +554,7 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
         full.record(7, 7)
     assert full.rounds_pay(COSTS, 8)
     estimate = full.start_request()
-    assert RoundPolicy(COSTS, 8, None, estimate).choose_block(39) == exhaustive_choice(COSTS, [1.0] * 7, 39)
+    assert RoundPolicy(COSTS, 8, estimate).choose_block(39) == exhaustive_choice(COSTS, [1.0] * 7, 39)
     assert RoundPolicy(COSTS, 8).choose_block(39) != exhaustive_choice(COSTS, [1.0] * 7, 39)  # the prior's
 
 
