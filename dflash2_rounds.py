@@ -38,7 +38,8 @@ class DrafterState:
     a tool, per run) and read by name; nothing of it is written onto the drafter."""
 
     drafter: object
-    round_costs: RoundCosts  # what a round and a plain step cost; a measured table learns as rounds run
+    round_costs: Optional[RoundCosts]  # a round's and a plain step's cost; a measured table learns as rounds
+    # run; None: a fixed block, whose rounds run whatever a table says
     fixed_block: bool = False  # every round verifies the ceiling, whatever the table says (--dflash2-block-size)
     candidate_selector: bool = False  # draft greedily through the trained selector (--dflash2-candidate-selector)
     acceptance_memory: Optional[AcceptanceMemory] = None  # the drafter's recent acceptance across requests
@@ -358,7 +359,7 @@ def policy_rounds(
             counts.tokens_from_rounds += 1
             emitted += 1
             yield token, None
-        if not first_round:
+        if not first_round and costs is not None:
             costs.observe_round(block, 1000 * (time.perf_counter() - started))
         first_round, after_round = False, True
 

@@ -36,7 +36,7 @@ class Speculation:
     kind: str = None
     reason: str = None
     error: str = None
-    round_costs: dict = None  # as /health shows them
+    round_costs: dict = None  # as /health shows them; None: a fixed block, none measured
     runtime: dict = None  # dflash2_runtime.RuntimeStatus.to_json(): kernels, self-check, decode path
 
 
@@ -93,18 +93,22 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
         dflash2_drafter.use_drafter_bf16(dtype.bf16)
         logger.info("DFlash2 %s (%s)", dtype.summary(), verdicts.source("drafter activations"))
         runtime["drafter_activations"] = dtype.summary()
-        # A cached table keeps learning from requests, as one measured now does.
-        round_costs = setup.round_costs or verdicts.check(
-            "round costs", lambda: dflash2_timing.measure_round_costs(model, drafter, candidate_selector=selector),
-            lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table, dflash2_kernels.MAX_ROWS),
-                                              learning=True),
-            dflash2_policy.RoundCosts.to_json)
+        round_costs = setup.round_costs
+        if blocks.fixed and not round_costs:
+            verdicts.skip("round costs", "the block is fixed (--dflash2-block-size), so no decision reads a table")
+        elif not round_costs:  # a cached table keeps learning from requests, as one measured now does
+            round_costs = verdicts.check(
+                "round costs", lambda: dflash2_timing.measure_round_costs(model, drafter, candidate_selector=selector),
+                lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table, dflash2_kernels.MAX_ROWS),
+                                                  learning=True),
+                dflash2_policy.RoundCosts.to_json)
     except Exception:
         logger.exception("timing the drafter or the round costs failed; every request is served plain")
         return Speculation(reason="speculative-warm-up-failed", runtime=runtime)
-    logger.info("DFlash2 round costs (%s): %s",
-                "from --dflash2-round-costs" if setup.round_costs else verdicts.source("round costs"),
-                round_costs.summary())
+    if round_costs:
+        logger.info("DFlash2 round costs (%s): %s",
+                    "from --dflash2-round-costs" if setup.round_costs else verdicts.source("round costs"),
+                    round_costs.summary())
     verdicts.save()
     memory = None
     if not setup.round_costs:  # a given table stays as given: each request starts from the prior
@@ -120,7 +124,7 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
                     "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "
                     "gets one in %d to learn from", dflash2_policy.ROUTE_PROBE_EVERY)
-    return Speculation(state, kind, round_costs=round_costs.to_json(), runtime=runtime)
+    return Speculation(state, kind, round_costs=round_costs and round_costs.to_json(), runtime=runtime)
 
 
 def read_round_costs(path: Path):

@@ -99,6 +99,10 @@ def machine_key() -> dict:
             "system": system, "packages": dict(sorted(packages.items()))}
 
 
+def _numbered(name: str) -> str:
+    return f"start-up check {list(CHECKS).index(name) + 1} of {len(CHECKS)}: {name}"
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -202,7 +206,7 @@ class VerdictCache:
               encode: Callable = dataclasses.asdict):
         """The check's verdict: restore(cached value) where the file holds one, else measure();
         restore None: measured at every start (the verify self-check). Logs one line either way."""
-        number = f"start-up check {list(CHECKS).index(name) + 1} of {len(CHECKS)}: {name}"
+        number = _numbered(name)
         entry = self.cached.get(name)
         if restore is not None and entry is not None and entry["value"] is not None:
             try:
@@ -219,6 +223,10 @@ class VerdictCache:
         self.measured[name] = {"at": _now(), "seconds": round(time.perf_counter() - started, 2),
                                "value": None if restore is None else encode(value)}
         return value
+
+    def skip(self, name: str, why: str) -> None:
+        """Logs that a check does not run at this start, and why."""
+        logger.info("%s: not run: %s", _numbered(name), why)
 
     def _estimate(self, name: str) -> str:
         if name in self.estimates:

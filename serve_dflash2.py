@@ -178,7 +178,8 @@ def start(argv=None):
     def health():
         speculation = generator.speculation
         # A measured cost table keeps learning from requests: /health shows it as it is now.
-        costs = speculation.state.round_costs.to_json() if speculation.state else speculation.round_costs
+        state = speculation.state
+        costs = state.round_costs.to_json() if state and state.round_costs else speculation.round_costs
         return {"dflash2": server_mode[0], "reason": server_reason, "runtime": speculation.runtime,
                 "round_costs": costs, "start_up_checks": verdicts and verdicts.to_json()}
 

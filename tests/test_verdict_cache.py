@@ -2,9 +2,9 @@
 cached, answers the same, and anything that could change a verdict, or a damaged file, or
 --recheck, means a full check that says why.
 
-The servers run the demo (fixtures/tiny-pair) on CPU; servers of one workdir share its HOME and
-so its cache folder (tools/server_process.py). After the first start, those that check everything
-take the first one's round cost table on the command line: measuring it is most of a CPU start.
+The servers run the demo (fixtures/tiny-pair, a fixed block: no round cost table) on CPU;
+servers of one workdir share its HOME and so its cache folder (tools/server_process.py). The
+round policy's table is cached by a start without a fixed block, its blocks capped at 2.
 """
 
 import json
@@ -20,7 +20,8 @@ from conftest import request
 from server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
-CACHED = {"kernel self-tests", "plain decode path", "sampled verify draws", "drafter activations", "round costs"}
+CACHED = {"kernel self-tests", "plain decode path", "sampled verify draws", "drafter activations"}
+PAIR = REPO / "fixtures" / "tiny-pair"
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 
@@ -37,8 +38,9 @@ def answer(server) -> str:
 
 
 def start(name, workdir: Path, *options, script=REPO / "serve_dflash2.py"):
-    """A demo server in workdir, ready: (the server, /health's start_up_checks). Stop it."""
-    server = ServerProcess(name, [str(script), "--demo", *options], workdir)
+    """A server in workdir (the demo unless options name a --pack), ready: (the server,
+    /health's start_up_checks). Stop it."""
+    server = ServerProcess(name, [str(script), *([] if "--pack" in options else ["--demo"]), *options], workdir)
     try:
         return server, server.wait_ready()["start_up_checks"]
     except Exception:
@@ -48,14 +50,12 @@ def start(name, workdir: Path, *options, script=REPO / "serve_dflash2.py"):
 
 @pytest.fixture(scope="module")
 def first(tmp_path_factory):
-    """The first start in a fresh HOME, stopped: its workdir, answer, checks and round cost table."""
+    """The first start in a fresh HOME, stopped: its workdir, answer, checks, log and /health."""
     workdir = tmp_path_factory.mktemp("verdicts")
     server, checks = start("first", workdir)
     try:
-        costs = workdir / "round-costs.json"
-        costs.write_text(json.dumps(server.health()[1]["round_costs"]))
         return {"workdir": workdir, "answer": answer(server), "checks": checks, "log": server.log(),
-                "round_costs": costs}
+                "health": server.health()[1]}
     finally:
         server.stop()
 
@@ -85,6 +85,29 @@ def test_a_first_start_checks_everything_says_so_and_caches_it(first):
     steps = [first["log"].index(f"start-up check {n} of 6: ") for n in range(1, 7)]
     assert steps == sorted(steps)
     assert len(cache_files(first["workdir"])) == 1
+    # A fixed block's rounds run whatever a cost table says: none is measured.
+    assert ("start-up check 6 of 6: round costs: not run: the block is fixed (--dflash2-block-size), "
+            "so no decision reads a table") in first["log"]
+    assert first["health"]["round_costs"] is None
+
+
+def test_the_round_policy_s_cost_table_is_measured_then_taken_from_the_cache(first, tmp_path):
+    workdir = home_copy(first, tmp_path)
+    options = ("--pack", str(PAIR), "--dflash2-block-cap", "2")  # the policy decides, by blocks up to 2
+    tables = []
+    for name in ("policy", "policy-again"):
+        server, checks = start(name, workdir, *options)
+        try:
+            tables.append((checks, server.health()[1]["round_costs"]))
+        finally:
+            server.stop()
+    (measured, costs), (cached, costs_again) = tables
+    assert measured["full_check_because"].startswith("nothing cached for this key yet")
+    assert "round costs" in measured["measured_s"]
+    assert "round costs" in cached["from_cache"] and "round costs" not in cached["measured_s"]
+    file_costs = [json.loads(path.read_text())["verdicts"].get("round costs") for path in cache_files(workdir)]
+    assert [entry["at"] for entry in file_costs if entry] == [cached["from_cache"]["round costs"]]
+    assert list(costs["verify_steps_by_block"]) == list(costs_again["verify_steps_by_block"]) == ["2"]
 
 
 def test_a_second_start_takes_the_cached_verdicts_and_answers_the_same(first):
@@ -114,9 +137,9 @@ def test_an_edited_cache_file_means_a_full_check_that_says_so(first, tmp_path):
     workdir = home_copy(first, tmp_path)
     path = cache_files(workdir)[0]
     data = json.loads(path.read_text())
-    data["verdicts"]["round costs"]["value"]["decode_step_ms"] *= 100  # a table that never paid
+    data["verdicts"]["drafter activations"]["at"] = "2000-01-01T00:00:00Z"  # one field changed
     path.write_text(json.dumps(data))
-    checks, log = full_check(workdir, "--dflash2-round-costs", str(first["round_costs"]))
+    checks, log = full_check(workdir)
     because = f"{path.name} was edited or is corrupt (its content sha256 differs)"
     assert checks["full_check_because"] == because
     assert f"start-up checks: all of them: {because}" in log
@@ -126,13 +149,13 @@ def test_an_unreadable_cache_file_means_a_full_check(first, tmp_path):
     workdir = home_copy(first, tmp_path)
     path = cache_files(workdir)[0]
     path.write_bytes(path.read_bytes()[:100])  # cut short, as by a full disk
-    checks, _ = full_check(workdir, "--dflash2-round-costs", str(first["round_costs"]))
+    checks, _ = full_check(workdir)
     assert checks["full_check_because"].startswith(f"{path.name} is not valid JSON")
 
 
 def test_recheck_means_a_full_check(first, tmp_path):
     workdir = home_copy(first, tmp_path)
-    checks, log = full_check(workdir, "--recheck", "--dflash2-round-costs", str(first["round_costs"]))
+    checks, log = full_check(workdir, "--recheck")
     assert checks["full_check_because"] == "--recheck"
     assert "start-up checks: all of them: --recheck" in log
 
@@ -146,8 +169,7 @@ def test_an_edited_pack_module_means_a_full_check_naming_it(first, tmp_path):
     (copy / "fixtures").symlink_to(REPO / "fixtures")
     with open(copy / "dflash2_requests.py", "a") as module:
         module.write("# edited\n")
-    checks, log = full_check(workdir, "--dflash2-round-costs", str(first["round_costs"]),
-                             script=copy / "serve_dflash2.py")
+    checks, log = full_check(workdir, script=copy / "serve_dflash2.py")
     assert checks["full_check_because"] == (
         "nothing cached for this key yet (the newest cached start differed in: modules (dflash2_requests.py))")
     assert len(cache_files(workdir)) == 2  # one file per key
