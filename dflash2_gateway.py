@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from urllib.parse import unquote
 
-from dflash2_requests import Refusal, context_refusal
+from dflash2_requests import Refusal, context_fields, context_refusal
 from dflash2_openapi import openapi_schema
 from dflash2_record import RequestRecord, current_request
 
@@ -443,8 +443,10 @@ class ChatOutput:
             code, status = "invalid-request", 400 if status in (422, 500) else status
             budget = budget or MLX_VLM_CONTEXT_BUDGET.fullmatch(message)
             if budget:
-                refusal = context_refusal("the prompt is {1} tokens and max_tokens is {2}: {0} in all, above "
-                                          "the model's context length of {3}".format(*budget.groups()))
+                refusal = context_refusal("the prompt is {1} tokens and {limit} is {2}: {0} in all, above the "
+                                          "model's context length of {3}".format(*budget.groups(),
+                                                                                 limit=context_fields(self.api)[1]),
+                                          self.api)
                 code, message, param = refusal.reason, refusal.message, refusal.param
             self.record.mode, self.record.reason = "refused", code
         self.record.log_arrival()

@@ -54,9 +54,15 @@ class InvalidRequest(Refusal):
         super().__init__(400, "invalid-request", f"{param}: {message}", param)
 
 
-def context_refusal(detail: str) -> Refusal:
-    return Refusal(400, "context-length-exceeded",
-                   f"messages: {detail}; shorten the messages or lower max_tokens", "messages")
+def context_fields(api: str = "chat") -> tuple:
+    """An API's names for what must fit the context: (its prompt, its output limit)."""
+    return ("input", "max_output_tokens") if api == "responses" else ("messages", "max_tokens")
+
+
+def context_refusal(detail: str, api: str = "chat") -> Refusal:
+    prompt, limit = context_fields(api)
+    return Refusal(400, "context-length-exceeded", f"{prompt}: {detail}; shorten the {prompt} or lower {limit}",
+                   prompt)
 
 
 FLOAT16_MAX = 65504.0

@@ -293,7 +293,7 @@ def check_responses_request(body, limits: PackLimits) -> dict:
     if limits.max_prompt_chars is not None and responses_rendered_chars(request) > limits.max_prompt_chars:
         raise context_refusal(f"the instructions, input messages and function call outputs hold more than "
                               f"{limits.max_prompt_chars} characters, more than the model's context of "
-                              f"{limits.context_length} tokens can take")
+                              f"{limits.context_length} tokens can take", "responses")
     chars = request_text_chars(body, ("instructions", "input", "tools"), ("role", "type", "image_url"))
     if limits.prompt_chars_limit is not None and chars > limits.prompt_chars_limit:
         raise Refusal(400, "prompt-too-long", f"input: the instructions, input and tools hold {chars} "

@@ -143,7 +143,9 @@ def test_refusals_in_openais_shape(client, body, status, reason, param):
 @pytest.mark.parametrize("server_reason", [None, "serve.py"])
 def test_the_same_limits_as_chat(server_reason):
     client = make_client(server_reason=server_reason, max_prompt_chars=100, prompt_chars_limit=200)
-    assert_refused(post(client, {**BODY, "instructions": "s" * 101}), 400, "context-length-exceeded", "messages")
+    # Named in the Responses API's own fields, not chat's.
+    error = assert_refused(post(client, {**BODY, "instructions": "s" * 101}), 400, "context-length-exceeded", "input")
+    assert error["message"].startswith("input: ") and "lower max_output_tokens" in error["message"], error
     # Assistant turns do not count towards what must fit; they count towards --max-prompt-chars.
     assistant = {**BODY, "input": ["Hi", {"role": "assistant", "content": "a" * 150}, "Hi"]}
     assistant["input"] = [{"role": "user", "content": "Hi"}, assistant["input"][1], {"role": "user", "content": "Hi"}]
@@ -151,7 +153,7 @@ def test_the_same_limits_as_chat(server_reason):
     assistant["input"][1]["content"] = "a" * 250
     assert_refused(post(client, assistant), 400, "prompt-too-long", "input")
     output = {**BODY, "input": [{"type": "function_call_output", "call_id": "c", "output": "r" * 101}]}
-    assert_refused(post(client, output), 400, "context-length-exceeded", "messages")
+    assert_refused(post(client, output), 400, "context-length-exceeded", "input")
     many = {**BODY, "input": [{"role": "user", "content": "Hi"}] * 4097}
     assert_refused(post(client, many), 400, "invalid-request", "input")
     parts = {**BODY, "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * 4097}]}
@@ -178,8 +180,9 @@ def test_transport_refusals_in_openais_shape(client):
 
 
 def test_mlx_vlm_context_budget_refusal_is_reshaped(client):
-    error = assert_refused(post(client, {**BODY, "input": "over budget"}), 400, "context-length-exceeded", "messages")
+    error = assert_refused(post(client, {**BODY, "input": "over budget"}), 400, "context-length-exceeded", "input")
     assert "above the model's context length of 32768" in error["message"]
+    assert "max_output_tokens is" in error["message"] and "max_tokens" not in error["message"], error
 
 
 def test_request_timeout_answers_504_in_openais_shape(client):
