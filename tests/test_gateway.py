@@ -526,13 +526,15 @@ def test_openapi_describes_the_served_endpoints(client, image_dir):
     assert error == {"$ref": "#/components/schemas/AnthropicError"}
 
 
-def test_cross_origin_preflight(client):
-    foreign = client.options("/v1/chat/completions", headers={
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                                  "/v1/responses"])
+def test_cross_origin_preflight(client, path):
+    foreign = client.options(path, headers={
         "origin": "https://attacker.example", "access-control-request-method": "POST"})
     assert foreign.status_code == 400 and "access-control-allow-origin" not in foreign.headers
     # The headers OpenAI's JavaScript SDK sends from a browser page, its own among them.
     sdk_headers = "authorization, content-type, x-stainless-lang, x-stainless-os, x-stainless-retry-count"
-    local = client.options("/v1/chat/completions", headers={
+    local = client.options(path, headers={
         "origin": "http://localhost:3000", "access-control-request-method": "POST",
         "access-control-request-headers": sdk_headers})
     assert local.status_code == 200, local.text

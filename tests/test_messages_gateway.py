@@ -202,6 +202,22 @@ def test_request_timeout_answers_504_in_anthropics_shape(client):
     assert response.json()["error"]["type"] == "timeout_error"
 
 
+def test_request_timeout_ends_a_stream_with_an_error_event_in_anthropics_shape(client):
+    response = post(client, {**BODY, "messages": [{"role": "user", "content": "hang"}], "stream": True})
+    assert response.status_code == 200
+    name, data = response.text.strip().split("\n\n")[-1].split("\n", 1)
+    assert name == "event: error"
+    error = json.loads(data.removeprefix("data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "timeout_error", error
+
+
+def test_count_tokens_is_served_without_v1_too(client):
+    body = {key: value for key, value in BODY.items() if key != "max_tokens"}
+    for path in ("/v1/messages/count_tokens", "/messages/count_tokens"):
+        response = post(client, body, path=path)
+        assert response.status_code == 200 and response.json()["forwarded"]["messages"] == MESSAGES, response.text
+
+
 def test_the_batterys_messages_probes_get_no_server_error():
     """tools/battery.py's hostile Messages and count_tokens probes (--quick's), against both decide
     functions in process: 4xx or a forwarded body, never a 5xx."""

@@ -202,6 +202,14 @@ def test_a_failing_stream_ends_with_an_openai_error_event_without_paths(client):
     assert os.path.expanduser("~") not in response.text
 
 
+def test_request_timeout_ends_a_stream_with_an_error_event_in_openais_shape(client):
+    response = post(client, {**BODY, "input": "hang", "stream": True})
+    assert response.status_code == 200
+    name, data = response.text.strip().split("\n\n")[-1].split("\n", 1)
+    assert name == "event: error"
+    assert json.loads(data.removeprefix("data: "))["error"]["code"] == "request-timeout"
+
+
 def test_the_batterys_responses_probes_get_no_server_error():
     """tools/battery.py's hostile Responses probes (--quick's), against both decide functions
     in process: 4xx or a forwarded body, never a 5xx."""
