@@ -556,14 +556,19 @@ def test_foreign_host_header_is_refused(servers):
 # Disconnects, time limits and concurrency
 
 
-def test_disconnect_stops_a_non_streamed_generation(servers):
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "temperature": 0, "max_tokens": LONG}),
+    ("/v1/messages", {"model": PACK_NAME, "messages": MESSAGES, "temperature": 0, "max_tokens": LONG}),
+    ("/v1/responses", {"model": PACK_NAME, "input": "Hi", "temperature": 0, "max_output_tokens": LONG}),
+], ids=["chat", "messages", "responses"])
+def test_disconnect_stops_a_non_streamed_generation(servers, path, body):
     server = servers["spec"]
     since = len(server.log())
-    body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": LONG}).encode()
+    body = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=120) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        arrival = server.wait_for_log(since, "POST /v1/chat/completions: speculative")
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n" % path.encode()
+                     + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        arrival = server.wait_for_log(since, f"POST {path}: speculative")
     request_id = arrival.split("request ")[1].split()[0]
     finish = server.wait_for_log(since, f"request {request_id} finished")
     assert "status=disconnected" in finish, finish
