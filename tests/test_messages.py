@@ -153,6 +153,11 @@ def test_a_tool_conversation_and_an_image_are_served_speculative(servers):
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny."}]}]
     mode, _, message = create(servers["spec"], messages=messages, tools=TOOLS, tool_choice={"type": "auto"}, **GREEDY)
     assert mode == "speculative" and message.stop_reason in ("max_tokens", "tool_use", "end_turn")
+    # Asked again, the prompt's first 256-token snapshot comes from the prefix cache, and says so.
+    _, _, again = create(servers["spec"], messages=messages, tools=TOOLS, tool_choice={"type": "auto"}, **GREEDY)
+    assert text(again) == text(message) and again.usage.cache_read_input_tokens >= 256, again.usage
+    assert (again.usage.input_tokens + again.usage.cache_read_input_tokens
+            == message.usage.input_tokens + message.usage.cache_read_input_tokens)
     image = [{"role": "user", "content": [IMAGE, {"type": "text", "text": "What?"}]}]
     mode, _, message = create(servers["spec"], messages=image, **GREEDY)
     _, _, plain = create(servers["plain"], messages=image, **GREEDY)

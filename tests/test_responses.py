@@ -152,6 +152,9 @@ def test_a_function_tool_conversation_through_the_sdk(servers):
     assert answer.output_text == expected.output_text == streamed_text(events) and answer.output_text
     assert answer.usage.output_tokens == expected.usage.output_tokens
     assert answer.usage.input_tokens == expected.usage.input_tokens > first.usage.input_tokens
+    # The first turn's tools preamble (over 256 tokens) came back from each server's prefix cache.
+    assert answer.usage.input_tokens_details.cached_tokens >= 256, answer.usage
+    assert expected.usage.input_tokens_details.cached_tokens >= 256, expected.usage
     assert [event.type for event in events][-1] == "response.completed"
 
 
