@@ -159,12 +159,18 @@ PACK_STATE_NAMES = {"round_costs", "acceptance_memory", "round_counts", "round_c
                     "prefer_requested_block_size", "draft_block_greedy"}
 
 
+# A table without the fixed block's row (as one saved from a start capped below it).
+BLOCK_2_COSTS = RoundCosts(1.0, {2: 1.2}, {2: 0.05})
+
+
 @pytest.mark.usefixtures("gpu_like_rounding")
-def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plain, monkeypatch):
+@pytest.mark.parametrize("costs", [PAYING_COSTS, BLOCK_2_COSTS], ids=["given", "without-the-block"])
+def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plain, monkeypatch, costs):
     """load_speculation, as the engine starts the drafter (a fixed block, the candidate
-    selector, a given table): its DrafterState carries the pack's state and the round loop
-    serves it; none of it is written onto the drafter (an mlx nn.Module: a dict too), before
-    or after a request's rounds, and each request's counts go where counts_to says."""
+    selector, a given table): its DrafterState carries the pack's state and the round
+    loop serves it; none of it is written onto the drafter (an mlx nn.Module: a dict too),
+    before or after a request's rounds, and each request's counts go where counts_to says.
+    A fixed block reads no table: one without its row serves alike."""
     import dflash2_drafter
     import dflash2_speculation
     import dflash2_rounds
@@ -174,14 +180,14 @@ def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plai
     monkeypatch.setattr(dflash2_runtime, "install", lambda model, verdicts: status)
     blocks = dflash2_drafter.block_limits(drafter_trained_block(PAIR / "drafter"), block_size=4)
     options = dflash2_drafter.RuntimeOptions(blocks, candidate_selector=True)
-    setup = dflash2_speculation.DrafterSetup(PAIR / "drafter", options, PAYING_COSTS)
+    setup = dflash2_speculation.DrafterSetup(PAIR / "drafter", options, costs)
     handed = []
     try:
         speculation = dflash2_speculation.load_speculation(model, setup, counts_to=handed.append)
         state = speculation.state
         drafter = state.drafter
         assert speculation.error is None and dflash2_rounds.served_state(drafter) is state
-        assert state.fixed_block and state.candidate_selector and state.round_costs is PAYING_COSTS
+        assert state.fixed_block and state.candidate_selector and state.round_costs is costs
         assert state.acceptance_memory is None  # a given table: each request starts from the prior
         assert not PACK_STATE_NAMES & (set(vars(drafter)) | set(drafter.keys()))
         assert greedy(model, prompts[0], GENERATED, drafter=drafter) == plain[0]
