@@ -40,7 +40,7 @@ class DrafterState:
     drafter: object
     round_costs: Optional[RoundCosts]  # a round's and a plain step's cost; a measured table learns as rounds
     # run; None: a fixed block, whose rounds run whatever a table says
-    fixed_block: bool = False  # every round verifies the ceiling, whatever the table says (--dflash2-block-size)
+    fixed_block: bool = False  # every round verifies the ceiling, whatever rounds cost (--dflash2-block-size)
     candidate_selector: bool = False  # draft greedily through the trained selector (--dflash2-candidate-selector)
     acceptance_memory: Optional[AcceptanceMemory] = None  # the drafter's recent acceptance across requests
     counts_to: Optional[Callable[[RoundCounts], None]] = None  # handed each request's counts as its loop starts
@@ -312,7 +312,7 @@ def policy_rounds(
         return
     costs = state.round_costs
     ceiling = _dflash_block_total(draft_model, draft_block_size)
-    memory = state.acceptance_memory  # the engine's, with a measured table
+    memory = state.acceptance_memory  # the engine's, where a measured table decides
     kind = GREEDY if greedy_sampling else SAMPLED
     if state.fixed_block:
         policy = FixedBlock(ceiling)

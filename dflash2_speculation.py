@@ -94,9 +94,11 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
         logger.info("DFlash2 %s (%s)", dtype.summary(), verdicts.source("drafter activations"))
         runtime["drafter_activations"] = dtype.summary()
         round_costs = setup.round_costs
-        if blocks.fixed and not round_costs:
+        if round_costs:
+            verdicts.skip("round costs", "given by --dflash2-round-costs")
+        elif blocks.fixed:
             verdicts.skip("round costs", "the block is fixed (--dflash2-block-size), so no decision reads a table")
-        elif not round_costs:  # a cached table keeps learning from requests, as one measured now does
+        else:  # a cached table keeps learning from requests, as one measured now does
             round_costs = verdicts.check(
                 "round costs", lambda: dflash2_timing.measure_round_costs(model, drafter, candidate_selector=selector),
                 lambda table: dataclasses.replace(dflash2_policy.RoundCosts.from_json(table, dflash2_kernels.MAX_ROWS),
@@ -111,7 +113,8 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
                     round_costs.summary())
     verdicts.save()
     memory = None
-    if not setup.round_costs:  # a given table stays as given: each request starts from the prior
+    # A given table stays as given, so each request starts from the prior; a fixed block decides nothing.
+    if not setup.round_costs and not blocks.fixed:
         memory = dflash2_policy.AcceptanceMemory(dflash2_kernels.MAX_ROWS)
         logger.info("DFlash2: each request's acceptance estimate starts from the drafter's recent rounds")
     state = dflash2_rounds.DrafterState(drafter, round_costs, fixed_block=blocks.fixed,
@@ -119,7 +122,7 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
     dflash2_rounds.serve_rounds_with(state)
     if state.fixed_block:
         logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
-                    "whatever the table says", blocks.ceiling)
+                    "whatever they cost", blocks.ceiling)
     elif not dflash2_rounds.rounds_can_pay(state):
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "
                     "(fallback; reason=rounds-cannot-pay) while the table says so; a measured table still "

@@ -164,13 +164,13 @@ BLOCK_2_COSTS = RoundCosts(1.0, {2: 1.2}, {2: 0.05})
 
 
 @pytest.mark.usefixtures("gpu_like_rounding")
-@pytest.mark.parametrize("costs", [PAYING_COSTS, BLOCK_2_COSTS], ids=["given", "without-the-block"])
+@pytest.mark.parametrize("costs", [PAYING_COSTS, None, BLOCK_2_COSTS], ids=["given", "none", "without-the-block"])
 def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plain, monkeypatch, costs):
     """load_speculation, as the engine starts the drafter (a fixed block, the candidate
-    selector, a given table): its DrafterState carries the pack's state and the round
+    selector, a table given or none): its DrafterState carries the pack's state and the round
     loop serves it; none of it is written onto the drafter (an mlx nn.Module: a dict too),
     before or after a request's rounds, and each request's counts go where counts_to says.
-    A fixed block reads no table: one without its row serves alike."""
+    A fixed block reads no table: none is measured, and one without its row serves alike."""
     import dflash2_drafter
     import dflash2_speculation
     import dflash2_rounds
@@ -188,7 +188,7 @@ def test_the_served_drafter_carries_none_of_the_pack_s_state(pair, prompts, plai
         drafter = state.drafter
         assert speculation.error is None and dflash2_rounds.served_state(drafter) is state
         assert state.fixed_block and state.candidate_selector and state.round_costs is costs
-        assert state.acceptance_memory is None  # a given table: each request starts from the prior
+        assert state.acceptance_memory is None  # a fixed block decides nothing by acceptance
         assert not PACK_STATE_NAMES & (set(vars(drafter)) | set(drafter.keys()))
         assert greedy(model, prompts[0], GENERATED, drafter=drafter) == plain[0]
         assert handed == [state.round_counts] and state.round_counts.tokens_from_plain_steps == 0

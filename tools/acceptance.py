@@ -7,8 +7,8 @@ For code-like, prose-like and tool-call chat prompts: greedy decoding plain and
 speculative at fixed blocks 2..5 (the drafter's runtime ceiling), the tokens checked equal,
 with tokens per round (1 + accepted drafts) and the share of drafts accepted. Then the
 speed of speculative decoding against plain on this machine, the drafter configured as the
-server configures it (round costs measured at start-up; the demo's fixed block, and the
-adaptive round policy): one warm-up pass, then the arms interleaved, median, min and max of
+server configures it (the demo's fixed block, and the adaptive round policy by the round
+costs a start-up measures): one warm-up pass, then the arms interleaved, median, min and max of
 5. And sixteen varied chat requests (code, prose, questions, a tool call) answered greedily
 as the demo answers them: how many distinct answers they get, and the drafts accepted when
 the same requests run speculatively at the demo's block. Writes
