@@ -526,15 +526,14 @@ def test_openapi_describes_the_served_endpoints(client, image_dir):
     assert error == {"$ref": "#/components/schemas/AnthropicError"}
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-                                  "/v1/responses"])
-def test_cross_origin_preflight(client, path):
-    foreign = client.options(path, headers={
+def test_cross_origin_preflight(client):
+    # The CORS layer answers a preflight before the gateway reads its path: one path shows it.
+    foreign = client.options("/v1/chat/completions", headers={
         "origin": "https://attacker.example", "access-control-request-method": "POST"})
     assert foreign.status_code == 400 and "access-control-allow-origin" not in foreign.headers
     # The headers OpenAI's JavaScript SDK sends from a browser page, its own among them.
     sdk_headers = "authorization, content-type, x-stainless-lang, x-stainless-os, x-stainless-retry-count"
-    local = client.options(path, headers={
+    local = client.options("/v1/chat/completions", headers={
         "origin": "http://localhost:3000", "access-control-request-method": "POST",
         "access-control-request-headers": sdk_headers})
     assert local.status_code == 200, local.text

@@ -183,4 +183,6 @@ def test_refusals_come_in_openais_format(servers, fields, reason, stream):
         error = raised.value
         assert error.status_code == 400 and error.code == reason, error.body
         assert error.body["type"] == "invalid_request_error" and error.body["message"]
+        if reason == "context-length-exceeded":  # named in the Responses API's fields
+            assert error.body["param"] == "input" and "max_output_tokens" in error.body["message"], error.body
         assert error.response.headers.get("x-dflash2") == (f"refused; reason={reason}" if name == "spec" else None)
