@@ -121,7 +121,7 @@ def load_speculation(model, setup: DrafterSetup, counts_to=None) -> Speculation:
                                         candidate_selector=selector, acceptance_memory=memory, counts_to=counts_to)
     dflash2_rounds.serve_rounds_with(state)
     if state.fixed_block:
-        logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy requests run rounds of it "
+        logger.info("DFlash2: block fixed at %d (--dflash2-block-size): greedy and sampled requests run rounds of it "
                     "whatever they cost", blocks.ceiling)
     elif not dflash2_rounds.rounds_can_pay(state):
         logger.info("DFlash2: no block up to the drafter's ceiling pays, so greedy requests are routed plain "

@@ -239,7 +239,7 @@ def test_derivative_target_with_4bit_drafter_builds_verifies_and_serves(tiny_pac
         assert runtime["drafter_activations"] == "drafter activations: promoted (bf16 is emulated on CPU)"
         assert runtime["plain_decode_path"]["arm"] in dflash2_decode_arms.DECODE_ARMS
         # The log says the fixed block runs rounds, not that requests go plain.
-        assert "block fixed at 2 (--dflash2-block-size): greedy requests run rounds of it" in server.log()
+        assert "block fixed at 2 (--dflash2-block-size): greedy and sampled requests run rounds of it" in server.log()
         assert "each request's acceptance estimate starts from the drafter's recent rounds" not in server.log()
         assert "routed plain" not in server.log()
         # Start-up says what it is running before each long check, then what each found.
