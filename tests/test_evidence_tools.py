@@ -735,6 +735,23 @@ def test_the_battery_counts_a_schemathesis_request_timeout_apart():
     assert schemathesis_failed(negative["failures"], []) and not schemathesis_failed([], [])
 
 
+def test_the_battery_lists_the_servers_own_time_limit_apart_from_client_errors():
+    """A 504 of --request-timeout or a 503 of shutdown is the server's own limit: listed by
+    request apart from the 5xx answered to client errors, which fail the run."""
+    from types import SimpleNamespace
+
+    from battery import Tally, limited
+
+    tally = Tally(SimpleNamespace(local_paths=[]))
+    tally.note("huge prompt", 504, {}, b'{"error": {"code": "request-timeout"}}')
+    tally.note("stopping", 503, {}, b'{"error": {"code": "shutting-down"}}')
+    tally.note("bad tools", 500, {}, b'{"error": {"code": "server-error"}}')
+    assert [answer.split(":")[0] for answer in tally.limit_5xx] == ["huge prompt", "stopping"]
+    assert [answer.split(":")[0] for answer in tally.client_5xx] == ["bad tools"]
+    assert tally.by_class == {"5xx": 3} and limited(tally.limit_5xx).startswith("2 (huge prompt: 504 ")
+    assert limited([]) == "0"
+
+
 def test_the_schemathesis_hooks_keep_answers_short_and_positive_cases_valid(monkeypatch):
     """tools/schemathesis_hooks.py, loaded from its file as schemathesis loads SCHEMATHESIS_HOOKS
     (tools/battery.py, tests/test_openapi_schemathesis.py), registers map_case: token limits

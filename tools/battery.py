@@ -13,7 +13,8 @@ schemathesis is installed) and damaged copies of the pack (--verify-pack and sta
 Writes evidence/battery-<backend>.json and .md: requests sent, by status class, 5xx
 for client errors (must be 0), crashes (0), local path bytes in any body, header or log
 line (0), answers changed (0), timeouts under load (504s of requests queued past
---request-timeout, counted apart), RSS before and after. --quick sends a small subset.
+--request-timeout, counted apart), the other answers of the server's own time limit or
+shutdown (listed by request), RSS before and after. --quick sends a small subset.
 """
 
 import argparse
@@ -260,6 +261,7 @@ class Tally:
         self.sent = 0
         self.by_class = {}
         self.client_5xx = []
+        self.limit_5xx = []  # answers of the server's own time limit or shutdown, not client errors
         self.path_leaks = []
         self.answers_changed = 0
         self.crashes = 0
@@ -271,8 +273,9 @@ class Tally:
         kind = f"{status // 100}xx" if status else "no answer"
         self.by_class[kind] = self.by_class.get(kind, 0) + 1
         error = body[:2000].decode("utf-8", "replace")
-        if status and status >= 500 and '"request-timeout"' not in error and '"shutting-down"' not in error:
-            self.client_5xx.append(f"{label}: {status} {error[:200]}")
+        if status and status >= 500:
+            limit = '"request-timeout"' in error or '"shutting-down"' in error
+            (self.limit_5xx if limit else self.client_5xx).append(f"{label}: {status} {error[:200]}")
         text = json.dumps(headers) + body.decode("latin-1")
         self.path_leaks += [f"{label}: {path}" for path in self.server.local_paths if path in text]
 
@@ -449,15 +452,20 @@ def damaged_packs(pack, workdir):
 # ---------------------------------------------------------------------------------------
 
 
+def limited(answers: list) -> str:
+    """How many answers of the time limit or shutdown, and which requests got them."""
+    return f"{len(answers)}" + (f" ({'; '.join(answer[:80] for answer in answers)})" if answers else "")
+
+
 def markdown(record):
     lines = [f"# Hostile-input battery ({record['backend']})", "", f"Command: `{record['command']}`", "",
              "| server | sent | by status | 5xx for client errors | crashes | path leaks | answers changed "
-             "| timeouts under load (504) | RSS before -> after (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| timeouts under load (504) | 5xx of the time limit or shutdown | RSS before -> after (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in record["servers"].items():
         lines.append(f"| {name} | {s['sent']} | {s['by_class']} | {len(s['client_5xx'])} | {s['crashes']} | "
                      f"{len(s['path_leaks'])} | {s['answers_changed']} | {s['timeouts_under_load']} | "
-                     f"{s['rss_kb_before'] / 1024:.0f} -> {s['rss_kb_after'] / 1024:.0f} |")
+                     f"{limited(s['limit_5xx'])} | {s['rss_kb_before'] / 1024:.0f} -> {s['rss_kb_after'] / 1024:.0f} |")
     damaged = record["damaged_packs"]
     lines += ["", f"Damaged packs: {len(damaged)} runs, {sum(r['refused'] for r in damaged)} refused, "
                   f"{sum(r['traceback'] for r in damaged)} with a traceback.", "",
@@ -493,6 +501,7 @@ def main(argv=None):
                 server.stop()
             record["servers"][name] = {
                 "sent": tally.sent, "by_class": tally.by_class, "client_5xx": tally.client_5xx,
+                "limit_5xx": tally.limit_5xx,
                 "crashes": tally.crashes, "path_leaks": tally.path_leaks + log_leaks(server),
                 "answers_changed": tally.answers_changed, "timeouts_under_load": tally.timeouts_under_load,
                 "rss_kb_before": before, "rss_kb_after": after or 0}
