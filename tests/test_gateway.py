@@ -622,6 +622,12 @@ def test_request_timeout_answers_504(client):
     assert response.json()["error"]["code"] == "request-timeout"
 
 
+def last_named_event(response) -> tuple:
+    """(the event line, the data as JSON) of a Messages or Responses stream's last event."""
+    name, data = response.text.strip().split("\n\n")[-1].split("\n", 1)
+    return name, json.loads(data.removeprefix("data: "))
+
+
 def test_request_timeout_ends_a_stream_with_an_error_event(client):
     response = post(client, {"messages": [{"role": "user", "content": "hang"}], "stream": True})
     assert response.status_code == 200

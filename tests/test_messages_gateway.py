@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import png
-from test_gateway import MODEL_ID, VOCAB, CONTEXT, image_dir, make_client
+from test_gateway import MODEL_ID, VOCAB, CONTEXT, image_dir, last_named_event, make_client
 from test_gateway import assert_refused as assert_chat_refusal  # noqa: F401 (image_dir: a fixture)
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -205,9 +205,8 @@ def test_request_timeout_answers_504_in_anthropics_shape(client):
 def test_request_timeout_ends_a_stream_with_an_error_event_in_anthropics_shape(client):
     response = post(client, {**BODY, "messages": [{"role": "user", "content": "hang"}], "stream": True})
     assert response.status_code == 200
-    name, data = response.text.strip().split("\n\n")[-1].split("\n", 1)
+    name, error = last_named_event(response)
     assert name == "event: error"
-    error = json.loads(data.removeprefix("data: "))
     assert error["type"] == "error" and error["error"]["type"] == "timeout_error", error
 
 

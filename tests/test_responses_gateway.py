@@ -11,6 +11,7 @@ import pytest
 
 from conftest import data_url, png
 from test_gateway import MODEL_ID, VOCAB, CONTEXT, assert_refused, image_dir, make_client  # noqa: F401 (image_dir: a fixture)
+from test_gateway import last_named_event
 
 BODY = {"model": MODEL_ID, "max_output_tokens": 5, "input": "Hi"}
 IMAGE = {"type": "input_image", "image_url": data_url(png((32, 32)))}
@@ -194,10 +195,9 @@ def test_request_timeout_answers_504_in_openais_shape(client):
 def test_a_failing_stream_ends_with_an_openai_error_event_without_paths(client):
     response = post(client, {**BODY, "input": "stream failure", "stream": True})
     assert response.status_code == 200 and response.headers["x-dflash2"]
-    last = response.text.strip().split("\n\n")[-1]
-    name, data = last.split("\n", 1)
+    name, data = last_named_event(response)
     assert name == "event: error"
-    error = json.loads(data.removeprefix("data: "))["error"]
+    error = data["error"]
     assert error["code"] == "server-error" and "Generation failed" in error["message"]
     assert os.path.expanduser("~") not in response.text
 
@@ -205,9 +205,9 @@ def test_a_failing_stream_ends_with_an_openai_error_event_without_paths(client):
 def test_request_timeout_ends_a_stream_with_an_error_event_in_openais_shape(client):
     response = post(client, {**BODY, "input": "hang", "stream": True})
     assert response.status_code == 200
-    name, data = response.text.strip().split("\n\n")[-1].split("\n", 1)
+    name, data = last_named_event(response)
     assert name == "event: error"
-    assert json.loads(data.removeprefix("data: "))["error"]["code"] == "request-timeout"
+    assert data["error"]["code"] == "request-timeout"
 
 
 def test_the_batterys_responses_probes_get_no_server_error():
