@@ -99,6 +99,14 @@ def end_to_end(r):
                      for profile, speedup in r["e2e_speedup"].items())
 
 
+def sampled_end_to_end(r):
+    """Per temperature, speculative over plain seeded sampling at each profile's tokens per round."""
+    profiles = list(r["tokens_per_round"])
+    return (" / ".join(f"{r['tokens_per_round'][p]:.1f}" for p in profiles) + " tokens per round: "
+            + "; ".join(f"temperature {t}: " + " / ".join(times(by_profile[p]) for p in profiles)
+                        for t, by_profile in r["e2e_speedup_sampled"].items()))
+
+
 def next_turn(r):
     row = r["by_route_step_context"]["plain"]["256"]["4096"]
     return f"{row['ttft_ms']['cached']:,.0f} / {row['ttft_ms']['cold']:,.0f} ms ({row['cached_over_cold']:.2f})"
@@ -113,7 +121,7 @@ def battery(r):
 
 # (what, the record's stem in evidence/, its figure)
 RESULTS = [
-    ("Exact verify, rollback and greedy tokens against plain decoding: differing elements", "parity-cuda",
+    ("Exact verify, rollback, greedy and seeded sampled tokens against plain decoding: differing elements", "parity-cuda",
      lambda r: f"{r['exact_mismatches']:,} (negative controls: {r['stock_mismatches']:,})"),
     ("Exact verify round, in decode steps", "bench-cuda-27b", verify_rounds),
     ("4-bit drafter pass, in decode steps", "bench-cuda-27b", lambda r: f"{r['drafter_ratio_by_form']['4bit']:.2f}"),
@@ -121,6 +129,8 @@ RESULTS = [
      lambda r: times(r["installed_plain_ratio"])),
     ("Speculative over plain end to end, by tokens per round (oracle drafter at the 4-bit drafter's cost)",
      "bench-cuda-27b", end_to_end),
+    ("Sampled requests (top_p 0.95, top_k 20), speculative over plain seeded sampling end to end",
+     "bench-cuda-27b", sampled_end_to_end),
     ("A next turn's first token at 4k tokens of history: prefix cache / cold", "prefix-cache-cuda-27b-4k", next_turn),
     ("Speculation's extra memory at 16k tokens: whole context / the drafter's sliding window",
      "prefix-cache-cuda-27b-4k", lambda r: "{full:.2f} / {sliding_window:.2f} GB".format(**r["spec_extra_memory_gb"]["16384"])),
