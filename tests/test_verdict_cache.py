@@ -133,26 +133,6 @@ def test_a_second_start_takes_the_cached_verdicts_and_answers_the_same(first):
     assert cache_files(first["workdir"]) == files  # nothing new to write
 
 
-def test_an_edited_cache_file_means_a_full_check_that_says_so(first, tmp_path):
-    workdir = home_copy(first, tmp_path)
-    path = cache_files(workdir)[0]
-    data = json.loads(path.read_text())
-    data["verdicts"]["drafter activations"]["at"] = "2000-01-01T00:00:00Z"  # one field changed
-    path.write_text(json.dumps(data))
-    checks, log = full_check(workdir)
-    because = f"{path.name} was edited or is corrupt (its content sha256 differs)"
-    assert checks["full_check_because"] == because
-    assert f"start-up checks: all of them: {because}" in log
-
-
-def test_an_unreadable_cache_file_means_a_full_check(first, tmp_path):
-    workdir = home_copy(first, tmp_path)
-    path = cache_files(workdir)[0]
-    path.write_bytes(path.read_bytes()[:100])  # cut short, as by a full disk
-    checks, _ = full_check(workdir)
-    assert checks["full_check_because"].startswith(f"{path.name} is not valid JSON")
-
-
 def test_recheck_means_a_full_check(first, tmp_path):
     workdir = home_copy(first, tmp_path)
     checks, log = full_check(workdir, "--recheck")
@@ -244,16 +224,29 @@ def test_a_cached_verdict_is_restored_instead_of_measured(machine, caplog):
 
 
 @pytest.mark.parametrize("damage, because", [
-    (lambda data: data.update(schema=2), "was edited or is corrupt"),
+    (lambda data: data.update(schema=2), "was edited or is corrupt (its content sha256 differs)"),
     (lambda data: data.pop("sha256"), "is not a verdict file"),
+    (lambda data: data["verdicts"]["round costs"].update(at="2000-01-01T00:00:00Z"),
+     "was edited or is corrupt (its content sha256 differs)"),
     (lambda data: data["verdicts"]["round costs"].update(value={"table": 2}), "was edited or is corrupt"),
+    (None, "is not valid JSON"),  # cut short, as by a full disk
 ])
-def test_a_damaged_file_is_named(machine, damage, because):
+def test_a_damaged_file_means_a_full_check_that_names_it(machine, caplog, damage, because):
+    """The servers' own full checks (a changed module, --recheck) run above; these damages
+    differ only in what open() reads."""
+    caplog.set_level("INFO", "dflash2.server")
     pack = {"modules": {}, "pack": {}, "options": {}}
     verdicts = opened(pack)
     verdicts.check("round costs", lambda: {"table": 1}, dict, dict)
     verdicts.save()
-    data = json.loads(verdicts.path.read_text())
-    damage(data)
-    verdicts.path.write_text(json.dumps(data))
-    assert because in opened(pack).full_check_because
+    if damage is None:
+        verdicts.path.write_bytes(verdicts.path.read_bytes()[:100])
+    else:
+        data = json.loads(verdicts.path.read_text())
+        damage(data)
+        verdicts.path.write_text(json.dumps(data))
+    caplog.clear()
+    again = opened(pack)
+    assert again.full_check_because.startswith(f"{verdicts.path.name} ") and because in again.full_check_because
+    assert f"start-up checks: all of them: {again.full_check_because}" in caplog.text
+    assert again.check("round costs", lambda: {"table": 3}, dict, dict) == {"table": 3}  # measured, not restored
