@@ -38,12 +38,14 @@ def float32_pack(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def built_pack(tiny_pack, tmp_path_factory):
-    """The tiny pack as tools/build_pack.py builds it, once per session: a flat pack folder
-    with the shipped modules, pins and SHA256SUMS. Read-only: copy it to change it."""
+def built_pack(float32_pack, tmp_path_factory):
+    """The fp32 tiny pack as tools/build_pack.py builds it, once per session: a flat pack
+    folder with the shipped modules, pins and SHA256SUMS (fp32 dense tensors, as the 27B
+    file's: its servers' activations run fp32, on a CPU many times faster than fp16's).
+    Read-only: copy it to change it."""
     from build_pack import build_pack
 
-    return build_pack(str(tiny_pack["target"]), str(tiny_pack["drafter"]),
+    return build_pack(str(float32_pack["target"]), str(float32_pack["drafter"]),
                       tmp_path_factory.mktemp("built") / "tiny-dflash2-pack")
 
 

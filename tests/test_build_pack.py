@@ -23,6 +23,12 @@ def build(sources, out_dir, target=None):
     return build_pack(str(target or sources["target"]), str(sources["drafter"]), out_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_pack(float32_pack):
+    """Here the pack built_pack is built from (conftest: the fp32 tiny pack)."""
+    return float32_pack
+
+
 @pytest.fixture
 def pack_copy(built_pack, tmp_path):
     return Path(shutil.copytree(built_pack, tmp_path / "pack"))
