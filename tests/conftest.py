@@ -112,6 +112,18 @@ def target(tiny_pack):
     return model, processor, drafter
 
 
+@pytest.fixture(scope="session")
+def float32_target(float32_pack):
+    """The fp32 tiny pack loaded, with the runtime's patches installed, as `target`: for tests
+    whose subject is not arithmetic (memory, routing), where fp32's CPU speed is free."""
+    import dflash2_runtime
+    from dflash2_pack import load_pack
+
+    model, processor, drafter = load_pack(float32_pack["target"], float32_pack["drafter"])
+    assert dflash2_runtime.install().speculative
+    return model, processor, drafter
+
+
 # Greedy tokens of the exactness checks' runs: on the 2-layer tiny pack stock verify's batched
 # rounding (the negative controls) first changes a token of tools/parity.py's prompts at the
 # 15th, 15th and 29th (at 12 none of the oracle or sampled token cases could fail under it;

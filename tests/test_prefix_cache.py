@@ -242,12 +242,12 @@ def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
     assert state() == before
 
 
-def test_drafter_cache_grows_with_context_and_the_window_bounds_it(target):
+def test_drafter_cache_grows_with_context_and_the_window_bounds_it(float32_target):
     """bench_prefix's deterministic memory figure: the drafter's cache after a request holds
     its whole context, unless the sliding window (256 positions on the tiny drafter) caps it."""
     from bench_prefix import spec_extra_memory
 
-    model, processor, drafter = target
+    model, processor, drafter = float32_target
     window = drafter.config.sliding_window
     contexts = [window + 44, 2 * window + 88]
     *_, cache_gb = spec_extra_memory(model, processor, drafter, contexts, STEP * 8, repeats=1)
