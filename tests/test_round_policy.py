@@ -248,14 +248,14 @@ def test_cost_table_round_trips_and_bad_tables_are_named():
 
 
 @pytest.fixture(scope="module")
-def prompt_and_plain(target):  # noqa: F811
-    model, processor, _ = target
+def prompt_and_plain(float32_target):  # noqa: F811
+    model, processor, _ = float32_target
     ids = chat_ids(processor.tokenizer, PROMPTS[1], thinking=False)
     return ids, greedy(model, ids, GENERATED)
 
 
-def run_policy(target, prompt_and_plain, error_rate):  # noqa: F811
-    model, _, drafter = target
+def run_policy(float32_target, prompt_and_plain, error_rate):  # noqa: F811
+    model, _, drafter = float32_target
     ids, plain = prompt_and_plain
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=error_rate,
                            target_layer_ids=drafter.config.target_layer_ids)
@@ -265,8 +265,8 @@ def run_policy(target, prompt_and_plain, error_rate):  # noqa: F811
     return tokens == plain, state.round_counts, list(zip(blocks, oracle.accept_lens))
 
 
-def test_full_acceptance_runs_the_best_block(target, prompt_and_plain):  # noqa: F811
-    identical, counts, rounds = run_policy(target, prompt_and_plain, 0.0)
+def test_full_acceptance_runs_the_best_block(float32_target, prompt_and_plain):  # noqa: F811
+    identical, counts, rounds = run_policy(float32_target, prompt_and_plain, 0.0)
     assert identical
     # Only a last single token wanted is cheaper as a plain step than as a round.
     assert counts.tokens_from_plain_steps <= 1
@@ -278,18 +278,18 @@ def test_full_acceptance_runs_the_best_block(target, prompt_and_plain):  # noqa:
     assert all(accepted == block - 1 for block, accepted in rounds)
 
 
-def test_zero_acceptance_switches_to_plain_steps(target, prompt_and_plain):  # noqa: F811
-    identical, counts, rounds = run_policy(target, prompt_and_plain, 1.0)
+def test_zero_acceptance_switches_to_plain_steps(float32_target, prompt_and_plain):  # noqa: F811
+    identical, counts, rounds = run_policy(float32_target, prompt_and_plain, 1.0)
     assert identical
     assert counts.tokens_from_rounds == len(rounds) >= 1  # each round gave its bonus only
     assert counts.tokens_from_plain_steps >= 3 * counts.tokens_from_rounds
     assert counts.tokens_from_rounds + counts.tokens_from_plain_steps == GENERATED - 1
 
 
-def test_probes_return_to_rounds_when_acceptance_recovers(target, prompt_and_plain):  # noqa: F811
+def test_probes_return_to_rounds_when_acceptance_recovers(float32_target, prompt_and_plain):  # noqa: F811
     recovered_at = 12
     identical, counts, rounds = run_policy(
-        target, prompt_and_plain, lambda index: 1.0 if index < recovered_at else 0.0)
+        float32_target, prompt_and_plain, lambda index: 1.0 if index < recovered_at else 0.0)
     assert identical
     assert counts.tokens_from_plain_steps > 0
     # The drafter's context stayed aligned through the plain steps: after a probe found
@@ -363,8 +363,8 @@ def test_learning_is_a_running_mean_then_a_tenth_and_can_go_below_the_drafter_sh
     assert costs.round_steps(3) == pytest.approx(1.8)
 
 
-def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(target, prompt_and_plain):  # noqa: F811
-    model, _, drafter = target
+def test_the_round_loop_teaches_a_measured_table_what_its_rounds_took(float32_target, prompt_and_plain):  # noqa: F811
+    model, _, drafter = float32_target
     ids, plain = prompt_and_plain
     # Rounds priced at a microsecond: whatever they really take here is more.
     cheap = RoundCosts(1.0, {b: 1e-3 for b in BLOCKS}, {b: 0.0 for b in BLOCKS}, learning=True)
@@ -504,10 +504,11 @@ def test_start_up_costs_pair_each_arm_with_the_plain_steps_of_its_pass(target, m
     assert all(costs.round_steps(block) == pytest.approx(1.5) for block in costs.blocks)
 
 
-def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(target, prompt_and_plain):  # noqa: F811
+def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(float32_target,
+                                                                         prompt_and_plain):  # noqa: F811
     """At zero acceptance the policy probes between plain runs; each run after a round teaches
     the measured table its refill (the run's first step), the rest its steady step."""
-    model, _, drafter = target
+    model, _, drafter = float32_target
     ids, plain = prompt_and_plain
     table = RoundCosts(60.0, dict(COSTS.verify_steps_by_block), dict(COSTS.draft_steps_by_block),
                        learning=True)  # about a tiny-pack decode step on CPU
@@ -558,12 +559,12 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     assert RoundPolicy(COSTS, 8).choose_block(39) != exhaustive_choice(COSTS, [1.0] * 7, 39)  # the prior's
 
 
-def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prompt_and_plain):  # noqa: F811
+def test_a_served_drafter_remembers_zero_acceptance_across_requests(float32_target, prompt_and_plain):  # noqa: F811
     """The same drafter, remembering its acceptance as the engine sets it up: a request at
     zero acceptance runs rounds, after which its greedy requests would be routed plain (the
     table alone still pays); a probe that reaches the round loop runs its first round and
     then decodes plain. Every request gives plain decoding's tokens."""
-    model, _, drafter = target
+    model, _, drafter = float32_target
     ids, plain = prompt_and_plain
     table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 2.0)
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
@@ -578,12 +579,12 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(target, prom
     assert dflash2_rounds.rounds_can_pay(dataclasses.replace(state, acceptance_memory=None))
 
 
-def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(target, prompt_and_plain,  # noqa: F811
-                                                                                 monkeypatch):
+def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(float32_target,  # noqa: F811
+                                                                                 prompt_and_plain, monkeypatch):
     """The drafter's first call after plain steps gets their taps with the prompt's; the oracle
     (one right draft per round) must still propose the true continuation from there, or the
     benchmark's remembering policy arms measure misaligned rounds that accept nothing."""
-    model, _, drafter = target
+    model, _, drafter = float32_target
     ids, plain = prompt_and_plain
     table = RoundCosts(60.0, {b: 1.2 for b in BLOCKS}, {b: 0.0 for b in BLOCKS})
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size,
