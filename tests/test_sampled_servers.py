@@ -46,6 +46,11 @@ def servers(start_server):
                for name, command in SERVERS.items()}
     for server in started.values():
         server.wait_ready()
+    # The pair runs fp32 here, where the wrapper's batched rounding changes verify's bits but
+    # seldom a token: the start-up self-check, bitwise, is what would turn a broken verify
+    # into plain answers (and fail the `speculative` header below). It ran under the wrapper.
+    check = started["spec"].health()[1]["runtime"]["verify_self_check"]
+    assert check["differing"] == 0 and check["stock_differing"] > 0, check
     return started
 
 
