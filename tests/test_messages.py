@@ -138,7 +138,7 @@ def test_stop_sequences_end_the_answer_on_every_route(servers, answers):
     assert stop.strip(), full
     for name in ("spec", "plain"):
         mode, _, message = create(servers[name], stop_sequences=[stop, "\u2603never"], **GREEDY)
-        # mlx-vlm 0.7.2's Messages answer (not its stream) strips the text a stop sequence ends
+        # the engine ends the text at the stop; mlx-vlm 0.7.2 strips the non-streamed text it is handed
         assert text(message) == full[:full.index(stop)].strip(), name
         assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop), name
     _, events = create_streamed(servers["spec"], stop_sequences=[stop], **GREEDY)
