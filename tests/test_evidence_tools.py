@@ -831,3 +831,18 @@ def test_device_27b_runs_only_tools_that_exist():
     named = set(re.findall(r"python3 (tools/[\w/]+\.py)", script))
     assert {"tools/bench.py", "tools/parity.py", "tools/lab/kernel_parity.py"} <= named
     assert [path for path in sorted(named) if not (REPO / path).is_file()] == []
+
+
+def test_readme_s_speedups_mark_profiles_the_policy_routed_plain():
+    """A policy arm whose last run took no token from rounds compares plain with plain: its
+    cell says routed plain, in the greedy row and the sampled one."""
+    import records
+
+    record = json.loads((EVIDENCE / "bench-cuda-27b.json").read_text())
+    record.update(tokens_per_round={"chat": 2.0, "code": 4.5}, e2e_speedup={"chat": 0.98, "code": 2.2},
+                  policy_round_counts={"chat": {"tokens_from_rounds": 0}, "code": {"tokens_from_rounds": 39}},
+                  e2e_sampled_settings={"top_p": 0.9, "top_k": 40, "seed": 0},
+                  e2e_speedup_sampled={"0.6": {"code": 1.9}},
+                  policy_round_counts_sampled={"0.6": {"code": {"tokens_from_rounds": 0}}})
+    assert records.end_to_end(record) == "2.0: 0.98x (routed plain), 4.5: 2.20x"
+    assert records.sampled_end_to_end(record) == "top_p 0.9, top_k 40; temperature 0.6: 4.5: 1.90x (routed plain)"

@@ -94,17 +94,29 @@ def verify_rounds(r):
     return ", ".join(f"block {block}: {r['verify_ratio_by_block'][block]:.2f}" for block in ("2", "4", "8"))
 
 
+def speedup_cell(ratio, counts) -> str:
+    """A policy arm's ratio over plain, marked where its last run took no token from rounds
+    (routed plain: plain against plain)."""
+    plain = counts is not None and counts.get("tokens_from_rounds") == 0
+    return times(ratio) + (" (routed plain)" if plain else "")
+
+
 def end_to_end(r):
-    return ", ".join(f"{r['tokens_per_round'][profile]:.1f}: {times(speedup)}"
+    counts = r.get("policy_round_counts") or {}
+    return ", ".join(f"{r['tokens_per_round'][profile]:.1f}: {speedup_cell(speedup, counts.get(profile))}"
                      for profile, speedup in r["e2e_speedup"].items())
 
 
 def sampled_end_to_end(r):
-    """Per temperature, speculative over plain seeded sampling at each profile's tokens per round."""
-    profiles = list(r["tokens_per_round"])
-    return (" / ".join(f"{r['tokens_per_round'][p]:.1f}" for p in profiles) + " tokens per round: "
-            + "; ".join(f"temperature {t}: " + " / ".join(times(by_profile[p]) for p in profiles)
-                        for t, by_profile in r["e2e_speedup_sampled"].items()))
+    """The sampling settings, then per temperature speculative over plain seeded sampling at
+    each measured profile's tokens per round."""
+    settings = ", ".join(f"{name} {value}" for name, value in r["e2e_sampled_settings"].items() if name != "seed")
+    counts = r.get("policy_round_counts_sampled") or {}
+    return settings + "; " + "; ".join(
+        f"temperature {t}: " + ", ".join(f"{r['tokens_per_round'][profile]:.1f}: "
+                                         f"{speedup_cell(ratio, counts.get(t, {}).get(profile))}"
+                                         for profile, ratio in by_profile.items())
+        for t, by_profile in r["e2e_speedup_sampled"].items())
 
 
 def next_turn(r):
@@ -129,7 +141,7 @@ RESULTS = [
      lambda r: times(r["installed_plain_ratio"])),
     ("Speculative over plain end to end, by tokens per round (oracle drafter at the 4-bit drafter's cost)",
      "bench-cuda-27b", end_to_end),
-    ("Sampled requests (top_p 0.95, top_k 20), speculative over plain seeded sampling end to end",
+    ("Sampled requests, speculative over plain seeded sampling end to end, by tokens per round",
      "bench-cuda-27b", sampled_end_to_end),
     ("A next turn's first token at 4k tokens of history: prefix cache / cold", "prefix-cache-cuda-27b-4k", next_turn),
     ("Speculation's extra memory at 16k tokens: whole context / the drafter's sliding window",
