@@ -511,7 +511,7 @@ def test_the_round_loop_times_the_plain_step_after_a_round_as_its_refill(float32
     model, _, drafter = float32_target
     ids, plain = prompt_and_plain
     table = RoundCosts(60.0, dict(COSTS.verify_steps_by_block), dict(COSTS.draft_steps_by_block),
-                       learning=True)  # about a tiny-pack decode step on CPU
+                       learning=True)  # any step's ms: the tests read steps, not ms
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
     with served_rounds(oracle, table) as state:

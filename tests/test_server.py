@@ -670,7 +670,7 @@ def test_battery_quick_subset(servers, built_pack):
 # Local paths: never in a response or a log line (runs last: it scans what came before)
 
 
-def test_local_paths_never_leak(servers, built_pack, tiny_pack):
+def test_local_paths_never_leak(servers, built_pack, float32_pack):
     server = servers["spec"]
     # Requests whose errors would echo local paths.
     chat(server, MESSAGES, model=str(built_pack))
@@ -679,7 +679,7 @@ def test_local_paths_never_leak(servers, built_pack, tiny_pack):
     request(server, "POST", "/v1/chat/completions", image_message(str(server.cwd / "missing.png")))
     request(server, "POST", "/v1/chat/completions", image_message(str(built_pack / "drafter" / "config.json")))
     local_paths = {str(p) for p in (built_pack, built_pack / "drafter", server.home, server.cwd,
-                                    tiny_pack["target"], tiny_pack["drafter"], sys.prefix, *site.getsitepackages())}
+                                    float32_pack["target"], float32_pack["drafter"], sys.prefix, *site.getsitepackages())}
     local_paths |= {os.path.realpath(p) for p in local_paths}
     texts = list(SEEN) + [(f"{s.name} log", s.log()) for s in servers.values()]
     leaks = [(where, path) for where, text in texts for path in local_paths if path in text]
