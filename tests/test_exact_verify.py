@@ -391,6 +391,10 @@ def test_fp32_dense_layout_verify_and_rollback_are_exact(float32_pack):
     cases = verify_cases(lm, ids, taps, continuation, lengths=(2, 8))
     cases += rollback_cases(lm, ids, taps, continuation, lengths=(8,))
     assert [c for c in cases if c["logits"] or c.get("hidden")] == []
+    # The control: in fp32 too, stock verify's batched rounding changes the bits compared.
+    with stock_mlx_vlm():
+        stock = verify_cases(lm, ids, taps, continuation, lengths=(2, 8))
+    assert all(c["logits"] and c["hidden"] for c in stock), stock
 
 
 def test_start_up_self_check_passes_the_exact_verifier_and_catches_stock(target, monkeypatch):
