@@ -472,19 +472,24 @@ def test_parity_token_runs_add_only_to_the_same_runs_verify_part(tmp_path):
     from parity import earlier_part, same_run
 
     with pytest.raises(SystemExit, match="unreadable"):
-        earlier_part(tmp_path, "cuda")
+        earlier_part(tmp_path, "parity-cuda")
     record = json.loads((EVIDENCE / "parity-cuda.json").read_text())
     (tmp_path / "parity-cuda.json").write_text(json.dumps({**record, "parts": ["verify", "tokens"]}))
     with pytest.raises(SystemExit, match="adds to a verify part's record"):
-        earlier_part(tmp_path, "cuda")
+        earlier_part(tmp_path, "parity-cuda")
     (tmp_path / "parity-cuda.json").write_text(json.dumps({**record, "parts": ["verify"], "git_commit": "a" * 40}))
-    verify = earlier_part(tmp_path, "cuda")
+    verify = earlier_part(tmp_path, "parity-cuda")
     environment = {key: verify.get(key) for key in ("git_commit", "git_clean", "code", "device", "versions")}
     same_run(verify, environment)
     with pytest.raises(SystemExit, match="another git_commit"):
         same_run(verify, {**environment, "git_commit": "b" * 40})
     with pytest.raises(SystemExit, match="another code"):
         same_run(verify, {**environment, "code": "0" * 12})
+    # --dense-dtype: a verify part that named its layout adds only the same layout's token runs.
+    verify["dense_dtype"] = "float32"
+    same_run(verify, {**environment, "dense_dtype": "float32"})
+    with pytest.raises(SystemExit, match="another dense_dtype"):
+        same_run(verify, {**environment, "dense_dtype": "float16"})
 
 
 def test_the_parity_summary_counts_sampled_runs_and_says_how_block_rows_are_drawn():
@@ -846,3 +851,15 @@ def test_readme_s_speedups_mark_profiles_the_policy_routed_plain():
                   policy_round_counts_sampled={"0.6": {"code": {"tokens_from_rounds": 0}}})
     assert records.end_to_end(record) == "2.0: 0.98x (routed plain), 4.5: 2.20x"
     assert records.sampled_end_to_end(record) == "top_p 0.9, top_k 40; temperature 0.6: 4.5: 1.90x (routed plain)"
+
+
+def test_parity_measures_the_fp32_layout_under_its_own_record_name(tmp_path):
+    """--dense-dtype float32 (the real 27B file's layout): the synthetic target's activations
+    run fp32, and the record, named -fp32, says so beside the default fp16 one's name."""
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "parity.py"), "--size", "tiny", "--dense-dtype",
+                             "float32", "--part", "verify", "--max-tokens", "8", "--kernel-shapes", "tiny",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    record = json.loads((tmp_path / "parity-cpu-fp32.json").read_text())
+    assert record["dense_dtype"] == "float32" and record["activation_dtype"] == "float32"
+    assert record["exact_mismatches"] == 0 and not (tmp_path / "parity-cpu.json").exists()

@@ -160,6 +160,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
     parser.add_argument("--pack", help="measure a built pack instead of random weights")
+    parser.add_argument("--dense-dtype", choices=["float16", "float32"], default="float16",
+                        help="without --pack, the synthetic target's unpacked tensors (norms, convolution, "
+                        "gates), which set the activations' dtype; float32 is the real 27B file's layout "
+                        "(the record's name gains -fp32)")
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--context", type=int, default=32, help="prompt tokens before timing")
     parser.add_argument("--tokens", default="64",
@@ -220,6 +224,7 @@ def main():
     size = Path(args.pack).name if args.pack else args.size
     environment = run_environment("bench.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0")
     name = f"bench-{environment['backend']}-{'pack' if args.pack else args.size}"
+    name += "-fp32" if args.dense_dtype == "float32" and not args.pack else ""
     if args.part == "e2e":
         rounds_record = Path(args.out) / f"{name}.json"
         if not rounds_record.is_file():
@@ -235,7 +240,7 @@ def main():
         model, _, pack_drafter = load_pack(*find_pack(args.pack))
         drafters = {"pack": pack_drafter}
     else:
-        model = build_target_model(args.size, seed=0)
+        model = build_target_model(args.size, seed=0, dense_dtype=args.dense_dtype)
         drafters = {}
         with tempfile.TemporaryDirectory() as folder:
             for form in args.drafter_forms.split(","):
@@ -308,6 +313,7 @@ def main():
         counts = primitive_counts()
         record = {
             "size": size,
+            "dense_dtype": None if args.pack else args.dense_dtype,
             **environment,
             "complete": False,  # the end-to-end part follows; a run cut short keeps this much
             **process,

@@ -38,8 +38,12 @@ build_pack() {  # the 27B-shape pack with a 4-bit random drafter (zero acceptanc
   echo "pack built in $(( $(date +%s) - started )) s"
 }
 
+# DENSE_DTYPE=float32: the target's unpacked tensors fp32, as the real 27B file holds them (its
+# activations fp32; the exact kernels take fp16 rows): bench and parity records named -fp32
+DENSE=${DENSE_DTYPE:-float16}
+SUFFIX=$([ "$DENSE" = float32 ] && echo -fp32)
 BENCH=(python3 tools/bench.py --size 27b --out /tmp/b27 --tokens 40 --repeats 5 --fixed-blocks 2,4,8
-       --drafter-forms 4bit --no-all-decode-arms --no-first-request-arms)
+       --drafter-forms 4bit --no-all-decode-arms --no-first-request-arms --dense-dtype "$DENSE")
 mkdir -p "$OUT" /tmp/b27
 
 need_commit() {  # a record README quotes must name its commit (tests/test_evidence_tools.py checks it)
@@ -87,7 +91,7 @@ case "${1:-}" in
   # e2e: the greedy arms, and for sampled requests at temperatures $SAMPLED (default 0.6 and 1.0;
   # SAMPLED= leaves them out) plain seeded sampling and the policy per profile: 10 arms on top
   # of the greedy-only run's 18 (about 275 s), about 90 s more
-  e2e) need_commit e2e; [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
+  e2e) need_commit e2e; [ -f /tmp/b27/bench-cuda-27b$SUFFIX.json ] || cp .gpu/b27/bench-cuda-27b$SUFFIX.json /tmp/b27/ || exit 7
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --sampled-temperatures "${SAMPLED-0.6,1.0}" \
          --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   # e2e-long: the greedy arms at 256 tokens a request (issue 49 item 2): plain (stock and the
@@ -98,7 +102,7 @@ case "${1:-}" in
   # With the peer (issue 49 item 7): mlx-vlm's own speculative decoding at block 8 for chat, median
   # and code (zero's would verify 8 rows for each of 256 tokens, about 18 s a pass), an estimated
   # 20 s more a pass (not measured yet; the deadline refuses a call that would overrun).
-  e2e-long) need_commit e2e-long; [ -f /tmp/b27/bench-cuda-27b.json ] || cp .gpu/b27/bench-cuda-27b.json /tmp/b27/ || exit 7
+  e2e-long) need_commit e2e-long; [ -f /tmp/b27/bench-cuda-27b$SUFFIX.json ] || cp .gpu/b27/bench-cuda-27b$SUFFIX.json /tmp/b27/ || exit 7
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --tokens 256 --repeats 3 --fixed-blocks 8 \
          --sampled-temperatures "" --peer-arms chat,median,code --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   # prefix-4k: the prefix-cache record README quotes (next turn's first token at 4k, speculation's
@@ -122,12 +126,12 @@ case "${1:-}" in
   # parity-tokens adds the greedy and sampled runs (3 settings x blocks 2..8, 16 tokens) to
   # the verify part's record.
   parity) need_commit parity; mkdir -p /tmp/parity; t=$(left) || exit 124
-       timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part verify; rc=$?
+       timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part verify --dense-dtype "$DENSE"; rc=$?
        cp /tmp/parity/* "$OUT"/; exit $rc ;;
   parity-tokens) need_commit parity-tokens; mkdir -p /tmp/parity
-       [ -f /tmp/parity/parity-cuda.json ] || cp .gpu/parity/parity-cuda.json /tmp/parity/ || exit 7
+       [ -f /tmp/parity/parity-cuda$SUFFIX.json ] || cp .gpu/parity/parity-cuda$SUFFIX.json /tmp/parity/ || exit 7
        t=$(left) || exit 124
-       timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part tokens; rc=$?
+       timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part tokens --dense-dtype "$DENSE"; rc=$?
        cp /tmp/parity/* "$OUT"/; exit $rc ;;
   ncu)  # Nsight Compute on MLX's single-row qmv and the exact kernel at 1 and 8 rows, one
         # launch each at (17408, 5120): where the 8-row kernel stalls (issue 13 item 3)

@@ -430,6 +430,10 @@ def main():
         help="synthetic target without --pack; 27b: random weights in memory, raw-id prompts, "
         "contexts across the KV cache's 256-token growth steps",
     )
+    parser.add_argument("--dense-dtype", choices=["float16", "float32"], default="float16",
+                        help="without --pack, the synthetic target's unpacked tensors, which set the "
+                        "activations' dtype; float32 is the real 27B file's layout (the record's name "
+                        "gains -fp32)")
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
@@ -450,8 +454,10 @@ def main():
     environment = run_environment(
         "parity.py", Path(args.pack).name if args.pack else f"synthetic {args.size} target, seed 0"
     )
+    environment["dense_dtype"] = None if args.pack else args.dense_dtype
+    stem = f"parity-{environment['backend']}" + ("-fp32" if environment["dense_dtype"] == "float32" else "")
     # Before minutes of loading: the tokens part needs the verify part's record, from this run.
-    earlier = earlier_part(Path(args.out), environment["backend"]) if args.part == "tokens" else None
+    earlier = earlier_part(Path(args.out), stem) if args.part == "tokens" else None
     if earlier is not None:
         same_run(earlier, environment)
 
@@ -461,10 +467,10 @@ def main():
     if args.pack:
         model, processor, drafter = load_pack(*find_pack(args.pack))
     elif args.size == "27b":
-        model = build_target_model("27b", seed=0)
+        model = build_target_model("27b", seed=0, dense_dtype=args.dense_dtype)
     else:
         with tempfile.TemporaryDirectory() as folder:
-            paths = make_pack(folder, size="tiny", seed=0)
+            paths = make_pack(folder, size="tiny", seed=0, dense_dtype=args.dense_dtype)
             model, processor, drafter = load_pack(paths["target"], paths["drafter"])
     lm = model.language_model
     if processor is None:
@@ -477,7 +483,9 @@ def main():
     continuation = greedy(model, ids, 8)
     contexts = (250, 252, 254, 256, 258, 262, 1030) if args.size == "27b" and not args.pack else (5, 12)
     log(f"model ready; prefilling contexts {contexts}")
-    record = {**environment, "parts": ["verify", "tokens"] if args.part == "all" else [args.part]}
+    record = {**environment, "parts": ["verify", "tokens"] if args.part == "all" else [args.part],
+              # the residual stream's dtype (the final norm's weight sets it): the activations'
+              "activation_dtype": str(lm.model.norm.weight.dtype).removeprefix("mlx.core.")}
     exact = []
     if args.part != "tokens":
         snapshots = prefill_snapshots(lm, taps, contexts)
@@ -537,7 +545,7 @@ def main():
     record["exact_mismatches"] = sum(case_mismatches(c) for c in record["cases"]) + kernel["mismatches"]
     record["stock_mismatches"] = sum(case_mismatches(c) for c in record["stock_cases"]) + kernel["stock_mismatches"]
     backend = environment["backend"]
-    write_record(args.out, f"parity-{backend}", record, summary_markdown(record))
+    write_record(args.out, stem, record, summary_markdown(record))
     fixture_record = {**environment, "all_identical": all(c["identical"] for c in fixtures), "cases": fixtures}
     if fixtures:
         write_record(args.out, f"fixture-checks-{backend}", fixture_record, fixture_markdown(fixture_record))
@@ -564,9 +572,9 @@ def fixture_markdown(record) -> str:
     return "\n".join(lines + [""])
 
 
-def earlier_part(out: Path, backend: str) -> dict:
+def earlier_part(out: Path, stem: str) -> dict:
     """The verify part's record in out, which the tokens part completes."""
-    path = out / f"parity-{backend}.json"
+    path = out / f"{stem}.json"
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -578,7 +586,9 @@ def earlier_part(out: Path, backend: str) -> dict:
 
 def same_run(earlier: dict, environment: dict):
     """The two parts of one record measure the same code on the same machine."""
-    for key in ("git_commit", "git_clean", "code", "device", "versions"):
+    for key in ("git_commit", "git_clean", "code", "device", "versions", "dense_dtype"):
+        if key == "dense_dtype" and key not in earlier:
+            continue  # a record from before --dense-dtype: fp16, or a pack's own layout
         if earlier.get(key) != environment.get(key):
             raise SystemExit(f"--part tokens: the verify part's record has another {key} "
                              f"({earlier.get(key)!r}, here {environment.get(key)!r}): run both parts again")
