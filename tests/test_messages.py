@@ -141,10 +141,11 @@ def test_stop_sequences_end_the_answer_on_every_route(servers, answers):
         # the engine ends the text at the stop; mlx-vlm 0.7.2 strips the non-streamed text it is handed
         assert text(message) == full[:full.index(stop)].strip(), name
         assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop), name
-    _, events = create_streamed(servers["spec"], stop_sequences=[stop], **GREEDY)
-    streamed = "".join(event.delta.text for event in events if event.type == "content_block_delta")
-    assert streamed == full[:full.index(stop)]
-    assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", stop)
+    for name in ("spec", "plain"):  # streamed, the text up to the stop as generated
+        _, events = create_streamed(servers[name], stop_sequences=[stop], **GREEDY)
+        streamed = "".join(event.delta.text for event in events if event.type == "content_block_delta")
+        assert streamed == full[:full.index(stop)], name
+        assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", stop), name
 
 
 def test_a_tool_conversation_and_an_image_are_served_speculative(servers):
