@@ -94,29 +94,26 @@ def verify_rounds(r):
     return ", ".join(f"block {block}: {r['verify_ratio_by_block'][block]:.2f}" for block in ("2", "4", "8"))
 
 
-def speedup_cell(ratio, counts) -> str:
-    """A policy arm's ratio over plain, marked where its last run took no token from rounds
-    (routed plain: plain against plain)."""
-    plain = counts is not None and counts.get("tokens_from_rounds") == 0
-    return times(ratio) + (" (routed plain)" if plain else "")
+def profile_cells(r, speedups: dict, counts: dict) -> str:
+    """Each measured profile's tokens per round and policy-over-plain ratio, marked where the
+    arm's last run took no token from rounds (routed plain: plain against plain)."""
+    def cell(profile, ratio):
+        plain = (counts.get(profile) or {}).get("tokens_from_rounds") == 0
+        return f"{r['tokens_per_round'][profile]:.1f}: {times(ratio)}" + (" (routed plain)" if plain else "")
+
+    return ", ".join(cell(profile, ratio) for profile, ratio in speedups.items())
 
 
 def end_to_end(r):
-    counts = r.get("policy_round_counts") or {}
-    return ", ".join(f"{r['tokens_per_round'][profile]:.1f}: {speedup_cell(speedup, counts.get(profile))}"
-                     for profile, speedup in r["e2e_speedup"].items())
+    return profile_cells(r, r["e2e_speedup"], r.get("policy_round_counts") or {})
 
 
 def sampled_end_to_end(r):
-    """The sampling settings, then per temperature speculative over plain seeded sampling at
-    each measured profile's tokens per round."""
+    """The sampling settings, then per temperature speculative over plain seeded sampling."""
     settings = ", ".join(f"{name} {value}" for name, value in r["e2e_sampled_settings"].items() if name != "seed")
     counts = r.get("policy_round_counts_sampled") or {}
-    return settings + "; " + "; ".join(
-        f"temperature {t}: " + ", ".join(f"{r['tokens_per_round'][profile]:.1f}: "
-                                         f"{speedup_cell(ratio, counts.get(t, {}).get(profile))}"
-                                         for profile, ratio in by_profile.items())
-        for t, by_profile in r["e2e_speedup_sampled"].items())
+    return settings + "; " + "; ".join(f"temperature {t}: " + profile_cells(r, by_profile, counts.get(t) or {})
+                                      for t, by_profile in r["e2e_speedup_sampled"].items())
 
 
 def next_turn(r):
