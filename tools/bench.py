@@ -64,7 +64,7 @@ from dflash2_pack import find_pack, load_pack  # noqa: E402
 from make_synthetic_pack import build_target_model, synthetic_prompt, write_drafter  # noqa: E402
 from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
 from parity import greedy, served_rounds, stock_mlx_vlm  # noqa: E402
-from records import run_environment, write_record  # noqa: E402
+from records import add_dense_dtype_argument, layout_suffix, run_environment, write_record  # noqa: E402
 
 # The sampled arms' settings beside their temperature (Qwen3.5's recommended top_p and top_k)
 # and seed.
@@ -160,10 +160,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["27b", "tiny"], default="27b")
     parser.add_argument("--pack", help="measure a built pack instead of random weights")
-    parser.add_argument("--dense-dtype", choices=["float16", "float32"], default="float16",
-                        help="without --pack, the synthetic target's unpacked tensors (norms, convolution, "
-                        "gates), which set the activations' dtype; float32 is the real 27B file's layout "
-                        "(the record's name gains -fp32)")
+    add_dense_dtype_argument(parser)
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--context", type=int, default=32, help="prompt tokens before timing")
     parser.add_argument("--tokens", default="64",
@@ -224,7 +221,7 @@ def main():
     size = Path(args.pack).name if args.pack else args.size
     environment = run_environment("bench.py", Path(args.pack).name if args.pack else f"synthetic {args.size}, seed 0")
     name = f"bench-{environment['backend']}-{'pack' if args.pack else args.size}"
-    name += "-fp32" if args.dense_dtype == "float32" and not args.pack else ""
+    name += "" if args.pack else layout_suffix(args.dense_dtype)
     if args.part == "e2e":
         rounds_record = Path(args.out) / f"{name}.json"
         if not rounds_record.is_file():

@@ -48,7 +48,7 @@ import dflash2_sampling  # noqa: E402
 from dflash2_policy import RoundCosts  # noqa: E402
 from dflash2_sampling import PositionSampler  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
-from records import run_environment, write_record  # noqa: E402
+from records import add_dense_dtype_argument, layout_suffix, run_environment, write_record  # noqa: E402
 
 PARTS = ("all", "verify", "tokens")
 PROMPTS = [
@@ -430,10 +430,7 @@ def main():
         help="synthetic target without --pack; 27b: random weights in memory, raw-id prompts, "
         "contexts across the KV cache's 256-token growth steps",
     )
-    parser.add_argument("--dense-dtype", choices=["float16", "float32"], default="float16",
-                        help="without --pack, the synthetic target's unpacked tensors, which set the "
-                        "activations' dtype; float32 is the real 27B file's layout (the record's name "
-                        "gains -fp32)")
+    add_dense_dtype_argument(parser)
     parser.add_argument("--out", default=str(REPO / "evidence"))
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
@@ -455,7 +452,7 @@ def main():
         "parity.py", Path(args.pack).name if args.pack else f"synthetic {args.size} target, seed 0"
     )
     environment["dense_dtype"] = None if args.pack else args.dense_dtype
-    stem = f"parity-{environment['backend']}" + ("-fp32" if environment["dense_dtype"] == "float32" else "")
+    stem = f"parity-{environment['backend']}{layout_suffix(environment['dense_dtype'])}"
     # Before minutes of loading: the tokens part needs the verify part's record, from this run.
     earlier = earlier_part(Path(args.out), stem) if args.part == "tokens" else None
     if earlier is not None:

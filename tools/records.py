@@ -54,6 +54,20 @@ def run_environment(tool: str, pack: str, argv=None) -> dict:
     }
 
 
+def add_dense_dtype_argument(parser) -> None:
+    """--dense-dtype, for tools that build the synthetic target (parity, bench)."""
+    parser.add_argument("--dense-dtype", choices=["float16", "float32"], default="float16",
+                        help="without --pack, the synthetic target's unpacked tensors (norms, convolution, "
+                        "gates), which set the activations' dtype; float32 is the real 27B file's layout "
+                        "(the record's name gains -fp32)")
+
+
+def layout_suffix(dense_dtype) -> str:
+    """A record name's suffix for the synthetic target's layout: the fp32 one's records sit
+    beside the fp16 ones README quotes (None: a pack's own layout)."""
+    return "-fp32" if dense_dtype == "float32" else ""
+
+
 def git_state() -> dict:
     """git_commit and git_clean (no uncommitted change to tracked files). The device's copy of
     the tree has no git history: there the command that sent it names them in RECORD_GIT_COMMIT
