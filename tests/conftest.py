@@ -98,18 +98,24 @@ def flip_byte(path, offset: int):
     path.write_bytes(bytes(data))
 
 
-@pytest.fixture(scope="session")
-def target(tiny_pack):
-    """The tiny pack loaded, with the runtime installed: (model, processor, drafter).
-    install() without the model: the tests check exactness themselves, so the model's
-    self-tests and decode timing (install(model), which the servers run) add nothing."""
+def load_installed(pack):
+    """A synthetic pack's {"target", "drafter"} loaded, with the runtime installed: (model,
+    processor, drafter). install() without the model: the tests check exactness themselves,
+    so the model's self-tests and decode timing (install(model), which the servers run) add
+    nothing."""
     import dflash2_runtime
     from dflash2_pack import load_pack
 
-    model, processor, drafter = load_pack(tiny_pack["target"], tiny_pack["drafter"])
+    model, processor, drafter = load_pack(pack["target"], pack["drafter"])
     status = dflash2_runtime.install()
     assert status.speculative, status.reason
     return model, processor, drafter
+
+
+@pytest.fixture(scope="session")
+def target(tiny_pack):
+    """The tiny pack (fp16) loaded, with the runtime installed: (model, processor, drafter)."""
+    return load_installed(tiny_pack)
 
 
 def load_fp16_pair():
@@ -135,14 +141,9 @@ def load_fp16_pair():
 
 @pytest.fixture(scope="session")
 def float32_target(float32_pack):
-    """The fp32 tiny pack loaded, with the runtime's patches installed, as `target`: for tests
-    whose subject is not arithmetic (memory, routing), where fp32's CPU speed is free."""
-    import dflash2_runtime
-    from dflash2_pack import load_pack
-
-    model, processor, drafter = load_pack(float32_pack["target"], float32_pack["drafter"])
-    assert dflash2_runtime.install().speculative
-    return model, processor, drafter
+    """The fp32 tiny pack loaded, as `target`: for tests whose subject is not arithmetic
+    (memory, routing), where fp32's CPU speed is free."""
+    return load_installed(float32_pack)
 
 
 # Greedy tokens of the exactness checks' runs: on the 2-layer tiny pack stock verify's batched

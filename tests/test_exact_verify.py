@@ -378,12 +378,10 @@ def test_patch_table_matches_installed_mlx_vlm():
     assert dflash2_audit.mismatches() == []
 
 
-def test_fp32_dense_layout_verify_and_rollback_are_exact(float32_pack):
-    """Packs whose unpacked tensors are fp32 run fp32 activations through verify."""
-    from dflash2_pack import load_pack
-
-    model, processor, drafter = load_pack(float32_pack["target"], float32_pack["drafter"])
-    assert dflash2_runtime.install().speculative  # the checks below are the model's self-check
+def test_fp32_dense_layout_verify_and_rollback_are_exact(float32_target):
+    """Packs whose unpacked tensors are fp32 run fp32 activations through verify (the checks
+    below are the model's self-check)."""
+    model, processor, drafter = float32_target
     lm, taps = model.language_model, drafter.config.target_layer_ids
     ids = raw_ids(processor, PROMPTS[2])
     continuation = greedy(model, ids, 8)
