@@ -98,6 +98,15 @@ def flip_byte(path, offset: int):
     path.write_bytes(bytes(data))
 
 
+def assert_verify_self_check_sees_rounding(server):
+    """A server under the GPU-like rounding wrapper ran its start-up verify self-check there:
+    0 differing, the stock control above 0. On fp32 packs the wrapper's rounding changes
+    verify's bits but seldom a token, so this bitwise check, which turns a broken verify's
+    rounds off (its answers then lose the `speculative` header), is what can fail."""
+    check = server.health()[1]["runtime"]["verify_self_check"]
+    assert check["differing"] == 0 and check["stock_differing"] > 0, (server.name, check)
+
+
 def load_installed(pack):
     """A synthetic pack's {"target", "drafter"} loaded, with the runtime installed: (model,
     processor, drafter). install() without the model: the tests check exactness themselves,

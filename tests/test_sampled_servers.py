@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from acceptance import PAIR
-from conftest import data_url, png
+from conftest import assert_verify_self_check_sees_rounding, data_url, png
 from test_prefix_cache_server import WITH_GPU_ROUNDING
 from test_server import TOOLS, client
 
@@ -46,11 +46,7 @@ def servers(start_server):
                for name, command in SERVERS.items()}
     for server in started.values():
         server.wait_ready()
-    # The pair runs fp32 here, where the wrapper's batched rounding changes verify's bits but
-    # seldom a token: the start-up self-check, bitwise, is what would turn a broken verify
-    # into plain answers (and fail the `speculative` header below). It ran under the wrapper.
-    check = started["spec"].health()[1]["runtime"]["verify_self_check"]
-    assert check["differing"] == 0 and check["stock_differing"] > 0, check
+    assert_verify_self_check_sees_rounding(started["spec"])  # the pair runs fp32 here
     return started
 
 
