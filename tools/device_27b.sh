@@ -59,9 +59,9 @@ plan() {  # the device calls that regenerate README's GPU records at this commit
     [ -z "$(git status --porcelain --untracked-files=no)" ] && clean=1 || clean=0
   else clean=${RECORD_GIT_CLEAN:-'<1|0>'}; fi
   cat <<PLAN
-Regenerating every GPU record README quotes (parity-cuda, bench-cuda-27b, prefix-cache-cuda-27b-4k)
-at $commit: six device calls of one H200 (nvidia-h200), in this order, each under 585 s
-(about 45 minutes of device time in all, start-up not counted: more than one session's 30;
+Regenerating every GPU record README quotes (parity-cuda, bench-cuda-27b, bench-cuda-27b-fp32, prefix-cache-cuda-27b-4k)
+at $commit: seven device calls of one H200 (nvidia-h200), in this order, each under 585 s
+(about 50 minutes of device time in all, start-up not counted: more than one session's 30;
 a session that runs out leaves the rest to the next, at the commit it then has):
   1. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity         # ~480 s: controls, verify, rollback, kernels
   2. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity-tokens  # ~400 s: greedy and sampled token runs
@@ -69,6 +69,7 @@ a session that runs out leaves the rest to the next, at the commit it then has):
   4. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e            # ~450 s: 40 tokens, greedy + sampled
   5. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e-long       # ~510 s: 256 tokens, greedy, the peer
   6. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh prefix-4k      # ~420 s
+  7. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean DENSE_DTYPE=float32 bash tools/device_27b.sh rounds  # ~480 s (H100): fp32 activations
 Call 2 adds to the record call 1 left in /tmp/parity, calls 4 and 5 to call 3's in /tmp/b27; if
 the machine went cold in between, carry the latest parity-cuda.json or bench-cuda-27b.json back
 in as .gpu/parity/ or .gpu/b27/ (carry: [".gpu"]). Copy each call's \$OUT records into

@@ -147,6 +147,8 @@ RESULTS = [
     ("Exact verify, rollback, greedy and seeded sampled tokens against plain decoding: differing elements", "parity-cuda",
      lambda r: f"{r['exact_mismatches']:,} (negative controls: {r['stock_mismatches']:,})"),
     ("Exact verify round, in decode steps", "bench-cuda-27b", verify_rounds),
+    ("The same with the real file's fp32 activations (verify rows one MLX single-row call each)",
+     "bench-cuda-27b-fp32", verify_rounds),
     ("4-bit drafter pass, in decode steps", "bench-cuda-27b", lambda r: f"{r['drafter_ratio_by_form']['4bit']:.2f}"),
     ("Plain decoding, the pack's kernels over stock mlx-vlm", "bench-cuda-27b",
      lambda r: times(r["installed_plain_ratio"])),
