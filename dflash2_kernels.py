@@ -7,6 +7,7 @@ plain decode, on this backend. Each family lives in its own module, its arithmet
 beside its kernel (stock reference, CUDA, Metal, dispatch, self-test):
 
 - dflash2_kernel_qmv: `exact_quantized_matmul`, `exact_rows` (the 2-bit packed matmul);
+- dflash2_kernel_qmv32: `exact_rows_fp32` (the same for fp32 rows, the real file's activations);
 - dflash2_kernel_rotate: `rotate`, `rotate_group`, `exact_linear_rows`, `exact_linear_group`;
 - dflash2_kernel_gdn: `gdn_recurrence`, `dense_rows`;
 - dflash2_kernel_fused: `conv_rows`, `rope_rows`, `add_rms_norm`, `gated_rms_norm`, `gdn_gates`;
@@ -45,6 +46,7 @@ from dflash2_kernel_prefill import (  # noqa: F401
 from dflash2_kernel_qmv import (  # noqa: F401
     _verified, check_packed_weights, exact_quantized_matmul, exact_rows, packed_width, self_test, stock_rows,
 )
+from dflash2_kernel_qmv32 import _qmv32_serving, exact_rows_fp32, self_test_qmv32  # noqa: F401
 from dflash2_kernel_rotate import (  # noqa: F401
     _rotate_group_verified, _rotate_verified, exact_linear_group, exact_linear_rows, rotate, rotate_group,
     self_test_rotate, self_test_rotate_group,
@@ -56,6 +58,7 @@ from dflash2_kernel_rotate import (  # noqa: F401
 # Kernel name -> (the key of its shapes in verify_kernel_self_tests, its self-test).
 SELF_TESTS = {
     "qmv": ("packed", self_test),
+    "qmv32": ("packed_fp32", self_test_qmv32),
     "rotate": ("rotations", self_test_rotate),
     "rotate_group": ("rotation_groups", self_test_rotate_group),
     "gdn": ("gdn", self_test_gdn),
@@ -72,7 +75,7 @@ SELF_TESTS = {
 def verify_kernel_self_tests(shapes: dict) -> dict:
     """Self-test every kernel at the pack's shapes, rows / steps / queries 1..8.
 
-    shapes: {"packed": [(N, K)], "rotations": [(K, block)], "rotation_groups": [(K, block, outputs)], "gdn": [(B, Hk, Hv,
+    shapes: {"packed": [(N, K)], "packed_fp32": [(N, K)], "rotations": [(K, block)], "rotation_groups": [(K, block, outputs)], "gdn": [(B, Hk, Hv,
     Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "rope":
     [(B, Hq, Hk, D, R)], "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
@@ -90,7 +93,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
 
 # The tables the self-tests fill, which decide what serves where (never rebound: filled in place).
 VERDICT_TABLES = {
-    "qmv": _verified, "rotate": _rotate_verified, "rotate_group": _rotate_group_verified,
+    "qmv": _verified, "qmv32": _qmv32_serving, "rotate": _rotate_verified, "rotate_group": _rotate_group_verified,
     "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified, "conv": _conv_serving,
     "rope": _rope_serving, "add_norm": _add_norm_serving, "gated_norm": _gated_norm_serving,
     "gates": _gates_serving,

@@ -14,6 +14,7 @@ import re
 import struct
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
@@ -419,6 +420,8 @@ def kernel_shapes(model) -> dict:
     text = model.language_model.model
     shapes = {key: set() for key in ("packed", "rotations", "rotation_groups", "gdn", "dense", "attention", "conv",
                                      "rope", "norms", "gated_norms", "gates")}
+    # fp32 norms (the real file's) make the residual stream, so every packed input, fp32.
+    fp32_rows = text.norm.weight.dtype == mx.float32
     for _, module in model.language_model.named_modules():
         if isinstance(module, HadamardQuantizedLinear):
             width = dflash2_kernels.packed_width(module.weight)
@@ -449,6 +452,7 @@ def kernel_shapes(model) -> dict:
             )
             shapes["rope"].add((1, attention.num_attention_heads, attention.num_key_value_heads,
                                 attention.head_dim, attention.rotary_emb.dim))
+    shapes["packed_fp32"] = shapes["packed"] if fp32_rows else set()
     return {key: sorted(value) for key, value in shapes.items()}
 
 

@@ -38,8 +38,8 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     Its arrays are read as the module's items (linear["weight"]): attribute access on an
     nn.Module goes through a Python __getattr__, about half a microsecond each, four
     times for each of ~400 calls a forward."""
-    # The kernels reproduce MLX's fp16 single-row arithmetic. Packs whose dense
-    # tensors are fp32 carry fp32 activations: those rows take MLX's own
+    # Packs whose dense tensors are fp32 (the real file) carry fp32 activations: their
+    # rows take the fp32 kernel (MLX's qmv<float> arithmetic), other dtypes MLX's own
     # single-row call one by one, exact by construction, only slower.
     k = x.shape[-1]
     if x.dtype == mx.float16 and x.size <= dflash2_kernels.MAX_ROWS * k:
@@ -53,11 +53,8 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
     if linear.block:
         x = dflash2_kernels.rotate(x, linear.block, linear["signs"])
     rows = x.reshape(-1, k)
-    matmul = (
-        dflash2_kernels.exact_quantized_matmul
-        if rows.dtype == mx.float16
-        else dflash2_kernels.stock_rows
-    )
+    matmul = {mx.float16: dflash2_kernels.exact_quantized_matmul,
+              mx.float32: dflash2_kernels.exact_rows_fp32}.get(rows.dtype, dflash2_kernels.stock_rows)
     outputs = [
         matmul(
             rows[start : start + dflash2_kernels.MAX_ROWS],

@@ -348,6 +348,7 @@ LAYERS = [
     "dflash2_kernel_fused",
     "dflash2_kernel_gdn",
     "dflash2_kernel_rotate",
+    "dflash2_kernel_qmv32",
     "dflash2_kernel_qmv",
     "dflash2_kernel_base",
     "dflash2_source",

@@ -1,0 +1,283 @@
+"""Exact 2-bit matmul for fp32 rows (qmv32): stock reference, CUDA, dispatch, self-test.
+
+The real file's unpacked tensors (norms, convolution, gates) are fp32, so its residual
+stream and every packed matmul's input are fp32. MLX's single-row call then runs
+`qmv<float>` (mlx/backend/cuda/quantized/qmm/qmv.cu, MLX 0.32.2; quantized_matmul casts
+the fp16 scales and biases to fp32 first, exactly), whose arithmetic differs from the
+fp16 one in dflash2_kernel_qmv:
+
+- a lane takes 8 elements a step, not 16: lane l owns elements 8l + 256r + i, i < 8,
+  one fp32 accumulator per slot i, from +0;
+- each weight is dequantized in fp32, code * scale + bias (nvcc contracts it into one
+  fma by default: variant "fma"; "mul_add" rounds the product first, for a build that
+  does not), then the slot's accumulator takes fma(x, w, acc);
+- K % 256: lanes whose 8 elements start before K take one more step;
+- the 8 slots are summed in float from +0 in slot order, then cg::reduce's xor
+  butterfly 16..1; lane 0 stores the float as is.
+
+`exact_rows_fp32(x, weight, scales, biases)` gives 1..8 fp32 rows at once, each row MLX's
+single-row result bit for bit, the weights read once for all rows (MLX's 8-row call takes
+a tensor-core kernel that rounds otherwise: the self-test's negative control). Off CUDA
+(cpu; Metal until a kernel is written and proven there) the rows take MLX's single-row
+calls one by one. One row is always MLX's own call.
+"""
+
+from functools import cache
+
+import mlx.core as mx
+
+from dflash2_kernel_base import (
+    MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result, _variants_result,
+    backend_name, cuda_header, cuda_serving_variant,
+)
+from dflash2_kernel_qmv import DEFAULT_SHAPES, make_weights, stock_quantized_matmul, stock_rows
+
+QMV32_VARIANTS = ("fma", "mul_add")
+# fp32 activations: the fp16 kinds' ranges do not reach fp32's edges, so these do.
+FP32_INPUT_KINDS = ("normal", "large", "tiny", "signed_zero", "cancellation")
+# A tail-only K (128), a tail after steps (640), and a partial last warp of output rows (42).
+FP32_SHAPES_SMALL = DEFAULT_SHAPES + ((20, 128),)
+
+# ---------------------------------------------------------------------------
+# qmv32: CUDA
+
+# MIT License, Copyright (c) 2023 Apple Inc. (arithmetic of
+# mlx/backend/cuda/quantized/qmm/qmv.cu, MLX 0.32.2, for T = float). See NOTICE.txt.
+_CUDA_HEADER = r"""
+#include <cuda_fp16.h>
+
+namespace dflash2_qmv32 {
+
+constexpr int kLaneElems = 8;                  // elements one lane takes per step
+constexpr int kStepElems = 32 * kLaneElems;    // 256: elements a warp takes per step
+
+// This lane's 8 elements idx..idx+7 of one step, in R output rows and M activation rows
+// (x: row 0, rows k apart): the weights dequantized once, each used by all M rows.
+template <int M, int R, bool FMA>
+__device__ __forceinline__ void accumulate_step(
+    const float* __restrict__ x, int k, int idx,
+    const uint32_t* const (&w_row)[R], const __half* const (&s_row)[R], const __half* const (&b_row)[R],
+    float (&acc)[R][M][kLaneElems]) {
+  float xs[M][kLaneElems];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4* xv = reinterpret_cast<const float4*>(x + m * k + idx);
+    const float4 lo = __ldg(xv);
+    const float4 hi = __ldg(xv + 1);
+    xs[m][0] = lo.x; xs[m][1] = lo.y; xs[m][2] = lo.z; xs[m][3] = lo.w;
+    xs[m][4] = hi.x; xs[m][5] = hi.y; xs[m][6] = hi.z; xs[m][7] = hi.w;
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    // Element e of a word sits at bits 2e..2e+1; this lane's 8 are half (idx / 8) % 2.
+    const uint32_t codes = __ldg(w_row[j] + idx / 16) >> (16 * ((idx / kLaneElems) & 1));
+    const float scale = __half2float(__ldg(s_row[j] + idx / 128));
+    const float bias = __half2float(__ldg(b_row[j] + idx / 128));
+#pragma unroll
+    for (int i = 0; i < kLaneElems; ++i) {
+      const float code = static_cast<float>((codes >> (2 * i)) & 3u);
+      const float w = FMA ? __fmaf_rn(code, scale, bias) : __fadd_rn(__fmul_rn(code, scale), bias);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        acc[j][m][i] = __fmaf_rn(xs[m][i], w, acc[j][m][i]);
+      }
+    }
+  }
+}
+
+// y[m, first..first+R) for M activation rows: one warp, lane = threadIdx.x. Rows past n
+// (the last warp only) recompute row n - 1 and are never stored.
+template <int M, int R, bool FMA>
+__device__ __forceinline__ void qmv32_rows(
+    const float* __restrict__ x,
+    const uint32_t* __restrict__ w,
+    const __half* __restrict__ scales,
+    const __half* __restrict__ biases,
+    float* __restrict__ y,
+    int n,
+    int k) {
+  const int lane = threadIdx.x;
+  const int first = (blockIdx.x * blockDim.y + threadIdx.y) * R;
+  if (first >= n) {
+    return;
+  }
+  const uint32_t* w_row[R];
+  const __half* s_row[R];
+  const __half* b_row[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int64_t row = first + j < n ? first + j : n - 1;
+    w_row[j] = w + row * (k / 16);
+    s_row[j] = scales + row * (k / 128);
+    b_row[j] = biases + row * (k / 128);
+  }
+
+  // MLX's fp32 accumulators, one per element slot, starting at +0.
+  float acc[R][M][kLaneElems];
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int i = 0; i < kLaneElems; ++i)
+        acc[j][m][i] = 0.0f;
+
+  const int steps = k / kStepElems;
+#pragma unroll 4
+  for (int r = 0; r < steps; ++r) {
+    accumulate_step<M, R, FMA>(x, k, r * kStepElems + lane * kLaneElems, w_row, s_row, b_row, acc);
+  }
+  // MLX's tail for K % 256: lanes whose 8 elements start before k take one more step.
+  const int rest = k % kStepElems;
+  if (rest && lane * kLaneElems < rest) {
+    accumulate_step<M, R, FMA>(x, k, k - rest + lane * kLaneElems, w_row, s_row, b_row, acc);
+  }
+
+  // Slots summed in float from +0 in slot order, then the xor butterfly of cg::reduce;
+  // lane 0 stores the float.
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kLaneElems; ++i) {
+        sum = __fadd_rn(sum, acc[j][m][i]);
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+      }
+      if (lane == 0 && first + j < n) {
+        y[m * n + first + j] = sum;
+      }
+    }
+  }
+}
+
+}  // namespace dflash2_qmv32
+"""
+
+_CUDA_SOURCE = "dflash2_qmv32::qmv32_rows<M, R, FMA>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
+CUDA_WARPS_PER_BLOCK = 4
+# Output rows a warp takes, by activation rows: R * M * 8 accumulators in registers.
+CUDA_ROWS_PER_WARP = {1: 4, 2: 4, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}
+
+
+@cache
+def _cuda_kernel():
+    return BakedCudaKernel(
+        name="dflash2_qmv32_2bit_g128",
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["y"],
+        source=_CUDA_SOURCE,
+        header=cuda_header(_CUDA_HEADER),
+    )
+
+
+def cuda_matmul_fp32(x, weight, scales, biases, variant="fma"):
+    """(..., K) fp32 rows, M in all (1..8) -> (..., N) fp32 through the kernel; no self-test
+    gate. The kernel reads M rows of K from x's row-contiguous data (K from the weight)."""
+    rows, n = x.size // x.shape[-1], weight.shape[0]
+    per_warp = CUDA_ROWS_PER_WARP[rows]
+    blocks = -(-(-(-n // per_warp)) // CUDA_WARPS_PER_BLOCK)
+    return _cuda_kernel()(
+        inputs=[x, weight, scales, biases],
+        template=[("M", rows), ("R", per_warp), ("FMA", variant == "fma")],
+        grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
+        threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
+        output_shapes=[(*x.shape[:-1], n)],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+# ---------------------------------------------------------------------------
+# qmv32: dispatch
+
+# backend -> the variant the last self-test verified, or None after a failure.
+_qmv32_serving: dict = {}
+
+
+def exact_rows_fp32(x, weight, scales, biases):
+    """x @ W.T for 1..8 fp32 rows (..., K) of a packed 2-bit, group-128 W whose weights
+    check_packed_weights passed, each row bitwise MLX's single-row call; (..., N) fp32."""
+    rows = x.size // x.shape[-1]
+    if rows > 1 and backend_name() == "cuda":
+        variant = cuda_serving_variant(_qmv32_serving, self_test_qmv32)
+        if variant is not None:
+            return cuda_matmul_fp32(x, weight, scales, biases, variant)
+    return stock_rows(x, weight, scales, biases)
+
+
+# ---------------------------------------------------------------------------
+# qmv32: self-test
+
+
+def make_inputs_fp32(kind: str, rows: int, k: int, key) -> mx.array:
+    """fp32 activations of one kind (FP32_INPUT_KINDS)."""
+    k1, k2 = mx.random.split(key)
+    normal = mx.random.normal((rows, k), key=k1)
+    if kind == "normal":
+        return normal
+    if kind == "large":  # 1e34, times 16 a row up to 4096: later rows' sums overflow to inf or nan
+        return normal * 1e34 * mx.power(2.0, (mx.arange(rows)[:, None] % 4).astype(mx.float32) * 4)
+    if kind == "tiny":  # fp32 subnormals and the smallest normals
+        return normal * 1e-39
+    if kind == "signed_zero":  # row 0 all -0, later rows +-0 and 1 in 16 normal
+        sign = mx.where(mx.random.bernoulli(0.5, (rows, k), key=k2), -1.0, 1.0)
+        sign = mx.where(mx.arange(rows)[:, None] == 0, -1.0, sign)
+        keep = mx.random.bernoulli(1 / 16, (rows, k), key=k1) & (mx.arange(rows)[:, None] >= 1)
+        return mx.where(keep, normal, 0.0 * sign)
+    if kind == "cancellation":  # (a, -a) pairs: products cancel across slots and lanes
+        a = normal[:, ::2] * 1e4
+        return mx.stack([a, -a], axis=-1).reshape(rows, -1)[:, :k]
+    raise ValueError(f"unknown input kind {kind!r}")
+
+
+def self_test_qmv32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check fp32 rows 2..8 bit for bit against MLX's single-row calls.
+
+    kernel: (x (M, K), weight, scales, biases) -> (M, N), tested as variant "kernel";
+    default: the CUDA variants (QMV32_VARIANTS), the first that passes then serves (off
+    CUDA there is no kernel to test). shapes: (N, K) pairs, default the small ones. MLX's
+    own multi-row call is counted alongside (the control: 8 rows take its tensor-core kernel).
+    """
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    variants = ({"kernel": kernel} if kernel else
+                {name: lambda x, w, s, b, name=name: cuda_matmul_fp32(x, w, s, b, name) for name in QMV32_VARIANTS})
+    shapes = [tuple(s) for s in (shapes or FP32_SHAPES_SMALL)]
+    differing = {name: 0 for name in variants}
+    failures, cases = {}, []
+    negative = {f"quantized_matmul(x[:{rows}])": 0 for rows in range(2, MAX_ROWS + 1)}
+    key = mx.random.key(seed)
+    for n, k in shapes:
+        key, weight_key = mx.random.split(key)
+        weight, scales, biases = make_weights(n, k, weight_key)
+        for kind in FP32_INPUT_KINDS:
+            key, input_key = mx.random.split(key)
+            x = make_inputs_fp32(kind, MAX_ROWS, k, input_key)
+            want = stock_rows(x, weight, scales, biases)
+            mx.eval(want)
+            for rows in range(2, MAX_ROWS + 1):
+                negative[f"quantized_matmul(x[:{rows}])"] += _differing(
+                    stock_quantized_matmul(x[:rows], weight, scales, biases), want[:rows])
+            for name, matmul in variants.items():
+                for rows in range(2, MAX_ROWS + 1):
+                    try:
+                        got = matmul(x[:rows], weight, scales, biases)
+                        diff = _differing(got, want[:rows])
+                    except Exception as error:  # a kernel that fails to build or run fails the test
+                        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
+                        differing[name] += 1
+                        continue
+                    cases.append({"shape": [n, k], "rows": rows, "input": kind, "variant": name, "mismatches": diff})
+                    differing[name] += diff
+                    if diff and name not in failures:
+                        failures[name] = (f"{name} differs at (N, K)={(n, k)} rows={rows} input={kind}: "
+                                          + _first_difference(got, want[:rows])[0])
+    result = _variants_result(backend, differing, failures, negative, cases)
+    if kernel is None:
+        _qmv32_serving[backend] = result.variant
+    return result

@@ -1,0 +1,136 @@
+"""dflash2_kernel_qmv32 (the exact 2-bit matmul for fp32 rows): the self-test passes what
+equals MLX's single-row calls and fails what rounds otherwise, naming the case; the input
+kinds reach fp32's edges; an fp32 pack's start-up tests it at the pack's shapes and verify
+hands it fp32 rows. On CUDA: the kernel at the 27B shapes, bitwise."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash2_kernel_qmv
+import dflash2_kernel_qmv32
+import dflash2_kernels as dk
+import dflash2_verify
+from dflash2_kernel_base import NO_KERNEL, _differing
+
+SHAPE = (16, 512)
+
+
+def fp16_kernel(x, weight, scales, biases):
+    """The fp16 kernel's rows: right shape and dtype, fp16's rounding."""
+    return dk.stock_rows(x.astype(mx.float16), weight, scales, biases).astype(mx.float32)
+
+
+def split_k_halves(x, weight, scales, biases):
+    """Right maths, another accumulation order: each half of K on its own, halves added."""
+    half = x.shape[-1] // 2
+    words, groups = half // 16, half // 128
+    first, second = (dk.stock_rows(*(mx.contiguous(a) for a in arrays)) for arrays in (
+        (x[:, :half], weight[:, :words], scales[:, :groups], biases[:, :groups]),
+        (x[:, half:], weight[:, words:], scales[:, groups:], biases[:, groups:])))
+    return first + second
+
+
+def one_bit_off_at_eight_rows(x, weight, scales, biases):
+    """Exact except the last bit of y[7, 3] when given 8 rows."""
+    y = dk.stock_rows(x, weight, scales, biases)
+    if x.shape[0] < 8:
+        return y
+    bits = y.view(mx.uint32)
+    target = (mx.arange(8)[:, None] == 7) & (mx.arange(y.shape[1])[None] == 3)
+    return mx.where(target, bits ^ 1, bits).view(mx.float32)
+
+
+def test_the_serving_path_passes_where_batched_calls_round_otherwise(gpu_like_rounding):
+    """What exact_rows_fp32 serves here equals the single-row calls at rows 2..8 of every
+    kind and shape, where MLX's batched call rounds otherwise (the control counts it);
+    off CUDA there is no kernel of its own to test."""
+    assert dflash2_kernel_qmv32.self_test_qmv32().reason == NO_KERNEL or dk.backend_name() == "cuda"
+    serving = dict(dflash2_kernel_qmv32._qmv32_serving)
+    result = dflash2_kernel_qmv32.self_test_qmv32(kernel=dk.exact_rows_fp32)
+    assert result.ok and result.variant == "kernel" and result.mismatches == 0, result.reason
+    assert result.stock_mismatches > 0
+    assert {case["rows"] for case in result.cases} == set(range(2, 9))
+    assert {case["input"] for case in result.cases} == set(dflash2_kernel_qmv32.FP32_INPUT_KINDS)
+    assert {tuple(case["shape"]) for case in result.cases} == set(dflash2_kernel_qmv32.FP32_SHAPES_SMALL)
+    assert dflash2_kernel_qmv32._qmv32_serving == serving  # an injected kernel never switches serving
+
+
+@pytest.mark.parametrize("kernel", [fp16_kernel, split_k_halves, one_bit_off_at_eight_rows])
+def test_a_wrong_kernel_fails_naming_the_case(kernel):
+    result = dflash2_kernel_qmv32.self_test_qmv32(kernel=kernel, shapes=[SHAPE])
+    assert not result.ok and result.variant is None and result.mismatches > 0
+    assert "(N, K)=(16, 512)" in result.reason and "rows=" in result.reason
+    assert "input=" in result.reason and "got 0x" in result.reason
+
+
+def test_one_differing_bit_is_counted_exactly():
+    result = dflash2_kernel_qmv32.self_test_qmv32(kernel=one_bit_off_at_eight_rows, shapes=[SHAPE])
+    assert result.mismatches == len(dflash2_kernel_qmv32.FP32_INPUT_KINDS)  # y[7, 3] once per kind
+    assert "rows=8" in result.reason and "first at [7, 3]" in result.reason
+
+
+def test_the_input_kinds_reach_fp32_s_edges():
+    """`large` overflows some rows' sums and not others; `tiny` holds fp32 subnormals;
+    `signed_zero`'s first row is all -0."""
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(*SHAPE, mx.random.key(1))
+    large = dflash2_kernel_qmv32.make_inputs_fp32("large", 8, SHAPE[1], mx.random.key(2))
+    finite = np.isfinite(np.array(dk.stock_rows(large, weight, scales, biases))).all(axis=1)
+    assert finite.any() and not finite.all()
+    tiny = np.abs(np.array(dflash2_kernel_qmv32.make_inputs_fp32("tiny", 8, SHAPE[1], mx.random.key(3))))
+    assert ((tiny > 0) & (tiny < np.finfo(np.float32).tiny)).any()
+    zero = dflash2_kernel_qmv32.make_inputs_fp32("signed_zero", 8, SHAPE[1], mx.random.key(4))
+    assert (np.array(zero[0].view(mx.uint32)) == 0x80000000).all()
+
+
+@pytest.mark.parametrize("leading", [(1,), (3,), (8,), (2, 4)])
+def test_exact_rows_fp32_equals_single_row_calls(leading):
+    n, k = 24, 640
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(n, k, mx.random.key(1))
+    rows = int(np.prod(leading))
+    x = dflash2_kernel_qmv32.make_inputs_fp32("normal", rows, k, mx.random.key(2))
+    y = dk.exact_rows_fp32(x.reshape(*leading, k), weight, scales, biases)
+    assert y.shape == (*leading, n) and y.dtype == mx.float32
+    want = mx.concatenate([dflash2_kernel_qmv.stock_quantized_matmul(x[m : m + 1], weight, scales, biases)
+                           for m in range(rows)])
+    assert _differing(y.reshape(rows, n), want) == 0
+
+
+def test_an_fp32_pack_s_start_up_tests_the_kernel_at_its_packed_shapes(target, float32_target):
+    """kernel_shapes hands the fp32 kernel the pack's packed shapes where its norms (so its
+    activations) are fp32, and none to an fp16 pack's start-up."""
+    from dflash2_pack import kernel_shapes
+
+    fp32 = kernel_shapes(float32_target[0])
+    assert fp32["packed_fp32"] == fp32["packed"] and fp32["packed"]
+    assert kernel_shapes(target[0])["packed_fp32"] == []
+    assert dk.SELF_TESTS["qmv32"][0] == "packed_fp32" and "qmv32" in dk.VERDICT_TABLES
+
+
+def test_verify_hands_fp32_rows_to_the_fp32_kernel(float32_target, monkeypatch):
+    """A packed linear of the fp32 pack, given a verify block's rows, makes one exact_rows_fp32
+    call for them, whose result it returns."""
+    from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
+
+    linear = next(module for _, module in float32_target[0].language_model.named_modules()
+                  if isinstance(module, HadamardQuantizedLinear))
+    calls = []
+
+    def spy(x, weight, scales, biases):
+        calls.append(x.shape)
+        return dflash2_kernel_qmv32.exact_rows_fp32(x, weight, scales, biases)
+
+    monkeypatch.setattr(dk, "exact_rows_fp32", spy)
+    k = dk.packed_width(linear.weight)
+    x = dflash2_kernel_qmv32.make_inputs_fp32("normal", 5, k, mx.random.key(0)).reshape(1, 5, k)
+    y = dflash2_verify._packed_linear(linear, x)
+    assert calls == [(5, k)] and y.shape == (1, 5, linear.weight.shape[0]) and y.dtype == mx.float32
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+def test_the_cuda_kernel_equals_single_row_calls_at_the_27b_shapes():
+    """Both variants tried at every 27B packed shape; one passes (fma, as nvcc contracts MLX's
+    dequantization), and MLX's own 8-row call differs (the control)."""
+    result = dflash2_kernel_qmv32.self_test_qmv32(shapes=list(dflash2_kernel_qmv.PACKED_SHAPES_27B))
+    assert result.ok and result.variant == "fma", result.reason
+    assert result.controls["quantized_matmul(x[:8])"] > 0
