@@ -465,27 +465,33 @@ def test_records_readme_quotes_name_commits_head_descends_from(tmp_path):
     assert records.commits_outside_history(evidence, env=env) == []
 
 
-def test_parity_token_runs_add_only_to_the_same_runs_verify_part(tmp_path):
-    """parity.py --part tokens completes a verify part's record (one process ran past a
-    device call's limit): it refuses before loading anything where that record is missing or
-    already whole, and when the verify part measured other code or another machine."""
-    from parity import earlier_part, same_run
+def test_parity_parts_add_only_to_the_same_runs_earlier_parts(tmp_path):
+    """parity.py runs a record in three parts, one process each (one process ran past a device
+    call's limit): contexts adds to a verify part's record, tokens to a verify and contexts
+    one. A part refuses before loading anything where that record is missing, holds other parts,
+    or measured other code or another machine."""
+    from parity import earlier_part, same_run, summary_markdown
 
     with pytest.raises(SystemExit, match="unreadable"):
-        earlier_part(tmp_path, "parity-cuda")
+        earlier_part(tmp_path, "parity-cuda", "contexts")
     record = json.loads((EVIDENCE / "parity-cuda.json").read_text())
-    (tmp_path / "parity-cuda.json").write_text(json.dumps({**record, "parts": ["verify", "tokens"]}))
-    with pytest.raises(SystemExit, match="adds to a verify part's record"):
-        earlier_part(tmp_path, "parity-cuda")
+    for part, parts in (("contexts", ["verify", "tokens"]), ("contexts", ["verify", "contexts"]),
+                        ("tokens", ["verify"]), ("tokens", ["verify", "contexts", "tokens"])):
+        (tmp_path / "parity-cuda.json").write_text(json.dumps({**record, "parts": parts}))
+        with pytest.raises(SystemExit, match=f"--part {part} adds to the .* record: .* has parts"):
+            earlier_part(tmp_path, "parity-cuda", part)
     (tmp_path / "parity-cuda.json").write_text(json.dumps({**record, "parts": ["verify"], "git_commit": "a" * 40}))
-    verify = earlier_part(tmp_path, "parity-cuda")
+    verify = earlier_part(tmp_path, "parity-cuda", "contexts")
+    assert "Not in this record yet: the contexts, tokens part (`--part contexts` adds it next)" in summary_markdown(verify)
+    (tmp_path / "parity-cuda.json").write_text(json.dumps({**verify, "parts": ["verify", "contexts"]}))
+    assert earlier_part(tmp_path, "parity-cuda", "tokens")["parts"] == ["verify", "contexts"]
     environment = {key: verify.get(key) for key in ("git_commit", "git_clean", "code", "device", "versions")}
-    same_run(verify, environment)
-    with pytest.raises(SystemExit, match="another git_commit"):
-        same_run(verify, {**environment, "git_commit": "b" * 40})
+    same_run(verify, environment, "contexts")
+    with pytest.raises(SystemExit, match="--part contexts: the earlier parts' record has another git_commit"):
+        same_run(verify, {**environment, "git_commit": "b" * 40}, "contexts")
     with pytest.raises(SystemExit, match="another code"):
         same_run(verify, {**environment, "code": "0" * 12})
-    # --dense-dtype: a verify part that named its layout adds only the same layout's token runs.
+    # --dense-dtype: a verify part that named its layout adds only the same layout's later parts.
     verify["dense_dtype"] = "float32"
     same_run(verify, {**environment, "dense_dtype": "float32"})
     with pytest.raises(SystemExit, match="another dense_dtype"):
@@ -549,8 +555,8 @@ def test_device_27b_all_lists_the_calls_that_regenerate_readme_s_gpu_records(tmp
            if json.loads((EVIDENCE / f"{stem}.json").read_text())["backend"] == "cuda"]
     assert gpu and all(stem in plan.stdout.splitlines()[0] for stem in gpu)
     calls = [line for line in plan.stdout.splitlines() if "bash tools/device_27b.sh " in line]
-    assert [line.split("device_27b.sh ")[1].split()[0] for line in calls] == ["parity", "parity-tokens", "rounds", "e2e", "e2e-long",
-                                                                                   "prefix-4k", "rounds"]
+    assert [line.split("device_27b.sh ")[1].split()[0] for line in calls] == ["parity", "parity-contexts", "parity-tokens", "rounds",
+                                                                                   "e2e", "e2e-long", "prefix-4k", "rounds"]
     # bench-cuda-27b-fp32: the round phase again with the real file's fp32 activations
     assert "DENSE_DTYPE=float32 " in calls[-1] and not any("DENSE_DTYPE" in line for line in calls[:-1])
     try:
@@ -857,11 +863,21 @@ def test_readme_s_speedups_mark_profiles_the_policy_routed_plain():
 
 def test_parity_measures_the_fp32_layout_under_its_own_record_name(tmp_path):
     """--dense-dtype float32 (the real 27B file's layout): the synthetic target's activations
-    run fp32, and the record, named -fp32, says so beside the default fp16 one's name."""
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "parity.py"), "--size", "tiny", "--dense-dtype",
-                             "float32", "--part", "verify", "--max-tokens", "8", "--kernel-shapes", "tiny",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    record = json.loads((tmp_path / "parity-cpu-fp32.json").read_text())
+    run fp32, and the record, named -fp32, says so beside the default fp16 one's name; its
+    contexts part, in a second process, adds its cases and controls to the verify part's."""
+    parts = {}
+    for part in ("verify", "contexts"):
+        result = subprocess.run([sys.executable, str(REPO / "tools" / "parity.py"), "--size", "tiny", "--dense-dtype",
+                                 "float32", "--part", part, "--max-tokens", "8", "--kernel-shapes", "tiny",
+                                 "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        parts[part] = json.loads((tmp_path / "parity-cpu-fp32.json").read_text())
+    record = parts["contexts"]
     assert record["dense_dtype"] == "float32" and record["activation_dtype"] == "float32"
     assert record["exact_mismatches"] == 0 and not (tmp_path / "parity-cpu.json").exists()
+    assert record["parts"] == ["verify", "contexts"] and "--part contexts" in record["contexts_command"]
+    assert record["kernel_self_test_fp32"]["ok"] and record["kernel_self_test"]["ok"]
+    verify = parts["verify"]
+    assert record["cases"][:len(verify["cases"])] == verify["cases"] and len(record["cases"]) > len(verify["cases"])
+    assert len(record["stock_cases"]) > len(verify["stock_cases"])
+    assert {case["check"] for case in record["cases"][len(verify["cases"]):]} >= {"prefill routes", "verify", "rollback"}

@@ -1,8 +1,8 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | starts | parity | parity-tokens | rounds | e2e | e2e-long | prefix-4k | tune | compare | profile | ncu | kernels
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | tune | compare | profile | ncu | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
-#                                     regenerate every GPU record README quotes, at HEAD: six calls,
+#                                     regenerate every GPU record README quotes, at HEAD: eight calls,
 #                                     one part each (no two of them fit one call's 585 s)
 # Records name the commit they measured (tools/records.py git_state). The device's copy of the
 # tree has no git history: pass RECORD_GIT_COMMIT (the full hash of the commit sent, `git
@@ -15,8 +15,8 @@
 # packaging==26.2 pygments==2.20.0"). Records go to
 # $OUT (the device tool brings them back); copy them into evidence/ here. Scratch lives in
 # /tmp, which a warm machine keeps between calls: the pack that server and routes build once,
-# and the records that a later part adds to: the round phase's for e2e, parity's verify part's
-# for its token runs (carried back in as .gpu/b27/ or .gpu/parity/ if the machine went cold
+# and the records that a later part adds to: the round phase's for e2e, parity's earlier parts'
+# for its contexts and token runs (carried back in as .gpu/b27/ or .gpu/parity/ if the machine went cold
 # in between).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,17 +60,18 @@ plan() {  # the device calls that regenerate README's GPU records at this commit
   else clean=${RECORD_GIT_CLEAN:-'<1|0>'}; fi
   cat <<PLAN
 Regenerating every GPU record README quotes (parity-cuda, bench-cuda-27b, bench-cuda-27b-fp32, prefix-cache-cuda-27b-4k)
-at $commit: seven device calls of one H200 (nvidia-h200), in this order, each under 585 s
-(about 50 minutes of device time in all, start-up not counted: more than one session's 30;
+at $commit: eight device calls of one H200 (nvidia-h200), in this order, each under 585 s
+(about 55 minutes of device time in all, start-up not counted: more than one session's 30;
 a session that runs out leaves the rest to the next, at the commit it then has):
-  1. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity         # ~480 s: controls, verify, rollback, kernels
-  2. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity-tokens  # ~400 s: greedy and sampled token runs
-  3. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh rounds         # ~310 s: bench round phase
-  4. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e            # ~450 s: 40 tokens, greedy + sampled
-  5. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e-long       # ~510 s: 256 tokens, greedy, the peer
-  6. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh prefix-4k      # ~420 s
-  7. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean DENSE_DTYPE=float32 bash tools/device_27b.sh rounds  # ~480 s (H100): fp32 activations
-Call 2 adds to the record call 1 left in /tmp/parity, calls 4 and 5 to call 3's in /tmp/b27; if
+  1. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity           # controls, verify, rollback, kernels
+  2. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity-contexts  # the same at 7 contexts, prefill routes
+  3. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity-tokens    # ~400 s: greedy and sampled token runs
+  4. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh rounds           # ~310 s: bench round phase
+  5. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e              # ~450 s: 40 tokens, greedy + sampled
+  6. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e-long         # ~510 s: 256 tokens, greedy, the peer
+  7. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh prefix-4k        # ~420 s
+  8. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean DENSE_DTYPE=float32 bash tools/device_27b.sh rounds  # ~480 s (H100): fp32 activations
+Calls 2 and 3 add to the record call 1 left in /tmp/parity, calls 5 and 6 to call 4's in /tmp/b27; if
 the machine went cold in between, carry the latest parity-cuda.json or bench-cuda-27b.json back
 in as .gpu/parity/ or .gpu/b27/ (carry: [".gpu"]). Copy each call's \$OUT records into
 evidence/ as they come back (call 6's from \$OUT/p4k/). Then, here:
@@ -122,17 +123,18 @@ case "${1:-}" in
            t=$(left) || exit 124; timeout "$t" python3 tools/lab/compare_qmv_launch.py --previous "$PREVIOUS" \
              ${PREVIOUS_KERNELS:+--previous-kernels "$PREVIOUS_KERNELS"} --repeats 15 --cupti-repeats 5 --out "$OUT" ;;
   profile) t=$(left) || exit 124; timeout "$t" python3 tools/lab/profile_verify.py --out "$OUT" ;;
-  # parity in two calls: one process ran past 585 s on a fresh H200 (session 39: the token runs
-  # had begun at 478 s). Each part builds the model and installs the runtime (about 200 s);
-  # parity-tokens adds the greedy and sampled runs (3 settings x blocks 2..8, 16 tokens) to
-  # the verify part's record.
+  # parity in three calls: one process ran past 585 s on a fresh H200 (session 39: the token runs
+  # had begun at 478 s), and the fp32 layout's verify part with the contexts in it did too (session
+  # 44: model 95 s, controls and install to 503 s). Each part builds the model and installs the
+  # runtime; parity-contexts adds the prefilled contexts' cases, parity-tokens the greedy and
+  # sampled runs (3 settings x blocks 2..8, 16 tokens), each to the record the parts before left.
   parity) need_commit parity; mkdir -p /tmp/parity; t=$(left) || exit 124
        timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part verify --dense-dtype "$DENSE"; rc=$?
        cp /tmp/parity/* "$OUT"/; exit $rc ;;
-  parity-tokens) need_commit parity-tokens; mkdir -p /tmp/parity
+  parity-contexts|parity-tokens) need_commit "$1"; mkdir -p /tmp/parity
        [ -f /tmp/parity/parity-cuda$SUFFIX.json ] || cp .gpu/parity/parity-cuda$SUFFIX.json /tmp/parity/ || exit 7
        t=$(left) || exit 124
-       timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part tokens --dense-dtype "$DENSE"; rc=$?
+       timeout "$t" python3 tools/parity.py --size 27b --out /tmp/parity --max-tokens 16 --part "${1#parity-}" --dense-dtype "$DENSE"; rc=$?
        cp /tmp/parity/* "$OUT"/; exit $rc ;;
   ncu)  # Nsight Compute on MLX's single-row qmv and the exact kernel at 1 and 8 rows, one
         # launch each at (17408, 5120): where the 8-row kernel stalls (issue 13 item 3)
@@ -155,5 +157,5 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/lab/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh all|server|routes|starts|parity|parity-tokens|rounds|e2e|e2e-long|prefix-4k|tune|compare|profile|ncu|kernels" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh all|server|routes|starts|parity|parity-contexts|parity-tokens|rounds|e2e|e2e-long|prefix-4k|tune|compare|profile|ncu|kernels" >&2; exit 2 ;;
 esac

@@ -50,7 +50,8 @@ from dflash2_sampling import PositionSampler  # noqa: E402
 from oracle_drafter import OracleDrafter  # noqa: E402
 from records import add_dense_dtype_argument, layout_suffix, run_environment, write_record  # noqa: E402
 
-PARTS = ("all", "verify", "tokens")
+# The parts one record can be run in, one process each, in this order (all: one process).
+PARTS = ("all", "verify", "contexts", "tokens")
 PROMPTS = [
     "Write a short poem about the sea.",
     "List three prime numbers and explain why.",
@@ -436,9 +437,11 @@ def main():
     parser.add_argument("--kernel-shapes", choices=["tiny", "27b"], default="27b")
     parser.add_argument(
         "--part", choices=PARTS, default="all",
-        help="verify: the negative controls, verify, rollback, prefill routes and the kernel self-test; "
-        "tokens: the greedy and sampled token runs (and the fixture checks), added to the verify part's "
-        "record in --out (same commit and code); all: both in one process",
+        help="verify: verify and rollback with their negative controls, and the kernel self-tests; "
+        "contexts: verify and rollback at the prefilled contexts (their controls too) and the prefill "
+        "routes; tokens: the greedy and sampled token runs (and the fixture checks). Each later part "
+        "adds to the record the parts before it left in --out (same commit and code); all: every part "
+        "in one process",
     )
     args = parser.parse_args()
 
@@ -453,10 +456,11 @@ def main():
     )
     environment["dense_dtype"] = None if args.pack else args.dense_dtype
     stem = f"parity-{environment['backend']}{layout_suffix(environment['dense_dtype'])}"
-    # Before minutes of loading: the tokens part needs the verify part's record, from this run.
-    earlier = earlier_part(Path(args.out), stem) if args.part == "tokens" else None
+    parts = PARTS[1:] if args.part == "all" else (args.part,)
+    # Before minutes of loading: a later part needs the earlier parts' record, from this run.
+    earlier = earlier_part(Path(args.out), stem, args.part) if args.part not in ("all", "verify") else None
     if earlier is not None:
-        same_run(earlier, environment)
+        same_run(earlier, environment, args.part)
 
     started = time.time()
     log = lambda message: print(f"[{time.time() - started:6.1f}s] {message}", flush=True)  # noqa: E731
@@ -480,42 +484,41 @@ def main():
     continuation = greedy(model, ids, 8)
     contexts = (250, 252, 254, 256, 258, 262, 1030) if args.size == "27b" and not args.pack else (5, 12)
     log(f"model ready; prefilling contexts {contexts}")
-    record = {**environment, "parts": ["verify", "tokens"] if args.part == "all" else [args.part],
+    record = {**environment, "parts": list(parts),
               # the residual stream's dtype (the final norm's weight sets it): the activations'
               "activation_dtype": str(lm.model.norm.weight.dtype).removeprefix("mlx.core.")}
-    exact = []
-    if args.part != "tokens":
-        snapshots = prefill_snapshots(lm, taps, contexts)
+    exact, stock = [], []
+    # Before install: the stock verifier (the negative controls).
+    if "verify" in parts:
         log("stock verify (negative control)")
-        # Before install: the stock verifier (the negative control).
-        stock = verify_cases(lm, ids, taps, continuation) + context_cases(lm, taps, snapshots, continuation)
+        stock += verify_cases(lm, ids, taps, continuation)
         stock_decode = decode_logits(lm, ids, continuation)
+    if "contexts" in parts:
+        snapshots = prefill_snapshots(lm, taps, contexts)
+        log("stock verify at the contexts (negative control)")
+        stock += context_cases(lm, taps, snapshots, continuation)
     status = dflash2_runtime.install(model)
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}")
-    if args.part != "tokens":
+    if "verify" in parts:
         # Plain decode after install (one-row matmuls on the exact kernel) against stock.
         exact.append({"check": "plain decode", "logits": differing(decode_logits(lm, ids, continuation), stock_decode)})
         exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
-        log("exact verify and rollback")
+        log("exact verify and rollback; kernel self-tests")
+        shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
+        record.update({
+            "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
+            "kernel_self_test": kernel_test_json(dflash2_kernels.self_test(shapes=shapes), shapes),
+        })
+        if record["activation_dtype"] == "float32":  # fp32 rows take their own kernel
+            record["kernel_self_test_fp32"] = kernel_test_json(dflash2_kernels.self_test_qmv32(shapes=shapes), shapes)
+    if "contexts" in parts:
+        log("exact verify and rollback at the contexts")
         exact += context_cases(lm, taps, snapshots, continuation, rollback_contexts=(contexts[1], contexts[-1]))
         log("prefill routes")
         exact += prefill_route_cases(model, taps, contexts, step=256 if contexts[-1] > 256 else 4)
-        log("kernel self-test")
-        shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
-        kernel = dflash2_kernels.self_test(shapes=shapes)
-        record.update({
-            "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
-            "kernel_self_test": {
-                "ok": kernel.ok,
-                "shapes": [list(s) for s in (shapes or [])],
-                "mismatches": kernel.mismatches,
-                "stock_mismatches": kernel.stock_mismatches,
-                "cases": len(kernel.cases),
-            },
-            "stock_cases": stock,
-        })
+    record["stock_cases"] = stock
     fixtures = []
-    if args.part != "verify":
+    if "tokens" in parts:
         log("greedy token runs")
         if processor is None:
             exact += raw_token_cases(model, ids, args.max_tokens)
@@ -535,12 +538,15 @@ def main():
                                     "summary": block_sampling.summary()}
     record.update(cases=exact, seconds=round(time.time() - started, 1))
     if earlier is not None:
-        record = {**earlier, **record, "command": earlier["command"], "tokens_command": record["command"],
-                  "parts": ["verify", "tokens"], "cases": earlier["cases"] + exact,
+        record = {**earlier, **record, "command": earlier["command"], f"{args.part}_command": record["command"],
+                  "parts": earlier["parts"] + [args.part], "cases": earlier["cases"] + exact,
+                  "stock_cases": earlier["stock_cases"] + stock,
                   "seconds": round(earlier["seconds"] + record["seconds"], 1)}
-    kernel = record["kernel_self_test"]
-    record["exact_mismatches"] = sum(case_mismatches(c) for c in record["cases"]) + kernel["mismatches"]
-    record["stock_mismatches"] = sum(case_mismatches(c) for c in record["stock_cases"]) + kernel["stock_mismatches"]
+    kernels = [record[key] for key in ("kernel_self_test", "kernel_self_test_fp32") if key in record]
+    record["exact_mismatches"] = (sum(case_mismatches(c) for c in record["cases"])
+                                  + sum(kernel["mismatches"] for kernel in kernels))
+    record["stock_mismatches"] = (sum(case_mismatches(c) for c in record["stock_cases"])
+                                  + sum(kernel["stock_mismatches"] for kernel in kernels))
     backend = environment["backend"]
     write_record(args.out, stem, record, summary_markdown(record))
     fixture_record = {**environment, "all_identical": all(c["identical"] for c in fixtures), "cases": fixtures}
@@ -569,26 +575,34 @@ def fixture_markdown(record) -> str:
     return "\n".join(lines + [""])
 
 
-def earlier_part(out: Path, stem: str) -> dict:
-    """The verify part's record in out, which the tokens part completes."""
+def kernel_test_json(result, shapes) -> dict:
+    """A kernel self-test's counts, for the record."""
+    return {"ok": result.ok, "shapes": [list(s) for s in (shapes or [])], "mismatches": result.mismatches,
+            "stock_mismatches": result.stock_mismatches, "cases": len(result.cases)}
+
+
+def earlier_part(out: Path, stem: str, part: str = "tokens") -> dict:
+    """The record in out of the parts before `part` (PARTS' order), which `part` adds to."""
     path = out / f"{stem}.json"
+    before = list(PARTS[1:PARTS.index(part)])
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise SystemExit(f"--part tokens adds to the verify part's record: {path} unreadable ({error})")
-    if record.get("parts") != ["verify"]:
-        raise SystemExit(f"--part tokens adds to a verify part's record: {path} has parts {record.get('parts')}")
+        raise SystemExit(f"--part {part} adds to the {' and '.join(before)} parts' record: {path} unreadable ({error})")
+    if record.get("parts") != before:
+        raise SystemExit(f"--part {part} adds to the {' and '.join(before)} parts' record: "
+                         f"{path} has parts {record.get('parts')}")
     return record
 
 
-def same_run(earlier: dict, environment: dict):
-    """The two parts of one record measure the same code on the same machine."""
+def same_run(earlier: dict, environment: dict, part: str = "tokens"):
+    """The parts of one record measure the same code on the same machine."""
     for key in ("git_commit", "git_clean", "code", "device", "versions", "dense_dtype"):
         if key == "dense_dtype" and key not in earlier:
             continue  # a record from before --dense-dtype: fp16, or a pack's own layout
         if earlier.get(key) != environment.get(key):
-            raise SystemExit(f"--part tokens: the verify part's record has another {key} "
-                             f"({earlier.get(key)!r}, here {environment.get(key)!r}): run both parts again")
+            raise SystemExit(f"--part {part}: the earlier parts' record has another {key} "
+                             f"({earlier.get(key)!r}, here {environment.get(key)!r}): run every part again")
 
 
 def summary_markdown(record) -> str:
@@ -641,10 +655,12 @@ def summary_markdown(record) -> str:
     block_sampling = record.get("block_sampling")
     if block_sampling:
         lines += ["", f"Block sampling self-test at vocabulary {block_sampling['vocab']}: {block_sampling['summary']}."]
-    if record.get("parts") == ["verify"]:
-        lines += ["", "Token runs: not in this record yet (`--part tokens` adds them)."]
-    elif record.get("tokens_command"):
-        lines += ["", f"Token runs in a second process on the same machine: `{record['tokens_command']}`."]
+    missing = [part for part in PARTS[1:] if part not in record.get("parts", PARTS[1:])]
+    if missing:
+        lines += ["", f"Not in this record yet: the {', '.join(missing)} part (`--part {missing[0]}` adds it next)."]
+    for part in PARTS[2:]:
+        if record.get(f"{part}_command"):
+            lines += ["", f"The {part} part in another process on the same machine: `{record[f'{part}_command']}`."]
     lines += [
         "",
         f"exact_mismatches = {record['exact_mismatches']}, "
