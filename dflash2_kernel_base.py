@@ -17,6 +17,8 @@ import numpy as np
 
 MAX_ROWS = 8  # rows (verify positions) one kernel call takes
 INPUT_KINDS = ("normal", "large", "tiny", "subnormal", "signed_zero", "cancellation")
+# fp32 activations: the fp16 kinds' ranges do not reach fp32's edges, so these do.
+FP32_INPUT_KINDS = ("normal", "large", "tiny", "signed_zero", "cancellation")
 NO_KERNEL = "stock calls on this backend"  # a self-test's reason when nothing was tested
 
 
@@ -75,6 +77,27 @@ def make_inputs(kind: str, rows: int, k: int, key) -> mx.array:
     else:
         raise ValueError(f"unknown input kind {kind!r}")
     return x.astype(mx.float16)
+
+
+def make_inputs_fp32(kind: str, rows: int, k: int, key) -> mx.array:
+    """fp32 activations of one kind (FP32_INPUT_KINDS)."""
+    k1, k2 = mx.random.split(key)
+    normal = mx.random.normal((rows, k), key=k1)
+    if kind == "normal":
+        return normal
+    if kind == "large":  # 1e34, times 16 a row up to 4096: later rows' sums overflow to inf or nan
+        return normal * 1e34 * mx.power(2.0, (mx.arange(rows)[:, None] % 4).astype(mx.float32) * 4)
+    if kind == "tiny":  # fp32 subnormals and the smallest normals
+        return normal * 1e-39
+    if kind == "signed_zero":  # row 0 all -0, later rows +-0 and 1 in 16 normal
+        sign = mx.where(mx.random.bernoulli(0.5, (rows, k), key=k2), -1.0, 1.0)
+        sign = mx.where(mx.arange(rows)[:, None] == 0, -1.0, sign)
+        keep = mx.random.bernoulli(1 / 16, (rows, k), key=k1) & (mx.arange(rows)[:, None] >= 1)
+        return mx.where(keep, normal, 0.0 * sign)
+    if kind == "cancellation":  # (a, -a) pairs: products cancel across slots and lanes
+        a = normal[:, ::2] * 1e4
+        return mx.stack([a, -a], axis=-1).reshape(rows, -1)[:, :k]
+    raise ValueError(f"unknown input kind {kind!r}")
 
 
 def raw_bits(a: mx.array) -> mx.array:

@@ -27,14 +27,12 @@ from functools import cache
 import mlx.core as mx
 
 from dflash2_kernel_base import (
-    MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result, _variants_result,
-    backend_name, cuda_header, cuda_serving_variant,
+    FP32_INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
+    _variants_result, backend_name, cuda_header, cuda_serving_variant, make_inputs_fp32,
 )
 from dflash2_kernel_qmv import DEFAULT_SHAPES, make_weights, stock_quantized_matmul, stock_rows
 
 QMV32_VARIANTS = ("fma", "mul_add")
-# fp32 activations: the fp16 kinds' ranges do not reach fp32's edges, so these do.
-FP32_INPUT_KINDS = ("normal", "large", "tiny", "signed_zero", "cancellation")
 # A tail-only K (128), a tail after steps (640), and a partial last warp of output rows (42).
 FP32_SHAPES_SMALL = DEFAULT_SHAPES + ((20, 128),)
 
@@ -211,27 +209,6 @@ def exact_rows_fp32(x, weight, scales, biases):
 
 # ---------------------------------------------------------------------------
 # qmv32: self-test
-
-
-def make_inputs_fp32(kind: str, rows: int, k: int, key) -> mx.array:
-    """fp32 activations of one kind (FP32_INPUT_KINDS)."""
-    k1, k2 = mx.random.split(key)
-    normal = mx.random.normal((rows, k), key=k1)
-    if kind == "normal":
-        return normal
-    if kind == "large":  # 1e34, times 16 a row up to 4096: later rows' sums overflow to inf or nan
-        return normal * 1e34 * mx.power(2.0, (mx.arange(rows)[:, None] % 4).astype(mx.float32) * 4)
-    if kind == "tiny":  # fp32 subnormals and the smallest normals
-        return normal * 1e-39
-    if kind == "signed_zero":  # row 0 all -0, later rows +-0 and 1 in 16 normal
-        sign = mx.where(mx.random.bernoulli(0.5, (rows, k), key=k2), -1.0, 1.0)
-        sign = mx.where(mx.arange(rows)[:, None] == 0, -1.0, sign)
-        keep = mx.random.bernoulli(1 / 16, (rows, k), key=k1) & (mx.arange(rows)[:, None] >= 1)
-        return mx.where(keep, normal, 0.0 * sign)
-    if kind == "cancellation":  # (a, -a) pairs: products cancel across slots and lanes
-        a = normal[:, ::2] * 1e4
-        return mx.stack([a, -a], axis=-1).reshape(rows, -1)[:, :k]
-    raise ValueError(f"unknown input kind {kind!r}")
 
 
 def self_test_qmv32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:

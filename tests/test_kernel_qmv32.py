@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import dflash2_kernel_base
 import dflash2_kernel_qmv
 import dflash2_kernel_qmv32
 import dflash2_kernels as dk
@@ -51,7 +52,7 @@ def test_the_serving_path_passes_where_batched_calls_round_otherwise(gpu_like_ro
     assert result.ok and result.variant == "kernel" and result.mismatches == 0, result.reason
     assert result.stock_mismatches > 0
     assert {case["rows"] for case in result.cases} == set(range(2, 9))
-    assert {case["input"] for case in result.cases} == set(dflash2_kernel_qmv32.FP32_INPUT_KINDS)
+    assert {case["input"] for case in result.cases} == set(dflash2_kernel_base.FP32_INPUT_KINDS)
     assert {tuple(case["shape"]) for case in result.cases} == set(dflash2_kernel_qmv32.FP32_SHAPES_SMALL)
     assert dflash2_kernel_qmv32._qmv32_serving == serving  # an injected kernel never switches serving
 
@@ -66,7 +67,7 @@ def test_a_wrong_kernel_fails_naming_the_case(kernel):
 
 def test_one_differing_bit_is_counted_exactly():
     result = dflash2_kernel_qmv32.self_test_qmv32(kernel=one_bit_off_at_eight_rows, shapes=[SHAPE])
-    assert result.mismatches == len(dflash2_kernel_qmv32.FP32_INPUT_KINDS)  # y[7, 3] once per kind
+    assert result.mismatches == len(dflash2_kernel_base.FP32_INPUT_KINDS)  # y[7, 3] once per kind
     assert "rows=8" in result.reason and "first at [7, 3]" in result.reason
 
 
@@ -74,12 +75,12 @@ def test_the_input_kinds_reach_fp32_s_edges():
     """`large` overflows some rows' sums and not others; `tiny` holds fp32 subnormals;
     `signed_zero`'s first row is all -0."""
     weight, scales, biases = dflash2_kernel_qmv.make_weights(*SHAPE, mx.random.key(1))
-    large = dflash2_kernel_qmv32.make_inputs_fp32("large", 8, SHAPE[1], mx.random.key(2))
+    large = dflash2_kernel_base.make_inputs_fp32("large", 8, SHAPE[1], mx.random.key(2))
     finite = np.isfinite(np.array(dk.stock_rows(large, weight, scales, biases))).all(axis=1)
     assert finite.any() and not finite.all()
-    tiny = np.abs(np.array(dflash2_kernel_qmv32.make_inputs_fp32("tiny", 8, SHAPE[1], mx.random.key(3))))
+    tiny = np.abs(np.array(dflash2_kernel_base.make_inputs_fp32("tiny", 8, SHAPE[1], mx.random.key(3))))
     assert ((tiny > 0) & (tiny < np.finfo(np.float32).tiny)).any()
-    zero = dflash2_kernel_qmv32.make_inputs_fp32("signed_zero", 8, SHAPE[1], mx.random.key(4))
+    zero = dflash2_kernel_base.make_inputs_fp32("signed_zero", 8, SHAPE[1], mx.random.key(4))
     assert (np.array(zero[0].view(mx.uint32)) == 0x80000000).all()
 
 
@@ -88,7 +89,7 @@ def test_exact_rows_fp32_equals_single_row_calls(leading):
     n, k = 24, 640
     weight, scales, biases = dflash2_kernel_qmv.make_weights(n, k, mx.random.key(1))
     rows = int(np.prod(leading))
-    x = dflash2_kernel_qmv32.make_inputs_fp32("normal", rows, k, mx.random.key(2))
+    x = dflash2_kernel_base.make_inputs_fp32("normal", rows, k, mx.random.key(2))
     y = dk.exact_rows_fp32(x.reshape(*leading, k), weight, scales, biases)
     assert y.shape == (*leading, n) and y.dtype == mx.float32
     want = mx.concatenate([dflash2_kernel_qmv.stock_quantized_matmul(x[m : m + 1], weight, scales, biases)
@@ -122,7 +123,7 @@ def test_verify_hands_fp32_rows_to_the_fp32_kernel(float32_target, monkeypatch):
 
     monkeypatch.setattr(dk, "exact_rows_fp32", spy)
     k = dk.packed_width(linear.weight)
-    x = dflash2_kernel_qmv32.make_inputs_fp32("normal", 5, k, mx.random.key(0)).reshape(1, 5, k)
+    x = dflash2_kernel_base.make_inputs_fp32("normal", 5, k, mx.random.key(0)).reshape(1, 5, k)
     y = dflash2_verify._packed_linear(linear, x)
     assert calls == [(5, k)] and y.shape == (1, 5, linear.weight.shape[0]) and y.dtype == mx.float32
 
