@@ -9,9 +9,10 @@ self-test.
   step); its with-states twin (stock verify's, the same per-step statements) runs
   all L steps once its self-test found it equal, else the fused kernel a step at a time.
 - `dense_rows(x, weight)`: 1..8 rows of x @ weight.T, each decode's one-row
-  `nn.Linear` (MLX's gemv). cuda only.
+  `nn.Linear` (MLX's gemv), fp16, bf16 or fp32. cuda only.
 """
 
+import itertools
 from functools import cache, partial
 
 import mlx.core as mx
@@ -25,8 +26,9 @@ from mlx_vlm.models.qwen3_5.gated_delta import (
 )
 
 from dflash2_kernel_base import (
-    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
-    _variants_result, backend_name, cuda_header, cuda_serving_variant, gemv_elements_per_lane, make_inputs,
+    FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference,
+    _no_kernel_result, _variants_result, backend_name, cuda_header, cuda_serving_variant, gemv_elements_per_lane,
+    make_inputs, make_inputs_fp32,
 )
 
 # ===========================================================================
@@ -39,8 +41,10 @@ from dflash2_kernel_base import (
 # metal: "with_states", mlx-vlm's with-states kernel (stock verify's on Metal), whose loop
 # body is decode's fused kernel's statement for statement, but which is its own pipeline.
 GDN_VARIANTS = {"cuda": ("fma", "mul_add"), "metal": ("with_states",)}
-# The gemv replica ("gemv", CUDA only) has one variant, no open choice: fp16 products are
-# exact in fp32, so its lane sums are the same whether or not nvcc fused them.
+# The gemv replica (CUDA only): "gemv" fuses each lane's product and sum (nvcc contracts
+# gemv_impl's `sum += a * b` by default), "gemv_mul_add" rounds the product first. fp16
+# and bf16 products are exact in fp32, so only fp32 rows (the real file's) tell them apart.
+DENSE_VARIANTS = ("gemv", "gemv_mul_add")
 MAX_DK = 512  # one 32-thread block in row_reduce_simple up to here
 GDN_INPUT_KINDS = ("normal", "large", "tiny", "extreme_gates", "signed_zero")
 
@@ -54,6 +58,8 @@ GDN_MAX_STEPS = 8
 # K % 64 == 0 (two elements a lane); K = 102 (one element a lane, uneven lanes).
 DENSE_SHAPES_27B = ((48, 5120), (96, 5120))
 DENSE_SHAPES_SMALL = ((2, 512), (7, 320), (5, 102))
+# (weight and activation dtype, input kinds, their maker) the dense self-test runs.
+DENSE_TEST_DTYPES = ((mx.float16, INPUT_KINDS, make_inputs), (mx.float32, FP32_INPUT_KINDS, make_inputs_fp32))
 
 
 # ---------------------------------------------------------------------------
@@ -278,11 +284,12 @@ __device__ __forceinline__ void gated_delta_steps(
 // output column (= weight row), lane l owns elements NPT*l + 32*NPT*r, fp32 sums
 // from +0, cg::reduce (cg::plus<float>), lane 0 stores static_cast<T>. Here
 // each warp does that for every activation row, reading the weight row once.
-// fp16 products are exact in fp32, so __fmaf_rn equals nvcc's mul+add or FFMA.
+// FMA: the lane's sum += w * x as one fma (what nvcc makes of it by default), else the
+// product rounded first; the same for fp16 and bf16, whose products are exact in fp32.
 // Launch: block (32, 8), grid (1, ceil(N / 8)).
 constexpr int kMaxRows = 8;
 
-template <int NPT, typename T>
+template <int NPT, bool FMA, typename T>
 __device__ __forceinline__ void gemv_rows(
     const T* __restrict__ x,
     const T* __restrict__ w,
@@ -309,7 +316,8 @@ __device__ __forceinline__ void gemv_rows(
         auto xv = unsafe_load_vector<NPT>(x + (int64_t)m * k + c, 0);
 #pragma unroll
         for (int j = 0; j < NPT; ++j) {
-          sum[m] = __fmaf_rn(static_cast<float>(wv[j]), static_cast<float>(xv[j]), sum[m]);
+          const float a = static_cast<float>(wv[j]), b = static_cast<float>(xv[j]);
+          sum[m] = FMA ? __fmaf_rn(a, b, sum[m]) : __fadd_rn(sum[m], __fmul_rn(a, b));
         }
       }
     }
@@ -332,7 +340,7 @@ _GDN_SOURCE = (
     "dflash2_gdn::gated_delta_steps<Dk, FMA>("
     "q, k, v, g, beta, state, y, states, v_shape[1], q_shape[2], v_shape[2], v_shape[3]);"
 )
-_DENSE_SOURCE = "dflash2_gdn::gemv_rows<NPT>(x, w, out, x_shape[0], w_shape[0], w_shape[1]);"
+_DENSE_SOURCE = "dflash2_gdn::gemv_rows<NPT, FMA>(x, w, out, x_shape[0], w_shape[0], w_shape[1]);"
 GDN_WARPS_PER_BLOCK = 4
 GEMV_ROWS_PER_BLOCK = 8  # MLX's rows_per_block (gemv.cu:14)
 
@@ -391,12 +399,12 @@ def metal_recurrence(q, k, v, g, beta, state):
     return y, states
 
 
-def cuda_dense_rows(x, weight):
-    """(R, K) rows -> (R, N) through the gemv replica; no self-test gate."""
+def cuda_dense_rows(x, weight, variant="gemv"):
+    """(R, K) rows -> (R, N) through the gemv replica, one of DENSE_VARIANTS; no self-test gate."""
     n, k = weight.shape
     return _dense_kernel()(
         inputs=[x, weight],
-        template=[("NPT", gemv_elements_per_lane(k))],
+        template=[("NPT", gemv_elements_per_lane(k)), ("FMA", variant == "gemv")],
         grid=(32, n, 1),
         threadgroup=(32, GEMV_ROWS_PER_BLOCK, 1),
         output_shapes=[(x.shape[0], n)],
@@ -440,8 +448,7 @@ def gdn_variant(backend: str, name: str):
 
 
 def dense_kernel_supports(x, weight) -> bool:
-    # fp16/bf16 products are exact in fp32; fp32 would make FFMA contraction matter.
-    return x.dtype == weight.dtype and x.dtype in (mx.float16, mx.bfloat16)
+    return x.dtype == weight.dtype and x.dtype in _FLOATS
 
 
 def gdn_recurrence(q, k, v, g, beta, state, variant=None):
@@ -473,7 +480,7 @@ def dense_rows(x, weight, variant=None):
     """x @ weight.T for 1..8 rows, each row bitwise decode's one-row nn.Linear.
 
     x: (..., K) with at most 8 rows; weight: (N, K), same dtype. Returns (..., N).
-    variant: "gemv" forces the kernel (no gate); default: the self-test's verdict.
+    variant: one of DENSE_VARIANTS forces that kernel (no gate); default: the self-test's verdict.
     """
     k = x.shape[-1]
     rows = x.size // k if k else 0
@@ -483,7 +490,7 @@ def dense_rows(x, weight, variant=None):
         variant = cuda_serving_variant(_dense_serving, self_test_dense)
         if variant is None or not dense_kernel_supports(x, weight):
             return stock_dense_rows(x, weight)
-    out = cuda_dense_rows(x.reshape(rows, k), weight)
+    out = cuda_dense_rows(x.reshape(rows, k), weight, variant)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -611,36 +618,39 @@ def self_test_gdn(
     return result
 
 
-def make_dense_weight(n: int, k: int, key) -> mx.array:
-    """fp16 (N, K); row magnitudes 2^-8..2^3 so some `large` rows overflow fp16."""
+def make_dense_weight(n: int, k: int, key, dtype=mx.float16) -> mx.array:
+    """(N, K) of dtype; row magnitudes 2^-8..2^3 so some `large` rows overflow fp16."""
     k_values, k_exp = mx.random.split(key)
     magnitude = mx.power(2.0, mx.random.randint(-8, 4, (n, 1), key=k_exp).astype(mx.float32))
-    return (mx.random.normal((n, k), key=k_values) * 0.02 * magnitude).astype(mx.float16)
+    return (mx.random.normal((n, k), key=k_values) * 0.02 * magnitude).astype(dtype)
 
 
 def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
-    """Check dense rows bit for bit against decode's one-row calls, rows 1..8.
+    """Check dense rows bit for bit against decode's one-row calls, rows 1..8, in fp16 and in
+    fp32 (the real file's gate weights and activations).
 
     kernel: (x (R, K), weight) -> (R, N), tested as variant "kernel"; default:
-    the CUDA gemv replica, serving then switched on or off (off CUDA there is no
-    kernel to test). shapes: (N, K) pairs, default the 27B and the small
-    shapes. MLX's own multi-row `x @ weight.T` is counted alongside (the control).
+    the CUDA gemv replica's DENSE_VARIANTS, the first that passes both dtypes then serving
+    (off CUDA there is no kernel to test). shapes: (N, K) pairs, default the 27B and the
+    small shapes. MLX's own multi-row `x @ weight.T` is counted alongside (the control).
     """
     backend = backend_name()
     if kernel is None and backend != "cuda":
         return _no_kernel_result(backend)
-    variants = {"kernel": kernel} if kernel else {"gemv": cuda_dense_rows}
+    variants = ({"kernel": kernel} if kernel else
+                {name: partial(cuda_dense_rows, variant=name) for name in DENSE_VARIANTS})
     shapes = [tuple(s) for s in (shapes or DENSE_SHAPES_27B + DENSE_SHAPES_SMALL)]
     differing = {name: 0 for name in variants}
     failures, cases = {}, []
     negative = {f"x[:{rows}] @ weight.T": 0 for rows in range(2, MAX_ROWS + 1)}
     key = mx.random.key(seed)
-    for n, k in shapes:
+    for (n, k), (dtype, kinds, inputs) in itertools.product(shapes, DENSE_TEST_DTYPES):
+        dtype_name = str(dtype).removeprefix("mlx.core.")
         key, weight_key = mx.random.split(key)
-        weight = make_dense_weight(n, k, weight_key)
-        for kind in INPUT_KINDS:
+        weight = make_dense_weight(n, k, weight_key, dtype)
+        for kind in kinds:
             key, input_key = mx.random.split(key)
-            x = make_inputs(kind, MAX_ROWS, k, input_key)
+            x = inputs(kind, MAX_ROWS, k, input_key)
             want = []
             for m in range(MAX_ROWS):  # each one-row call evaluated on its own
                 want.append((x[m : m + 1][None] @ weight.T).reshape(1, n))
@@ -658,13 +668,12 @@ def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                         failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
                         differing[name] += 1
                         continue
-                    cases.append(
-                        {"shape": [n, k], "rows": rows, "input": kind, "variant": name, "mismatches": diff}
-                    )
+                    cases.append({"shape": [n, k], "dtype": dtype_name, "rows": rows,
+                                  "input": kind, "variant": name, "mismatches": diff})
                     differing[name] += diff
                     if diff and name not in failures:
                         failures[name] = (
-                            f"{name} differs at (N, K)={(n, k)} rows={rows} input={kind}: "
+                            f"{name} differs at (N, K)={(n, k)} {dtype_name} rows={rows} input={kind}: "
                             + _first_difference(got, want[:rows])[0]
                         )
     result = _variants_result(backend, differing, failures, negative, cases)

@@ -18,13 +18,17 @@ def test_gdn_recurrence_equals_decode_steps():
     assert same_bits(y, want_y) and same_bits(states, want_states)
 
 
-def test_dense_rows_equals_one_row_linears():
-    weight = dflash2_kernel_gdn.make_dense_weight(7, 320, mx.random.key(1))
-    x = dflash2_kernel_base.make_inputs("large", 6, 320, mx.random.key(2)).reshape(2, 3, 320)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_dense_rows_equals_one_row_linears(dtype):
+    """fp16, and fp32 as the real file's gate weights and activations."""
+    weight = dflash2_kernel_gdn.make_dense_weight(7, 320, mx.random.key(1), dtype)
+    make = dflash2_kernel_base.make_inputs if dtype == mx.float16 else dflash2_kernel_base.make_inputs_fp32
+    x = make("large", 6, 320, mx.random.key(2)).reshape(2, 3, 320)
     want = mx.concatenate([x.reshape(6, 320)[m : m + 1] @ weight.T for m in range(6)])
-    assert same_bits(dk.dense_rows(x, weight), want.reshape(2, 3, 7))
+    got = dk.dense_rows(x, weight)
+    assert got.dtype == dtype and same_bits(got, want.reshape(2, 3, 7))
     with pytest.raises(ValueError, match="1..8 rows"):
-        dk.dense_rows(mx.zeros((9, 320), dtype=mx.float16), weight)
+        dk.dense_rows(mx.zeros((9, 320), dtype=dtype), weight)
 
 
 def test_wrong_recurrence_fails_naming_the_case():
@@ -73,6 +77,19 @@ def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
 
 def test_wrong_dense_rows_fails_naming_the_case():
     result = dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=one_bit_off(dflash2_kernel_gdn.stock_dense_rows, 8))
-    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
-    assert "(N, K)=(7, 320) rows=8 input=normal" in result.reason
-    assert dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=dflash2_kernel_gdn.stock_dense_rows).ok
+    assert not result.ok
+    assert result.mismatches == len(dflash2_kernel_base.INPUT_KINDS) + len(dflash2_kernel_base.FP32_INPUT_KINDS)
+    assert "(N, K)=(7, 320) float16 rows=8 input=normal" in result.reason
+    passed = dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=dflash2_kernel_gdn.stock_dense_rows)
+    assert passed.ok and {case["dtype"] for case in passed.cases} == {"float16", "float32"}
+
+
+def test_a_dense_kernel_wrong_only_in_fp32_fails_naming_it():
+    """The fp32 cases are what tell the gemv replica's variants apart (fp16 products are
+    exact in fp32): a kernel that rounds fp32 rows through fp16 passes every fp16 case."""
+    def through_fp16(x, weight):
+        return dflash2_kernel_gdn.stock_dense_rows(x.astype(mx.float16), weight.astype(mx.float16)).astype(x.dtype)
+
+    result = dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=through_fp16)
+    assert not result.ok and "float32" in result.reason
+    assert all(case["mismatches"] == 0 for case in result.cases if case["dtype"] == "float16")
