@@ -180,7 +180,7 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
             return _packed_linear(linear, x)
         if "bias" in linear:
             raise ExactnessError("dense verify linears with a bias are not covered")
-        # Dense fp16 linears (GDN in_proj_a / in_proj_b): decode's one-row matmul.
+        # Dense linears (GDN in_proj_a / in_proj_b; fp32 in the real file): decode's one-row matmul.
         return dflash2_kernels.dense_rows(x, linear.weight)
 
     def _linears(self, linears, x):

@@ -131,7 +131,7 @@ def test_verify_hands_fp32_rows_to_the_fp32_kernel(float32_target, monkeypatch):
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
 def test_the_cuda_kernel_equals_single_row_calls_at_the_27b_shapes():
     """Both variants tried at every 27B packed shape; one passes (fma, as nvcc contracts MLX's
-    dequantization), and MLX's own 8-row call differs (the control)."""
+    dequantization), and MLX's own 8-row call (qmm_naive) differs (the control)."""
     result = dflash2_kernel_qmv32.self_test_qmv32(shapes=list(dflash2_kernel_qmv.PACKED_SHAPES_27B))
     assert result.ok and result.variant == "fma", result.reason
     assert result.controls["quantized_matmul(x[:8])"] > 0

@@ -74,7 +74,7 @@ a session that runs out leaves the rest to the next, at the commit it then has):
 Calls 2 and 3 add to the record call 1 left in /tmp/parity, calls 5 and 6 to call 4's in /tmp/b27; if
 the machine went cold in between, carry the latest parity-cuda.json or bench-cuda-27b.json back
 in as .gpu/parity/ or .gpu/b27/ (carry: [".gpu"]). Copy each call's \$OUT records into
-evidence/ as they come back (call 6's from \$OUT/p4k/). Then, here:
+evidence/ as they come back (call 7's from \$OUT/p4k/). Then, here:
   python tools/records.py --readme
   python -m pytest -q tests/test_evidence_tools.py
 PLAN

@@ -503,7 +503,14 @@ def main():
         # Plain decode after install (one-row matmuls on the exact kernel) against stock.
         exact.append({"check": "plain decode", "logits": differing(decode_logits(lm, ids, continuation), stock_decode)})
         exact += verify_cases(lm, ids, taps, continuation) + rollback_cases(lm, ids, taps, continuation)
-        log("exact verify and rollback; kernel self-tests")
+        log("exact verify and rollback")
+    if "contexts" in parts:
+        exact += context_cases(lm, taps, snapshots, continuation, rollback_contexts=(contexts[1], contexts[-1]))
+        log("exact verify and rollback at the contexts; prefill routes")
+        exact += prefill_route_cases(model, taps, contexts, step=256 if contexts[-1] > 256 else 4)
+    if "verify" in parts:
+        # Last: at the 27B shapes the self-tests set what serves (the pack's own shapes did at install).
+        log("kernel self-tests")
         shapes = list(dflash2_kernel_qmv.PACKED_SHAPES_27B) if args.kernel_shapes == "27b" else None
         record.update({
             "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
@@ -511,11 +518,6 @@ def main():
         })
         if record["activation_dtype"] == "float32":  # fp32 rows take their own kernel
             record["kernel_self_test_fp32"] = kernel_test_json(dflash2_kernels.self_test_qmv32(shapes=shapes), shapes)
-    if "contexts" in parts:
-        log("exact verify and rollback at the contexts")
-        exact += context_cases(lm, taps, snapshots, continuation, rollback_contexts=(contexts[1], contexts[-1]))
-        log("prefill routes")
-        exact += prefill_route_cases(model, taps, contexts, step=256 if contexts[-1] > 256 else 4)
     record["stock_cases"] = stock
     fixtures = []
     if "tokens" in parts:
@@ -640,8 +642,10 @@ def summary_markdown(record) -> str:
             f"{len({str(c['settings']) for c in sampled})} settings) | {len(sampled)} | "
             f"{sum(not c['identical'] for c in sampled)} runs differ |"
         )
-    kernel = record["kernel_self_test"]
+    kernel, fp32 = record["kernel_self_test"], record.get("kernel_self_test_fp32")
     lines.append(f"| exact kernel self-test | {kernel['cases']} | {kernel['mismatches']} |")
+    if fp32:
+        lines.append(f"| exact kernel self-test, fp32 rows | {fp32['cases']} | {fp32['mismatches']} |")
     stock = record["stock_cases"]
     lines.append(
         f"| stock verify (negative control) | {len(stock)} | {sum(map(case_mismatches, stock))} |"
@@ -649,15 +653,19 @@ def summary_markdown(record) -> str:
     lines.append(
         f"| MLX multi-row matmul (negative control) | {kernel['cases']} | {kernel['stock_mismatches']} |"
     )
+    if fp32:
+        lines.append(f"| MLX 8-row fp32 matmul (negative control) | {fp32['cases']} | {fp32['stock_mismatches']} |")
     check = record["runtime_status"].get("verify_self_check")
     if check:
         lines += ["", f"Start-up {check['summary']}."]
     block_sampling = record.get("block_sampling")
     if block_sampling:
         lines += ["", f"Block sampling self-test at vocabulary {block_sampling['vocab']}: {block_sampling['summary']}."]
-    missing = [part for part in PARTS[1:] if part not in record.get("parts", PARTS[1:])]
+    # Records whose verify part held the contexts (before the contexts part) end at tokens too.
+    missing = [] if "tokens" in record.get("parts", ["tokens"]) else [p for p in PARTS[1:] if p not in record["parts"]]
     if missing:
-        lines += ["", f"Not in this record yet: the {', '.join(missing)} part (`--part {missing[0]}` adds it next)."]
+        lines += ["", f"Not in this record yet: the {' and '.join(missing)} part{'s' if len(missing) > 1 else ''} "
+                      f"(`--part {missing[0]}` adds the next)."]
     for part in PARTS[2:]:
         if record.get(f"{part}_command"):
             lines += ["", f"The {part} part in another process on the same machine: `{record[f'{part}_command']}`."]
