@@ -31,21 +31,30 @@ import dflash2_kernel_qmv as qmv  # noqa: E402
 ARCH = "sm_90a"  # the H200's, as MLX's NVRTC call names it (jit_module.cpp: sm_90 + "a")
 
 
+def kernel_unit(name: str, params, header: str, template, source: str) -> str:
+    """The source MLX's build_kernel writes for one call of a custom kernel: its includes and
+    Shape, the kernel's header, the signature (params: one "type name" each), the template's
+    constexpr lines, then the source."""
+    return (
+        "#include <cooperative_groups.h>\n#include <cuda_fp16.h>\n#include <cuda/std/array>\n"
+        "using Shape = cuda::std::array<int32_t, 10>;  // MLX's, MAX_NDIM 10\n"
+        + header
+        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        + f"__global__ void {name}(\n" + "".join(f"    {param},\n" for param in params[:-1]) + f"    {params[-1]}) {{\n"
+        + dflash2_kernel_base._template_lines(template) + source
+        + "\n}\n\n} // namespace mlx::core::cu\n"
+    )
+
+
+QMV_PARAMS = ("const __half* x", "const uint32_t* w", "const __grid_constant__ Shape w_shape",
+              "const __half* scales", "const __half* biases", "__half* y")
+
+
 def translation_unit(rows: int, launch=None) -> str:
     """The source MLX's build_kernel writes for the kernel's call at `rows` rows (launch: the
     table's by default; K and N are read at run time, so any call of that launch)."""
     template = qmv._cuda_launch.__wrapped__((rows,), 17408, launch and tuple(launch))["template"]
-    return (
-        "#include <cooperative_groups.h>\n#include <cuda_fp16.h>\n#include <cuda/std/array>\n"
-        "using Shape = cuda::std::array<int32_t, 10>;  // MLX's, MAX_NDIM 10\n"
-        + qmv._CUDA_HEADER
-        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-        "__global__ void qmv(\n    const __half* x,\n    const uint32_t* w,\n"
-        "    const __grid_constant__ Shape w_shape,\n    const __half* scales,\n    const __half* biases,\n"
-        "    __half* y) {\n"
-        + dflash2_kernel_base._template_lines(template) + qmv._CUDA_SOURCE
-        + "\n}\n\n} // namespace mlx::core::cu\n"
-    )
+    return kernel_unit("qmv", QMV_PARAMS, qmv._CUDA_HEADER, template, qmv._CUDA_SOURCE)
 
 
 def compile_report(unit: str) -> dict:
