@@ -174,15 +174,19 @@ def _cuda_kernel():
     )
 
 
+def cuda_template(rows: int, variant: str) -> list:
+    """The kernel's template for `rows` activation rows and one of QMV32_VARIANTS."""
+    return [("M", rows), ("R", CUDA_ROWS_PER_WARP[rows]), ("FMA", variant == "fma")]
+
+
 def cuda_matmul_fp32(x, weight, scales, biases, variant="fma"):
     """(..., K) fp32 rows, M in all (2..8) -> (..., N) fp32 through the kernel; no self-test
     gate. The kernel reads M rows of K from x's row-contiguous data (K from the weight)."""
     rows, n = x.size // x.shape[-1], weight.shape[0]
-    per_warp = CUDA_ROWS_PER_WARP[rows]
-    blocks = -(-(-(-n // per_warp)) // CUDA_WARPS_PER_BLOCK)
+    blocks = -(-(-(-n // CUDA_ROWS_PER_WARP[rows])) // CUDA_WARPS_PER_BLOCK)
     return _cuda_kernel()(
         inputs=[x, weight, scales, biases],
-        template=[("M", rows), ("R", per_warp), ("FMA", variant == "fma")],
+        template=cuda_template(rows, variant),
         grid=(32 * blocks, CUDA_WARPS_PER_BLOCK, 1),
         threadgroup=(32, CUDA_WARPS_PER_BLOCK, 1),
         output_shapes=[(*x.shape[:-1], n)],

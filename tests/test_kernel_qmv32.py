@@ -3,6 +3,8 @@ equals MLX's single-row calls and fails what rounds otherwise, naming the case; 
 kinds reach fp32's edges; an fp32 pack's start-up tests it at the pack's shapes and verify
 hands it fp32 rows. On CUDA: the kernel at the 27B shapes, bitwise."""
 
+import shutil
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -126,6 +128,22 @@ def test_verify_hands_fp32_rows_to_the_fp32_kernel(float32_target, monkeypatch):
     x = dflash2_kernel_base.make_inputs_fp32("normal", 5, k, mx.random.key(0)).reshape(1, 5, k)
     y = dflash2_verify._packed_linear(linear, x)
     assert calls == [(5, k)] and y.shape == (1, 5, linear.weight.shape[0]) and y.dtype == mx.float32
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
+def test_the_fp32_launches_compile_with_their_accumulators_in_registers():
+    """The launches with the most accumulators (R * M * 8 = 64: rows 2, 4 and 8) compile offline
+    for the H200 (sm_90a) inside the wrapper MLX writes, with no register spill (nvcc 13.0:
+    138, 140 and 150 registers); the other launches hold fewer."""
+    from qmv_sass import compile_report, fp32_translation_unit
+
+    per_warp = dflash2_kernel_qmv32.CUDA_ROWS_PER_WARP
+    most = max(rows * per_warp[rows] for rows in per_warp)
+    widest = [rows for rows in per_warp if rows * per_warp[rows] == most]
+    assert widest == [2, 4, 8]
+    for rows in widest:
+        report = compile_report(fp32_translation_unit(rows))
+        assert report["spill_bytes"] == 0, (rows, report)
 
 
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")

@@ -27,6 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 
 import dflash2_kernel_base  # noqa: E402
 import dflash2_kernel_qmv as qmv  # noqa: E402
+import dflash2_kernel_qmv32 as qmv32  # noqa: E402
 
 ARCH = "sm_90a"  # the H200's, as MLX's NVRTC call names it (jit_module.cpp: sm_90 + "a")
 
@@ -55,6 +56,16 @@ def translation_unit(rows: int, launch=None) -> str:
     table's by default; K and N are read at run time, so any call of that launch)."""
     template = qmv._cuda_launch.__wrapped__((rows,), 17408, launch and tuple(launch))["template"]
     return kernel_unit("qmv", QMV_PARAMS, qmv._CUDA_HEADER, template, qmv._CUDA_SOURCE)
+
+
+QMV32_PARAMS = ("const float* x", "const uint32_t* w", "const __grid_constant__ Shape w_shape",
+                "const __half* scales", "const __half* biases", "float* y")
+
+
+def fp32_translation_unit(rows: int, variant: str = "fma") -> str:
+    """The same for dflash2_kernel_qmv32's kernel (fp32 rows) at `rows` rows, one variant."""
+    return kernel_unit("qmv32", QMV32_PARAMS, qmv32._CUDA_HEADER, qmv32.cuda_template(rows, variant),
+                       qmv32._CUDA_SOURCE)
 
 
 def compile_report(unit: str) -> dict:
