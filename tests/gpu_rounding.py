@@ -10,7 +10,11 @@ with one row, one query or one step is MLX's own call, untouched.
 - `mx.quantized_matmul`, more than one row: the weights dequantized, then one float32
   matmul rounded once to the output dtype, as GPU kernels for many rows tile it (and
   about 30 times faster than MLX's CPU kernel, which takes ~8 ms a row at 512 x 512:
-  prefills under the swaps cost little).
+  prefills under the swaps cost little). One fp16 row keeps MLX's own bits but not its
+  speed: MLX's CPU kernel (quantized.cpp `_qmm_t`) rounds every step to fp16 in scalar
+  code (11 to 29 ms a row at the tiny packs' widths), so `one_fp16_row` takes the same
+  steps as array ops, each weight's dequantized values made once (about 4 times faster;
+  checked against MLX's call on each weight's first row, MLX's call serving if it differs).
 - dense matmul (`mx.matmul`, `mx.addmm`, the `@` operator that `nn.Linear` uses), more
   than one row: the sum of two K halves, each rounded to the output dtype (a split-K GEMM).
 - `mx.fast.scaled_dot_product_attention`, more than one query: MLX's unfused formula with
@@ -80,11 +84,54 @@ def addmm(c, a, b, alpha=1.0, beta=1.0, **kwargs):
     return beta * c + alpha * split_k(a, b)
 
 
+# (weight, scales, biases, group size, bits) by their ids -> (those arrays, kept alive so no
+# id is reused while cached; the (K, N) float32 of their fp16 dequantized values, or None
+# where one_fp16_row's first row differed from MLX's call).
+_FP16_WEIGHTS: dict = {}
+
+
+def _fp16_weight(w, scales, biases, group_size, bits):
+    """MLX's CPU kernel's fp16 weights, scale * code + bias, each op rounded to fp16, as (K, N) float32."""
+    codes = mx.dequantize(w, mx.ones_like(scales), mx.zeros_like(biases), group_size=group_size, bits=bits)
+    spread = lambda a: mx.repeat(a, group_size, axis=1)  # noqa: E731
+    return (spread(scales) * codes.astype(mx.float16) + spread(biases)).astype(mx.float32).T
+
+
+def one_fp16_row(x, w, scales, biases, group_size, bits):
+    """MLX's CPU single-row quantized matmul for fp16 (_qmm_t: sum from +0, sum += x * w in
+    fp16, element after element), bit for bit: the products are exact in float32 and rounded
+    once, cumsum adds in fp16 one after another, and + 0 turns an all-zero row's -0 into
+    _qmm_t's +0. None where the pack's weights are not what this was checked on."""
+    key = (id(w), id(scales), id(biases), group_size, bits)
+    kept = _FP16_WEIGHTS.get(key)
+    if kept is None:
+        if len(_FP16_WEIGHTS) > 4096:
+            _FP16_WEIGHTS.clear()
+        weight = _fp16_weight(w, scales, biases, group_size, bits)
+        mx.eval(weight)
+        kept = _FP16_WEIGHTS[key] = ((w, scales, biases), weight)
+        got = one_fp16_row(x, w, scales, biases, group_size, bits)
+        want = STOCK_QUANTIZED_MATMUL(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+        if not mx.array_equal(got.view(mx.uint16), want.view(mx.uint16)).item():
+            _FP16_WEIGHTS[key] = (kept[0], None)
+        return want
+    if kept[1] is None:
+        return None
+    products = (x.reshape(-1, 1).astype(mx.float32) * kept[1]).astype(mx.float16)
+    out = mx.cumsum(products, axis=0)[-1] + mx.array(0, dtype=mx.float16)
+    return out.reshape(*x.shape[:-1], kept[1].shape[1])
+
+
 def quantized_matmul(
     x, w, scales=None, biases=None, transpose=True, group_size=None, bits=None,
     mode="affine", **kwargs
 ):
     rows = x.size // x.shape[-1]
+    if rows == 1 and transpose and mode == "affine" and biases is not None and not kwargs \
+            and x.dtype == scales.dtype == biases.dtype == mx.float16:
+        y = one_fp16_row(x, w, scales, biases, group_size or 64, bits or 4)
+        if y is not None:
+            return y
     if rows == 1 or not transpose or mode != "affine" or biases is None or kwargs:
         return STOCK_QUANTIZED_MATMUL(x, w, scales, biases, transpose=transpose, group_size=group_size,
                                       bits=bits, mode=mode, **kwargs)

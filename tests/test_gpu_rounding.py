@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mlx_vlm.models.qwen3_5 import gated_delta
 
+import dflash2_kernel_base
 import dflash2_kernel_qmv
 import gpu_rounding
 
@@ -103,3 +104,27 @@ def test_multi_row_calls_round_differently(case, monkeypatch):
     # Same maths: apart from rounding, within 1% of the largest value.
     batched, rows = (np.array(x.astype(mx.float32)) for x in (batched, rows))
     assert np.abs(batched - rows).max() <= 0.01 * np.abs(rows).max()
+
+
+def test_one_fp16_row_takes_mlx_s_steps_and_stands_down_where_they_differ(monkeypatch):
+    """The fast one-row path gives MLX's CPU kernel's bits on every input kind (signed zeros,
+    overflow, subnormals) and serves after its first row; a weight whose first row differs
+    from MLX's call (here: made otherwise) is served by MLX's call from then on."""
+    weight, scales, biases = dflash2_kernel_qmv.make_weights(64, 512, mx.random.key(0))
+    monkeypatch.setattr(gpu_rounding, "_FP16_WEIGHTS", {})
+
+    def stock(x):
+        return gpu_rounding.STOCK_QUANTIZED_MATMUL(x, weight, scales, biases, transpose=True, group_size=128, bits=2)
+
+    for kind in dflash2_kernel_base.INPUT_KINDS:
+        x = dflash2_kernel_base.make_inputs(kind, 2, 512, mx.random.key(1))
+        for row in (x[:1], x[1:]):
+            got = gpu_rounding.one_fp16_row(row, weight, scales, biases, 128, 2)
+            assert np.array_equal(bits(got), bits(stock(row))), kind
+    assert [kept[1] is not None for kept in gpu_rounding._FP16_WEIGHTS.values()] == [True]
+
+    monkeypatch.setattr(gpu_rounding, "_FP16_WEIGHTS", {})
+    monkeypatch.setattr(gpu_rounding, "_fp16_weight", lambda *args: mx.zeros((512, 64)))
+    x = random((1, 512), 1)
+    assert np.array_equal(bits(gpu_rounding.one_fp16_row(x, weight, scales, biases, 128, 2)), bits(stock(x)))
+    assert gpu_rounding.one_fp16_row(x, weight, scales, biases, 128, 2) is None  # MLX's call serves
