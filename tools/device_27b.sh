@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | starts | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | tune | compare | profile | ncu | kernels
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | fp32-kernels | tune | compare | profile | ncu | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
 #                                     regenerate every GPU record README quotes, at HEAD: eight calls,
 #                                     one part each (no two of them fit one call's 585 s)
@@ -111,6 +111,10 @@ case "${1:-}" in
   # extra memory at 1k, 4k and 16k); about 420 s
   prefix-4k) need_commit prefix-4k; t=$(left) || exit 124; timeout "$t" python3 tools/bench_prefix.py --size 27b \
        --out "$OUT/p4k" --speculative --contexts 4096 --step-sizes 256 --memory-contexts 1024 4096 16384 --repeats 5 ;;
+  # fp32-kernels: the fp32 rows' kernels (packed matmul, gate rows) self-tested at the 27B shapes
+  # and timed against the calls they replace (issue 49: the real file's fp32 activations)
+  fp32-kernels) t=$(left) || exit 124; timeout "$t" python3 tools/lab/kernel_parity.py --kernels qmv32,dense \
+         --shapes 27b --bench --out "$OUT" ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/lab/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   # compare: the code's launch table against PREVIOUS (default: the last tune's 8-row pick),
   # interleaved; issue 13 item 3 holds the 8-row kernel to 1.2x MLX's single row. With
@@ -157,5 +161,5 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/lab/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh all|server|routes|starts|parity|parity-contexts|parity-tokens|rounds|e2e|e2e-long|prefix-4k|tune|compare|profile|ncu|kernels" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh all|server|routes|starts|parity|parity-contexts|parity-tokens|rounds|e2e|e2e-long|prefix-4k|fp32-kernels|tune|compare|profile|ncu|kernels" >&2; exit 2 ;;
 esac

@@ -2,16 +2,17 @@
 
 For each kernel in --kernels (default qmv) runs its self-test at the chosen
 shapes (rows / steps / queries 1..8, every input kind); with --bench it also
-times the kernel against the stock calls it replaces. qmv (the exact 2-bit
+times the kernel against the stock calls it replaces (qmv32: the fp32 rows' matmul, against
+MLX's single-row calls, its multi-row call and one row). qmv (the exact 2-bit
 matmul): --bench times MLX's single-row and multi-row calls against the kernel
 on the same shapes; with --tune (CUDA) it first times launch shapes and uses
 the fastest per row count for everything after; writes
 evidence/kernel-parity-<backend>.json and .md. The other kernels (rotate, gdn,
-dense, attention) write evidence/kernel-parity-<kernel>-<backend>.json and .md.
+dense, attention, qmv32) write evidence/kernel-parity-<kernel>-<backend>.json and .md.
 Every figure comes from this run.
 
     python3 tools/lab/kernel_parity.py --shapes 27b --tune --bench
-    python3 tools/lab/kernel_parity.py --kernels rotate,gdn,dense,attention --shapes 27b --bench
+    python3 tools/lab/kernel_parity.py --kernels rotate,gdn,dense,attention,qmv32 --shapes 27b --bench
 """
 
 import argparse
@@ -29,6 +30,7 @@ import dflash2_kernel_attention  # noqa: E402
 import dflash2_kernel_base  # noqa: E402
 import dflash2_kernel_gdn  # noqa: E402
 import dflash2_kernel_qmv  # noqa: E402
+import dflash2_kernel_qmv32  # noqa: E402
 import dflash2_kernel_rotate  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
@@ -387,6 +389,7 @@ KERNEL_SHAPES = {
     "rotate_group": (dflash2_kernel_rotate.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
     "gdn": (dflash2_kernel_gdn.GDN_SHAPES_27B, dflash2_kernel_gdn.GDN_SHAPES_SMALL),
     "dense": (dflash2_kernel_gdn.DENSE_SHAPES_27B, dflash2_kernel_gdn.DENSE_SHAPES_SMALL),
+    "qmv32": (tuple(dflash2_kernel_qmv.PACKED_SHAPES_27B), dflash2_kernel_qmv32.FP32_SHAPES_SMALL),
     "attention": ((dflash2_kernel_attention.ATTENTION_PACK_SHAPE,), dflash2_kernel_attention.ATTENTION_TINY_SHAPES),
 }
 
@@ -428,14 +431,27 @@ def bench_kernel(name):
                 lambda: dk.gdn_recurrence(*inputs), lambda: dflash2_kernel_gdn.stock_recurrence(*inputs)))
     elif name == "dense":
         n, k = dflash2_kernel_gdn.DENSE_SHAPES_27B[0]
-        weight = dflash2_kernel_gdn.make_dense_weight(n, k, mx.random.key(2))
-        for rows in (1, 2, 4, 8):
-            x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3))
-            mx.eval(weight, x)
-            rows_out.append(timing_row(
-                "dense_rows vs one-row calls", (n, k), rows,
-                lambda: dk.dense_rows(x, weight), lambda: dflash2_kernel_gdn.stock_dense_rows(x, weight),
-                mlx_multi_row_ms=lambda: x @ weight.T))
+        for dtype, inputs in ((mx.float16, dflash2_kernel_base.make_inputs),
+                              (mx.float32, dflash2_kernel_base.make_inputs_fp32)):
+            weight = dflash2_kernel_gdn.make_dense_weight(n, k, mx.random.key(2), dtype)
+            for rows in (1, 2, 4, 8):
+                x = inputs("normal", rows, k, mx.random.key(3))
+                mx.eval(weight, x)
+                rows_out.append(timing_row(
+                    f"dense_rows vs one-row calls, {str(dtype).removeprefix('mlx.core.')}", (n, k), rows,
+                    lambda: dk.dense_rows(x, weight), lambda: dflash2_kernel_gdn.stock_dense_rows(x, weight),
+                    mlx_multi_row_ms=lambda: x @ weight.T))
+    elif name == "qmv32":
+        for n, k in ((17408, 5120), (5120, 17408), (12288, 5120), (1024, 5120)):
+            packed = dflash2_kernel_qmv.make_weights(n, k, mx.random.key(2))
+            for rows in (2, 4, 8):
+                x = dflash2_kernel_base.make_inputs_fp32("normal", rows, k, mx.random.key(3))
+                mx.eval(packed, x)
+                rows_out.append(timing_row(
+                    "exact_rows_fp32 vs single-row calls", (n, k), rows,
+                    lambda: dk.exact_rows_fp32(x, *packed), lambda: dflash2_kernel_qmv.stock_rows(x, *packed),
+                    mlx_multi_row_ms=lambda: dflash2_kernel_qmv.stock_quantized_matmul(x, *packed),
+                    mlx_one_row_ms=lambda: dflash2_kernel_qmv.stock_quantized_matmul(x[:1], *packed)))
     elif name == "attention":
         shape = dflash2_kernel_attention.ATTENTION_PACK_SHAPE
         scale = shape[3] ** -0.5
