@@ -11,6 +11,7 @@ beside its kernel (stock reference, CUDA, Metal, dispatch, self-test):
 - dflash2_kernel_rotate: `rotate`, `rotate_group`, `exact_linear_rows`, `exact_linear_group`;
 - dflash2_kernel_gdn: `gdn_recurrence`, `dense_rows`;
 - dflash2_kernel_fused: `conv_rows`, `rope_rows`, `add_rms_norm`, `gated_rms_norm`, `gdn_gates`;
+- dflash2_kernel_conv32: `conv1d_rows` (fp32 convolution weights: MLX's one call where proven);
 - dflash2_kernel_attention: `decode_attention_rows`;
 - dflash2_kernel_prefill: the chunked scan's inverse (`inverse_candidates`);
 - dflash2_kernel_base: what the families share.
@@ -32,6 +33,7 @@ from dflash2_kernel_attention import (  # noqa: F401
     _attention_verified, decode_attention_rows, self_test_attention,
 )
 from dflash2_kernel_base import MAX_ROWS, SelfTestResult, backend_name, raw_bits  # noqa: F401
+from dflash2_kernel_conv32 import _conv32_serving, conv1d_rows, self_test_conv32  # noqa: F401
 from dflash2_kernel_fused import (  # noqa: F401
     _add_norm_serving, _conv_serving, _gated_norm_serving, _gates_serving, _rope_serving, add_rms_norm,
     conv_rows, gated_rms_norm, gdn_gates, rope_rows, self_test_add_norm, self_test_conv, self_test_gated_norm,
@@ -65,6 +67,7 @@ SELF_TESTS = {
     "dense": ("dense", self_test_dense),
     "attention": ("attention", self_test_attention),
     "conv": ("conv", self_test_conv),
+    "conv32": ("conv_fp32", self_test_conv32),
     "rope": ("rope", self_test_rope),
     "add_norm": ("norms", self_test_add_norm),
     "gated_norm": ("gated_norms", self_test_gated_norm),
@@ -76,7 +79,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
     """Self-test every kernel at the pack's shapes, rows / steps / queries 1..8.
 
     shapes: {"packed": [(N, K)], "packed_fp32": [(N, K)], "rotations": [(K, block)], "rotation_groups": [(K, block, outputs)], "gdn": [(B, Hk, Hv,
-    Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "rope":
+    Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "conv_fp32": [(B, C, K)], "rope":
     [(B, Hq, Hk, D, R)], "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
     serves only where its test passed. Returns {kernel name: SelfTestResult};
@@ -94,7 +97,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
 # The tables the self-tests fill, which decide what serves where (never rebound: filled in place).
 VERDICT_TABLES = {
     "qmv": _verified, "qmv32": _qmv32_serving, "rotate": _rotate_verified, "rotate_group": _rotate_group_verified,
-    "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified, "conv": _conv_serving,
+    "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified, "conv": _conv_serving, "conv32": _conv32_serving,
     "rope": _rope_serving, "add_norm": _add_norm_serving, "gated_norm": _gated_norm_serving,
     "gates": _gates_serving,
 }

@@ -419,7 +419,7 @@ def kernel_shapes(model) -> dict:
 
     text = model.language_model.model
     shapes = {key: set() for key in ("packed", "rotations", "rotation_groups", "gdn", "dense", "attention", "conv",
-                                     "rope", "norms", "gated_norms", "gates")}
+                                     "conv_fp32", "rope", "norms", "gated_norms", "gates")}
     # fp32 norms (the real file's) make the residual stream, so every packed input, fp32.
     fp32_rows = text.norm.weight.dtype == mx.float32
     for _, module in model.language_model.named_modules():
@@ -443,6 +443,8 @@ def kernel_shapes(model) -> dict:
             gates = gdn.in_proj_b.weight.shape[0] + gdn.in_proj_a.weight.shape[0]
             shapes["dense"].add((gates, gdn.in_proj_b.weight.shape[1]))
             shapes["conv"].add((1, gdn.conv_dim, gdn.conv_kernel_size))
+            if gdn.conv1d.weight.dtype == mx.float32:  # the real file's: decode runs nn.Conv1d
+                shapes["conv_fp32"].add((1, gdn.conv_dim, gdn.conv_kernel_size))
             shapes["gated_norms"].add((gdn.num_v_heads, gdn.head_v_dim))
             shapes["gates"].add((gdn.num_v_heads,))
         else:

@@ -333,11 +333,9 @@ def _convolve_positions(layer, conv_state, mixed_qkv):
     weights it runs `_qwen3_5_decode_depthwise_conv` on fp32 weights, which
     dflash2_kernels.conv_rows takes for every position at once (one launch on CUDA)."""
     if layer.conv1d.weight.dtype not in (mx.bfloat16, mx.float16):
-        # fp32 convolution weights: decode runs nn.Conv1d on the window.
+        # fp32 convolution weights (the real file's): decode runs nn.Conv1d on the window.
         conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
-        taps = layer.conv_kernel_size
-        windows = [layer.conv1d(conv_input[:, t : t + taps]) for t in range(mixed_qkv.shape[1])]
-        return conv_input, nn.silu(mx.concatenate(windows, axis=1))
+        return conv_input, nn.silu(dflash2_kernels.conv1d_rows(layer.conv1d, conv_input, mixed_qkv.shape[1]))
     # Decode's own weight, as mlx-vlm's _causal_conv1d_decode casts it.
     weight = _derived_weight(layer, "_dflash2_conv_weight", (layer.conv1d.weight,),
                              lambda w: w[:, :, 0].T.astype(mx.float32))
