@@ -101,7 +101,9 @@ def one_fp16_row(x, w, scales, biases, group_size, bits):
     """MLX's CPU single-row quantized matmul for fp16 (_qmm_t: sum from +0, sum += x * w in
     fp16, element after element), bit for bit: the products are exact in float32 and rounded
     once, cumsum adds in fp16 one after another, and + 0 turns an all-zero row's -0 into
-    _qmm_t's +0. None where the pack's weights are not what this was checked on."""
+    _qmm_t's +0. None where the pack's weights are not what this was checked on, and for a row
+    holding a NaN: where NaNs of both signs meet x86 keeps the first operand's, and _qmm_t and
+    cumsum add in other operand orders (a review found signs that differ there)."""
     key = (id(w), id(scales), id(biases), group_size, bits)
     kept = _FP16_WEIGHTS.get(key)
     if kept is None:
@@ -115,7 +117,7 @@ def one_fp16_row(x, w, scales, biases, group_size, bits):
         if not mx.array_equal(got.view(mx.uint16), want.view(mx.uint16)).item():
             _FP16_WEIGHTS[key] = (kept[0], None)
         return want
-    if kept[1] is None:
+    if kept[1] is None or mx.isnan(x).any().item():
         return None
     products = (x.reshape(-1, 1).astype(mx.float32) * kept[1]).astype(mx.float16)
     out = mx.cumsum(products, axis=0)[-1] + mx.array(0, dtype=mx.float16)

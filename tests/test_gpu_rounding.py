@@ -108,8 +108,9 @@ def test_multi_row_calls_round_differently(case, monkeypatch):
 
 def test_one_fp16_row_takes_mlx_s_steps_and_stands_down_where_they_differ(monkeypatch):
     """The fast one-row path gives MLX's CPU kernel's bits on every input kind (signed zeros,
-    overflow, subnormals) and serves after its first row; a weight whose first row differs
-    from MLX's call (here: made otherwise) is served by MLX's call from then on."""
+    overflow, subnormals) and serves after its first row, but for rows holding a NaN; a weight
+    whose first row differs from MLX's call (here: made otherwise) is served by MLX's call from
+    then on."""
     weight, scales, biases = dflash2_kernel_qmv.make_weights(64, 512, mx.random.key(0))
     monkeypatch.setattr(gpu_rounding, "_FP16_WEIGHTS", {})
 
@@ -122,6 +123,9 @@ def test_one_fp16_row_takes_mlx_s_steps_and_stands_down_where_they_differ(monkey
             got = gpu_rounding.one_fp16_row(row, weight, scales, biases, 128, 2)
             assert np.array_equal(bits(got), bits(stock(row))), kind
     assert [kept[1] is not None for kept in gpu_rounding._FP16_WEIGHTS.values()] == [True]
+    # A row holding a NaN is MLX's call's: the signs of meeting NaNs follow its operand order.
+    nan_row = mx.where(mx.arange(512) == 7, mx.array(float("nan"), dtype=mx.float16), x[:1])
+    assert gpu_rounding.one_fp16_row(nan_row, weight, scales, biases, 128, 2) is None
 
     monkeypatch.setattr(gpu_rounding, "_FP16_WEIGHTS", {})
     monkeypatch.setattr(gpu_rounding, "_fp16_weight", lambda *args: mx.zeros((512, 64)))
