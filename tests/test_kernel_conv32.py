@@ -78,3 +78,37 @@ def test_an_fp32_pack_s_convolution_is_tested_at_start_up_and_verify_hands_it_ov
     window, out = dflash2_verify._convolve_positions(layer, state, mixed)
     assert calls == [(layer.conv1d, (1, taps - 1 + 3, channels), 3)]
     assert window.shape == (1, taps - 1 + 3, channels) and out.shape == (1, 3, channels)
+
+
+def test_on_cuda_the_first_call_tests_the_pack_s_shape_and_serves_the_lengths_that_passed(monkeypatch):
+    """As on CUDA (the block call faked there: off only at 8 positions): the first call runs
+    the self-test at the window's (B, C, K), then the block call serves at 1..7 positions and
+    8 take a call each."""
+    conv1d, window = dflash2_kernel_conv32.make_conv32_case("normal", *SHAPE, mx.random.key(0))
+    block = dflash2_kernel_conv32.block_conv1d_rows
+    tested, used = [], []
+
+    def off_at_eight(conv, part, rows):
+        used.append(rows)
+        out = block(conv, part, rows)
+        return flip_first_bit(out) if rows == 8 else out
+
+    def recording_self_test(shapes=None, **kwargs):
+        tested.append(shapes)
+        return self_test(shapes=shapes, **kwargs)
+
+    self_test = dflash2_kernel_conv32.self_test_conv32
+    monkeypatch.setattr(dflash2_kernel_conv32, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dflash2_kernel_conv32, "_conv32_serving", {})
+    monkeypatch.setattr(dflash2_kernel_conv32, "block_conv1d_rows", off_at_eight)
+    monkeypatch.setattr(dflash2_kernel_conv32, "self_test_conv32", recording_self_test)
+    dk.conv1d_rows(conv1d, window[:, : SHAPE[2] - 1 + 3], 3)
+    assert tested == [[SHAPE]]
+    assert dflash2_kernel_conv32._conv32_serving == {("cuda", rows): rows < 8 for rows in range(1, 9)}
+    for rows in (5, 8):
+        used.clear()
+        part = window[:, : SHAPE[2] - 1 + rows]
+        got = dk.conv1d_rows(conv1d, part, rows)
+        assert used == ([rows] if rows < 8 else [])
+        assert _differing(got, dflash2_kernel_conv32.stock_conv1d_rows(conv1d, part, rows)) == 0
+    assert tested == [[SHAPE]]  # once
