@@ -8,11 +8,11 @@ matmul): --bench times MLX's single-row and multi-row calls against the kernel
 on the same shapes; with --tune (CUDA) it first times launch shapes and uses
 the fastest per row count for everything after; writes
 evidence/kernel-parity-<backend>.json and .md. The other kernels (rotate, gdn,
-dense, attention, qmv32) write evidence/kernel-parity-<kernel>-<backend>.json and .md.
+dense, attention, qmv32, conv32) write evidence/kernel-parity-<kernel>-<backend>.json and .md.
 Every figure comes from this run.
 
     python3 tools/lab/kernel_parity.py --shapes 27b --tune --bench
-    python3 tools/lab/kernel_parity.py --kernels rotate,gdn,dense,attention,qmv32 --shapes 27b --bench
+    python3 tools/lab/kernel_parity.py --kernels rotate,gdn,dense,attention,qmv32,conv32 --shapes 27b --bench
 """
 
 import argparse
@@ -28,11 +28,13 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import dflash2_kernel_attention  # noqa: E402
 import dflash2_kernel_base  # noqa: E402
+import dflash2_kernel_conv32  # noqa: E402
 import dflash2_kernel_gdn  # noqa: E402
 import dflash2_kernel_qmv  # noqa: E402
 import dflash2_kernel_qmv32  # noqa: E402
 import dflash2_kernel_rotate  # noqa: E402
 import dflash2_kernels as dk  # noqa: E402
+from make_synthetic_pack import target_config  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 
 BENCH_ROWS = (1, 2, 4, 8)
@@ -383,6 +385,16 @@ def write_and_print(out, stem, record, markdown):
 # ---------------------------------------------------------------------------
 # rotate, gdn, dense, attention
 
+
+def conv_shape_27b() -> tuple:
+    """(B, C, K) of the 27B's GatedDeltaNet convolution: its q, k and v channels, its taps."""
+    text = target_config("27b")["text_config"]
+    channels = 2 * text["linear_num_key_heads"] * text["linear_key_head_dim"] + \
+        text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    return 1, channels, text["linear_conv_kernel_dim"]
+
+
+CONV_SHAPE_27B = conv_shape_27b()
 # Kernel -> (27B shapes, small shapes) of its self-test.
 KERNEL_SHAPES = {
     "rotate": (dflash2_kernel_rotate.ROTATE_SHAPES_27B, dflash2_kernel_rotate.ROTATE_SHAPES_SMALL),
@@ -390,6 +402,7 @@ KERNEL_SHAPES = {
     "gdn": (dflash2_kernel_gdn.GDN_SHAPES_27B, dflash2_kernel_gdn.GDN_SHAPES_SMALL),
     "dense": (dflash2_kernel_gdn.DENSE_SHAPES_27B, dflash2_kernel_gdn.DENSE_SHAPES_SMALL),
     "qmv32": (tuple(dflash2_kernel_qmv.PACKED_SHAPES_27B), dflash2_kernel_qmv32.FP32_SHAPES_SMALL),
+    "conv32": ((CONV_SHAPE_27B,), dflash2_kernel_conv32.CONV32_SHAPES_SMALL),
     "attention": ((dflash2_kernel_attention.ATTENTION_PACK_SHAPE,), dflash2_kernel_attention.ATTENTION_TINY_SHAPES),
 }
 
@@ -441,6 +454,15 @@ def bench_kernel(name):
                     f"dense_rows vs one-row calls, {str(dtype).removeprefix('mlx.core.')}", (n, k), rows,
                     lambda: dk.dense_rows(x, weight), lambda: dflash2_kernel_gdn.stock_dense_rows(x, weight),
                     mlx_multi_row_ms=lambda: x @ weight.T))
+    elif name == "conv32":
+        for rows in (2, 4, 8):
+            conv1d, window = dflash2_kernel_conv32.make_conv32_case("normal", *CONV_SHAPE_27B, key)
+            part = window[:, : CONV_SHAPE_27B[2] - 1 + rows]
+            mx.eval(conv1d.parameters(), part)
+            rows_out.append(timing_row(
+                "one conv1d call over the block vs a call a position", CONV_SHAPE_27B, rows,
+                lambda: dflash2_kernel_conv32.block_conv1d_rows(conv1d, part, rows),
+                lambda: dflash2_kernel_conv32.stock_conv1d_rows(conv1d, part, rows)))
     elif name == "qmv32":
         for n, k in ((17408, 5120), (5120, 17408), (12288, 5120), (1024, 5120)):
             packed = dflash2_kernel_qmv.make_weights(n, k, mx.random.key(2))
