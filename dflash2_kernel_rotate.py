@@ -4,9 +4,11 @@ self-test.
 - `rotate(x, block, signs)`: mlx-vlm's four-primitive `hadamard_transform`
   (astype fp32, times the fp32 signs, `mx.hadamard_transform`, astype back) in one
   launch with the same fp32 arithmetic (sign multiply never fused, MLX's
-  hadamard_n radix-16 butterflies, fp32 scale multiply, round to fp16).
+  hadamard_n radix-16 butterflies, fp32 scale multiply, round to fp16). fp32 rows (the
+  real file's; cuda only): the same, the astypes no-ops (MLX returns the array itself),
+  so the store is MLX's float one.
   cuda: copies hadamard.cuh; metal: copies hadamard.h; cpu: the stock chain.
-  Gated per (K, block); qmv, gdn and dense per backend.
+  Gated per (K, block) and dtype; qmv, gdn and dense per backend.
 """
 
 import itertools
@@ -16,11 +18,12 @@ import warnings
 from functools import cache
 
 import mlx.core as mx
+import numpy as np
 from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import hadamard_transform
 
 from dflash2_kernel_base import (
-    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
-    backend_name, cuda_header, make_inputs,
+    FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference,
+    _no_kernel_result, _variants_result, backend_name, cuda_header, make_inputs, make_inputs_fp32,
 )
 from dflash2_kernel_qmv import SWIZZLE_WIDTH, _serving_kernel, cuda_matmul, exact_rows, swizzle_steps
 
@@ -87,6 +90,13 @@ struct Pow2Log2<1> {
   static constexpr int value = 0;
 };
 
+// fp16 rows: exact widening, and the chain's last astype rounds to nearest. fp32 rows: the
+// chain's astypes are no-ops, so what MLX's hadamard stores is the result.
+__device__ __forceinline__ float widened(__half v) { return __half2float(v); }
+__device__ __forceinline__ float widened(float v) { return v; }
+__device__ __forceinline__ void store_as(__half* out, float v) { *out = __float2half_rn(v); }
+__device__ __forceinline__ void store_as(float* out, float v) { *out = v; }
+
 // hadamard.cuh:24-41, unchanged.
 template <int R>
 __device__ __forceinline__ void hadamard_radix_pow2(float* x) {
@@ -114,9 +124,9 @@ __device__ __forceinline__ void hadamard_radix_pow2(float* x) {
 // transforms; each transform's arithmetic is the same). SWIZZLED: each element stored at its
 // place in the qmv's swizzled rows (swizzle_steps), which the transform's N >= 512 keeps
 // inside its own block.
-template <int N, int BLOCKS, int SCALE_BITS, bool SWIZZLED>
+template <int N, int BLOCKS, int SCALE_BITS, bool SWIZZLED, typename T>
 __device__ __forceinline__ void rotate_block(
-    const __half* __restrict__ in, const float* __restrict__ signs, __half* __restrict__ out) {
+    const T* __restrict__ in, const float* __restrict__ signs, T* __restrict__ out) {
   constexpr int max_radix = N < 16 ? N : 16;
   constexpr int read_width = N == 2 ? 2 : 4;
   constexpr int kNumThreads = N / max_radix;
@@ -143,7 +153,7 @@ __device__ __forceinline__ void rotate_block(
     int index = j * read_width * kNumThreads + i * read_width;
 #pragma unroll
     for (int r = 0; r < read_width; ++r) {
-      buf[index + r] = __fmul_rn(__half2float(in[base + index + r]), sign[index + r]);
+      buf[index + r] = __fmul_rn(widened(in[base + index + r]), sign[index + r]);
     }
   }
   __syncthreads();
@@ -193,7 +203,7 @@ __device__ __forceinline__ void rotate_block(
     __syncthreads();
   }
 
-  // MLX stores float(val * scale); the chain's astype rounds it to fp16 (RN).
+  // MLX stores float(val * scale); for fp16 rows the chain's astype rounds it (RN).
 #pragma unroll
   for (int j = 0; j < max_radix / read_width; ++j) {
     int index = j * read_width * kNumThreads + i * read_width;
@@ -201,7 +211,7 @@ __device__ __forceinline__ void rotate_block(
     for (int r = 0; r < read_width; ++r) {
       const long long at = base + index + r;  // element 16 * lane + 8 * half + i of a 512 step
       const long long place = SWIZZLED ? (at & ~511LL) | ((at & 8) << 5) | ((at >> 1) & 0xF8) | (at & 7) : at;
-      out[place] = __float2half_rn(__fmul_rn(buf[index + r], scale));
+      store_as(out + place, __fmul_rn(buf[index + r], scale));
     }
   }
 }
@@ -238,16 +248,16 @@ def _cuda_rotate_kernel(outputs: int = 1):
 
 
 @cache
-def cuda_rotate_plan(k: int, block: int, swizzled: bool = False, outputs: int = 1):
-    """(x, signs) -> rotated x for fp16 rows of width k (swizzled: in swizzle_steps' order,
-    for the qmv; K a multiple of 512); with several outputs (x, [signs, ...]) -> [x rotated
-    by each], in one launch. No self-test gate."""
+def cuda_rotate_plan(k: int, block: int, swizzled: bool = False, outputs: int = 1, dtype=mx.float16):
+    """(x, signs) -> rotated x for rows of width k, fp16 (or dtype float32) (swizzled: in
+    swizzle_steps' order, for the fp16 qmv; K a multiple of 512); with several outputs
+    (x, [signs, ...]) -> [x rotated by each], in one launch. No self-test gate."""
     if swizzled and k % SWIZZLE_WIDTH:
         raise ValueError(f"swizzled rows need K a multiple of {SWIZZLE_WIDTH}, got {k}")
     kernel = _cuda_rotate_kernel(outputs)
     launch = dict(template=[("N", block), ("BLOCKS", k // block), ("SCALE_BITS", scale_bits(block)),
                             ("SWIZZLED", swizzled)],
-                  threadgroup=(block // 16, 1, 1), output_dtypes=[mx.float16] * outputs)
+                  threadgroup=(block // 16, 1, 1), output_dtypes=[dtype] * outputs)
     # grid counts threads: block / 16 per transform, x.size / block transforms (and y: which output).
     if outputs == 1:
         def run(x, signs):
@@ -443,8 +453,9 @@ def _stock_rotate_plan(block: int):
     return run
 
 
-# (backend, K, block) -> whether the kernel passed its self-test there.
+# (backend, K, block) -> whether the kernel passed its self-test there (fp16 rows, fp32 rows).
 _rotate_verified: dict = {}
+_rotate_fp32_verified: dict = {}
 # (K, block, dtype) -> (x, signs) -> rotated x, chosen once.
 _rotate_plans: dict = {}
 
@@ -460,6 +471,13 @@ def _choose_rotate_plan(k: int, block: int, dtype):
                 warnings.warn(f"dflash2 {backend} rotation kernel failed its self-test: {result.reason}")
         if _rotate_verified[(backend, k, block)]:
             plan = kernel_plan(k, block)
+    elif backend == "cuda" and dtype == mx.float32 and block in ROTATE_BLOCKS and k % block == 0:
+        if (backend, k, block) not in _rotate_fp32_verified:
+            result = self_test_rotate_fp32([(k, block)])
+            if not result.ok:
+                warnings.warn(f"dflash2 cuda rotation kernel failed its fp32 self-test: {result.reason}")
+        if _rotate_fp32_verified[(backend, k, block)]:
+            plan = cuda_rotate_plan(k, block, dtype=mx.float32)
     _rotate_plans[(k, block, dtype)] = plan
     return plan
 
@@ -469,7 +487,8 @@ def rotate(x, block, signs):
 
     x: (..., K) activations, any number of rows; block divides K; signs: float32 (K,).
     fp16 x with a block in ROTATE_BLOCKS goes through the backend's kernel once its
-    self-test passed at (K, block); anything else runs the stock chain.
+    self-test passed at (K, block), fp32 x through the CUDA kernel once its fp32 self-test
+    passed there; anything else runs the stock chain.
     """
     plan = _rotate_plans.get((x.shape[-1], block, x.dtype))
     if plan is None:
@@ -656,6 +675,61 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
             _rotate_verified[(backend, k, block)] = ok
     return SelfTestResult(ok, backend, reason, mismatches, control_mismatches, cases)
 
+
+
+def _matrix_chain(x, block, signs):
+    """Negative control for fp32 rows: the same rotation as one fp32 GEMM with the Hadamard
+    matrix (Sylvester's), whose sums run in another order than the butterflies."""
+    hadamard = np.ones((1, 1), dtype=np.float32)
+    while hadamard.shape[0] < block:
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    rows = (x * signs).reshape(-1, block) @ mx.array(hadamard)
+    return (rows * mx.array(1 / math.sqrt(block), dtype=mx.float32)).reshape(x.shape)
+
+
+def self_test_rotate_fp32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check the CUDA rotation on fp32 rows (the real file's) bit for bit against mlx-vlm's
+    chain, one row at a time, rows 1..8, every fp32 input kind and non-finite values.
+
+    kernel: (x (M, K), block, signs) -> (M, K), tested as variant "kernel"; default: the CUDA
+    kernel, whose fp32 serving at each tested (K, block) is then switched on or off (off CUDA
+    the stock chain serves: nothing to test). shapes: (K, block), default the 27B and small
+    ones. The Hadamard-matrix GEMM is counted alongside (the control)."""
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    name = "kernel" if kernel else "butterflies"
+    kernel = kernel or (lambda x, block, signs: cuda_rotate_plan(x.shape[-1], block, dtype=mx.float32)(x, signs))
+    shapes = [tuple(s) for s in (shapes or ROTATE_SHAPES_27B + ROTATE_SHAPES_SMALL)]
+    differing, failures, cases, control = {name: 0}, {}, [], {"Hadamard-matrix GEMM": 0}
+    key = mx.random.key(seed)
+    for k, block in shapes:
+        for sign_kind, kind in itertools.product(SIGN_KINDS, FP32_INPUT_KINDS + ("nonfinite",)):
+            key, sign_key, input_key = mx.random.split(key, 3)
+            signs = make_signs(sign_kind, k, sign_key)
+            x = (make_rotate_inputs(kind, MAX_ROWS, k, input_key).astype(mx.float32) if kind == "nonfinite"
+                 else make_inputs_fp32(kind, MAX_ROWS, k, input_key))
+            want = mx.concatenate([stock_rotate(x[m : m + 1], block, signs) for m in range(MAX_ROWS)])
+            if kind != "nonfinite":
+                control["Hadamard-matrix GEMM"] += _differing(_matrix_chain(x, block, signs), want)
+            for rows in range(1, MAX_ROWS + 1):
+                try:
+                    got = kernel(x[:rows], block, signs)
+                    diff = _differing(got, want[:rows])
+                except Exception as error:  # a kernel that fails to build or run fails the test
+                    failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
+                    differing[name] += 1
+                    continue
+                cases.append({"shape": [k, block], "signs": sign_kind, "input": kind, "rows": rows, "mismatches": diff})
+                differing[name] += diff
+                if diff and name not in failures:
+                    failures[name] = (f"{name} differs at K={k}, block={block}, rows={rows}, input={kind}, "
+                                      f"signs={sign_kind}: " + _first_difference(got, want[:rows])[0])
+    result = _variants_result(backend, differing, failures, control, cases)
+    if name == "butterflies":
+        for k, block in shapes:
+            _rotate_fp32_verified[(backend, k, block)] = result.ok
+    return result
 
 # (K, block, outputs): the 27B pack's groups of rotated linears that share their input, at both
 # blocks that divide 5120 (attention q/k/v: 3; in_proj_qkv and in_proj_z, gate and up: 2).

@@ -50,8 +50,8 @@ from dflash2_kernel_qmv import (  # noqa: F401
 )
 from dflash2_kernel_qmv32 import _qmv32_serving, exact_rows_fp32, self_test_qmv32  # noqa: F401
 from dflash2_kernel_rotate import (  # noqa: F401
-    _rotate_group_verified, _rotate_verified, exact_linear_group, exact_linear_rows, rotate, rotate_group,
-    self_test_rotate, self_test_rotate_group,
+    _rotate_fp32_verified, _rotate_group_verified, _rotate_verified, exact_linear_group, exact_linear_rows, rotate,
+    rotate_group, self_test_rotate, self_test_rotate_fp32, self_test_rotate_group,
 )
 
 # ===========================================================================
@@ -63,6 +63,7 @@ SELF_TESTS = {
     "qmv32": ("packed_fp32", self_test_qmv32),
     "rotate": ("rotations", self_test_rotate),
     "rotate_group": ("rotation_groups", self_test_rotate_group),
+    "rotate32": ("rotations_fp32", self_test_rotate_fp32),
     "gdn": ("gdn", self_test_gdn),
     "dense": ("dense", self_test_dense),
     "attention": ("attention", self_test_attention),
@@ -78,9 +79,10 @@ SELF_TESTS = {
 def verify_kernel_self_tests(shapes: dict) -> dict:
     """Self-test every kernel at the pack's shapes, rows / steps / queries 1..8.
 
-    shapes: {"packed": [(N, K)], "packed_fp32": [(N, K)], "rotations": [(K, block)], "rotation_groups": [(K, block, outputs)], "gdn": [(B, Hk, Hv,
-    Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "conv_fp32": [(B, C, K)], "rope":
-    [(B, Hq, Hk, D, R)], "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)]}; a missing or
+    shapes: {"packed": [(N, K)], "packed_fp32": [(N, K)], "rotations": [(K, block)], "rotations_fp32":
+    [(K, block)], "rotation_groups": [(K, block, outputs)], "gdn": [(B, Hk, Hv, Dk, Dv)], "dense": [(N, K)],
+    "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "conv_fp32": [(B, C, K)], "rope": [(B, Hq, Hk, D, R)],
+    "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
     serves only where its test passed. Returns {kernel name: SelfTestResult};
     off the kernels' backends the results say NO_KERNEL and take no time.
@@ -97,9 +99,9 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
 # The tables the self-tests fill, which decide what serves where (never rebound: filled in place).
 VERDICT_TABLES = {
     "qmv": _verified, "qmv32": _qmv32_serving, "rotate": _rotate_verified, "rotate_group": _rotate_group_verified,
-    "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified, "conv": _conv_serving, "conv32": _conv32_serving,
-    "rope": _rope_serving, "add_norm": _add_norm_serving, "gated_norm": _gated_norm_serving,
-    "gates": _gates_serving,
+    "rotate32": _rotate_fp32_verified, "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified,
+    "conv": _conv_serving, "conv32": _conv32_serving, "rope": _rope_serving, "add_norm": _add_norm_serving,
+    "gated_norm": _gated_norm_serving, "gates": _gates_serving,
 }
 
 

@@ -455,6 +455,7 @@ def kernel_shapes(model) -> dict:
             shapes["rope"].add((1, attention.num_attention_heads, attention.num_key_value_heads,
                                 attention.head_dim, attention.rotary_emb.dim))
     shapes["packed_fp32"] = shapes["packed"] if fp32_rows else set()
+    shapes["rotations_fp32"] = shapes["rotations"] if fp32_rows else set()
     return {key: sorted(value) for key, value in shapes.items()}
 
 

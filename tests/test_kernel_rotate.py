@@ -196,3 +196,48 @@ def test_swizzled_rotation_and_qmv_equal_the_stock_chain_and_single_row_calls_on
     swizzled_as_plain = dflash2_kernel_rotate.self_test_rotate(
         [(k, block)], kernel=lambda x, block, signs: dflash2_kernel_rotate.cuda_rotate_plan(k, block, swizzled=True)(x, signs))
     assert not swizzled_as_plain.ok and "layout=rows" in swizzled_as_plain.reason
+
+
+def test_the_fp32_rotation_s_self_test_passes_the_chain_and_fails_another_order():
+    """fp32 rows (the real file's): the stock chain injected passes at every row count, kind
+    (non-finite values too) and sign kind, while the Hadamard-matrix GEMM, the same maths
+    summed otherwise, differs (the control) and, injected, fails naming the case; an
+    injected kernel never switches serving, and off CUDA nothing of its own is tested."""
+    serving = dict(dflash2_kernel_rotate._rotate_fp32_verified)
+    passed = dflash2_kernel_rotate.self_test_rotate_fp32(shapes=[(1024, 512)], kernel=dflash2_kernel_rotate.stock_rotate)
+    assert passed.ok and passed.mismatches == 0 and passed.stock_mismatches > 0, passed.reason
+    assert {case["rows"] for case in passed.cases} == set(range(1, 9))
+    assert "nonfinite" in {case["input"] for case in passed.cases}
+    failed = dflash2_kernel_rotate.self_test_rotate_fp32(shapes=[(1024, 512)], kernel=dflash2_kernel_rotate._matrix_chain)
+    assert not failed.ok and "K=1024, block=512, rows=1" in failed.reason and "got 0x" in failed.reason
+    assert dflash2_kernel_rotate._rotate_fp32_verified == serving
+    assert dflash2_kernel_rotate.self_test_rotate_fp32().ok or dk.backend_name() == "cuda"
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_fp32_rows_take_the_cuda_rotation_only_where_its_fp32_self_test_passed(monkeypatch, verified):
+    k, block = 1024, 512
+    signs = dflash2_kernel_rotate.make_signs("pm1", k, mx.random.key(0))
+    x = dflash2_kernel_base.make_inputs_fp32("normal", 3, k, mx.random.key(1))
+    calls = []
+
+    def plan(k_, block_, swizzled=False, outputs=1, dtype=mx.float16):
+        calls.append((k_, block_, dtype))
+        return lambda rows, sign: dflash2_kernel_rotate.stock_rotate(rows, block_, sign)
+
+    monkeypatch.setattr(dflash2_kernel_rotate, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dflash2_kernel_rotate, "cuda_rotate_plan", plan)
+    monkeypatch.setattr(dflash2_kernel_rotate, "_rotate_plans", {})
+    monkeypatch.setitem(dflash2_kernel_rotate._rotate_fp32_verified, ("cuda", k, block), verified)
+    got = dk.rotate(x, block, signs)
+    assert calls == ([(k, block, mx.float32)] if verified else [])
+    assert same_bits(got, dflash2_kernel_rotate.stock_rotate(x, block, signs))
+
+
+def test_an_fp32_pack_s_start_up_tests_the_fp32_rotation_at_its_widths(target, float32_target):
+    from dflash2_pack import kernel_shapes
+
+    fp32 = kernel_shapes(float32_target[0])
+    assert fp32["rotations_fp32"] == fp32["rotations"] and fp32["rotations"]
+    assert kernel_shapes(target[0])["rotations_fp32"] == []
+    assert dk.SELF_TESTS["rotate32"][0] == "rotations_fp32" and "rotate32" in dk.VERDICT_TABLES
