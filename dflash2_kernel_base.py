@@ -124,6 +124,27 @@ def _first_difference(got: mx.array, want: mx.array) -> tuple:
     )
     return text, index
 
+def run_case(name, compare, case: dict, where: str, differing: dict, failures: dict, cases: list):
+    """One variant on one self-test case: compare() -> {part: (got, want)}. Adds its differing
+    elements to differing[name] (a raise counts one), records the case, and keeps the
+    variant's first failure, named by `where` and the part. Returns the case's differing
+    elements (None: it raised)."""
+    try:
+        pairs = compare()
+        diffs = {part: _differing(*pair) for part, pair in pairs.items()}
+    except Exception as error:  # a kernel that fails to build or run fails
+        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
+        differing[name] += 1
+        return None
+    diff = sum(diffs.values())
+    cases.append({**case, "variant": name, "mismatches": diff})
+    differing[name] += diff
+    if diff and name not in failures:
+        part = next(part for part, count in diffs.items() if count)
+        failures[name] = f"{name} differs at {where}, {part}: " + _first_difference(*pairs[part])[0]
+    return diff
+
+
 # ===========================================================================
 # CUDA kernel sources
 

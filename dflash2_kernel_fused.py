@@ -26,8 +26,8 @@ from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 
 from dflash2_kernel_base import (
-    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
-    _variants_result, backend_name, cuda_header, cuda_serving_variant, make_inputs,
+    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result, _variants_result,
+    backend_name, cuda_header, cuda_serving_variant, make_inputs, run_case,
 )
 
 # ===========================================================================
@@ -167,25 +167,6 @@ def make_conv_case(kind: str, batch: int, channels: int, taps: int, key):
     return window[:, : taps - 1], window[:, taps - 1 :], weight
 
 
-def _run_case(name, compare, case: dict, where: str, differing: dict, failures: dict, cases: list) -> None:
-    """One variant on one self-test case: compare() -> {part: (got, want)}. Adds its differing
-    elements to differing[name] (a raise counts one), records the case, and keeps the
-    variant's first failure, named by `where` and the part."""
-    try:
-        pairs = compare()
-        diffs = {part: _differing(*pair) for part, pair in pairs.items()}
-    except Exception as error:  # a kernel that fails to build or run fails
-        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
-        differing[name] += 1
-        return
-    diff = sum(diffs.values())
-    cases.append({**case, "variant": name, "mismatches": diff})
-    differing[name] += diff
-    if diff and name not in failures:
-        part = next(part for part, count in diffs.items() if count)
-        failures[name] = f"{name} differs at {where}, {part}: " + _first_difference(*pairs[part])[0]
-
-
 def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_case, stock,
                      failed_are_controls=False, rows=range(1, MAX_ROWS + 1)) -> SelfTestResult:
     """A kernel's variants against decode's calls, as bits, at each of `rows` and every input kind:
@@ -211,7 +192,7 @@ def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_c
                     def compare(function=function):
                         return {part: (got, want[part]) for part, got in function(*arguments).items()}
 
-                    _run_case(name, compare, {"shape": list(shape), "rows": count, "input": kind},
+                    run_case(name, compare, {"shape": list(shape), "rows": count, "input": kind},
                               f"{where} input={kind}", differing, failures, cases)
     controls = {name: count for name, count in differing.items() if count} if failed_are_controls else {}
     result = _variants_result(backend, differing, failures, controls, cases)
@@ -247,7 +228,7 @@ def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                         got_window, got = conv(state, x[:, :rows], weight)
                         return {"out": (got, want[:, :rows]), "window": (got_window, want_window[:, : taps - 1 + rows])}
 
-                    _run_case(name, compare, {"shape": [batch, channels, taps], "rows": rows, "input": kind},
+                    run_case(name, compare, {"shape": [batch, channels, taps], "rows": rows, "input": kind},
                               f"(B, C, K)={(batch, channels, taps)} rows={rows} input={kind}", differing, failures, cases)
     result = _variants_result(backend, differing, failures, negative, cases)
     if kernel is None:
