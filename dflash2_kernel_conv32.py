@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dflash2_kernel_base import (
-    FP32_INPUT_KINDS, MAX_ROWS, SelfTestResult, _differing, _first_difference, _no_kernel_result, _variants_result,
-    backend_name, make_inputs_fp32,
+    FP32_INPUT_KINDS, MAX_ROWS, SelfTestResult, _no_kernel_result, _variants_result, backend_name, make_inputs_fp32,
+    run_case,
 )
 
 # (B, C, K): a partial vector of channels, a batch of two, three taps.
@@ -83,20 +83,14 @@ def self_test_conv32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
             for rows in range(1, MAX_ROWS + 1):
                 part = window[:, : taps - 1 + rows]
                 want = stock_conv1d_rows(conv1d, part, rows)
-                try:
-                    got = kernel(conv1d, part, rows)
-                    diff = _differing(got, want)
-                except Exception as error:  # a call that fails fails the test
-                    failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
-                    differing[name] += 1
-                    passed[rows] = False
-                    continue
-                cases.append({"shape": [batch, channels, taps], "rows": rows, "input": kind, "mismatches": diff})
-                differing[name] += diff
+
+                def compare(conv1d=conv1d, part=part, rows=rows, want=want):
+                    return {"out": (kernel(conv1d, part, rows), want)}
+
+                diff = run_case(name, compare, {"shape": [batch, channels, taps], "rows": rows, "input": kind},
+                                f"(B, C, K)={(batch, channels, taps)} rows={rows} input={kind}", differing, failures,
+                                cases)
                 passed[rows] = passed[rows] and diff == 0
-                if diff and name not in failures:
-                    failures[name] = (f"{name} differs at (B, C, K)={(batch, channels, taps)} rows={rows} "
-                                      f"input={kind}: " + _first_difference(got, want)[0])
     result = _variants_result(backend, differing, failures, {}, cases)
     if name == "block":
         _conv32_serving.update({(backend, rows): ok for rows, ok in passed.items()})

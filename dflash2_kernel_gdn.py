@@ -28,7 +28,7 @@ from mlx_vlm.models.qwen3_5.gated_delta import (
 from dflash2_kernel_base import (
     FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference,
     _no_kernel_result, _variants_result, backend_name, cuda_header, cuda_serving_variant, gemv_elements_per_lane,
-    make_inputs, make_inputs_fp32,
+    make_inputs, make_inputs_fp32, run_case,
 )
 
 # ===========================================================================
@@ -661,21 +661,11 @@ def self_test_dense(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                 negative[f"x[:{rows}] @ weight.T"] += _differing(stock, want[:rows])
             for name, dense in variants.items():
                 for rows in range(1, MAX_ROWS + 1):
-                    try:
-                        got = dense(x[:rows], weight)
-                        diff = _differing(got, want[:rows])
-                    except Exception as error:
-                        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
-                        differing[name] += 1
-                        continue
-                    cases.append({"shape": [n, k], "dtype": dtype_name, "rows": rows,
-                                  "input": kind, "variant": name, "mismatches": diff})
-                    differing[name] += diff
-                    if diff and name not in failures:
-                        failures[name] = (
-                            f"{name} differs at (N, K)={(n, k)} {dtype_name} rows={rows} input={kind}: "
-                            + _first_difference(got, want[:rows])[0]
-                        )
+                    def compare(dense=dense, rows=rows, x=x, weight=weight, want=want):
+                        return {"out": (dense(x[:rows], weight), want[:rows])}
+
+                    run_case(name, compare, {"shape": [n, k], "dtype": dtype_name, "rows": rows, "input": kind},
+                             f"(N, K)={(n, k)} {dtype_name} rows={rows} input={kind}", differing, failures, cases)
     result = _variants_result(backend, differing, failures, negative, cases)
     if kernel is None:
         _dense_serving[backend] = result.variant

@@ -28,8 +28,8 @@ from functools import cache
 import mlx.core as mx
 
 from dflash2_kernel_base import (
-    FP32_INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
-    _variants_result, backend_name, cuda_header, cuda_serving_variant, make_inputs_fp32,
+    FP32_INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result, _variants_result,
+    backend_name, cuda_header, cuda_serving_variant, make_inputs_fp32, run_case,
 )
 from dflash2_kernel_qmv import DEFAULT_SHAPES, make_weights, stock_quantized_matmul, stock_rows
 
@@ -247,18 +247,11 @@ def self_test_qmv32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
                 stock_quantized_matmul(x, weight, scales, biases), want)
             for name, matmul in variants.items():
                 for rows in range(2, MAX_ROWS + 1):
-                    try:
-                        got = matmul(x[:rows], weight, scales, biases)
-                        diff = _differing(got, want[:rows])
-                    except Exception as error:  # a kernel that fails to build or run fails the test
-                        failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
-                        differing[name] += 1
-                        continue
-                    cases.append({"shape": [n, k], "rows": rows, "input": kind, "variant": name, "mismatches": diff})
-                    differing[name] += diff
-                    if diff and name not in failures:
-                        failures[name] = (f"{name} differs at (N, K)={(n, k)} rows={rows} input={kind}: "
-                                          + _first_difference(got, want[:rows])[0])
+                    def compare(matmul=matmul, rows=rows):
+                        return {"y": (matmul(x[:rows], weight, scales, biases), want[:rows])}
+
+                    run_case(name, compare, {"shape": [n, k], "rows": rows, "input": kind},
+                             f"(N, K)={(n, k)} rows={rows} input={kind}", differing, failures, cases)
     result = _variants_result(backend, differing, failures, negative, cases)
     if kernel is None:
         _qmv32_serving[backend] = result.variant

@@ -23,7 +23,7 @@ from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import hadamard_
 
 from dflash2_kernel_base import (
     FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference,
-    _no_kernel_result, _variants_result, backend_name, cuda_header, make_inputs, make_inputs_fp32,
+    _no_kernel_result, _variants_result, backend_name, cuda_header, make_inputs, make_inputs_fp32, run_case,
 )
 from dflash2_kernel_qmv import SWIZZLE_WIDTH, _serving_kernel, cuda_matmul, exact_rows, swizzle_steps
 
@@ -713,18 +713,12 @@ def self_test_rotate_fp32(shapes=None, seed: int = 0, kernel=None) -> SelfTestRe
             if kind != "nonfinite":
                 control["Hadamard-matrix GEMM"] += _differing(_matrix_chain(x, block, signs), want)
             for rows in range(1, MAX_ROWS + 1):
-                try:
-                    got = kernel(x[:rows], block, signs)
-                    diff = _differing(got, want[:rows])
-                except Exception as error:  # a kernel that fails to build or run fails the test
-                    failures.setdefault(name, f"{name} raised {type(error).__name__}: {error}")
-                    differing[name] += 1
-                    continue
-                cases.append({"shape": [k, block], "signs": sign_kind, "input": kind, "rows": rows, "mismatches": diff})
-                differing[name] += diff
-                if diff and name not in failures:
-                    failures[name] = (f"{name} differs at K={k}, block={block}, rows={rows}, input={kind}, "
-                                      f"signs={sign_kind}: " + _first_difference(got, want[:rows])[0])
+                def compare(x=x, rows=rows, signs=signs, want=want):
+                    return {"y": (kernel(x[:rows], block, signs), want[:rows])}
+
+                run_case(name, compare, {"shape": [k, block], "signs": sign_kind, "input": kind, "rows": rows},
+                         f"K={k}, block={block}, rows={rows}, input={kind}, signs={sign_kind}", differing, failures,
+                         cases)
     result = _variants_result(backend, differing, failures, control, cases)
     if name == "butterflies":
         for k, block in shapes:
