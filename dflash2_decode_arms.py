@@ -70,9 +70,10 @@ _decode_path: frozenset = frozenset()
 
 
 def _hadamard_linear_call(self, x):
-    """HadamardQuantizedLinear.__call__ with the rotation as one kernel and, for
-    one fp16 row, optionally the exact matmul kernel (both bitwise stock's)."""
-    if "rotation" not in _decode_path or x.dtype != mx.float16:
+    """HadamardQuantizedLinear.__call__ with the rotation as one kernel (fp16 rows, and fp32
+    rows where the CUDA fp32 rotation passed its self-test) and, for one row, optionally the
+    exact matmul kernel (all bitwise stock's)."""
+    if "rotation" not in _decode_path or x.dtype not in (mx.float16, mx.float32):
         return _stock_hadamard_linear_call(self, x)
     if "matmul" in _decode_path and x.size == x.shape[-1]:
         return _packed_linear(self, x)

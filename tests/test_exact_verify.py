@@ -441,3 +441,25 @@ def test_install_turns_speculation_off_for_packed_weights_the_verify_matmul_does
     status = dflash2_runtime.install(model)
     assert not status.speculative
     assert status.reason.startswith("packed-weights-unsupported: scales must be float16")
+
+
+def test_the_rotation_arm_rotates_fp32_rows_through_the_kernels_rotate(float32_target, monkeypatch):
+    """The real file's fp32 rows: under the rotation arm, decode's packed linears rotate their
+    row with dflash2_kernels.rotate (on CUDA the fp32 rotation kernel, where its self-test
+    passed), and the tokens are plain decoding's."""
+    model, processor, _ = float32_target
+    ids = raw_ids(processor, PROMPTS[0])
+    plain = greedy(model, ids, 4)
+    rotated, rotate = [], dflash2_kernels.rotate
+
+    def counted(x, block, signs):
+        rotated.append(x.dtype)
+        return rotate(x, block, signs)
+
+    monkeypatch.setattr(dflash2_kernels, "rotate", counted)
+    try:
+        dflash2_decode_arms.use_decode_arm("rotation")
+        assert greedy(model, ids, 4) == plain
+    finally:
+        dflash2_decode_arms.use_decode_arm("mlx")
+    assert rotated and set(rotated) == {mx.float32}
