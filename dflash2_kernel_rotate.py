@@ -677,13 +677,19 @@ def self_test_rotate(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 
 
 
-def _matrix_chain(x, block, signs):
-    """Negative control for fp32 rows: the same rotation as one fp32 GEMM with the Hadamard
-    matrix (Sylvester's), whose sums run in another order than the butterflies."""
+@cache
+def _hadamard_matrix(block: int) -> mx.array:
+    """Sylvester's (block, block) Hadamard matrix, fp32, made once per block."""
     hadamard = np.ones((1, 1), dtype=np.float32)
     while hadamard.shape[0] < block:
         hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
-    rows = (x * signs).reshape(-1, block) @ mx.array(hadamard)
+    return mx.array(hadamard)
+
+
+def _matrix_chain(x, block, signs):
+    """Negative control for fp32 rows: the same rotation as one fp32 GEMM with the Hadamard
+    matrix, whose sums run in another order than the butterflies."""
+    rows = (x * signs).reshape(-1, block) @ _hadamard_matrix(block)
     return (rows * mx.array(1 / math.sqrt(block), dtype=mx.float32)).reshape(x.shape)
 
 

@@ -111,10 +111,10 @@ case "${1:-}" in
   # extra memory at 1k, 4k and 16k); about 420 s
   prefix-4k) need_commit prefix-4k; t=$(left) || exit 124; timeout "$t" python3 tools/bench_prefix.py --size 27b \
        --out "$OUT/p4k" --speculative --contexts 4096 --step-sizes 256 --memory-contexts 1024 4096 16384 --repeats 5 ;;
-  # fp32-kernels: the fp32 rows' kernels (packed matmul, gate rows, the convolution's block call)
+  # fp32-kernels: the fp32 rows' kernels (packed matmul, gate rows, the convolution's block call, rotation)
   # self-tested at the 27B shapes and timed against the calls they replace (issue 49: the real
   # file's fp32 activations)
-  fp32-kernels) t=$(left) || exit 124; timeout "$t" python3 tools/lab/kernel_parity.py --kernels qmv32,dense,conv32 \
+  fp32-kernels) t=$(left) || exit 124; timeout "$t" python3 tools/lab/kernel_parity.py --kernels qmv32,dense,conv32,rotate32 \
          --shapes 27b --bench --out "$OUT" ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/lab/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   # compare: the code's launch table against PREVIOUS (default: the last tune's 8-row pick),

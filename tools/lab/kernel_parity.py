@@ -8,11 +8,11 @@ matmul): --bench times MLX's single-row and multi-row calls against the kernel
 on the same shapes; with --tune (CUDA) it first times launch shapes and uses
 the fastest per row count for everything after; writes
 evidence/kernel-parity-<backend>.json and .md. The other kernels (rotate, gdn,
-dense, attention, qmv32, conv32) write evidence/kernel-parity-<kernel>-<backend>.json and .md.
+dense, attention, qmv32, conv32, rotate32) write evidence/kernel-parity-<kernel>-<backend>.json and .md.
 Every figure comes from this run.
 
     python3 tools/lab/kernel_parity.py --shapes 27b --tune --bench
-    python3 tools/lab/kernel_parity.py --kernels rotate,gdn,dense,attention,qmv32,conv32 --shapes 27b --bench
+    python3 tools/lab/kernel_parity.py --kernels rotate,gdn,dense,attention,qmv32,conv32,rotate32 --shapes 27b --bench
 """
 
 import argparse
@@ -403,6 +403,7 @@ KERNEL_SHAPES = {
     "dense": (dflash2_kernel_gdn.DENSE_SHAPES_27B, dflash2_kernel_gdn.DENSE_SHAPES_SMALL),
     "qmv32": (tuple(dflash2_kernel_qmv.PACKED_SHAPES_27B), dflash2_kernel_qmv32.FP32_SHAPES_SMALL),
     "conv32": ((CONV_SHAPE_27B,), dflash2_kernel_conv32.CONV32_SHAPES_SMALL),
+    "rotate32": (dflash2_kernel_rotate.ROTATE_SHAPES_27B, dflash2_kernel_rotate.ROTATE_SHAPES_SMALL),
     "attention": ((dflash2_kernel_attention.ATTENTION_PACK_SHAPE,), dflash2_kernel_attention.ATTENTION_TINY_SHAPES),
 }
 
@@ -454,6 +455,14 @@ def bench_kernel(name):
                     f"dense_rows vs one-row calls, {str(dtype).removeprefix('mlx.core.')}", (n, k), rows,
                     lambda: dk.dense_rows(x, weight), lambda: dflash2_kernel_gdn.stock_dense_rows(x, weight),
                     mlx_multi_row_ms=lambda: x @ weight.T))
+    elif name == "rotate32":
+        for k, block in ((5120, 512), (17408, 1024)):
+            signs = dflash2_kernel_rotate.make_signs("pm1", k, key)
+            for rows in (1, 8):
+                x = dflash2_kernel_base.make_inputs_fp32("normal", rows, k, key)
+                rows_out.append(timing_row(
+                    "rotate vs the stock chain, fp32 rows", (k, block), rows,
+                    lambda: dk.rotate(x, block, signs), lambda: dflash2_kernel_rotate.stock_rotate(x, block, signs)))
     elif name == "conv32":
         for rows in (2, 4, 8):
             conv1d, window = dflash2_kernel_conv32.make_conv32_case("normal", *CONV_SHAPE_27B, key)
