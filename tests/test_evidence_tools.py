@@ -882,3 +882,35 @@ def test_parity_measures_the_fp32_layout_under_its_own_record_name(tmp_path):
     assert record["cases"][:len(verify["cases"])] == verify["cases"] and len(record["cases"]) > len(verify["cases"])
     assert len(record["stock_cases"]) > len(verify["stock_cases"])
     assert {case["check"] for case in record["cases"][len(verify["cases"]):]} >= {"prefill routes", "verify", "rollback"}
+
+
+@pytest.mark.parametrize("environment, profiles", [
+    ({}, None),  # every profile, as README's record measures
+    ({"DENSE_DTYPE": "float32"}, "code,median"),  # all 18 arms' pass does not fit the call in fp32
+    ({"DENSE_DTYPE": "float32", "PROFILES": ""}, None),  # asked for all
+    ({"PROFILES": "chat"}, "chat"),
+])
+def test_device_27b_e2e_measures_the_profiles_that_fit_a_call(tmp_path, environment, profiles):
+    """`device_27b.sh e2e` hands bench.py the profiles: all by default, code and median for the
+    fp32 layout unless PROFILES says otherwise (a stub python3 records the command)."""
+    import os
+
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text('#!/bin/sh\necho "$@" >> "$ARGS_LOG"\n')
+    (stub / "python3").chmod(0o755)
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "tools", copy / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    for suffix in ("", "-fp32"):  # the round phase's record, carried in as after a cold machine
+        (copy / ".gpu" / "b27").mkdir(parents=True, exist_ok=True)
+        (copy / ".gpu" / "b27" / f"bench-cuda-27b{suffix}.json").write_text("{}")
+    log = tmp_path / "args.log"
+    env = {name: value for name, value in os.environ.items() if name not in ("PROFILES", "DENSE_DTYPE", "SAMPLED")}
+    env.update(PATH=f"{stub}:{os.environ['PATH']}", ARGS_LOG=str(log), OUT=str(tmp_path / "out"),
+               RECORD_GIT_COMMIT="0" * 40, RECORD_GIT_CLEAN="1", **environment)
+    ran = subprocess.run(["bash", str(copy / "tools" / "device_27b.sh"), "e2e"], capture_output=True, text=True,
+                         env=env, cwd=copy, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    command = log.read_text().split()
+    assert command[0] == "tools/bench.py" and "--part" in command and "e2e" in command
+    assert (command[command.index("--profiles") + 1] if "--profiles" in command else None) == profiles

@@ -93,9 +93,13 @@ case "${1:-}" in
   # e2e: the greedy arms, and for sampled requests at temperatures $SAMPLED (default 0.6 and 1.0;
   # SAMPLED= leaves them out) plain seeded sampling and the policy per profile: 10 arms on top
   # of the greedy-only run's 18 (about 275 s), about 90 s more
+  # PROFILES: the acceptance profiles measured end to end (default all; with DENSE_DTYPE=float32
+  # code and median: there the start-up took 185 s and a pass of all 18 greedy arms 80 s, past
+  # the call, session 44)
   e2e) need_commit e2e; [ -f /tmp/b27/bench-cuda-27b$SUFFIX.json ] || cp .gpu/b27/bench-cuda-27b$SUFFIX.json /tmp/b27/ || exit 7
+       PROFILES=${PROFILES-$([ "$DENSE" = float32 ] && echo code,median)}
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --sampled-temperatures "${SAMPLED-0.6,1.0}" \
-         --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
+         ${PROFILES:+--profiles "$PROFILES"} --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   # e2e-long: the greedy arms at 256 tokens a request (issue 49 item 2): plain (stock and the
   # installed path), and per profile the policy and block 8 (where profiles are named; the
   # stochastic model's tokens per round at every block are in acceptance_model), 3 repeats.
