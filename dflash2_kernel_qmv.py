@@ -578,8 +578,8 @@ _METAL_SOURCE = r"""
   const uint simd_lid = thread_index_in_simdgroup;
 
   const device uint8_t* ws = (const device uint8_t*)w;
-  const device T* sc = scales;
-  const device T* bi = biases;
+  const device S* sc = scales;  // fp16, read as float exactly (MLX casts them to T for fp32 x)
+  const device S* bi = biases;
   const device T* xs = x;
 
   thread U x_thread[values_per_thread];
@@ -601,8 +601,8 @@ _METAL_SOURCE = r"""
 
       for (int row = 0; row < results_per_simdgroup; row++) {
         auto wl = (const device uint8_t*)(ws + row * in_vec_size_w);
-        const device T* sl = sc + row * in_vec_size_g;
-        const device T* bl = bi + row * in_vec_size_g;
+        const device S* sl = sc + row * in_vec_size_g;
+        const device S* bl = bi + row * in_vec_size_g;
 
         U s = sl[0];
         U b = bl[0];
@@ -640,16 +640,18 @@ def _metal_kernel():
 
 
 def metal_matmul(x, weight, scales, biases):
-    """(..., K) fp16 rows, M in all -> (..., N) through the Metal kernel (which reads M rows
-    of K, K from the weight); no self-test gate."""
+    """(..., K) fp16 or fp32 rows (T: MLX's qmv_fast<float> for fp32 x, whose fp16 scales and
+    biases MLX casts to float first: read here as half and widened, the same values), M in
+    all -> (..., N) through the Metal kernel (which reads M rows of K, K from the weight); no
+    self-test gate."""
     rows, n = x.size // x.shape[-1], weight.shape[0]
     return _metal_kernel()(
         inputs=[x, weight, scales, biases],
-        template=[("T", mx.float16), ("M", rows)],
+        template=[("T", x.dtype), ("S", scales.dtype), ("M", rows)],
         grid=(32, n // 4, 1),  # threadgroups (32, 2): one per 8 output rows, as MLX
         threadgroup=(32, 2, 1),
         output_shapes=[(*x.shape[:-1], n)],
-        output_dtypes=[mx.float16],
+        output_dtypes=[x.dtype],
     )[0]
 
 

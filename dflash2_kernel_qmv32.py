@@ -18,22 +18,27 @@ fp16 one in dflash2_kernel_qmv:
 `exact_rows_fp32(x, weight, scales, biases)` gives 1..8 fp32 rows at once, each row MLX's
 single-row result bit for bit, the weights read once for all rows. (MLX's own call sends 2..7
 rows to qmv too, one grid row each, so exact but reading the weights once per row; 8 rows go
-to qmm_naive, a SIMT GEMM that sums in another order: the self-test's negative control.) Off CUDA
-(cpu; Metal until a kernel is written and proven there) the rows take MLX's single-row
-calls one by one. One row is always MLX's own call.
+to qmm_naive, a SIMT GEMM that sums in another order: the self-test's negative control.) On
+Metal MLX's fp32 single row is qmv_fast with T float, which dflash2_kernel_qmv's Metal kernel
+copies for any T (never run: no Mac; its self-test gates it there). On CPU the rows take MLX's
+single-row calls one by one. One row is always MLX's own call.
 """
 
-from functools import cache
+from functools import cache, partial
 
 import mlx.core as mx
 
 from dflash2_kernel_base import (
     FP32_INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result, _variants_result,
-    backend_name, cuda_header, cuda_serving_variant, make_inputs_fp32, run_case,
+    backend_name, cuda_header, make_inputs_fp32, run_case,
 )
-from dflash2_kernel_qmv import DEFAULT_SHAPES, make_weights, stock_quantized_matmul, stock_rows
+from dflash2_kernel_qmv import (
+    DEFAULT_SHAPES, kernel_supports, make_weights, metal_matmul, stock_quantized_matmul, stock_rows,
+)
 
-QMV32_VARIANTS = ("fma", "mul_add")
+# backend -> its kernel's variants. cuda: the dequantization fused (nvcc's default) or not;
+# metal: qmv_fast's arithmetic as MLX's source writes it (dflash2_kernel_qmv's Metal kernel).
+QMV32_VARIANTS = {"cuda": ("fma", "mul_add"), "metal": ("qmv_fast",)}
 # A tail-only K (128), a tail after steps (640), and a partial last warp of output rows (42).
 FP32_SHAPES_SMALL = DEFAULT_SHAPES + ((20, 128),)
 
@@ -175,7 +180,7 @@ def _cuda_kernel():
 
 
 def cuda_template(rows: int, variant: str) -> list:
-    """The kernel's template for `rows` activation rows and one of QMV32_VARIANTS."""
+    """The CUDA kernel's template for `rows` activation rows and one of QMV32_VARIANTS["cuda"]."""
     return [("M", rows), ("R", CUDA_ROWS_PER_WARP[rows]), ("FMA", variant == "fma")]
 
 
@@ -201,14 +206,25 @@ def cuda_matmul_fp32(x, weight, scales, biases, variant="fma"):
 _qmv32_serving: dict = {}
 
 
+def variant_kernel(backend: str, variant: str):
+    """The kernel of one variant: CUDA's qmv<float> replica, or Metal's qmv_fast one (the
+    fp16 kernel's source with T float: dflash2_kernel_qmv.metal_matmul)."""
+    if backend == "metal":
+        return metal_matmul
+    return partial(cuda_matmul_fp32, variant=variant)
+
+
 def exact_rows_fp32(x, weight, scales, biases):
     """x @ W.T for 1..8 fp32 rows (..., K) of a packed 2-bit, group-128 W whose weights
     check_packed_weights passed, each row bitwise MLX's single-row call; (..., N) fp32."""
-    rows = x.size // x.shape[-1]
-    if rows > 1 and backend_name() == "cuda":
-        variant = cuda_serving_variant(_qmv32_serving, self_test_qmv32)
+    k = x.shape[-1]
+    rows, backend = x.size // k, backend_name()
+    if rows > 1 and backend in QMV32_VARIANTS and kernel_supports(backend, weight.shape[0], k):
+        if backend not in _qmv32_serving:
+            self_test_qmv32()
+        variant = _qmv32_serving.get(backend)
         if variant is not None:
-            return cuda_matmul_fp32(x, weight, scales, biases, variant)
+            return variant_kernel(backend, variant)(x, weight, scales, biases)
     return stock_rows(x, weight, scales, biases)
 
 
@@ -220,17 +236,18 @@ def self_test_qmv32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check fp32 rows 2..8 bit for bit against MLX's single-row calls.
 
     kernel: (x (M, K), weight, scales, biases) -> (M, N), tested as variant "kernel";
-    default: the CUDA variants (QMV32_VARIANTS), the first that passes then serves (off
-    CUDA there is no kernel to test). shapes: (N, K) pairs, default the small ones. MLX's
-    own 8-row call is counted alongside (the control: its qmm_naive sums in another order; at
-    2..7 rows MLX's call is qmv, exact per row, so no control).
+    default: this backend's variants (QMV32_VARIANTS), the first that passes then serves (cpu:
+    no kernel to test), at the shapes the backend's kernel takes. shapes: (N, K) pairs, default
+    the small ones. MLX's own 8-row call is counted alongside (the control: on CUDA its
+    qmm_naive sums in another order; at 2..7 rows MLX's call is qmv, exact per row, so no control).
     """
     backend = backend_name()
-    if kernel is None and backend != "cuda":
+    if kernel is None and backend not in QMV32_VARIANTS:
         return _no_kernel_result(backend)
     variants = ({"kernel": kernel} if kernel else
-                {name: lambda x, w, s, b, name=name: cuda_matmul_fp32(x, w, s, b, name) for name in QMV32_VARIANTS})
-    shapes = [tuple(s) for s in (shapes or FP32_SHAPES_SMALL)]
+                {name: variant_kernel(backend, name) for name in QMV32_VARIANTS[backend]})
+    shapes = [tuple(s) for s in (shapes or FP32_SHAPES_SMALL)
+              if kernel is not None or kernel_supports(backend, *s)]
     differing = {name: 0 for name in variants}
     failures, cases = {}, []
     negative = {f"quantized_matmul(x[:{MAX_ROWS}])": 0}

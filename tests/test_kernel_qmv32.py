@@ -153,3 +153,28 @@ def test_the_cuda_kernel_equals_single_row_calls_at_the_27b_shapes():
     result = dflash2_kernel_qmv32.self_test_qmv32(shapes=list(dflash2_kernel_qmv.PACKED_SHAPES_27B))
     assert result.ok and result.variant == "fma", result.reason
     assert result.controls["quantized_matmul(x[:8])"] > 0
+
+
+def test_on_metal_fp32_rows_take_the_qmv_fast_kernel_where_it_serves(monkeypatch):
+    """As on a Mac (the backend faked, the kernel a stand-in: no Metal here): the self-test runs
+    the qmv_fast variant at the shapes qmv_fast takes (N % 8 == 0, K % 512 == 0), and rows
+    2..8 of such a shape then take it; other shapes and one row stay MLX's calls."""
+    calls = []
+
+    def metal(x, weight, scales, biases):
+        calls.append((x.shape, weight.shape[0]))
+        return dk.stock_rows(x, weight, scales, biases)
+
+    monkeypatch.setattr(dflash2_kernel_qmv32, "backend_name", lambda: "metal")
+    monkeypatch.setattr(dflash2_kernel_qmv32, "metal_matmul", metal)
+    monkeypatch.setattr(dflash2_kernel_qmv32, "_qmv32_serving", {})
+    tested = dflash2_kernel_qmv32.self_test_qmv32()
+    assert tested.ok and tested.variant == "qmv_fast", tested.reason
+    assert {tuple(case["shape"]) for case in tested.cases} == {(16, 512), (24, 1536)}
+    assert dflash2_kernel_qmv32._qmv32_serving == {"metal": "qmv_fast"}
+    for (n, k), rows, served in (((16, 512), 5, True), ((42, 640), 5, False), ((16, 512), 1, False)):
+        packed = dflash2_kernel_qmv.make_weights(n, k, mx.random.key(1))
+        x = dflash2_kernel_base.make_inputs_fp32("normal", rows, k, mx.random.key(2))
+        calls.clear()
+        got = dk.exact_rows_fp32(x, *packed)
+        assert bool(calls) == served and _differing(got, dk.stock_rows(x, *packed)) == 0
