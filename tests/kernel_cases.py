@@ -5,6 +5,7 @@ import sys
 import mlx.core as mx
 
 import dflash2_kernels as dk
+from dflash2_kernel_qmv import GROUP_SIZE, stock_quantized_matmul
 
 
 def patch_kernels(monkeypatch, name: str, value):
@@ -51,3 +52,32 @@ class RecordingKernel:
         self.launches.append({"template": dict(template), "grid": grid, "threadgroup": threadgroup,
                               "x": inputs[0]})
         return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
+
+
+# Wrong packed matmuls (x, weight, scales, biases) -> y, for the qmv self-tests (fp16 and fp32 rows)
+
+
+def split_k_halves(x, weight, scales, biases):
+    """MLX's own kernel on each half of K, halves added: another accumulation order. The
+    halves are copied contiguous: MLX CUDA's qmv takes only row-contiguous weights (and
+    has no other kernel for a column slice of them)."""
+    half = x.shape[-1] // 2
+    words, groups = half // 16, half // GROUP_SIZE
+    first, second = (
+        stock_quantized_matmul(*(mx.contiguous(a) for a in arrays))
+        for arrays in (
+            (x[:, :half], weight[:, :words], scales[:, :groups], biases[:, :groups]),
+            (x[:, half:], weight[:, words:], scales[:, groups:], biases[:, groups:]),
+        )
+    )
+    return first + second
+
+
+def one_bit_off_at_eight_rows(x, weight, scales, biases):
+    """Exact except the last bit of y[7, 3] when given 8 rows (fp16 or fp32 rows)."""
+    y = dk.stock_rows(x, weight, scales, biases)
+    if x.shape[0] < 8:
+        return y
+    bits = dk.raw_bits(y)
+    target = (mx.arange(8)[:, None] == 7) & (mx.arange(y.shape[1])[None] == 3)
+    return mx.where(target, bits ^ 1, bits).view(y.dtype)

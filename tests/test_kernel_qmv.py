@@ -13,7 +13,7 @@ import pytest
 import dflash2_kernel_base
 import dflash2_kernel_qmv
 import dflash2_kernels as dk
-from kernel_cases import RecordingKernel, patch_kernels, same_bits
+from kernel_cases import RecordingKernel, one_bit_off_at_eight_rows, patch_kernels, same_bits, split_k_halves
 from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
 
 
@@ -24,32 +24,6 @@ def stock_float32_dequantized(x, weight, scales, biases):
     """Right maths, other rounding: dequantize, multiply in float32."""
     w = mx.dequantize(weight, scales, biases, group_size=dflash2_kernel_qmv.GROUP_SIZE, bits=dflash2_kernel_qmv.BITS)
     return (x.astype(mx.float32) @ w.astype(mx.float32).T).astype(mx.float16)
-
-
-def split_k_halves(x, weight, scales, biases):
-    """MLX's own kernel on each half of K, halves added: another accumulation order. The
-    halves are copied contiguous: MLX CUDA's qmv takes only row-contiguous weights (and
-    has no other kernel for a column slice of them)."""
-    half = x.shape[-1] // 2
-    words, groups = half // 16, half // dflash2_kernel_qmv.GROUP_SIZE
-    first, second = (
-        dflash2_kernel_qmv.stock_quantized_matmul(*(mx.contiguous(a) for a in arrays))
-        for arrays in (
-            (x[:, :half], weight[:, :words], scales[:, :groups], biases[:, :groups]),
-            (x[:, half:], weight[:, words:], scales[:, groups:], biases[:, groups:]),
-        )
-    )
-    return first + second
-
-
-def one_bit_off_at_eight_rows(x, weight, scales, biases):
-    """Exact except the last bit of y[7, 3] when given 8 rows."""
-    y = dk.stock_rows(x, weight, scales, biases)
-    if x.shape[0] < 8:
-        return y
-    bits = y.view(mx.uint16)
-    target = (mx.arange(8)[:, None] == 7) & (mx.arange(y.shape[1])[None] == 3)
-    return mx.where(target, bits ^ 1, bits).view(mx.float16)
 
 
 def raises(x, weight, scales, biases):

@@ -15,6 +15,7 @@ import dflash2_kernel_qmv32
 import dflash2_kernels as dk
 import dflash2_verify
 from dflash2_kernel_base import NO_KERNEL, _differing
+from kernel_cases import one_bit_off_at_eight_rows, split_k_halves
 
 SHAPE = (16, 512)
 
@@ -22,26 +23,6 @@ SHAPE = (16, 512)
 def fp16_kernel(x, weight, scales, biases):
     """The fp16 kernel's rows: right shape and dtype, fp16's rounding."""
     return dk.stock_rows(x.astype(mx.float16), weight, scales, biases).astype(mx.float32)
-
-
-def split_k_halves(x, weight, scales, biases):
-    """Right maths, another accumulation order: each half of K on its own, halves added."""
-    half = x.shape[-1] // 2
-    words, groups = half // 16, half // 128
-    first, second = (dk.stock_rows(*(mx.contiguous(a) for a in arrays)) for arrays in (
-        (x[:, :half], weight[:, :words], scales[:, :groups], biases[:, :groups]),
-        (x[:, half:], weight[:, words:], scales[:, groups:], biases[:, groups:])))
-    return first + second
-
-
-def one_bit_off_at_eight_rows(x, weight, scales, biases):
-    """Exact except the last bit of y[7, 3] when given 8 rows."""
-    y = dk.stock_rows(x, weight, scales, biases)
-    if x.shape[0] < 8:
-        return y
-    bits = y.view(mx.uint32)
-    target = (mx.arange(8)[:, None] == 7) & (mx.arange(y.shape[1])[None] == 3)
-    return mx.where(target, bits ^ 1, bits).view(mx.float32)
 
 
 def test_the_serving_path_passes_where_batched_calls_round_otherwise(gpu_like_rounding):
