@@ -426,13 +426,15 @@ def bench_kernel(name):
     """Timings of the drafts' report tables: the 27B shapes at a few row counts."""
     key = mx.random.key(1)
     rows_out = []
-    if name == "rotate":
+    if name in ("rotate", "rotate32"):
+        inputs, rows_of = ((dflash2_kernel_rotate.make_rotate_inputs, "") if name == "rotate" else
+                           (dflash2_kernel_base.make_inputs_fp32, ", fp32 rows"))
         for k, block in ((5120, 512), (17408, 1024)):
             signs = dflash2_kernel_rotate.make_signs("pm1", k, key)
             for rows in (1, 8):
-                x = dflash2_kernel_rotate.make_rotate_inputs("normal", rows, k, key)
+                x = inputs("normal", rows, k, key)
                 rows_out.append(timing_row(
-                    "rotate vs the stock chain", (k, block), rows,
+                    "rotate vs the stock chain" + rows_of, (k, block), rows,
                     lambda: dk.rotate(x, block, signs), lambda: dflash2_kernel_rotate.stock_rotate(x, block, signs)))
     elif name == "gdn":
         shape = dflash2_kernel_gdn.GDN_SHAPES_27B[0]
@@ -455,17 +457,9 @@ def bench_kernel(name):
                     f"dense_rows vs one-row calls, {str(dtype).removeprefix('mlx.core.')}", (n, k), rows,
                     lambda: dk.dense_rows(x, weight), lambda: dflash2_kernel_gdn.stock_dense_rows(x, weight),
                     mlx_multi_row_ms=lambda: x @ weight.T))
-    elif name == "rotate32":
-        for k, block in ((5120, 512), (17408, 1024)):
-            signs = dflash2_kernel_rotate.make_signs("pm1", k, key)
-            for rows in (1, 8):
-                x = dflash2_kernel_base.make_inputs_fp32("normal", rows, k, key)
-                rows_out.append(timing_row(
-                    "rotate vs the stock chain, fp32 rows", (k, block), rows,
-                    lambda: dk.rotate(x, block, signs), lambda: dflash2_kernel_rotate.stock_rotate(x, block, signs)))
     elif name == "conv32":
+        conv1d, window = dflash2_kernel_conv32.make_conv32_case("normal", *CONV_SHAPE_27B, key)
         for rows in (2, 4, 8):
-            conv1d, window = dflash2_kernel_conv32.make_conv32_case("normal", *CONV_SHAPE_27B, key)
             part = window[:, : CONV_SHAPE_27B[2] - 1 + rows]
             mx.eval(conv1d.parameters(), part)
             rows_out.append(timing_row(
