@@ -188,7 +188,8 @@ def cuda_matmul_fp32(x, weight, scales, biases, variant="fma"):
     """(..., K) fp32 rows, M in all (2..8) -> (..., N) fp32 through the kernel; no self-test
     gate. The kernel reads M rows of K from x's row-contiguous data (K from the weight)."""
     rows, n = x.size // x.shape[-1], weight.shape[0]
-    blocks = -(-(-(-n // CUDA_ROWS_PER_WARP[rows])) // CUDA_WARPS_PER_BLOCK)
+    warps = -(-n // CUDA_ROWS_PER_WARP[rows])  # a warp per R output rows
+    blocks = -(-warps // CUDA_WARPS_PER_BLOCK)
     return _cuda_kernel()(
         inputs=[x, weight, scales, biases],
         template=cuda_template(rows, variant),
