@@ -7,7 +7,7 @@ it, with its own HOME and working directory so that path scrubbing can be checke
              (with a fixed round cost table instead of measuring one)
   plain      serve.py                                    the reference answers
   baseline   serve_dflash2.py --no-dflash2
-  no_kernel  serve_dflash2.py --enable-thinking --host localhost --request-timeout 15,
+  no_kernel  serve_dflash2.py --enable-thinking --host localhost --request-timeout 6,
              whose kernel self-test reports a failure
 spec reads images from the module's images/ folder (--allow-image-dir). The last tests
 stop plain and baseline with SIGTERM. Routing with --dflash2-multimodal plain and every
@@ -34,7 +34,7 @@ from conftest import SEEN, Response, data_url, png, request
 PACK_NAME = "tiny-dflash2-pack"  # conftest's built_pack folder
 MAX_TOKENS = 5
 CONTEXT = 32768  # the tiny pack's max_position_embeddings
-REQUEST_TIMEOUT_S = 15  # no_kernel's: its other requests take a few tokens, even on a busy CPU
+REQUEST_TIMEOUT_S = 6  # no_kernel's: its other requests take a few tokens (well under 1 s), even on a busy CPU
 LONG = 30000  # max_tokens no request here reaches: it ends by cancellation
 # Rounds pay at good acceptance; the pack's random drafter accepts nothing, so after the
 # first round a speculative request continues with plain steps.
