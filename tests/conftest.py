@@ -15,6 +15,18 @@ from PIL import Image
 
 from server_process import ServerFailed, ServerProcess
 
+# The slowest files, slowest first: with --no-loadscope-reorder (.ci/run) xdist hands files to
+# its workers in collection order, so these start early and the two workers end together
+# (xdist's own order is by test count, which puts the many quick gateway tests first).
+SLOWEST_FILES = ("test_server_cli.py", "test_verdict_cache.py", "test_openapi_schemathesis.py",
+                 "test_server.py", "test_prefix_cache.py", "test_exact_tokens.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: place for place, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its order
+
+
 SEEN = []  # every response's headers and body (request() keeps them), scanned for local paths
 
 
