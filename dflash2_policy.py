@@ -45,6 +45,12 @@ ROUTE_PROBE_EVERY = 16
 # requests are routed plain (dflash2_rounds.rounds_can_pay) but for the probes above.
 MEMORY_WEIGHT = 1.0
 MEMORY_DECAY = 0.9
+# The memory routes requests plain only once it holds this many rounds of evidence (faded by
+# MEMORY_DECAY: 7 rounds in a row): a routed-plain request teaches nothing, so a verdict from
+# one round sticks for ROUTE_PROBE_EVERY requests. On the H100 one chat round whose first
+# draft was rejected (at chat's acceptance, about every other round) routed the next chat
+# requests plain, 1.00x over plain where a fixed block 4 gave 1.33x (bench-cuda-27b, 9e0552e).
+ROUTE_EVIDENCE = 5.0
 # Acceptance kinds: sampled requests accept fewer drafts than greedy ones (a draft is the
 # drafter's most likely token, the target's token a draw), so each kind has its own memory.
 GREEDY, SAMPLED = "greedy", "sampled"
@@ -252,10 +258,10 @@ class AcceptanceMemory:
 
     def rounds_pay(self, costs: RoundCosts, ceiling: int, kind: str = GREEDY) -> bool:
         """Whether a request of this kind starting from this memory would expect a round to
-        pay: no round of its kind seen yet, or some block up to `ceiling` beating plain
-        decoding by PAY_MARGIN."""
+        pay: fewer than ROUTE_EVIDENCE rounds of its kind seen, or some block up to `ceiling`
+        beating plain decoding by PAY_MARGIN."""
         estimate = self.estimates[kind]
-        if not estimate.tried[0]:
+        if estimate.tried[0] < ROUTE_EVIDENCE:
             return True
         policy = RoundPolicy(costs, ceiling, estimate=estimate.seeded(MEMORY_WEIGHT))
         return policy.pays(policy.best_block(ceiling))

@@ -535,7 +535,7 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     drafter = dflash2_rounds.DrafterState(SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8)),
                                           refilled, acceptance_memory=memory)
     assert memory.rounds_pay(refilled, 8) and dflash2_rounds.rounds_can_pay(drafter)  # nothing seen yet
-    for _ in range(3):
+    for _ in range(7):  # ROUTE_EVIDENCE's rounds
         memory.record(2, 0)
     assert not memory.rounds_pay(refilled, 8) and not dflash2_rounds.rounds_can_pay(drafter)
     route, every = dflash2_rounds.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
@@ -559,17 +559,40 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     assert RoundPolicy(COSTS, 8).choose_block(39) != exhaustive_choice(COSTS, [1.0] * 7, 39)  # the prior's
 
 
+def test_one_round_that_accepted_nothing_does_not_route_the_next_requests_plain():
+    """A chat-like drafter (about every other first draft rejected) whose one remembered round
+    rejected its first draft keeps greedy requests speculative: the memory routes them plain
+    only after ROUTE_EVIDENCE rounds' worth of rounds that do not pay (7 in a row), and rounds
+    of either kind count only for their own kind."""
+    memory = dflash2_policy.AcceptanceMemory(8)
+    memory.record(7, 0)
+    assert memory.rounds_pay(COSTS, 8)
+    rounds = 1
+    while memory.rounds_pay(COSTS, 8):
+        memory.record(7, 0)
+        rounds += 1
+    assert rounds == 7
+    assert memory.rounds_pay(COSTS, 8, dflash2_policy.SAMPLED)
+    for _ in range(rounds):
+        memory.record(7, 4)  # chat's acceptance and better: rounds pay again
+    assert memory.rounds_pay(COSTS, 8)
+
+
 def test_a_served_drafter_remembers_zero_acceptance_across_requests(float32_target, prompt_and_plain):  # noqa: F811
-    """The same drafter, remembering its acceptance as the engine sets it up: a request at
-    zero acceptance runs rounds, after which its greedy requests would be routed plain (the
-    table alone still pays); a probe that reaches the round loop runs its first round and
-    then decodes plain. Every request gives plain decoding's tokens."""
+    """The same drafter, remembering its acceptance as the engine sets it up, one round short
+    of ROUTE_EVIDENCE's: a request at zero acceptance runs rounds, after which its greedy
+    requests would be routed plain (the table alone still pays); a probe that reaches the
+    round loop runs its first round and then decodes plain. Every request gives plain
+    decoding's tokens."""
     model, _, drafter = float32_target
     ids, plain = prompt_and_plain
     table = RoundCosts(60.0, {b: 1.0 + 0.1 * b for b in BLOCKS}, {b: 0.2 for b in BLOCKS}, 2.0)
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
-    with served_rounds(oracle, table, acceptance_memory=dflash2_policy.AcceptanceMemory(8)) as state:
+    memory = dflash2_policy.AcceptanceMemory(8)
+    for _ in range(6):
+        memory.record(7, 0)
+    with served_rounds(oracle, table, acceptance_memory=memory) as state:
         assert dflash2_rounds.rounds_can_pay(state)
         assert greedy(model, ids, GENERATED, drafter=oracle) == plain
         assert state.round_counts.tokens_from_rounds >= 1
