@@ -914,3 +914,23 @@ def test_device_27b_e2e_measures_the_profiles_that_fit_a_call(tmp_path, environm
     command = log.read_text().split()
     assert command[0] == "tools/bench.py" and "--part" in command and "e2e" in command
     assert (command[command.index("--profiles") + 1] if "--profiles" in command else None) == profiles
+
+
+def test_the_policy_simulation_records_every_table_and_workload_and_its_commit(tmp_path, monkeypatch):
+    """tools/simulate_policy.py writes the policy against every fixed block for each of the
+    record's three tables, both answer lengths and five workloads, naming its commit."""
+    import simulate_policy
+
+    monkeypatch.setattr(simulate_policy, "PASSES", 1)
+    monkeypatch.setattr(sys, "argv", ["simulate_policy.py", "--out", str(tmp_path)])
+    simulate_policy.main()
+    record = json.loads((tmp_path / "policy-simulation.json").read_text())
+    assert len(record["git_commit"]) == 40 and record["passes"] == 1
+    assert list(record["results"]) == ["start-up", "median arm at its start", "learned"]
+    for by_tokens in record["results"].values():
+        assert list(by_tokens) == ["40", "256"]
+        for by_workload in by_tokens.values():
+            assert list(by_workload) == ["zero", "chat", "median", "code", "mixed"]
+            assert all(len(cell["fixed_blocks"]) == 7 for cell in by_workload.values())
+    summary = (tmp_path / "policy-simulation.md").read_text()
+    assert record["git_commit"] in summary and "Worst policy over best, by workload: zero" in summary
