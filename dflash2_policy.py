@@ -27,11 +27,12 @@ PROBE_BUDGET = 0.03
 # Acceptance evidence weighs less with every token emitted since (half-life ~23 tokens).
 ACCEPTANCE_DECAY = 0.97
 # Before any evidence, a draft is accepted half the time (about a chat-like drafter), with
-# the weight of half a round; an unobserved deeper position is assumed PRIOR_DEPTH_DECAY times
+# the weight of two rounds (at half a round, one rejected first draft put a chat request's
+# estimate at 0.17 and the rest of it on plain steps); an unobserved deeper position is assumed PRIOR_DEPTH_DECAY times
 # as good as the one before (at 1.0 a policy that only tried small blocks kept retrying block 8
 # on the unproven promise of its deeper positions).
 PRIOR_ACCEPTANCE = 0.5
-PRIOR_WEIGHT = 0.5
+PRIOR_WEIGHT = 2.0
 PRIOR_DEPTH_DECAY = 0.8
 # While a learning table, or the drafter's remembered acceptance, says no block pays, one
 # greedy request in this many still goes speculative (its first round runs, then the policy
@@ -43,10 +44,14 @@ ROUTE_PROBE_EVERY = 16
 # this many rounds; each round recorded there ages the rest by MEMORY_DECAY (plain steps
 # teach nothing, so they forget nothing). Where that estimate says no block pays, greedy
 # requests are routed plain (dflash2_rounds.rounds_can_pay) but for the probes above.
-MEMORY_WEIGHT = 1.0
-MEMORY_DECAY = 0.9
+# Chosen with tools/simulate_policy.py (evidence/policy-simulation.md), in the middle of
+# the values that did best there: at 1 round and 0.9 (a memory of about 10 rounds) one
+# unlucky streak routed a median profile's requests plain, and chat and median fell to
+# 0.84 and 0.86 of their best fixed block.
+MEMORY_WEIGHT = 4.0
+MEMORY_DECAY = 0.97
 # The memory routes requests plain only once it holds this many rounds of evidence (faded by
-# MEMORY_DECAY: 7 rounds in a row): a routed-plain request teaches nothing, so a verdict from
+# MEMORY_DECAY: 6 rounds in a row): a routed-plain request teaches nothing, so a verdict from
 # one round sticks for ROUTE_PROBE_EVERY requests. On the H100 one chat round whose first
 # draft was rejected (at chat's acceptance, about every other round) routed the next chat
 # requests plain, 1.00x over plain where a fixed block 4 gave 1.33x (bench-cuda-27b, 9e0552e).

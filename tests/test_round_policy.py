@@ -536,7 +536,7 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     drafter = dflash2_rounds.DrafterState(SimpleNamespace(config=SimpleNamespace(block_size=8, runtime_block_size=8)),
                                           refilled, acceptance_memory=memory)
     assert memory.rounds_pay(refilled, 8) and dflash2_rounds.rounds_can_pay(drafter)  # nothing seen yet
-    for _ in range(7):  # ROUTE_EVIDENCE's rounds
+    for _ in range(6):  # ROUTE_EVIDENCE's rounds
         memory.record(2, 0)
     assert not memory.rounds_pay(refilled, 8) and not dflash2_rounds.rounds_can_pay(drafter)
     route, every = dflash2_rounds.SpeculativeRoute(), dflash2_policy.ROUTE_PROBE_EVERY
@@ -563,7 +563,7 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
 def test_one_round_that_accepted_nothing_does_not_route_the_next_requests_plain():
     """A chat-like drafter (about every other first draft rejected) whose one remembered round
     rejected its first draft keeps greedy requests speculative: the memory routes them plain
-    only after ROUTE_EVIDENCE rounds' worth of rounds that do not pay (7 in a row), and rounds
+    only after ROUTE_EVIDENCE rounds' worth of rounds that do not pay (6 in a row), and rounds
     of either kind count only for their own kind."""
     memory = dflash2_policy.AcceptanceMemory(8)
     memory.record(7, 0)
@@ -572,7 +572,7 @@ def test_one_round_that_accepted_nothing_does_not_route_the_next_requests_plain(
     while memory.rounds_pay(COSTS, 8):
         memory.record(7, 0)
         rounds += 1
-    assert rounds == 7
+    assert rounds == 6
     assert memory.rounds_pay(COSTS, 8, dflash2_policy.SAMPLED)
     for _ in range(rounds):
         memory.record(7, 4)  # chat's acceptance and better: rounds pay again
@@ -581,16 +581,18 @@ def test_one_round_that_accepted_nothing_does_not_route_the_next_requests_plain(
 
 def test_under_the_stochastic_model_the_policy_keeps_up_with_the_best_fixed_block(monkeypatch):
     """tools/simulate_policy.py on the cost table the H100's median policy arm started from:
-    zero acceptance costs at most 3% over plain (issue 49's 0.97x), code keeps up with its
-    best fixed block, and on a mixed stream (chat, code, zero, median in turn) the policy beats
-    every fixed block. Where one round's evidence routed requests plain (before
-    ROUTE_EVIDENCE), the mixed stream fell below the best fixed block."""
+    zero acceptance costs at most 3% over plain (issue 49's 0.97x), chat, median and code
+    keep within 10% of their best fixed block (at ceaa883's prior weight 0.5, memory weight 1
+    and memory decay 0.9, chat was at 0.81 and median at 0.90), and on a mixed stream (chat,
+    code, zero, median in turn) the policy beats every fixed block. Where one round's evidence
+    routed requests plain (before ROUTE_EVIDENCE), the mixed stream fell below the best
+    fixed block."""
     from simulate_policy import SOURCE, cost_tables, simulate, worst_by_workload
 
     table = {"median arm": cost_tables(json.loads(SOURCE.read_text()))["median arm at its start"]}
     worst = worst_by_workload(simulate(table, passes=3))
-    assert worst["zero"] >= 0.97 and worst["code"] >= 0.95 and worst["mixed"] >= 1.0, worst
-    assert min(worst["chat"], worst["median"]) >= 0.8, worst
+    assert worst["zero"] >= 0.97 and worst["mixed"] >= 1.05, worst
+    assert min(worst["chat"], worst["median"], worst["code"]) >= 0.9, worst
     monkeypatch.setattr(dflash2_policy, "ROUTE_EVIDENCE", 1e-9)
     assert worst_by_workload(simulate(table, passes=3))["mixed"] < 0.9
 
@@ -607,7 +609,7 @@ def test_a_served_drafter_remembers_zero_acceptance_across_requests(float32_targ
     oracle = OracleDrafter(plain, prompt_length=ids.shape[-1], vocab_size=model.language_model.args.vocab_size, error_rate=1.0,
                            target_layer_ids=drafter.config.target_layer_ids)
     memory = dflash2_policy.AcceptanceMemory(8)
-    for _ in range(6):
+    for _ in range(5):
         memory.record(7, 0)
     with served_rounds(oracle, table, acceptance_memory=memory) as state:
         assert dflash2_rounds.rounds_can_pay(state)
