@@ -87,6 +87,14 @@ class DepthAcceptance:
             self._draws[key] = [generator.random() for _ in range(MAX_DEPTH)]
         return self._draws[key][depth - 1] < self.p(depth)
 
+    def accepted(self, seed: int, index: int, block: int) -> int:
+        """The drafts a round of `block` accepts when its first draft is continuation `index`:
+        its leading right ones."""
+        right = 0
+        while right < block - 1 and self.right(seed, index + right, right + 1):
+            right += 1
+        return right
+
     def simulate(self, block: int, tokens: int, seed: int) -> list:
         """Accepted drafts per round of a request of `tokens` tokens at a fixed `block`, as
         the round loop runs it with this model's oracle (the first token from the prefill,
@@ -94,12 +102,8 @@ class DepthAcceptance:
         without running a model."""
         accepted, emitted = [], 1
         while emitted < tokens:
-            length = min(block, tokens - emitted + 1)
-            right = 0
-            while right < length - 1 and self.right(seed, emitted + right, right + 1):
-                right += 1
-            accepted.append(right)
-            emitted += right + 1
+            accepted.append(self.accepted(seed, emitted, min(block, tokens - emitted + 1)))
+            emitted += accepted[-1] + 1
         return accepted
 
     def to_json(self, block: int = CALIBRATION_BLOCK) -> dict:

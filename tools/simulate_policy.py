@@ -72,9 +72,7 @@ def serve(table: dict, acceptances: list, tokens: int, fixed: int = None, first_
                     policy.record_refill()
                 emitted, after_round = emitted + run, False
                 continue
-            accepted = 0
-            while accepted < block - 1 and acceptance.right(seed, emitted + accepted, accepted + 1):
-                accepted += 1
+            accepted = acceptance.accepted(seed, emitted, block)
             given = min(accepted + 1, remaining)
             policy.record_round(block, accepted, given)
             if fixed is None:
