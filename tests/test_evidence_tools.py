@@ -921,11 +921,16 @@ def test_the_policy_simulation_records_every_table_and_workload_and_its_commit(t
     record's three tables, both answer lengths and five workloads, naming its commit."""
     import simulate_policy
 
+    calls = []
+    serve = simulate_policy.serve
+    monkeypatch.setattr(simulate_policy, "serve", lambda *args: calls.append(args) or serve(*args))
     monkeypatch.setattr(simulate_policy, "PASSES", 1)
+    monkeypatch.setattr(simulate_policy, "REQUESTS", {40: 4, 256: 2})
     monkeypatch.setattr(sys, "argv", ["simulate_policy.py", "--out", str(tmp_path)])
     simulate_policy.main()
+    assert len(calls) == 3 * 2 * 5 * 8  # tables, lengths, workloads, the policy and 7 fixed blocks: one pass
     record = json.loads((tmp_path / "policy-simulation.json").read_text())
-    assert len(record["git_commit"]) == 40 and record["passes"] == 1
+    assert len(record["git_commit"]) == 40 and record["passes"] == 1 and record["first_seed"] == 1000
     assert list(record["results"]) == ["start-up", "median arm at its start", "learned"]
     for by_tokens in record["results"].values():
         assert list(by_tokens) == ["40", "256"]
@@ -933,4 +938,5 @@ def test_the_policy_simulation_records_every_table_and_workload_and_its_commit(t
             assert list(by_workload) == ["zero", "chat", "median", "code", "mixed"]
             assert all(len(cell["fixed_blocks"]) == 7 for cell in by_workload.values())
     summary = (tmp_path / "policy-simulation.md").read_text()
-    assert record["git_commit"] in summary and "Worst policy over best, by workload: zero" in summary
+    assert record["git_commit"] in summary and "{" not in summary and "1 passes' ratios, seeds from 1000" in summary
+    assert "Worst policy over best, by workload: zero" in summary and "; plain 1.00; " in summary

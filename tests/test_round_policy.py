@@ -543,7 +543,7 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     routes = [route(drafter) for _ in range(2 * every)]
     assert [i for i, speculative in enumerate(routes) if speculative] == [every - 1, 2 * every - 1]
     estimate = memory.start_request()  # a probe reaches the round loop
-    assert sum(estimate.tried) <= 2 * dflash2_policy.MEMORY_WEIGHT  # a seed, not the history
+    assert estimate.tried[0] <= dflash2_policy.MEMORY_WEIGHT + 1e-9  # a seed, not the history
     policy = RoundPolicy(refilled, 8, estimate)
     best = policy.choose_block(39)
     assert best is not None and policy.value(best) < PAY_MARGIN  # runs though it does not pay
@@ -552,7 +552,7 @@ def test_a_drafter_s_recent_rounds_route_requests_and_seed_their_estimates():
     memory.forget()
     assert memory.rounds_pay(refilled, 8)  # nothing seen: speculative again
     full = dflash2_policy.AcceptanceMemory(8)
-    for _ in range(4):
+    for _ in range(6):  # ROUTE_EVIDENCE's rounds: the estimate, not the evidence rule, decides
         full.record(7, 7)
     assert full.rounds_pay(COSTS, 8)
     estimate = full.start_request()
@@ -580,21 +580,22 @@ def test_one_round_that_accepted_nothing_does_not_route_the_next_requests_plain(
 
 
 def test_under_the_stochastic_model_the_policy_keeps_up_with_the_best_fixed_block(monkeypatch):
-    """tools/simulate_policy.py on the cost table the H100's median policy arm started from:
-    zero acceptance costs at most 3% over plain (issue 49's 0.97x), chat, median and code
-    keep within 10% of their best fixed block (at ceaa883's prior weight 0.5, memory weight 1
-    and memory decay 0.9, chat was at 0.81 and median at 0.90), and on a mixed stream (chat,
-    code, zero, median in turn) the policy beats every fixed block. Where one round's evidence
-    routed requests plain (before ROUTE_EVIDENCE), the mixed stream fell below the best
-    fixed block."""
-    from simulate_policy import SOURCE, cost_tables, simulate, worst_by_workload
+    """tools/simulate_policy.py on the H100's three cost tables, on seeds the policy's weights
+    were not chosen on: zero acceptance costs at most 3% over plain (issue 49's 0.97x), code
+    keeps up with its best fixed block, chat and median stay within 20% and 15% of theirs,
+    and on a mixed stream (chat, code, zero, median in turn) the policy beats every fixed
+    block (at ceaa883's weights median's worst cell here is 0.81: the test fails). Where one
+    round's evidence routed requests plain (before ROUTE_EVIDENCE), the mixed stream fell
+    below the best fixed block."""
+    import simulate_policy
 
-    table = {"median arm": cost_tables(json.loads(SOURCE.read_text()))["median arm at its start"]}
-    worst = worst_by_workload(simulate(table, passes=3))
-    assert worst["zero"] >= 0.97 and worst["mixed"] >= 1.05, worst
-    assert min(worst["chat"], worst["median"], worst["code"]) >= 0.9, worst
+    tables = simulate_policy.cost_tables(json.loads(simulate_policy.SOURCE.read_text()))
+    worst = simulate_policy.worst_by_workload(simulate_policy.simulate(tables, passes=2))
+    assert worst["zero"] >= 0.97 and worst["code"] >= 0.95 and worst["mixed"] >= 1.05, worst
+    assert worst["chat"] >= 0.8 and worst["median"] >= 0.85, worst
     monkeypatch.setattr(dflash2_policy, "ROUTE_EVIDENCE", 1e-9)
-    assert worst_by_workload(simulate(table, passes=3))["mixed"] < 0.9
+    monkeypatch.setattr(simulate_policy, "REQUESTS", {40: 48})
+    assert simulate_policy.worst_by_workload(simulate_policy.simulate(tables, passes=2))["mixed"] < 1.0
 
 
 def test_a_served_drafter_remembers_zero_acceptance_across_requests(float32_target, prompt_and_plain):  # noqa: F811
