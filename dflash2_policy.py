@@ -28,9 +28,9 @@ PROBE_BUDGET = 0.03
 ACCEPTANCE_DECAY = 0.97
 # Before any evidence, a draft is accepted half the time (about a chat-like drafter), with
 # the weight of two rounds (at half a round, one rejected first draft put a chat request's
-# estimate at 0.17 and the rest of it on plain steps); an unobserved deeper position is assumed PRIOR_DEPTH_DECAY times
-# as good as the one before (at 1.0 a policy that only tried small blocks kept retrying block 8
-# on the unproven promise of its deeper positions).
+# estimate at 0.17 and the rest of it on plain steps); an unobserved deeper position is
+# assumed PRIOR_DEPTH_DECAY times as good as the one before (at 1.0 a policy that only tried
+# small blocks kept retrying block 8 on the unproven promise of its deeper positions).
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0
 PRIOR_DEPTH_DECAY = 0.8
@@ -44,10 +44,11 @@ ROUTE_PROBE_EVERY = 16
 # this many rounds; each round recorded there ages the rest by MEMORY_DECAY (plain steps
 # teach nothing, so they forget nothing). Where that estimate says no block pays, greedy
 # requests are routed plain (dflash2_rounds.rounds_can_pay) but for the probes above.
-# Chosen with tools/simulate_policy.py (evidence/policy-simulation.md), in the middle of
-# the values that did best there: at 1 round and 0.9 (a memory of about 10 rounds) one
-# unlucky streak routed a median profile's requests plain, and chat and median fell to
-# 0.84 and 0.86 of their best fixed block.
+# These and PRIOR_WEIGHT were chosen with tools/simulate_policy.py, in the middle of the
+# values that did best there: at 1 round and 0.9 (a memory of about 10 rounds), with the
+# prior at half a round, one unlucky streak routed a median stream's requests plain; on
+# other draws (evidence/policy-simulation.md) the worst cells of chat, median and mixed
+# went from 0.82, 0.80 and 0.98 of their best fixed block to 0.86, 0.94 and 1.14.
 MEMORY_WEIGHT = 4.0
 MEMORY_DECAY = 0.97
 # The memory routes requests plain only once it holds this many rounds of evidence (faded by
