@@ -242,14 +242,17 @@ def test_memory_runs_leave_the_drafters_attention_as_loaded(target):
     assert state() == before
 
 
-def test_drafter_cache_grows_with_context_and_the_window_bounds_it(float32_target):
+def test_drafter_cache_grows_with_context_and_the_window_bounds_it(float32_target, monkeypatch):
     """bench_prefix's deterministic memory figure: the drafter's cache after a request holds
-    its whole context, unless the sliding window (256 positions on the tiny drafter) caps it."""
+    its whole context, unless the sliding window caps it. The tiny drafter's window (256) cut
+    to 64, so that the contexts past it are short: the whole cache grows 256 positions at a
+    time, so the longer context passes 256."""
     from bench_prefix import spec_extra_memory
 
     model, processor, drafter = float32_target
-    window = drafter.config.sliding_window
-    contexts = [window + 44, 2 * window + 88]
+    window = 64
+    monkeypatch.setattr(drafter.config, "sliding_window", window)
+    contexts = [window + 44, 300]
     *_, cache_gb = spec_extra_memory(model, processor, drafter, contexts, STEP * 8, repeats=1)
     short, long = (cache_gb[str(context)] for context in contexts)
     assert long["full"] > short["full"] > 0
