@@ -165,12 +165,15 @@ def test_every_cuda_launch_keeps_its_accumulators_in_registers():
     """Each row count's launch in the table compiles for the H200 (sm_90a, offline) without
     register spills: a spill put the 8-row kernel's loads behind local memory (session 34's
     baked-K variant, 24 bytes, made its K = 5120 shapes slower). The check sees a spill where
-    one is: 4 output rows of 8 activation rows in one warp want 256 accumulator registers."""
-    from qmv_sass import compile_report, translation_unit
+    one is: 4 output rows of 8 activation rows in one warp want 256 accumulator registers.
+    All in one nvcc run."""
+    from qmv_sass import compile_reports, launches_unit
 
-    assert compile_report(translation_unit(8, (4, 2, 1, 1)))["spill_bytes"] > 0
-    for rows, launch in dflash2_kernel_qmv.CUDA_LAUNCH.items():
-        assert compile_report(translation_unit(rows, launch))["spill_bytes"] == 0, (rows, launch)
+    launches = {"spilling": (8, (4, 2, 1, 1)), **{f"rows{rows}": (rows, launch)
+                                                   for rows, launch in dflash2_kernel_qmv.CUDA_LAUNCH.items()}}
+    reports = compile_reports(launches_unit(launches), launches)
+    assert reports.pop("spilling")["spill_bytes"] > 0
+    assert {name: report["spill_bytes"] for name, report in reports.items()} == dict.fromkeys(reports, 0), reports
 
 
 @pytest.mark.parametrize(

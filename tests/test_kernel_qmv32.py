@@ -116,15 +116,14 @@ def test_the_fp32_launches_compile_with_their_accumulators_in_registers():
     """The launches with the most accumulators (R * M * 8 = 64: rows 2, 4 and 8) compile offline
     for the H200 (sm_90a) inside the wrapper MLX writes, with no register spill (nvcc 13.0:
     138, 140 and 150 registers); the other launches hold fewer."""
-    from qmv_sass import compile_report, fp32_translation_unit
+    from qmv_sass import compile_reports, fp32_launches_unit
 
     per_warp = dflash2_kernel_qmv32.CUDA_ROWS_PER_WARP
     most = max(rows * per_warp[rows] for rows in per_warp)
-    widest = [rows for rows in per_warp if rows * per_warp[rows] == most]
-    assert widest == [2, 4, 8]
-    for rows in widest:
-        report = compile_report(fp32_translation_unit(rows))
-        assert report["spill_bytes"] == 0, (rows, report)
+    widest = {f"rows{rows}": rows for rows in per_warp if rows * per_warp[rows] == most}
+    assert list(widest.values()) == [2, 4, 8]
+    reports = compile_reports(fp32_launches_unit(widest), widest)
+    assert [report["spill_bytes"] for report in reports.values()] == [0, 0, 0], reports
 
 
 @pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")

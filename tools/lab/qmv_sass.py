@@ -36,14 +36,22 @@ def kernel_unit(name: str, params, header: str, template, source: str) -> str:
     """The source MLX's build_kernel writes for one call of a custom kernel: its includes and
     Shape, the kernel's header, the signature (params: one "type name" each), the template's
     constexpr lines, then the source."""
+    return kernels_unit({name: template}, params, header, source)
+
+
+def kernels_unit(templates: dict, params, header: str, source: str) -> str:
+    """kernel_unit's source with one kernel per template (name -> template): one nvcc run
+    compiles them all, where its start-up is most of a one-kernel compile."""
     return (
         "#include <cooperative_groups.h>\n#include <cuda_fp16.h>\n#include <cuda/std/array>\n"
         "using Shape = cuda::std::array<int32_t, 10>;  // MLX's, MAX_NDIM 10\n"
         + header
-        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-        + f"__global__ void {name}(\n" + "".join(f"    {param},\n" for param in params[:-1]) + f"    {params[-1]}) {{\n"
-        + dflash2_kernel_base._template_lines(template) + source
-        + "\n}\n\n} // namespace mlx::core::cu\n"
+        + "".join(
+            "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void {name}(\n" + "".join(f"    {param},\n" for param in params[:-1]) + f"    {params[-1]}) {{\n"
+            + dflash2_kernel_base._template_lines(template) + source
+            + "\n}\n\n} // namespace mlx::core::cu\n"
+            for name, template in templates.items())
     )
 
 
@@ -51,11 +59,20 @@ QMV_PARAMS = ("const __half* x", "const uint32_t* w", "const __grid_constant__ S
               "const __half* scales", "const __half* biases", "__half* y")
 
 
+def _template(rows: int, launch=None):
+    return qmv._cuda_launch.__wrapped__((rows,), 17408, launch and tuple(launch))["template"]
+
+
 def translation_unit(rows: int, launch=None) -> str:
     """The source MLX's build_kernel writes for the kernel's call at `rows` rows (launch: the
     table's by default; K and N are read at run time, so any call of that launch)."""
-    template = qmv._cuda_launch.__wrapped__((rows,), 17408, launch and tuple(launch))["template"]
-    return kernel_unit("qmv", QMV_PARAMS, qmv._CUDA_HEADER, template, qmv._CUDA_SOURCE)
+    return kernel_unit("qmv", QMV_PARAMS, qmv._CUDA_HEADER, _template(rows, launch), qmv._CUDA_SOURCE)
+
+
+def launches_unit(launches: dict) -> str:
+    """One unit with translation_unit's kernel for each name -> (rows, launch)."""
+    templates = {name: _template(rows, launch) for name, (rows, launch) in launches.items()}
+    return kernels_unit(templates, QMV_PARAMS, qmv._CUDA_HEADER, qmv._CUDA_SOURCE)
 
 
 QMV32_PARAMS = ("const float* x", "const uint32_t* w", "const __grid_constant__ Shape w_shape",
@@ -64,27 +81,51 @@ QMV32_PARAMS = ("const float* x", "const uint32_t* w", "const __grid_constant__ 
 
 def fp32_translation_unit(rows: int, variant: str = "fma") -> str:
     """The same for dflash2_kernel_qmv32's kernel (fp32 rows) at `rows` rows, one variant."""
-    return kernel_unit("qmv32", QMV32_PARAMS, qmv32._CUDA_HEADER, qmv32.cuda_template(rows, variant),
-                       qmv32._CUDA_SOURCE)
+    return fp32_launches_unit({"qmv32": rows}, variant)
+
+
+def fp32_launches_unit(rows_by_name: dict, variant: str = "fma") -> str:
+    """One unit with fp32_translation_unit's kernel for each name -> rows."""
+    templates = {name: qmv32.cuda_template(rows, variant) for name, rows in rows_by_name.items()}
+    return kernels_unit(templates, QMV32_PARAMS, qmv32._CUDA_HEADER, qmv32._CUDA_SOURCE)
+
+
+def _compile(unit: str, folder: str) -> tuple:
+    """(ptxas's -v report, the cubin's path) of the unit compiled for ARCH."""
+    source, cubin = Path(folder) / "qmv.cu", Path(folder) / "qmv.cubin"
+    source.write_text(unit)
+    built = subprocess.run(["nvcc", f"-arch={ARCH}", "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(source)],
+                           capture_output=True, text=True)
+    if built.returncode:
+        raise RuntimeError(f"nvcc failed:\n{built.stderr[-3000:]}")
+    return built.stderr, cubin
+
+
+def _registers_and_spills(report: str) -> dict:
+    return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
 
 
 def compile_report(unit: str) -> dict:
-    """{"registers", "spill_bytes", "loops": [{"instructions", "hfma2"}] (nvdisasm only)}."""
+    """{"registers", "spill_bytes", "loops": [{"instructions", "hfma2"}] (nvdisasm only)} of a
+    one-kernel unit."""
     with tempfile.TemporaryDirectory() as folder:
-        source, cubin = Path(folder) / "qmv.cu", Path(folder) / "qmv.cubin"
-        source.write_text(unit)
-        built = subprocess.run(["nvcc", f"-arch={ARCH}", "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(source)],
-                               capture_output=True, text=True)
-        if built.returncode:
-            raise RuntimeError(f"nvcc failed:\n{built.stderr[-3000:]}")
-        report = {
-            "registers": int(re.search(r"Used (\d+) registers", built.stderr).group(1)),
-            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", built.stderr).group(1)),
-        }
+        stderr, cubin = _compile(unit, folder)
+        report = _registers_and_spills(stderr)
         if shutil.which("nvdisasm"):
             sass = subprocess.run(["nvdisasm", "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
             report["loops"] = loops(sass)
     return report
+
+
+def compile_reports(unit: str, names) -> dict:
+    """name -> {"registers", "spill_bytes"} for each kernel of a kernels_unit, one nvcc run."""
+    with tempfile.TemporaryDirectory() as folder:
+        stderr, _ = _compile(unit, folder)
+    per_entry = stderr.split("Compiling entry function '")[1:]
+    # An entry's mangled name holds the kernel's as <length><name>E (mlx::core::cu::name(...)).
+    return {name: _registers_and_spills(next(entry for entry in per_entry if f"{len(name)}{name}E" in entry.split("'")[0]))
+            for name in names}
 
 
 def loops(sass: str) -> list:
