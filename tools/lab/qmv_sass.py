@@ -123,8 +123,9 @@ def compile_reports(unit: str, names) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         stderr, _ = _compile(unit, folder)
     per_entry = stderr.split("Compiling entry function '")[1:]
-    # An entry's mangled name holds the kernel's as <length><name>E (mlx::core::cu::name(...)).
-    return {name: _registers_and_spills(next(entry for entry in per_entry if f"{len(name)}{name}E" in entry.split("'")[0]))
+    # An entry's mangled name starts _ZN3mlx4core2cu<length><name>E (mlx::core::cu::name(...)).
+    return {name: _registers_and_spills(next(entry for entry in per_entry
+                                             if entry.startswith(f"_ZN3mlx4core2cu{len(name)}{name}E")))
             for name in names}
 
 
