@@ -582,21 +582,21 @@ def test_one_round_that_accepted_nothing_does_not_route_the_next_requests_plain(
 def test_under_the_stochastic_model_the_policy_keeps_up_with_the_best_fixed_block(monkeypatch):
     """tools/simulate_policy.py on the H100's three cost tables, on seeds the policy's weights
     were not chosen on, at 40-token answers (each workload's worst cell in the record, which
-    has 256 too): zero acceptance costs at most 3% over plain (issue 49's 0.97x), code
-    keeps up with its best fixed block, chat and median stay within 20% and 15% of theirs,
-    and on a mixed stream (chat, code, zero, median in turn) the policy beats every fixed
-    block (at ceaa883's weights median's worst cell here is 0.81: the test fails). Where one
-    round's evidence routed requests plain (before ROUTE_EVIDENCE), the mixed stream fell
-    below the best fixed block."""
+    has 256 too): zero acceptance costs at most 3% over plain (issue 49's 0.97x), code keeps
+    up with its best fixed block, chat and median stay within 13% and 8% of theirs, and on a
+    mixed stream (chat, code, zero, median in turn) the policy beats every fixed block by 10%.
+    Without ROUTE_HOPE's hopeful round (routing plain on the memory's estimate alone) chat,
+    median and mixed fall short (0.85, 0.89, 1.09); at ceaa883's weights median is at 0.81."""
     import simulate_policy
 
     tables = simulate_policy.cost_tables(json.loads(simulate_policy.SOURCE.read_text()))
     monkeypatch.setattr(simulate_policy, "REQUESTS", {40: 48})
     worst = simulate_policy.worst_by_workload(simulate_policy.simulate(tables, passes=2))
-    assert worst["zero"] >= 0.97 and worst["code"] >= 0.95 and worst["mixed"] >= 1.05, worst
-    assert worst["chat"] >= 0.8 and worst["median"] >= 0.85, worst
-    monkeypatch.setattr(dflash2_policy, "ROUTE_EVIDENCE", 1e-9)
-    assert simulate_policy.worst_by_workload(simulate_policy.simulate(tables, passes=2))["mixed"] < 1.0
+    assert worst["zero"] >= 0.97 and worst["code"] >= 0.95 and worst["mixed"] >= 1.1, worst
+    assert worst["chat"] >= 0.87 and worst["median"] >= 0.92, worst
+    monkeypatch.setattr(dflash2_policy, "ROUTE_HOPE", 0.0)
+    worst = simulate_policy.worst_by_workload(simulate_policy.simulate(tables, passes=2))
+    assert worst["chat"] < 0.87 and worst["mixed"] < 1.1, worst
 
 
 def test_a_served_drafter_remembers_zero_acceptance_across_requests(float32_target, prompt_and_plain):  # noqa: F811
