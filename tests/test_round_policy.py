@@ -581,7 +581,7 @@ def test_one_round_that_accepted_nothing_does_not_route_the_next_requests_plain(
 
 def test_under_the_stochastic_model_the_policy_keeps_up_with_the_best_fixed_block(monkeypatch):
     """tools/simulate_policy.py on the H100's three cost tables, on seeds the policy's weights
-    were not chosen on, at 40-token answers (each workload's worst cell in the record, which
+    were not chosen on (simulate_policy.FIRST_SEED), at 40-token answers (each workload's worst cell in the record, which
     has 256 too): zero acceptance costs at most 3% over plain (issue 49's 0.97x), code keeps
     up with its best fixed block, chat and median stay within 13% and 8% of theirs, and on a
     mixed stream (chat, code, zero, median in turn) the policy beats every fixed block by 10%.
