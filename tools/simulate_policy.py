@@ -165,8 +165,9 @@ def main():
               "profiles_tokens_per_round": PROFILE_TOKENS_PER_ROUND, "workloads": [*PROFILE_TOKENS_PER_ROUND, "mixed"],
               "requests_by_tokens": REQUESTS, "passes": PASSES, "first_seed": FIRST_SEED, "results": results,
               "worst_policy_over_best": worst_by_workload(results)}
-    print(markdown(record))
-    write_record(args.out, "policy-simulation", record, markdown(record))
+    summary = markdown(record)
+    print(summary)
+    write_record(args.out, "policy-simulation", record, summary)
 
 
 if __name__ == "__main__":
