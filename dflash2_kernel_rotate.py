@@ -460,24 +460,29 @@ _rotate_fp32_verified: dict = {}
 _rotate_plans: dict = {}
 
 
+def _rotate_kernel(backend: str, dtype):
+    """(plan maker, its verdicts, its self-test, the self-test's name) for rows of this dtype
+    on this backend, or None where only the stock chain serves."""
+    if dtype == mx.float16 and backend in _ROTATE_PLANS:
+        return _ROTATE_PLANS[backend], _rotate_verified, self_test_rotate, "self-test"
+    if dtype == mx.float32 and backend == "cuda":
+        return (lambda k, block: cuda_rotate_plan(k, block, dtype=mx.float32),
+                _rotate_fp32_verified, self_test_rotate_fp32, "fp32 self-test")
+    return None
+
+
 def _choose_rotate_plan(k: int, block: int, dtype):
     backend = backend_name()
-    kernel_plan = _ROTATE_PLANS.get(backend)
+    kernel = _rotate_kernel(backend, dtype)
     plan = _stock_rotate_plan(block)
-    if kernel_plan and dtype == mx.float16 and block in ROTATE_BLOCKS and k % block == 0:
-        if (backend, k, block) not in _rotate_verified:
-            result = self_test_rotate([(k, block)])
+    if kernel and block in ROTATE_BLOCKS and k % block == 0:
+        kernel_plan, verified, self_test, test_name = kernel
+        if (backend, k, block) not in verified:
+            result = self_test([(k, block)])
             if not result.ok:
-                warnings.warn(f"dflash2 {backend} rotation kernel failed its self-test: {result.reason}")
-        if _rotate_verified[(backend, k, block)]:
+                warnings.warn(f"dflash2 {backend} rotation kernel failed its {test_name}: {result.reason}")
+        if verified[(backend, k, block)]:
             plan = kernel_plan(k, block)
-    elif backend == "cuda" and dtype == mx.float32 and block in ROTATE_BLOCKS and k % block == 0:
-        if (backend, k, block) not in _rotate_fp32_verified:
-            result = self_test_rotate_fp32([(k, block)])
-            if not result.ok:
-                warnings.warn(f"dflash2 cuda rotation kernel failed its fp32 self-test: {result.reason}")
-        if _rotate_fp32_verified[(backend, k, block)]:
-            plan = cuda_rotate_plan(k, block, dtype=mx.float32)
     _rotate_plans[(k, block, dtype)] = plan
     return plan
 
