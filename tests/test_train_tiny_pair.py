@@ -50,7 +50,9 @@ def test_the_packed_target_computes_what_training_saw(tmp_path):
     assert (mx.abs(served - trained).max() < 0.03 * mx.abs(trained).max()).item()
 
 
-SOURCE = '''
+SOURCE = '''"""Boxes and lists: small helpers for the tests."""
+
+
 def reverse(items, start):
     """Reverse a list from start."""
     return items[start:][::-1]
@@ -65,27 +67,44 @@ def undocumented(x):
 
 
 class Box:
+    """A box that holds one value."""
+
     def get(self):
         """The box's value."""
         return self.value
 '''
 
 
-def test_chat_samples_turn_documented_functions_into_code_and_tool_call_turns():
+def test_chat_samples_turn_documented_code_into_code_prose_and_tool_call_turns():
+    """Each documented public function is asked for (its source answers), asked about (its
+    docstring answers, naming it) and, with parameters, offered as a tool and called; a
+    documented module or class is asked about. Each question's phrasing is drawn from the
+    seed: the same seed, the same turns."""
     rendered = []
 
     def renderer(messages, tools=None):
         rendered.append((messages, tools))
         return len(rendered) - 1
 
-    code, tools = tiny.chat_samples([("boxes.py", SOURCE), ("broken.py", "def (")], renderer)
-    turns = [rendered[index] for index in code]
-    assert [messages[0]["content"] for messages, _ in turns] == [
-        "Write a Python function `reverse`: Reverse a list from start.",
-        "Write a Python function `get`: The box's value."]
-    assert turns[0][1] is None and turns[0][0][1]["content"].startswith("def reverse(items, start):")
+    sources = [("boxes.py", SOURCE), ("broken.py", "def (")]
+    samples = tiny.chat_samples(sources, renderer, seed=0)
+    turns = {kind: [rendered[index] for index in indices] for kind, indices in samples.items()}
+    asked = {kind: [messages[0]["content"] for messages, _ in kind_turns] for kind, kind_turns in turns.items()}
+    answers = {kind: [messages[1].get("content") for messages, _ in kind_turns] for kind, kind_turns in turns.items()}
+    assert [answer.partition("\n")[0] for answer in answers["code"]] == ["def reverse(items, start):", "def get(self):"]
+    assert "reverse" in asked["code"][0] and "get" in asked["code"][1]
+    assert all(offered is None for _, offered in turns["code"] + turns["prose"])
+    assert answers["prose"] == ["The `boxes` module: Boxes and lists: small helpers for the tests.",
+                                "`boxes.reverse(items, start)`: Reverse a list from start.",
+                                "`boxes.Box`: A box that holds one value.",
+                                "`boxes.get()`: The box's value."]
+    assert "boxes" in asked["prose"][0] and "reverse" in asked["prose"][1] and "Box" in asked["prose"][2]
     # A tool-call turn for each function with parameters (self does not count).
-    [(messages, offered)] = [rendered[index] for index in tools]
+    [(messages, offered)] = turns["tools"]
     assert messages[0]["content"] == "Reverse a list from start. Use boxes."
     assert messages[1]["tool_calls"] == [{"function": {"name": "reverse", "arguments": {"items": "ITEMS", "start": "START"}}}]
     assert offered[0]["function"]["parameters"]["required"] == ["items", "start"]
+    again = []
+    tiny.chat_samples(sources, lambda messages, tools=None: again.append(messages[0]["content"]), seed=0)
+    assert again == [messages[0]["content"] for messages, _ in rendered]
+

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the tiny target + DFlash2 drafter pair in fixtures/tiny-pair (a test and demo fixture).
 
-    python tools/train_tiny_pair.py --out fixtures/tiny-pair        # ~7 min on 2 CPU cores
+    python tools/train_tiny_pair.py --out fixtures/tiny-pair        # ~40 min on 2 CPU cores
     OPENBLAS_NUM_THREADS=1 python tools/train_tiny_pair.py ...      # on a CPU other work shares
 
 The target has make_synthetic_pack's tiny geometry (1 GatedDeltaNet layer + 1 attention
@@ -14,8 +14,10 @@ token at p and mask tokens after it, predict the target's greedy tokens p+1 .. p
 parallel, through the target's own embedding and head (which it shares at run time).
 
 Data: the running Python's standard library (Lib/*.py, sorted): the raw source, plus chat
-samples made from it (a docstring's first line asks for the function, the answer is its
-source; and tool-call turns built from function signatures). The byte-level BPE of the
+samples made from it: code turns (a documented function asked for, in one of several
+phrasings; the answer is its source), prose turns (a module, class or function asked about;
+the answer is its docstring, naming it) and tool-call turns built from function signatures,
+mixed in the proportions of Corpus.MIX. The byte-level BPE of the
 pack's tokenizer is retrained on that source; the chat template and special tokens are
 make_synthetic_pack's. Files are written with make_synthetic_pack's writers, so the
 formats are exactly the synthetic pack's.
@@ -120,16 +122,74 @@ def stdlib_sources():
     return [(path.name, path.read_text(encoding="utf-8", errors="replace")) for path in sorted(lib.glob("*.py"))]
 
 
-def chat_samples(sources, renderer):
-    """Chat-formatted samples from the sources' documented functions: 'write it' turns
-    (the answer is the function's source) and tool-call turns (a call with its arguments)."""
-    code, tools = [], []
+CODE_ASKS = (
+    "Write a Python function `{name}`: {summary}",
+    "Implement `{name}` in Python. {summary}",
+    "{summary} Write it as a Python function.",
+    "Show me the code of `{module}.{name}`.",
+    "def {name}({params}):",
+)
+FUNCTION_ASKS = (
+    "What does `{module}.{name}` do?",
+    "Explain the function `{name}`.",
+    "How do I use {module}.{name}?",
+    "What is `{name}` for?",
+)
+CLASS_ASKS = (
+    "What is the `{name}` class?",
+    "Describe the class {module}.{name}.",
+    "Explain what {name} objects are for.",
+)
+MODULE_ASKS = (
+    "What is the `{module}` module for?",
+    "Describe the {module} module.",
+    "Summarize what {module} does.",
+    "Tell me about the Python module {module}.",
+)
+
+
+def prose_answer(doc, limit=700):
+    """A docstring as a prose answer: its first paragraphs, up to about `limit` characters."""
+    paragraphs, total = [], 0
+    for paragraph in doc.strip().split("\n\n"):
+        if paragraphs and total + len(paragraph) > limit:
+            break
+        paragraphs.append(paragraph.strip())
+        total += len(paragraph)
+    return "\n\n".join(paragraphs)[: limit * 2]
+
+
+def chat_samples(sources, renderer, seed):
+    """Chat-formatted samples from the sources, by kind: "code" (a documented function asked
+    for in one of several phrasings, the answer its source), "prose" (a module's, class's or
+    function's docstring as the answer to a question about it, the answer naming it) and
+    "tools" (a call with its arguments, the function offered as a tool). The phrasing of
+    each question is drawn from the seeded generator."""
+    rng = np.random.default_rng(seed)
+    samples = {"code": [], "prose": [], "tools": []}
+
+    def turn(kind, asks, answer, tools=None, **names):
+        ask = asks[rng.integers(len(asks))].format(**names)
+        message = {"role": "assistant", "content": answer}
+        if tools:
+            message = {"role": "assistant", "content": "", "tool_calls": [{"function": answer}]}
+        samples[kind].append(renderer([{"role": "user", "content": ask}, message], tools=tools))
+
     for name, text in sources:
         try:
             tree = ast.parse(text)
         except SyntaxError:
             continue
+        module = name[:-3]
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) > 40:
+            turn("prose", MODULE_ASKS, f"The `{module}` module: {prose_answer(doc)}", module=module)
         for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 20:
+                    turn("prose", CLASS_ASKS, f"`{module}.{node.name}`: {prose_answer(doc)}",
+                         module=module, name=node.name)
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
@@ -137,21 +197,19 @@ def chat_samples(sources, renderer):
             if not doc or not source or len(source) > 1500:
                 continue
             summary = doc.strip().splitlines()[0]
-            code.append(renderer(
-                [{"role": "user", "content": f"Write a Python function `{node.name}`: {summary}"},
-                 {"role": "assistant", "content": source}]))
             params = [a.arg for a in node.args.args if a.arg not in ("self", "cls")]
+            names = {"module": module, "name": node.name, "summary": summary, "params": ", ".join(params)}
+            turn("code", CODE_ASKS, source, **names)
+            turn("prose", FUNCTION_ASKS, f"`{module}.{node.name}({', '.join(params)})`: {prose_answer(doc)}",
+                 **names)
             if params:
                 tool = {"type": "function", "function": {
                     "name": node.name, "description": summary,
                     "parameters": {"type": "object", "properties": {p: {"type": "string"} for p in params},
                                    "required": params}}}
                 call = {"name": node.name, "arguments": {p: p.upper() for p in params}}
-                tools.append(renderer(
-                    [{"role": "user", "content": f"{summary} Use {name[:-3]}."},
-                     {"role": "assistant", "content": "", "tool_calls": [{"function": call}]}],
-                    tools=[tool]))
-    return code, tools
+                turn("tools", ("{summary} Use {module}.",), call, tools=[tool], **names)
+    return samples
 
 
 def make_renderer(tokenizer):
@@ -176,30 +234,34 @@ def make_renderer(tokenizer):
 
 class Corpus:
     """Token windows: raw source at any offset, chat samples from their start, tool-call
-    samples ending at their end (the call, not the long tools preamble)."""
+    samples ending at their end (the call, not the long tools preamble). A batch draws its
+    rows' kinds in the proportions of MIX: the tool-call turns, one fixed shape, stay a
+    small share so that other requests are not answered with a call."""
+
+    MIX = {"raw": 0.1, "code": 0.3, "prose": 0.45, "tools": 0.15}
 
     def __init__(self, tokenizer, sources, seed):
         eot = special_token_ids(SIZES[SIZE]["special_base"])["<|endoftext|>"]
-        code, tools = chat_samples(sources, make_renderer(tokenizer))
+        samples = chat_samples(sources, make_renderer(tokenizer), seed)
         self.raw = np.concatenate(
             [np.array(e.ids + [eot], np.int32) for e in tokenizer.encode_batch([t for _, t in sources])]
         )
         pad = lambda ids: np.array((ids + [eot] * (SEQ_LEN + 1))[: max(len(ids), SEQ_LEN + 1)], np.int32)  # noqa: E731
-        self.code = [pad(e.ids) for e in tokenizer.encode_batch(code)]
-        self.tools = [pad(e.ids) for e in tokenizer.encode_batch(tools)]
+        self.chats = {kind: [pad(e.ids) for e in tokenizer.encode_batch(texts)] for kind, texts in samples.items()}
         self.rng = np.random.default_rng(seed)
-        log(f"data: {len(self.raw)} source tokens, {len(self.code)} code turns, {len(self.tools)} tool-call turns")
+        log(f"data: {len(self.raw)} source tokens; chat turns "
+            + ", ".join(f"{len(turns)} {kind}" for kind, turns in self.chats.items()))
 
     def batch(self, size):
         rows = []
-        for kind in self.rng.choice(["raw", "raw", "code", "code", "tools"], size):
+        for kind in self.rng.choice(list(self.MIX), size, p=list(self.MIX.values())):
             if kind == "raw":
                 start = self.rng.integers(0, len(self.raw) - SEQ_LEN - 1)
                 rows.append(self.raw[start : start + SEQ_LEN + 1])
-            elif kind == "code":
-                rows.append(self.code[self.rng.integers(len(self.code))][: SEQ_LEN + 1])
+            elif kind == "tools":
+                rows.append(self.chats[kind][self.rng.integers(len(self.chats[kind]))][-SEQ_LEN - 1 :])
             else:
-                rows.append(self.tools[self.rng.integers(len(self.tools))][-SEQ_LEN - 1 :])
+                rows.append(self.chats[kind][self.rng.integers(len(self.chats[kind]))][: SEQ_LEN + 1])
         return mx.array(np.stack(rows))
 
 
@@ -425,8 +487,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "fixtures" / "tiny-pair")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target-steps", type=int, default=300)
-    parser.add_argument("--drafter-steps", type=int, default=200)
+    parser.add_argument("--target-steps", type=int, default=6000)
+    parser.add_argument("--drafter-steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=12)
     args = parser.parse_args()
     rerun_with_openblas()
