@@ -4,14 +4,19 @@ that the installed ones are those.
 REPLACED: what the pack installs its own version of (runtime patches, the engine's overrides
 and swaps); AUDITED: what it calls, mirrors or subclasses unchanged. Either kind, changed,
 could make the pack serve something other than plain decoding's answer, so both servers
-refuse to start and name every difference. Importing this module patches nothing.
+refuse to start and name every difference (on the audited install, found from the files'
+bytes and each object's place in them, without re-reading each source). Importing this
+module patches nothing.
 """
 
 import hashlib
 import importlib
 import inspect
+import json
+import os
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 MLX_VERSION = "0.32.2"
 MLX_VLM_VERSION = "0.7.2"
@@ -671,8 +676,7 @@ def source_sha256(obj) -> str:
     return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
 
 
-def mismatches(rows=REPLACED + AUDITED) -> list:
-    """Every difference between the installed packages and the audited ones."""
+def version_mismatches() -> list:
     import mlx.core as mx
     import mlx_vlm
 
@@ -681,6 +685,12 @@ def mismatches(rows=REPLACED + AUDITED) -> list:
         problems.append(f"mlx {mx.__version__} is installed; the pack needs {MLX_VERSION}")
     if mlx_vlm.__version__ != MLX_VLM_VERSION:
         problems.append(f"mlx-vlm {mlx_vlm.__version__} is installed; the pack needs {MLX_VLM_VERSION}")
+    return problems
+
+
+def mismatches(rows=REPLACED + AUDITED) -> list:
+    """Every difference between the installed packages and the audited ones."""
+    problems = version_mismatches()
     for row in rows:
         try:
             actual = source_sha256(stock(row.target))
@@ -692,8 +702,50 @@ def mismatches(rows=REPLACED + AUDITED) -> list:
     return problems
 
 
+# sources_digest() of the audited install: mlx-vlm 0.7.2's files and the places in them that
+# REPLACED and AUDITED name. Regenerate it with the sha256 rows when the pins change
+# (tests/test_exact_verify.py prints the installed one).
+SOURCES_DIGEST = "1a804804d10608bc6ce448b671603aca11f73b2252de4f6f6157f91ef6a52e85"
+
+
+def _source_place(obj) -> tuple:
+    """What inspect.getsource reads for obj: its file, and a function's first line (from which
+    getsource takes the block) or a class's qualname (by which it finds the class in the file)."""
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        obj = type(obj)
+    if inspect.isfunction(obj):
+        obj = inspect.unwrap(obj)
+        return inspect.getsourcefile(obj), obj.__code__.co_firstlineno
+    return inspect.getsourcefile(obj), obj.__qualname__
+
+
+def sources_digest(rows=REPLACED + AUDITED) -> str:
+    """The sha256 of every row's place (its file relative to mlx-vlm's folder, its first line
+    or qualname) and of every such file's bytes. Equal to the audited install's, each object
+    inspect.getsource would read is read from the same bytes at the same place, so each
+    source_sha256 is the audited one: check_sources then reads no source."""
+    import mlx_vlm
+
+    root = Path(mlx_vlm.__file__).parent
+    places, files = [], {}
+    for row in rows:
+        try:
+            file, where = _source_place(stock(row.target))
+        except (ImportError, AttributeError, OSError, TypeError) as error:
+            places.append([row.target, f"not found ({type(error).__name__})"])
+            continue
+        path = Path(file)
+        if path not in files:
+            files[path] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        places.append([row.target, os.path.relpath(path, root), where, files[path]])
+    return hashlib.sha256(json.dumps(places).encode()).hexdigest()
+
+
 def check_sources():
-    """Raises SourceMismatch naming every difference."""
+    """Raises SourceMismatch naming every difference. On the audited install (versions and
+    sources_digest as audited) no source is re-read; otherwise every row's source is."""
+    if not version_mismatches() and sources_digest() == SOURCES_DIGEST:
+        return
     problems = mismatches()
     if problems:
         raise SourceMismatch("refusing to start; these mlx-vlm sources differ from the audited ones:\n  "

@@ -378,6 +378,36 @@ def test_patch_table_matches_installed_mlx_vlm():
     assert dflash2_audit.mismatches() == []
 
 
+def test_sources_digest_is_the_audited_installs():
+    """The fast path's constant is this (the audited) install's; after a pin change, the
+    failure prints the new one to put in dflash2_audit.SOURCES_DIGEST."""
+    assert dflash2_audit.sources_digest() == dflash2_audit.SOURCES_DIGEST, dflash2_audit.sources_digest()
+
+
+def test_audited_install_starts_without_reading_a_source(monkeypatch):
+    """check_sources on the audited install re-reads no source (about 0.8 s of every start:
+    inspect.getsource parses whole files to find a class)."""
+    def unread(obj):
+        raise AssertionError(f"read the source of {obj}")
+
+    monkeypatch.setattr(dflash2_audit.inspect, "getsource", unread)
+    dflash2_audit.check_sources()
+
+
+@pytest.mark.parametrize("target, other", [
+    ("mlx_vlm.speculative.dflash:_dflash_verify_greedy", "_dflash_verify"),
+    ("mlx_vlm.server.schemas:AnthropicRequest", "OpenAIRequest"),
+], ids=["function", "class"])
+def test_a_replacement_from_the_same_file_still_refuses(monkeypatch, target, other):
+    """An audited name rebound to another function or class of its own file (the same bytes
+    on disk) is still refused and named: the fast path keys each object's place in its file."""
+    owner, name = dflash2_audit.resolve(target)
+    monkeypatch.setattr(owner, name, getattr(owner, other))
+    with pytest.raises(dflash2_audit.SourceMismatch) as refused:
+        dflash2_audit.check_sources()
+    assert target in str(refused.value)
+
+
 def test_fp32_dense_layout_verify_and_rollback_are_exact(float32_target):
     """Packs whose unpacked tensors are fp32 run fp32 activations through verify (the checks
     below are the model's self-check)."""
