@@ -5,7 +5,7 @@ REPLACED: what the pack installs its own version of (runtime patches, the engine
 and swaps); AUDITED: what it calls, mirrors or subclasses unchanged. Either kind, changed,
 could make the pack serve something other than plain decoding's answer, so both servers
 refuse to start and name every difference (on the audited install, found from the files'
-bytes and each object's place in them, without re-reading each source). Importing this
+text and each object's place in it, without re-reading each source). Importing this
 module patches nothing.
 """
 
@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import linecache
 import os
 import types
 from dataclasses import dataclass
@@ -705,39 +706,56 @@ def mismatches(rows=REPLACED + AUDITED) -> list:
 # sources_digest() of the audited install: mlx-vlm 0.7.2's files and the places in them that
 # REPLACED and AUDITED name. Regenerate it with the sha256 rows when the pins change
 # (tests/test_exact_verify.py prints the installed one).
-SOURCES_DIGEST = "1a804804d10608bc6ce448b671603aca11f73b2252de4f6f6157f91ef6a52e85"
+SOURCES_DIGEST = "68f804d14370b561a18d7e1b86eb205d2ba95335fc9acac1eaa9b8877bf27d9e"
 
 
 def _source_place(obj) -> tuple:
-    """What inspect.getsource reads for obj: its file, and a function's first line (from which
-    getsource takes the block) or a class's qualname (by which it finds the class in the file)."""
+    """What inspect.getsource (Python 3.11, 3.12) reads for obj: (file, module, place), the
+    place being a function's first line (from which it takes the block) or a class's qualname
+    (by which it finds the class in the file's text)."""
     if not (inspect.isfunction(obj) or inspect.isclass(obj)):
         obj = type(obj)
+    obj = inspect.unwrap(obj)  # as getsourcelines does, a class's __wrapped__ too
+    file = inspect.getsourcefile(obj)
+    if file is None:
+        raise OSError("no source file")
     if inspect.isfunction(obj):
-        obj = inspect.unwrap(obj)
-        return inspect.getsourcefile(obj), obj.__code__.co_firstlineno
-    return inspect.getsourcefile(obj), obj.__qualname__
+        place = obj.__code__.co_firstlineno
+    elif inspect.isclass(obj):
+        # From 3.13 getsource finds a class by __firstlineno__: there no digest matches.
+        place = [obj.__qualname__, vars(obj).get("__firstlineno__")]
+    else:
+        raise TypeError(f"{obj!r} unwraps to neither a function nor a class")
+    return file, inspect.getmodule(obj, file), place
+
+
+def _source_text_sha256(file: str, module) -> str:
+    """The sha256 of the file's text as inspect.findsource reads it: through linecache,
+    refreshed as it refreshes it (the disk's bytes can differ from a cached text)."""
+    linecache.checkcache(file)
+    lines = linecache.getlines(file, module.__dict__ if module else None)
+    if not lines:
+        raise OSError("source not available")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def sources_digest(rows=REPLACED + AUDITED) -> str:
     """The sha256 of every row's place (its file relative to mlx-vlm's folder, its first line
-    or qualname) and of every such file's bytes. Equal to the audited install's, each object
-    inspect.getsource would read is read from the same bytes at the same place, so each
+    or qualname) and of every such file's text. Equal to the audited install's, each object
+    inspect.getsource would read is read from the same text at the same place, so each
     source_sha256 is the audited one: check_sources then reads no source."""
     import mlx_vlm
 
     root = Path(mlx_vlm.__file__).parent
-    places, files = [], {}
+    places, texts = [], {}
     for row in rows:
         try:
-            file, where = _source_place(stock(row.target))
-        except (ImportError, AttributeError, OSError, TypeError) as error:
+            file, module, place = _source_place(stock(row.target))
+            if file not in texts:
+                texts[file] = _source_text_sha256(file, module)
+            places.append([row.target, os.path.relpath(file, root), place, texts[file]])
+        except (ImportError, AttributeError, OSError, TypeError, ValueError) as error:
             places.append([row.target, f"not found ({type(error).__name__})"])
-            continue
-        path = Path(file)
-        if path not in files:
-            files[path] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-        places.append([row.target, os.path.relpath(path, root), where, files[path]])
     return hashlib.sha256(json.dumps(places).encode()).hexdigest()
 
 

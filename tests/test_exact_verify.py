@@ -12,6 +12,7 @@ negative control below), so they can fail.
 """
 
 import copy
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -406,6 +407,32 @@ def test_a_replacement_from_the_same_file_still_refuses(monkeypatch, target, oth
     with pytest.raises(dflash2_audit.SourceMismatch) as refused:
         dflash2_audit.check_sources()
     assert target in str(refused.value)
+
+
+def test_what_getsource_reads_is_what_the_fast_path_keys(monkeypatch):
+    """The fast path follows inspect.getsource where it departs from the object and the
+    disk: a class given a __wrapped__ (getsource reads what it wraps), and a file whose text
+    in linecache differs from its bytes on disk (getsource reads linecache's)."""
+    import linecache
+    from mlx_vlm.server import schemas
+
+    monkeypatch.setattr(schemas.AnthropicRequest, "__wrapped__", dflash2_audit.stock(
+        "mlx_vlm.speculative.dflash:_dflash_verify"), raising=False)
+    with pytest.raises(dflash2_audit.SourceMismatch) as refused:
+        dflash2_audit.check_sources()
+    assert "mlx_vlm.server.schemas:AnthropicRequest" in str(refused.value)
+    monkeypatch.undo()
+
+    audited = dflash2_audit.stock("mlx_vlm.speculative.dflash:_dflash_verify_greedy")  # installed or not
+    file = inspect.getsourcefile(audited)
+    lines = list(linecache.getlines(file))
+    first = audited.__code__.co_firstlineno
+    lines[first] = lines[first].rstrip("\n") + "  # edited\n"
+    # An entry without an mtime, as linecache keeps for sources it did not read from disk.
+    monkeypatch.setitem(linecache.cache, file, (sum(map(len, lines)), None, lines, file))
+    with pytest.raises(dflash2_audit.SourceMismatch) as refused:
+        dflash2_audit.check_sources()
+    assert "mlx_vlm.speculative.dflash:_dflash_verify_greedy" in str(refused.value)
 
 
 def test_fp32_dense_layout_verify_and_rollback_are_exact(float32_target):
