@@ -193,6 +193,7 @@ def start_engine(target_dir: Path, model_id: str, context_length: int, *, prefil
 
 def warm_up(generator, route):
     """One short generation on a route, so compilation is paid before the first request."""
+    import mlx.core as mx
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.server.generation import GenerationArguments
 
@@ -211,4 +212,6 @@ def warm_up(generator, route):
     memory = state and state.acceptance_memory
     if memory is not None:  # a warm-up's rounds say nothing of the requests to come
         memory.forget()
-    logger.info("warm-up %s: %d tokens in %.2fs", route, record.tokens, time.perf_counter() - started)
+    # The generator resets MLX's peak as it admits a request: this is the warm-up's own.
+    logger.info("warm-up %s: %d tokens in %.2fs; memory in use %.3f GB, its peak %.3f GB", route, record.tokens,
+                time.perf_counter() - started, mx.get_active_memory() / 1e9, mx.get_peak_memory() / 1e9)

@@ -84,6 +84,21 @@ def test_the_demo_answers_speculatively_with_accepted_drafts_and_plain_text(demo
     assert text and text == plain_body["choices"][0]["message"]["content"]
 
 
+def test_both_servers_log_their_memory_after_the_warm_up(demo):
+    """Each start says what memory it holds once ready and what its last warm-up request
+    peaked at (MLX's active memory: weights, drafter, caches): a user and the benchmarks can
+    compare the servers at rest. The speculative demo holds its drafter on top."""
+    _, servers = demo
+    held = {}
+    for name, process in servers.items():
+        line = next(line for line in process.log().splitlines() if "warm-up plain:" in line)
+        match = re.search(r"memory in use ([0-9.]+) GB, its peak ([0-9.]+) GB", line)
+        assert match, line
+        held[name] = float(match[1])
+        assert 0 < held[name] <= float(match[2]), line
+    assert held["demo"] > held["serve-demo"] == held["demo-plain"]
+
+
 def test_serve_py_demo_serves_the_same_fixture_plain(demo):
     _, servers = demo
     mode, body = ask(servers["serve-demo"], temperature=0)
