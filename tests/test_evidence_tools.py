@@ -131,6 +131,21 @@ def test_server_ratios_pair_each_request_with_serve_py_s_of_the_same_pass():
     assert results["chat"]["dflash2"]["ratio_to_serve_py"] == {"decode_tok_s": 2.0, "ttft_s": 1.0}
 
 
+def test_the_server_record_sets_each_server_s_memory_beside_serve_py_s():
+    """bench_server's memory table: at rest over serve.py's, and the request peaks; a record
+    written before it had memory renders without the table."""
+    from bench_server import REFERENCE, summary_markdown
+
+    record = json.loads((EVIDENCE / "bench-server-cpu.json").read_text())
+    assert "active memory" not in summary_markdown(record)
+    peaks = {"median": 9.5, "min": 9.2, "max": 13.1, "n": 10}
+    record["memory"] = {"dflash2": {"at_rest_gb": 9.1, "request_peak_gb": {**peaks, "median": 12.4}},
+                        REFERENCE: {"at_rest_gb": 7.6, "request_peak_gb": peaks}}
+    text = summary_markdown(record)
+    assert "| dflash2 | 9.100 | +1.500 | 12.400 (9.200-13.100) |" in text
+    assert f"| {REFERENCE} | 7.600 | +0.000 | 9.500 (9.200-13.100) |" in text
+
+
 def test_the_bench_summary_says_how_its_ratios_were_taken():
     from bench_summary import ratio_method
 

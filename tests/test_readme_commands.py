@@ -88,14 +88,20 @@ def test_both_servers_log_their_memory_after_the_warm_up(demo):
     """Each start says what memory it holds once ready and what its last warm-up request
     peaked at (MLX's active memory: weights, drafter, caches): a user and the benchmarks can
     compare the servers at rest. The speculative demo holds its drafter on top."""
+    from bench_server import server_memory  # what the server benchmark records from these logs
+
     _, servers = demo
     held = {}
     for name, process in servers.items():
+        ask(process, temperature=0)
+        process.wait_for_log(0, "peak_memory=", timeout=30)  # the request's finish line
         line = next(line for line in process.log().splitlines() if "warm-up plain:" in line)
         match = re.search(r"memory in use ([0-9.]+) GB, its peak ([0-9.]+) GB", line)
         assert match, line
-        held[name] = float(match[1])
-        assert 0 < held[name] <= float(match[2]), line
+        memory = server_memory(process.log())
+        held[name] = memory["at_rest_gb"]
+        assert held[name] == float(match[1]) > 0 and memory["request_peak_gb"]["n"] >= 1, (line, memory)
+        assert held[name] <= float(match[2]) <= memory["request_peak_gb"]["max"], (line, memory)
     assert held["demo"] > held["serve-demo"] == held["demo-plain"]
 
 

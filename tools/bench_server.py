@@ -10,12 +10,14 @@ the servers rotates. Per request it measures the decode speed as (tokens - 1) / 
 the last token chunk - time of the first) and the time to the first token, from the client
 side. Every server must return the same text for a prompt. It writes
 evidence/bench-server-<backend>.json and .md: versions, the command, per prompt and server
-the median, min and max of both figures, and the ratios to serve.py.
+the median, min and max of both figures, and the ratios to serve.py; and from each server's
+log, MLX's active memory once it was ready and its requests' peaks.
 """
 
 import argparse
 import http.client
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -37,6 +39,9 @@ ARMS = {  # name -> (script, options)
     "serve.py": ("serve.py", []),
 }
 REFERENCE = "serve.py"
+# A server's log: its memory once ready (the last warm-up's line) and each request's peak.
+MEMORY_AT_REST = re.compile(r"warm-up plain: .*memory in use ([0-9.]+) GB")
+REQUEST_PEAK = re.compile(r"finished in .*peak_memory=([0-9.]+)GB")
 
 
 def stream_chat(server: ServerProcess, prompt: str, max_tokens: int) -> dict:
@@ -90,6 +95,14 @@ def spread(values) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def server_memory(log: str) -> dict:
+    """MLX's active memory (GB) a server held once ready (after its warm-ups), and its requests'
+    peaks (the finish lines': the benchmark's warm-up requests and the measured ones), from its log."""
+    rest = MEMORY_AT_REST.search(log)
+    return {"at_rest_gb": float(rest[1]) if rest else None,
+            "request_peak_gb": spread([float(peak) for peak in REQUEST_PEAK.findall(log)])}
+
+
 def run(pack: Path, max_tokens: int, repeats: int, logs: Path, start_timeout: int):
     servers = {}
     try:
@@ -108,7 +121,8 @@ def run(pack: Path, max_tokens: int, repeats: int, logs: Path, start_timeout: in
                     samples[prompt][name].append(stream_chat(servers[name], text, max_tokens))
                     print(f"repeat {repeat + 1}/{repeats} {prompt} {name}: "
                           f"{samples[prompt][name][-1]['decode_tok_s'] or 0:.2f} tok/s", file=sys.stderr)
-        return health, samples, {name: server.command for name, server in servers.items()}
+        memory = {name: server_memory(server.log()) for name, server in servers.items()}
+        return health, samples, memory, {name: server.command for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
@@ -169,7 +183,7 @@ def main(argv=None):
         pack = (tiny_pack(scratch) if args.tiny else args.pack).resolve()
         if not (pack / "serve_dflash2.py").is_file():
             parser.error(f"{pack} has no serve_dflash2.py: build it with tools/build_pack.py")
-        health, samples, commands = run(pack, args.max_tokens, args.repeats, scratch, args.start_timeout)
+        health, samples, memory, commands = run(pack, args.max_tokens, args.repeats, scratch, args.start_timeout)
 
     record = {
         **run_environment("bench_server.py", "tiny synthetic" if args.tiny else pack.name, argv),
@@ -185,6 +199,7 @@ def main(argv=None):
                   "to serve.py's request of the same pass",
         "results": summarise(samples),
         "outputs_identical": outputs_identical(samples),
+        "memory": memory,
         "seconds": round(time.time() - started, 1),
     }
     write_record(args.out, f"bench-server-{record['backend']}", record, summary_markdown(record))
@@ -224,6 +239,16 @@ def summary_markdown(r) -> str:
                 f"| {prompt} | {name} | {result['mode'] or 'plain'} | {cell(result['decode_tok_s'])} | "
                 f"{ratio['decode_tok_s'] or 0:.2f}x | {cell(result['ttft_s'], 1000, 0)} | "
                 f"{ratio['ttft_s'] or 0:.2f}x | {sources} |")
+    if r.get("memory"):
+        lines += ["", "MLX's active memory, GB: each server once ready (after its start's warm-ups), and "
+                      "its requests' peaks (median (min-max)), from its log:", "",
+                  "| server | at rest | over serve.py at rest | request peak |", "|---|---|---|---|"]
+        reference = r["memory"][REFERENCE]["at_rest_gb"]
+        for name, held in r["memory"].items():
+            rest = held["at_rest_gb"]
+            over = f"{rest - reference:+.3f}" if rest is not None and reference is not None else "-"
+            lines.append(f"| {name} | {'-' if rest is None else f'{rest:.3f}'} | {over} | "
+                         f"{cell(held['request_peak_gb'], 1, 3)} |")
     if r["round_costs"]:
         costs = r["round_costs"]
         lines += ["", f"serve_dflash2.py's round costs (decode step {costs['decode_step_ms']:.2f} ms), "
