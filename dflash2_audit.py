@@ -671,10 +671,13 @@ def stock(target: str):
     return getattr(value, "__dflash2_stock__", value)
 
 
+def _source_object(obj):
+    """What the audit reads the source of: a function or class itself, an instance's class."""
+    return obj if inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+
+
 def source_sha256(obj) -> str:
-    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
-        obj = type(obj)
-    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
+    return hashlib.sha256(inspect.getsource(_source_object(obj)).encode()).hexdigest()
 
 
 def version_mismatches() -> list:
@@ -713,9 +716,7 @@ def _source_place(obj) -> tuple:
     """What inspect.getsource (Python 3.11, 3.12) reads for obj: (file, module, place), the
     place being a function's first line (from which it takes the block) or a class's qualname
     (by which it finds the class in the file's text)."""
-    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
-        obj = type(obj)
-    obj = inspect.unwrap(obj)  # as getsourcelines does, a class's __wrapped__ too
+    obj = inspect.unwrap(_source_object(obj))  # as getsourcelines does, a class's __wrapped__ too
     file = inspect.getsourcefile(obj)
     if file is None:
         raise OSError("no source file")

@@ -107,4 +107,3 @@ def test_chat_samples_turn_documented_code_into_code_prose_and_tool_call_turns()
     again = []
     tiny.chat_samples(sources, lambda messages, tools=None: again.append(messages[0]["content"]), seed=0)
     assert again == [messages[0]["content"] for messages, _ in rendered]
-
