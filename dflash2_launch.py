@@ -5,6 +5,11 @@ holds for both, and the same bad command line stops both at the same check, befo
 weight loads.
 """
 
+import fcntl
+import logging
+import os
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,6 +30,8 @@ from dflash2_options import (
     public_model_id,
     use_private_temp_folder,
 )
+
+logger = logging.getLogger("dflash2.server")
 
 
 def read_options(parser, argv=None):
@@ -72,3 +79,30 @@ def start_pack_engine(pack: OpenedPack, args, drafter=None):
     return start_engine(pack.target_dir, pack.model_id, pack.limits.context_length,
                         prefill_step_size=args.prefill_step_size, top_logprobs_k=args.top_logprobs_k,
                         prefix_cache_gb=prefix_cache_gb(args), drafter=drafter)
+
+
+@contextmanager
+def compiling_alone():
+    """Hold <TMPDIR>/start-up.lock while the body runs (from the engine's start to the end of
+    the warm-ups), so that servers started together take turns compiling.
+
+    MLX's CPU and CUDA backends write each kernel they compile into TMPDIR/mlx in place, under
+    the name other processes look for: a server that loads one half written exits ("file too
+    short", "undefined symbol"). Metal compiles nothing there: no lock."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), "start-up.lock")
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another server's start-up: MLX compiles kernels into %s in place",
+                        tempfile.gettempdir())
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -30,7 +30,7 @@ runpy.run_path(str(HERE / "dflash2_source.py"))["load_from_source"](str(HERE))
 
 from dflash2_engine import warm_up
 from dflash2_gateway import Gateway, serve
-from dflash2_launch import open_pack, read_options, start_pack_engine
+from dflash2_launch import compiling_alone, open_pack, read_options, start_pack_engine
 from dflash2_options import interrupted_start_exits, make_parser
 from dflash2_routing import decider, plain_decision
 
@@ -49,8 +49,9 @@ def start(argv=None):
                              "repository; a fixture, not the 27B)")
     args = read_options(parser, argv)
     pack = open_pack(parser, args, HERE, with_drafter=False)
-    generator, inner_app = start_pack_engine(pack, args)
-    warm_up(generator, "plain")
+    with compiling_alone():
+        generator, inner_app = start_pack_engine(pack, args)
+        warm_up(generator, "plain")
     return Gateway(inner_app, limits=pack.limits, scrubber=pack.scrubber, request_timeout=args.request_timeout,
                    decide=decider(pack.limits, plain_decision)), args
 

@@ -49,7 +49,7 @@ import logging
 
 from dflash2_engine import warm_up
 from dflash2_gateway import Gateway, serve
-from dflash2_launch import open_pack, read_options, start_pack_engine
+from dflash2_launch import compiling_alone, open_pack, read_options, start_pack_engine
 from dflash2_options import interrupted_start_exits, make_parser, pack_folder
 from dflash2_routing import decider, route_chat
 from dflash2_speculation import DrafterSetup, read_round_costs
@@ -152,22 +152,23 @@ def start(argv=None):
         print(format_verify_table(results))
         sys.exit(0 if all(ok for _, ok, _ in results) else 1)
     pack = open_pack(parser, args, HERE, with_drafter=not args.no_dflash2)
-    drafter = None if args.no_dflash2 else drafter_setup(parser, args, pack)
-    verdicts = drafter and drafter.verdicts
-    generator, inner_app = start_pack_engine(pack, args, drafter)
-    if generator.speculation.error:
-        generator.stop_and_join()
-        sys.exit(f"error: {generator.speculation.error}")
-    server_reason = "no-dflash2" if args.no_dflash2 else generator.speculation.reason
-    if not server_reason:
-        try:
-            warm_up(generator, "speculative")
-        except Exception:
-            # Serving plain beats failing every greedy request; the header says why.
-            logger.exception("the speculative warm-up failed; every request is served plain")
-            server_reason = "speculative-warm-up-failed"
-            generator.serve_plain(server_reason)
-    warm_up(generator, "plain")
+    with compiling_alone():
+        drafter = None if args.no_dflash2 else drafter_setup(parser, args, pack)
+        verdicts = drafter and drafter.verdicts
+        generator, inner_app = start_pack_engine(pack, args, drafter)
+        if generator.speculation.error:
+            generator.stop_and_join()
+            sys.exit(f"error: {generator.speculation.error}")
+        server_reason = "no-dflash2" if args.no_dflash2 else generator.speculation.reason
+        if not server_reason:
+            try:
+                warm_up(generator, "speculative")
+            except Exception:
+                # Serving plain beats failing every greedy request; the header says why.
+                logger.exception("the speculative warm-up failed; every request is served plain")
+                server_reason = "speculative-warm-up-failed"
+                generator.serve_plain(server_reason)
+        warm_up(generator, "plain")
 
     server_mode = ("fallback", server_reason) if server_reason else ("speculative", None)
 

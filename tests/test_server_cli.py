@@ -4,6 +4,8 @@ All of these stop before any model is loaded. Options, hosts and environment var
 are refused by each entry point's main() in process; the rest run as subprocesses.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import json
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import flip_byte
-from server_process import REFUSED_PREFIXES, clean_env, free_port
+from server_process import REFUSED_PREFIXES, ServerProcess, clean_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ["serve.py", "serve_dflash2.py"]
@@ -186,6 +188,33 @@ def test_mlx_compiles_into_the_private_temp_folder(tmp_path):
     assert result.returncode == 0, result.stderr
     assert list((tmp_path / f"dflash2-{os.getuid()}" / "mlx").glob("*/cpu/*.so"))
     assert not (tmp_path / "mlx").exists()
+
+
+def test_servers_started_together_take_turns_compiling(built_pack, tmp_path):
+    """MLX's CPU backend writes each kernel it compiles into the temp folder in place, where a
+    server starting beside it could load it half written. A server waits while another holds the
+    folder's start-up lock (held here by the test), then starts."""
+    folder = Path(tempfile.gettempdir()) / f"dflash2-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    waiting = "waiting for another server's start-up"
+    lock = open(folder / "start-up.lock", "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    server = ServerProcess("serve", [str(REPO / "serve.py"), "--pack", str(built_pack)], tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        while waiting not in server.log() and server.process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                assert server.health()[0] != 200, "ready while another server held the lock"
+            time.sleep(0.2)
+        assert waiting in server.log(), server.log()
+        time.sleep(1)
+        with contextlib.suppress(OSError):
+            assert server.health()[0] != 200
+        lock.close()  # releases it
+        server.wait_ready()
+    finally:
+        lock.close()
+        server.stop()
 
 
 def test_temp_folder_not_this_user_s_alone_gives_way_to_a_private_one(tmp_path, monkeypatch, capsys):
