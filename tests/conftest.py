@@ -1,7 +1,6 @@
 """Shared fixtures and helpers. Keep each one small; add yours below."""
 
 import base64
-import fcntl
 import hashlib
 import http.client
 import io
@@ -13,7 +12,7 @@ import mlx.core as mx
 import pytest
 from PIL import Image
 
-from server_process import ServerFailed, ServerProcess
+from server_process import ServerProcess
 
 # The slowest files, slowest first: with --no-loadscope-reorder (.ci/run) xdist hands files to
 # its workers in collection order, so these start early and the two workers end together
@@ -198,21 +197,15 @@ def raw_plain(target):
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory):
     """start_server(name, command, cwd=None) -> a ServerProcess (tools/server_process.py),
-    not yet waited for (but for the run's first: see below). One process per command and cwd
-    for the session (per worker under xdist): a test file asking for a server another
-    already started gets that one (started again if it was stopped), so give equal servers
-    equal commands. All stop at the end."""
+    not yet waited for (servers started together take turns compiling by themselves:
+    dflash2_launch.compiling_alone). One process per command and cwd for the session (per
+    worker under xdist): a test file asking for a server another already started gets that
+    one (started again if it was stopped), so give equal servers equal commands. All stop at
+    the end."""
     started = {}
-    # MLX's CPU backend compiles fused kernels into a folder all of a user's servers share
-    # (<tmp>/dflash2-UID/mlx/...) and writes each library in place: a process that finds one
-    # half written fails to load it ("file too short"), so servers starting at once on a fresh
-    # machine can crash each other. The
-    # run's first server start (across xdist workers) is awaited alone, so its start-up fills
-    # that folder before others compile. Under xdist the workers' temp folders share a parent
-    # of this run's own.
+    # Under xdist the workers' temp folders share a parent of this run's own.
     shared = tmp_path_factory.getbasetemp()
     shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
-    warmed = shared / "mlx-cpu-kernels-warmed"
 
     def home(command):
         # One HOME, so one start-up verdict cache (dflash2_verdicts), for the run's servers: a
@@ -226,15 +219,7 @@ def start_server(tmp_path_factory):
     def start(name, command, cwd=None):
         key = (tuple(map(str, command)), str(cwd))
         if key not in started or started[key].process.poll() is not None:
-            with open(shared / "mlx-cpu-kernels.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                started[key] = ServerProcess(name, command, tmp_path_factory.mktemp(name), cwd, home=home(command))
-                if not warmed.exists():
-                    try:
-                        started[key].wait_ready()
-                        warmed.touch()
-                    except ServerFailed:
-                        pass  # a server meant to fail: the next start warms instead
+            started[key] = ServerProcess(name, command, tmp_path_factory.mktemp(name), cwd, home=home(command))
         return started[key]
 
     yield start
