@@ -83,15 +83,18 @@ def start_pack_engine(pack: OpenedPack, args, drafter=None):
 
 @contextmanager
 def compiling_alone():
-    """Hold <TMPDIR>/start-up.lock while the body runs (from the engine's start to the end of
-    the warm-ups), so that servers started together take turns compiling.
+    """On MLX's CPU backend, hold <TMPDIR>/start-up.lock while the body runs (from the engine's
+    start to the end of the warm-ups), so that servers started together take turns compiling.
 
-    MLX's CPU and CUDA backends write each kernel they compile into TMPDIR/mlx in place, under
-    the name other processes look for: a server that loads one half written exits ("file too
-    short", "undefined symbol"). Metal compiles nothing there: no lock."""
+    MLX's CPU backend writes each kernel it compiles into TMPDIR/mlx in place, under the name
+    other processes look for: a server that loads one half written exits ("file too short",
+    "undefined symbol"), as seen with three servers started at once on a cold folder. A CPU
+    start takes seconds. CUDA's PTX files go there too, but a CUDA start measures for minutes
+    (several servers on one GPU start together in the benchmarks), and no clash was seen there:
+    no lock on the GPU."""
     import mlx.core as mx
 
-    if mx.metal.is_available():
+    if mx.default_device() != mx.cpu:
         yield
         return
     path = os.path.join(tempfile.gettempdir(), "start-up.lock")
