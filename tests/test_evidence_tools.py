@@ -146,6 +146,37 @@ def test_the_server_record_sets_each_server_s_memory_beside_serve_py_s():
     assert f"| {REFERENCE} | 7.600 | +0.000 | 9.500 (9.200-13.100) |" in text
 
 
+def test_the_memory_bench_pairs_each_pass_and_says_where_rounds_did_not_run():
+    """bench_memory's extra peak is the speculative request's peak less serve.py's of the same
+    pass (a slow drift moves both), and its summary sets the routes and round tokens beside it."""
+    from bench_memory import PLAIN, SPECULATIVE, summarise, summary_markdown
+
+    def runs(peaks, mode="speculative", rounds=7):
+        return [{"mode": mode, "prompt_tokens": 120, "tokens_from_rounds": rounds, "peak_gb": p} for p in peaks]
+
+    results = summarise({100: {SPECULATIVE: runs([10.0, 11.0, 12.0, 13.0, 14.0]),
+                               PLAIN: runs([9.5, 10.0, 10.5, 11.0, 11.5], "plain", None)}})
+    assert results["100"]["extra_peak_gb"] == {"median": 1.5, "min": 0.5, "max": 2.5, "n": 5}
+    assert results["100"]["peak_gb"][PLAIN]["median"] == 10.5 and results["100"]["speculative_modes"] == ["speculative"]
+    record = {"backend": "cpu", "device": "x", "pack": "p", "command": "c", "versions": {"mlx": "m", "mlx_vlm": "v"},
+              "method": "m", "repeats": 5, "max_tokens": 16, "memory_at_rest_gb": {SPECULATIVE: 9.0, PLAIN: 7.5},
+              "results": results, "git_commit": "abc", "git_clean": True}
+    text = summary_markdown(record)
+    assert "difference +1.500" in text
+    assert "| 100 | 120 | speculative | 7 | 12.000 (10.000 to 14.000) | 10.500 (9.500 to 11.500) | +1.500 (+0.500 to +2.500) |" in text
+
+
+def test_the_memory_bench_prompts_have_about_the_context_s_tokens():
+    from transformers import AutoTokenizer
+
+    from bench_memory import prompts
+
+    target = REPO / "fixtures" / "tiny-pair" / "target"
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    for context, text in prompts(target, [40, 600]).items():
+        assert abs(len(tokenizer.encode(text, add_special_tokens=False)) - context) <= 4, context
+
+
 def test_the_bench_summary_says_how_its_ratios_were_taken():
     from bench_summary import ratio_method
 

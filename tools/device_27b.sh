@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: server | routes | starts | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | fp32-kernels | tune | compare | profile | ncu | kernels
+#   bash tools/device_27b.sh PART     PART: server | routes | starts | memory | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | fp32-kernels | tune | compare | profile | ncu | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
 #                                     regenerate every GPU record README quotes, at HEAD: eight calls,
 #                                     one part each (no two of them fit one call's 585 s)
@@ -87,6 +87,9 @@ case "${1:-}" in
   # starts: a first and a second start of serve_dflash2.py sharing one HOME (the verdict cache);
   # a first start takes about 5 minutes at the 27B shape: build the pack in an earlier call (server)
   starts) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_starts.py --pack /tmp/pack27 --out "$OUT" ;;
+  # memory: speculation's extra peak over serve.py's over HTTP at 0.1k, 4k and 16k tokens (issue 49
+  # item 6), serve_dflash2.py in rounds at a fixed block of 4; the in-process figures are prefix-4k's
+  memory) build_pack; t=$(left) || exit 124; timeout "$t" python3 tools/bench_memory.py --pack /tmp/pack27 --contexts 100 4096 16384 --out "$OUT" ;;
   # rounds: 9 repeats, not 5 (sessions 24 and 25 discarded five-repeat runs whose decode
   # steps spread several-fold; the repeats add about a minute to a call of about five)
   rounds) need_commit rounds; t=$(left) || exit 124; timeout "$t" "${BENCH[@]}" --repeats 9 --part rounds; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
@@ -112,9 +115,9 @@ case "${1:-}" in
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --tokens 256 --repeats 3 --fixed-blocks 8 \
          --sampled-temperatures "" --peer-arms chat,median,code --deadline-s 570 --part e2e; rc=$?; cp /tmp/b27/* "$OUT"/; exit $rc ;;
   # prefix-4k: the prefix-cache record README quotes (next turn's first token at 4k, speculation's
-  # extra memory at 1k, 4k and 16k); about 420 s
+  # extra memory at 0.1k, 1k, 4k and 16k); about 420 s
   prefix-4k) need_commit prefix-4k; t=$(left) || exit 124; timeout "$t" python3 tools/bench_prefix.py --size 27b \
-       --out "$OUT/p4k" --speculative --contexts 4096 --step-sizes 256 --memory-contexts 1024 4096 16384 --repeats 5 ;;
+       --out "$OUT/p4k" --speculative --contexts 4096 --step-sizes 256 --memory-contexts 100 1024 4096 16384 --repeats 5 ;;
   # fp32-kernels: the fp32 rows' kernels (packed matmul, gate rows, the convolution's block call, rotation)
   # self-tested at the 27B shapes and timed against the calls they replace (issue 49: the real
   # file's fp32 activations)
@@ -166,5 +169,5 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/lab/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh all|server|routes|starts|parity|parity-contexts|parity-tokens|rounds|e2e|e2e-long|prefix-4k|fp32-kernels|tune|compare|profile|ncu|kernels" >&2; exit 2 ;;
+  *) echo "usage: bash tools/device_27b.sh all|server|routes|starts|memory|parity|parity-contexts|parity-tokens|rounds|e2e|e2e-long|prefix-4k|fp32-kernels|tune|compare|profile|ncu|kernels" >&2; exit 2 ;;
 esac

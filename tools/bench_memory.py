@@ -1,0 +1,189 @@
+"""Speculation's extra memory over HTTP, by context: serve_dflash2.py in rounds against serve.py.
+
+    python tools/bench_memory.py --pack PACK [--contexts 100 4096 16384] [--repeats 5] [--out evidence/]
+    python tools/bench_memory.py --tiny --contexts 64 256 --out evidence/   # builds the tiny pack
+
+Starts serve_dflash2.py with a fixed verify block (--block, default 4: every greedy request
+runs rounds, whether or not they pay, as a user's would once the drafter accepts) and serve.py
+from one built pack, then sends both the same greedy chat request per context, its prompt cut
+to about that many tokens of the pack's tokenizer: one warm-up request per context and server,
+then --repeats passes, the server order alternating. Each request's peak is MLX's peak memory
+from its admission to its end, as the server logs it on the request's finish line; x-dflash2
+says each request's route, and every speculative request must have run rounds. It writes
+evidence/memory-http-<backend>.json and .md: per context the prompt's tokens, each server's
+memory at rest and request peak (median, min, max) and speculation's extra peak over plain,
+the per-pass difference (median, min, max). tools/bench_prefix.py measures the same in
+process (--memory-contexts).
+"""
+
+import argparse
+import http.client
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+from bench_server import MEMORY_AT_REST, REQUEST_PEAK, spread, tiny_pack  # noqa: E402
+from records import run_environment, write_record  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+# The prompt: this module's own source, repeated and cut to the context's tokens.
+TEXT = Path(__file__).read_text()
+INSTRUCTION = "\n\nSummarise the text above in one sentence."
+SPECULATIVE, PLAIN = "serve_dflash2.py", "serve.py"
+
+
+def prompts(pack: Path, contexts) -> dict:
+    """context -> a prompt of about that many tokens (the instruction included)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(pack))
+    tokens = tokenizer.encode(TEXT, add_special_tokens=False)
+    tail = len(tokenizer.encode(INSTRUCTION, add_special_tokens=False))
+    built = {}
+    for context in contexts:
+        body = (tokens * (context // len(tokens) + 1))[:max(1, context - tail)]
+        built[context] = tokenizer.decode(body) + INSTRUCTION
+    return built
+
+
+def chat(server: ServerProcess, prompt: str, max_tokens: int) -> dict:
+    """One greedy request: its route, its prompt's tokens, its tokens from rounds and its peak
+    memory (GB, the finish line the server logs just after the response's last byte)."""
+    since = len(server.log())
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                       "max_tokens": max_tokens})
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
+    connection.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+    reply = connection.getresponse()
+    payload = json.loads(reply.read())
+    connection.close()
+    if reply.status != 200:
+        raise RuntimeError(f"{server.name}: HTTP {reply.status}: {json.dumps(payload)[:500]}")
+    finish = server.wait_for_log(since, "finished in")
+    return {"mode": reply.getheader("x-dflash2") or "plain",
+            "prompt_tokens": payload["usage"]["prompt_tokens"],
+            "tokens_from_rounds": (payload.get("timings") or {}).get("tokens_from_rounds"),
+            "peak_gb": float(REQUEST_PEAK.search(finish)[1])}
+
+
+def run(pack: Path, contexts, max_tokens: int, repeats: int, block: int, logs: Path, start_timeout: int):
+    texts = prompts(pack, contexts)
+    servers = {
+        SPECULATIVE: ServerProcess(SPECULATIVE, [SPECULATIVE, "--dflash2-block-size", str(block)], logs / "spec",
+                                   cwd=pack),
+        PLAIN: ServerProcess(PLAIN, [PLAIN], logs / "plain", cwd=pack),
+    }
+    try:
+        for server in servers.values():
+            server.wait_ready(start_timeout)
+        rest = {name: float(MEMORY_AT_REST.search(server.log())[1]) for name, server in servers.items()}
+        samples = {context: {name: [] for name in servers} for context in contexts}
+        for context in contexts:
+            for server in servers.values():  # warm-up: a length's first request compiles
+                chat(server, texts[context], max_tokens)
+            for repeat in range(repeats):
+                order = list(servers) if repeat % 2 == 0 else list(servers)[::-1]
+                for name in order:
+                    sample = chat(servers[name], texts[context], max_tokens)
+                    samples[context][name].append(sample)
+                    print(f"{context} tokens, pass {repeat + 1}/{repeats}, {name}: {sample['mode']}, "
+                          f"peak {sample['peak_gb']:.3f} GB", file=sys.stderr, flush=True)
+        return rest, samples, {name: server.command for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def summarise(samples) -> dict:
+    results = {}
+    for context, arms in samples.items():
+        speculative, plain = arms[SPECULATIVE], arms[PLAIN]
+        results[str(context)] = {
+            "prompt_tokens": plain[0]["prompt_tokens"],
+            "speculative_modes": sorted({s["mode"] for s in speculative}),
+            "tokens_from_rounds": spread([s["tokens_from_rounds"] for s in speculative]),
+            "peak_gb": {name: spread([s["peak_gb"] for s in arm]) for name, arm in arms.items()},
+            "extra_peak_gb": spread([s["peak_gb"] - p["peak_gb"] for s, p in zip(speculative, plain)]),
+        }
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--pack", type=Path, help="a pack folder built by tools/build_pack.py")
+    where.add_argument("--tiny", action="store_true", help="build and measure the tiny synthetic pack")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[100, 4096, 16384])
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--block", type=int, default=4, help="serve_dflash2.py's fixed verify block")
+    parser.add_argument("--repeats", type=int, default=5, help="measured passes after the warm-up (>= 5)")
+    parser.add_argument("--start-timeout", type=int, default=1800, help="seconds for a server to start")
+    parser.add_argument("--out", type=Path, default=REPO / "evidence")
+    args = parser.parse_args(argv)
+    if args.repeats < 5 or args.max_tokens < 2:
+        parser.error("--repeats must be at least 5 and --max-tokens at least 2")
+
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as scratch:
+        scratch = Path(scratch)
+        pack = (tiny_pack(scratch) if args.tiny else args.pack).resolve()
+        if not (pack / SPECULATIVE).is_file():
+            parser.error(f"{pack} has no {SPECULATIVE}: build it with tools/build_pack.py")
+        rest, samples, commands = run(pack, args.contexts, args.max_tokens, args.repeats, args.block, scratch,
+                                      args.start_timeout)
+    record = {
+        **run_environment("bench_memory.py", "tiny synthetic" if args.tiny else pack.name, argv),
+        "servers": commands,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "method": "greedy chat requests, one at a time, after one warm-up request per context and server, "
+                  "server order alternating by pass; a request's peak is MLX's peak memory from its admission "
+                  "to its end (the server's finish line); extra = speculative peak - serve.py's peak, paired "
+                  "by pass",
+        "memory_at_rest_gb": rest,
+        "results": summarise(samples),
+        "seconds": round(time.time() - started, 1),
+    }
+    write_record(args.out, f"memory-http-{record['backend']}", record, summary_markdown(record))
+    print(summary_markdown(record))
+    off_rounds = [context for context, result in record["results"].items()
+                  if result["speculative_modes"] != ["speculative"] or not result["tokens_from_rounds"]["min"]]
+    if off_rounds:
+        sys.exit(f"error: serve_dflash2.py ran no rounds at {', '.join(off_rounds)} tokens (see the record)")
+
+
+def summary_markdown(r) -> str:
+    def cell(stats, sign=""):
+        return f"{stats['median']:{sign}.3f} ({stats['min']:{sign}.3f} to {stats['max']:{sign}.3f})"
+
+    rest = r["memory_at_rest_gb"]
+    lines = [
+        f"# Speculation's extra memory over HTTP on {r['backend']} ({r['device']}): {r['pack']} pack",
+        "",
+        f"Command: `{r['command']}`; mlx {r['versions']['mlx']}, mlx-vlm {r['versions']['mlx_vlm']}; "
+        f"code {r.get('git_commit') or '-'} (clean: {r.get('git_clean')})",
+        "",
+        f"Method: {r['method']}. {r['repeats']} passes, max_tokens {r['max_tokens']}; median (min to max), GB.",
+        "",
+        f"At rest (after the warm-ups): {SPECULATIVE} {rest[SPECULATIVE]:.3f}, {PLAIN} {rest[PLAIN]:.3f}, "
+        f"difference {rest[SPECULATIVE] - rest[PLAIN]:+.3f}.",
+        "",
+        f"| context | prompt tokens | {SPECULATIVE} route | tokens from rounds | {SPECULATIVE} peak | "
+        f"{PLAIN} peak | extra peak |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for context, result in r["results"].items():
+        lines.append(
+            f"| {context} | {result['prompt_tokens']} | {', '.join(result['speculative_modes'])} | "
+            f"{result['tokens_from_rounds']['median']:g} | {cell(result['peak_gb'][SPECULATIVE])} | "
+            f"{cell(result['peak_gb'][PLAIN])} | {cell(result['extra_peak_gb'], '+')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
