@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-from bench_server import MEMORY_AT_REST, REQUEST_PEAK, spread, tiny_pack  # noqa: E402
+from bench_server import (  # noqa: E402
+    MEMORY_AT_REST, REQUEST_PEAK, add_bench_options, bench_pack, parse_bench_args, spread)
 from records import run_environment, write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -115,25 +116,15 @@ def summarise(samples) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--pack", type=Path, help="a pack folder built by tools/build_pack.py")
-    where.add_argument("--tiny", action="store_true", help="build and measure the tiny synthetic pack")
+    add_bench_options(parser, max_tokens=16)
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 4096, 16384])
-    parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--block", type=int, default=4, help="serve_dflash2.py's fixed verify block")
-    parser.add_argument("--repeats", type=int, default=5, help="measured passes after the warm-up (>= 5)")
-    parser.add_argument("--start-timeout", type=int, default=1800, help="seconds for a server to start")
-    parser.add_argument("--out", type=Path, default=REPO / "evidence")
-    args = parser.parse_args(argv)
-    if args.repeats < 5 or args.max_tokens < 2:
-        parser.error("--repeats must be at least 5 and --max-tokens at least 2")
+    args = parse_bench_args(parser, argv)
 
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as scratch:
         scratch = Path(scratch)
-        pack = (tiny_pack(scratch) if args.tiny else args.pack).resolve()
-        if not (pack / SPECULATIVE).is_file():
-            parser.error(f"{pack} has no {SPECULATIVE}: build it with tools/build_pack.py")
+        pack = bench_pack(parser, args, scratch)
         rest, samples, commands = run(pack, args.contexts, args.max_tokens, args.repeats, args.block, scratch,
                                       args.start_timeout)
     record = {

@@ -164,25 +164,42 @@ def tiny_pack(folder: Path) -> Path:
     return folder / "pack"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_bench_options(parser, max_tokens: int):
+    """The options bench_server and bench_memory share: the pack (or --tiny), tokens, passes,
+    start timeout, output folder."""
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--pack", type=Path, help="a pack folder built by tools/build_pack.py")
     where.add_argument("--tiny", action="store_true", help="build and bench the tiny synthetic pack")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--repeats", type=int, default=5, help="measured passes after the warm-up (>= 5)")
     parser.add_argument("--start-timeout", type=int, default=1800, help="seconds for a server to start")
     parser.add_argument("--out", type=Path, default=REPO / "evidence")
+
+
+def parse_bench_args(parser, argv):
     args = parser.parse_args(argv)
     if args.repeats < 5 or args.max_tokens < 2:
         parser.error("--repeats must be at least 5 and --max-tokens at least 2")
+    return args
+
+
+def bench_pack(parser, args, scratch: Path) -> Path:
+    """The pack to bench: --pack's, or the tiny one built into scratch."""
+    pack = (tiny_pack(scratch) if args.tiny else args.pack).resolve()
+    if not (pack / "serve_dflash2.py").is_file():
+        parser.error(f"{pack} has no serve_dflash2.py: build it with tools/build_pack.py")
+    return pack
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_bench_options(parser, max_tokens=64)
+    args = parse_bench_args(parser, argv)
 
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-server-") as scratch:
         scratch = Path(scratch)
-        pack = (tiny_pack(scratch) if args.tiny else args.pack).resolve()
-        if not (pack / "serve_dflash2.py").is_file():
-            parser.error(f"{pack} has no serve_dflash2.py: build it with tools/build_pack.py")
+        pack = bench_pack(parser, args, scratch)
         health, samples, memory, commands = run(pack, args.max_tokens, args.repeats, scratch, args.start_timeout)
 
     record = {
