@@ -488,7 +488,7 @@ def main():
     parser.add_argument("--out", type=Path, default=REPO / "fixtures" / "tiny-pair")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target-steps", type=int, default=6000)
-    parser.add_argument("--drafter-steps", type=int, default=300)
+    parser.add_argument("--drafter-steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=12)
     args = parser.parse_args()
     rerun_with_openblas()
