@@ -166,6 +166,21 @@ def test_the_memory_bench_pairs_each_pass_and_says_where_rounds_did_not_run():
     assert "| 100 | 120 | speculative | 7 | 12.000 (10.000 to 14.000) | 10.500 (9.500 to 11.500) | +1.500 (+0.500 to +2.500) |" in text
 
 
+def test_the_memory_bench_takes_no_peak_of_a_request_served_from_the_prefix_cache():
+    """A request whose prompt the prefix cache restored peaks at a repeat turn's memory, not a
+    prefill's at its context: bench_memory refuses its finish line."""
+    from bench_memory import finish_peak
+    from dflash2_record import RequestRecord
+
+    record = RequestRecord(7, "POST /v1/chat/completions", "speculative", status=200, tokens=16, prompt_tokens=276,
+                           cached_tokens=0, peak_memory_gb=12.3456)
+    line = f"request 7 finished in 1.20s: {record.finish_summary()}"
+    assert finish_peak(line) == 12.346
+    record.cached_tokens = 275
+    with pytest.raises(ValueError, match="restored cached tokens"):
+        finish_peak(f"request 7 finished in 1.20s: {record.finish_summary()}")
+
+
 def test_the_memory_bench_prompts_have_about_the_context_s_tokens():
     from transformers import AutoTokenizer
 

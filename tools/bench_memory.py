@@ -5,20 +5,24 @@
 
 Starts serve_dflash2.py with a fixed verify block (--block, default 4: every greedy request
 runs rounds, whether or not they pay, as a user's would once the drafter accepts) and serve.py
-from one built pack, then sends both the same greedy chat request per context, its prompt cut
+from one built pack, both without the prefix cache at its prefill step (256: the same prompt
+again would restore from the cache, and the cache's stored states would sit under every later
+peak), then sends both the same greedy chat request per context, its prompt cut
 to about that many tokens of the pack's tokenizer: one warm-up request per context and server,
 then --repeats passes, the server order alternating. Each request's peak is MLX's peak memory
 from its admission to its end, as the server logs it on the request's finish line; x-dflash2
-says each request's route, and every speculative request must have run rounds. It writes
+says each request's route, and every speculative request must have run rounds and none may
+have restored cached tokens. It writes
 evidence/memory-http-<backend>.json and .md: per context the prompt's tokens, each server's
 memory at rest and request peak (median, min, max) and speculation's extra peak over plain,
 the per-pass difference (median, min, max). tools/bench_prefix.py measures the same in
-process (--memory-contexts).
+process (--memory-contexts), also one request's own peak.
 """
 
 import argparse
 import http.client
 import json
+import re
 import sys
 import tempfile
 import time
@@ -36,6 +40,9 @@ from server_process import ServerProcess  # noqa: E402
 TEXT = Path(__file__).read_text()
 INSTRUCTION = "\n\nSummarise the text above in one sentence."
 SPECULATIVE, PLAIN = "serve_dflash2.py", "serve.py"
+# No prefix cache, at the step the servers prefill with when it is on (dflash2_options).
+NO_CACHE = ["--no-prefix-cache", "--prefill-step-size", "256"]
+CACHED_TOKENS = re.compile(r"cached_tokens=([0-9]+)")
 
 
 def prompts(pack: Path, contexts) -> dict:
@@ -65,19 +72,26 @@ def chat(server: ServerProcess, prompt: str, max_tokens: int) -> dict:
     connection.close()
     if reply.status != 200:
         raise RuntimeError(f"{server.name}: HTTP {reply.status}: {json.dumps(payload)[:500]}")
-    finish = server.wait_for_log(since, "finished in")
     return {"mode": reply.getheader("x-dflash2") or "plain",
             "prompt_tokens": payload["usage"]["prompt_tokens"],
             "tokens_from_rounds": (payload.get("timings") or {}).get("tokens_from_rounds"),
-            "peak_gb": float(REQUEST_PEAK.search(finish)[1])}
+            "peak_gb": finish_peak(server.wait_for_log(since, "finished in"))}
+
+
+def finish_peak(line: str) -> float:
+    """A finish line's peak memory (GB); ValueError where the request restored cached tokens
+    (its peak is not a prefill's at its context)."""
+    if int(CACHED_TOKENS.search(line)[1]):
+        raise ValueError(f"a request restored cached tokens: {line}")
+    return float(REQUEST_PEAK.search(line)[1])
 
 
 def run(pack: Path, contexts, max_tokens: int, repeats: int, block: int, logs: Path, start_timeout: int):
     texts = prompts(pack, contexts)
     servers = {
-        SPECULATIVE: ServerProcess(SPECULATIVE, [SPECULATIVE, "--dflash2-block-size", str(block)], logs / "spec",
-                                   cwd=pack),
-        PLAIN: ServerProcess(PLAIN, [PLAIN], logs / "plain", cwd=pack),
+        SPECULATIVE: ServerProcess(SPECULATIVE, [SPECULATIVE, *NO_CACHE, "--dflash2-block-size", str(block)],
+                                   logs / "spec", cwd=pack),
+        PLAIN: ServerProcess(PLAIN, [PLAIN, *NO_CACHE], logs / "plain", cwd=pack),
     }
     try:
         for server in servers.values():
@@ -140,12 +154,13 @@ def main(argv=None):
         "results": summarise(samples),
         "seconds": round(time.time() - started, 1),
     }
-    write_record(args.out, f"memory-http-{record['backend']}", record, summary_markdown(record))
-    print(summary_markdown(record))
     off_rounds = [context for context, result in record["results"].items()
                   if result["speculative_modes"] != ["speculative"] or not result["tokens_from_rounds"]["min"]]
-    if off_rounds:
-        sys.exit(f"error: serve_dflash2.py ran no rounds at {', '.join(off_rounds)} tokens (see the record)")
+    if off_rounds:  # nothing to compare: no record
+        sys.exit(f"error: serve_dflash2.py ran no rounds at {', '.join(off_rounds)} tokens: "
+                 f"{json.dumps(record['results'])}")
+    write_record(args.out, f"memory-http-{record['backend']}", record, summary_markdown(record))
+    print(summary_markdown(record))
 
 
 def summary_markdown(r) -> str:
