@@ -83,28 +83,34 @@ def start_pack_engine(pack: OpenedPack, args, drafter=None):
 
 @contextmanager
 def compiling_alone():
-    """On MLX's CPU backend, hold <TMPDIR>/start-up.lock while the body runs (from the engine's
-    start to the end of the warm-ups), so that servers started together take turns compiling.
+    """On MLX's CPU backend, hold <TMPDIR>/start-up.lock while the body runs (a start, from the
+    engine's start to the end of the warm-ups; --verify-pack's self-tests), so that servers
+    started together take turns compiling.
 
     MLX's CPU backend writes each kernel it compiles into TMPDIR/mlx in place, under the name
     other processes look for: a server that loads one half written exits ("file too short",
     "undefined symbol"), as seen with three servers started at once on a cold folder. A CPU
-    start takes seconds. CUDA's PTX files go there too, but a CUDA start measures for minutes
-    (several servers on one GPU start together in the benchmarks), and no clash was seen there:
-    no lock on the GPU."""
+    start takes seconds. What a later request compiles first (a sampled one's sampling ops)
+    is not covered: the warm-ups run greedy requests. CUDA's PTX files go there too, but a CUDA
+    start measures for minutes (several servers on one GPU start together in the benchmarks),
+    and no clash was seen there: no lock on the GPU."""
     import mlx.core as mx
 
     if mx.default_device() != mx.cpu:
         yield
         return
     path = os.path.join(tempfile.gettempdir(), "start-up.lock")
-    with open(path, "a") as lock:
+    with open(path, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("waiting for another server's start-up: MLX compiles kernels into %s in place",
-                        tempfile.gettempdir())
+            lock.seek(0)
+            logger.info("waiting for the start-up of server process %s: MLX compiles kernels into %s in place",
+                        lock.read().strip() or "?", tempfile.gettempdir())
             fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.truncate(0)  # the holder's pid, for the next one's waiting line
+        lock.write(str(os.getpid()))
+        lock.flush()
         try:
             yield
         finally:

@@ -1,7 +1,8 @@
 """The servers' start-up refusals: options, hosts, environment, demo, launch pins.
 
-All of these stop before any model is loaded. Options, hosts and environment variables
-are refused by each entry point's main() in process; the rest run as subprocesses.
+Nearly all of these stop before any model is loaded (not Ctrl-C's, nor the start-up lock's).
+Options, hosts and environment variables are refused by each entry point's main() in
+process; the rest run as subprocesses.
 """
 
 import contextlib
@@ -196,9 +197,11 @@ def test_servers_started_together_take_turns_compiling(built_pack, tmp_path):
     folder's start-up lock (held here by the test), then starts."""
     folder = Path(tempfile.gettempdir()) / f"dflash2-{os.getuid()}"
     folder.mkdir(mode=0o700, exist_ok=True)
-    waiting = "waiting for another server's start-up"
-    lock = open(folder / "start-up.lock", "a")
+    waiting = "waiting for the start-up of server process 4242:"
+    lock = open(folder / "start-up.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
+    lock.write("4242")  # as a holder writes its pid
+    lock.flush()
     server = ServerProcess("serve", [str(REPO / "serve.py"), "--pack", str(built_pack)], tmp_path)
     try:
         deadline = time.monotonic() + 300
