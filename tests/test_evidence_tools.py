@@ -181,6 +181,23 @@ def test_the_memory_bench_takes_no_peak_of_a_request_served_from_the_prefix_cach
         finish_peak(f"request 7 finished in 1.20s: {record.finish_summary()}")
 
 
+def test_gpu_benchmarks_give_each_server_its_own_kernel_folder(tmp_path, monkeypatch):
+    """On a GPU the benchmarks' servers start together, and MLX writes what it compiles into the
+    temp folder in place: each gets its own, the same for its name in every run. On CPU they
+    share one (warm) and take turns over their start-ups."""
+    import mlx.core as mx
+
+    from server_process import ServerProcess, own_kernel_folder
+
+    assert own_kernel_folder("serve.py") is None
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    folders = {name: own_kernel_folder(name) for name in ("serve_dflash2.py", "serve.py")}
+    assert len(set(folders.values())) == 2 and own_kernel_folder("serve.py") == folders["serve.py"]
+    probe = ServerProcess("probe", ["-c", "import os; print('TMPDIR=' + os.environ['TMPDIR'])"], tmp_path,
+                          tmpdir=tmp_path / "kernels")
+    assert probe.process.wait(60) == 0 and f"TMPDIR={tmp_path / 'kernels'}" in probe.log()
+
+
 def test_the_memory_bench_prompts_have_about_the_context_s_tokens():
     from transformers import AutoTokenizer
 

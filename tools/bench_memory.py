@@ -34,7 +34,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 from bench_server import (  # noqa: E402
     MEMORY_AT_REST, REQUEST_PEAK, add_bench_options, bench_pack, parse_bench_args, spread)
 from records import run_environment, write_record  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, own_kernel_folder  # noqa: E402
 
 # The prompt: this module's own source, repeated and cut to the context's tokens.
 TEXT = Path(__file__).read_text()
@@ -90,8 +90,8 @@ def run(pack: Path, contexts, max_tokens: int, repeats: int, block: int, logs: P
     texts = prompts(pack, contexts)
     servers = {
         SPECULATIVE: ServerProcess(SPECULATIVE, [SPECULATIVE, *NO_CACHE, "--dflash2-block-size", str(block)],
-                                   logs / "spec", cwd=pack),
-        PLAIN: ServerProcess(PLAIN, [PLAIN, *NO_CACHE], logs / "plain", cwd=pack),
+                                   logs / "spec", cwd=pack, tmpdir=own_kernel_folder(SPECULATIVE)),
+        PLAIN: ServerProcess(PLAIN, [PLAIN, *NO_CACHE], logs / "plain", cwd=pack, tmpdir=own_kernel_folder(PLAIN)),
     }
     try:
         for server in servers.values():

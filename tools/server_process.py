@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +47,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def own_kernel_folder(name: str):
+    """A temp folder of the named server's own on a GPU, the same in every run on this machine
+    (what it compiled, a later run's server of that name finds); None on MLX's CPU backend.
+
+    MLX writes the kernels it compiles (CUDA: .ptx files and their name lists) into the temp
+    folder in place, where a server starting beside another could read one half written. On
+    the CPU backend the servers take turns over their start-ups (dflash2_launch.compiling_alone),
+    which takes seconds there; a GPU start measures for minutes, and the benchmarks start
+    several servers on one GPU together."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return None
+    return Path(tempfile.gettempdir()) / "dflash2-bench-servers" / name.replace("/", "-")
+
+
 class ServerFailed(RuntimeError):
     pass
 
@@ -56,16 +73,18 @@ class ServerProcess:
     theirs: the start-up verdict cache is HOME's; servers of one HOME share it); stdout and stderr
     go to workdir/NAME.log. python=None runs COMMAND as it is written (a README's command line)."""
 
-    def __init__(self, name, command, workdir: Path, cwd: Path = None, python=sys.executable, home: Path = None):
+    def __init__(self, name, command, workdir: Path, cwd: Path = None, python=sys.executable, home: Path = None,
+                 tmpdir: Path = None):
         self.name, self.command, self.port, self.workdir = name, list(command), free_port(), workdir
         self.home, self.cwd = Path(home or workdir / "home"), Path(cwd or workdir / "cwd")
-        for folder in (self.home, self.cwd):
+        for folder in (self.home, self.cwd, *([tmpdir] if tmpdir else [])):
             folder.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / f"{name.replace('.', '-')}.log"
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [*([python] if python else []), *self.command, "--port", str(self.port)], cwd=self.cwd,
-                env=clean_env(HOME=str(self.home), XDG_CACHE_HOME=str(self.home / ".cache"), PYTHONUNBUFFERED="1"),
+                env=clean_env(HOME=str(self.home), XDG_CACHE_HOME=str(self.home / ".cache"), PYTHONUNBUFFERED="1",
+                              **({"TMPDIR": str(tmpdir)} if tmpdir else {})),
                 stdout=log, stderr=subprocess.STDOUT)
 
     @property
