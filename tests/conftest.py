@@ -197,11 +197,11 @@ def raw_plain(target):
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory):
     """start_server(name, command, cwd=None) -> a ServerProcess (tools/server_process.py),
-    not yet waited for (servers started together take turns compiling their start-ups by
-    themselves: dflash2_launch.compiling_alone). One process per command and cwd for the session (per
-    worker under xdist): a test file asking for a server another already started gets that
-    one (started again if it was stopped), so give equal servers equal commands. All stop at
-    the end."""
+    not yet waited for (servers started together take turns over their start-ups' compiles by
+    themselves: dflash2_launch.compiling_alone). One process per command and cwd for the
+    session (per worker under xdist): a test file asking for a server another already started
+    gets that one (started again if it was stopped), so give equal servers equal commands.
+    All stop at the end."""
     started = {}
     # Under xdist the workers' temp folders share a parent of this run's own.
     shared = tmp_path_factory.getbasetemp()

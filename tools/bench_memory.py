@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from bench_server import (  # noqa: E402
-    MEMORY_AT_REST, REQUEST_PEAK, add_bench_options, bench_pack, parse_bench_args, spread)
+    REQUEST_PEAK, add_bench_options, bench_pack, parse_bench_args, server_memory, spread)
+from dflash2_options import PREFIX_CACHE_PREFILL_STEP  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
 from server_process import ServerProcess, own_kernel_folder  # noqa: E402
 
@@ -40,8 +41,8 @@ from server_process import ServerProcess, own_kernel_folder  # noqa: E402
 TEXT = Path(__file__).read_text()
 INSTRUCTION = "\n\nSummarise the text above in one sentence."
 SPECULATIVE, PLAIN = "serve_dflash2.py", "serve.py"
-# No prefix cache, at the step the servers prefill with when it is on (dflash2_options).
-NO_CACHE = ["--no-prefix-cache", "--prefill-step-size", "256"]
+# No prefix cache, at the step the servers prefill with when it is on.
+NO_CACHE = ["--no-prefix-cache", "--prefill-step-size", str(PREFIX_CACHE_PREFILL_STEP)]
 CACHED_TOKENS = re.compile(r"cached_tokens=([0-9]+)")
 
 
@@ -96,7 +97,7 @@ def run(pack: Path, contexts, max_tokens: int, repeats: int, block: int, logs: P
     try:
         for server in servers.values():
             server.wait_ready(start_timeout)
-        rest = {name: float(MEMORY_AT_REST.search(server.log())[1]) for name, server in servers.items()}
+        rest = {name: server_memory(server.log())["at_rest_gb"] for name, server in servers.items()}
         samples = {context: {name: [] for name in servers} for context in contexts}
         for context in contexts:
             for server in servers.values():  # warm-up: a length's first request compiles
