@@ -233,21 +233,36 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
 
 def gated_delta_positions(layer, inputs, cache, linear, linears=None):
     """The GatedDeltaNet layer at each of the (B, L) positions of `inputs`, every one as
-    decode's step computes it (unmasked, with a cache). linear(module, x) runs its packed
-    projections: verify's exact multi-row matmul, or the module's own call in decode;
-    linears((modules), x), where given, the two that share the input."""
+    decode's step computes it (unmasked, with a cache): gated_delta_core from the cache's
+    state, then commit_gated_delta. linear(module, x) runs its packed projections: verify's
+    exact multi-row matmul, or the module's own call in decode; linears((modules), x), where
+    given, the two that share the input."""
+    conv_state, initial = gated_delta_state(layer, cache, inputs.shape[0], inputs.dtype)
+    output, conv_input, states = gated_delta_core(layer, inputs, conv_state, initial, linear, linears)
+    commit_gated_delta(layer, cache, conv_input, states)
+    return output
+
+
+def gated_delta_state(layer, cache, batch: int, dtype) -> tuple:
+    """(convolution window, recurrent state) a GatedDeltaNet step starts from: the cache's,
+    or zeros where it holds none for this batch."""
+    conv_state, initial = cache[0], cache[1]
+    if conv_state is None or conv_state.shape[0] != batch:
+        conv_state = mx.zeros((batch, layer.conv_kernel_size - 1, layer.conv_dim), dtype=dtype)
+    if initial is None or initial.shape[0] != batch:
+        initial = mx.zeros((batch, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+    return conv_state, initial
+
+
+def gated_delta_core(layer, inputs, conv_state, initial, linear, linears=None) -> tuple:
+    """The GatedDeltaNet layer's arithmetic at each position from that state, touching no
+    cache: (output, the convolution's input window, the recurrent state after each position)."""
     batch, length, _ = inputs.shape
     mixed_qkv, z = (linears((layer.in_proj_qkv, layer.in_proj_z), inputs) if linears
                     else (linear(layer.in_proj_qkv, inputs), linear(layer.in_proj_z, inputs)))
     b, a = _gate_projections(layer, inputs)
     z = z.reshape(batch, length, -1, layer.head_v_dim)
-    width = layer.conv_kernel_size - 1
-    conv_state = cache[0]
-    if conv_state is None or conv_state.shape[0] != batch:
-        conv_state = mx.zeros((batch, width, layer.conv_dim), dtype=inputs.dtype)
     conv_input, conv_out = _convolve_positions(layer, conv_state, mixed_qkv)
-    # One window update records every position's window for rollback.
-    cache.update_window(0, conv_input, width, lengths=cache.lengths)
     q, k, v = [
         value.reshape(batch, length, heads, head_width)
         for value, heads, head_width in zip(
@@ -260,20 +275,24 @@ def gated_delta_positions(layer, inputs, cache, linear, linears=None):
     own_norms = type(layer)._normalize_qk is not qwen3_5_language.Qwen3_5GatedDeltaNet._normalize_qk
     q, k = layer._normalize_qk(q, k) if own_norms else _normalize_qk(q, k)
     g, beta = dflash2_kernels.gdn_gates(layer.A_log, a, b, layer.dt_bias)
-    initial = cache[1]
-    if initial is None or initial.shape[0] != batch:
-        initial = mx.zeros((batch, *v.shape[2:], k.shape[-1]), dtype=mx.float32)
     output, states = dflash2_kernels.gdn_recurrence(q, k, v, g, beta, initial)
-    # Every position's state is recorded in one call so rollback can keep any prefix
-    # without copying states per position (a no-op outside a speculative round).
+    output = _gated_norm(layer.norm, output, z)
+    return linear(layer.out_proj, output.reshape(batch, length, -1)), conv_input, states
+
+
+def commit_gated_delta(layer, cache, conv_input, states) -> None:
+    """Writes a GatedDeltaNet step's window and final state into its cache and advances it.
+    One window update records every position's window for rollback, and every position's
+    state is recorded in one call so rollback can keep any prefix without copying states
+    per position (both no-ops outside a speculative round)."""
+    length = states.shape[1]
+    cache.update_window(0, conv_input, layer.conv_kernel_size - 1, lengths=cache.lengths)
     final = states[:, -1]
     cache.record_speculative_states(1, states[:, :-1] if length > 1 else None, final)
     cache[1] = final
     cache.advance(length)
     qwen3_5_language._qwen3_5_advance_left_padding_info(cache, length)
     qwen3_5_language._qwen3_5_advance_lengths_info(cache, length)
-    output = _gated_norm(layer.norm, output, z)
-    return linear(layer.out_proj, output.reshape(batch, length, -1))
 
 
 def _gated_norm(norm, x, gate):
