@@ -97,6 +97,15 @@ def _fp16_weight(w, scales, biases, group_size, bits):
     return (spread(scales) * codes.astype(mx.float16) + spread(biases)).astype(mx.float32).T
 
 
+def tracing(x) -> bool:
+    """Whether x is a placeholder of mx.compile's trace (evaluating it raises there)."""
+    try:
+        mx.eval(x)
+    except ValueError:
+        return True
+    return False
+
+
 def one_fp16_row(x, w, scales, biases, group_size, bits):
     """MLX's CPU single-row quantized matmul for fp16 (_qmm_t: sum from +0, sum += x * w in
     fp16, element after element), bit for bit: the products are exact in float32 and rounded
@@ -104,6 +113,8 @@ def one_fp16_row(x, w, scales, biases, group_size, bits):
     _qmm_t's +0. None where the pack's weights are not what this was checked on, and for a row
     holding a NaN: where NaNs of both signs meet x86 keeps the first operand's, and _qmm_t and
     cumsum add in other operand orders (a review found signs that differ there)."""
+    if tracing(x):
+        return None  # inside mx.compile's trace no value can be read: MLX's own call serves
     key = (id(w), id(scales), id(biases), group_size, bits)
     kept = _FP16_WEIGHTS.get(key)
     if kept is None:
