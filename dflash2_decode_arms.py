@@ -9,6 +9,7 @@ gives stock's bits here (decode_arm_differences), and the fastest of those serve
 
 import copy
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -24,7 +25,10 @@ from dflash2_verify import (
     _fused_residual_layer,
     _packed_linear,
     _shared_rotation_block,
+    commit_gated_delta,
+    gated_delta_core,
     gated_delta_positions,
+    gated_delta_state,
 )
 
 
@@ -64,6 +68,8 @@ DECODE_ARMS = {
     "rotation+recurrence+convolution+rope": frozenset({"rotation", "recurrence", "convolution", "rope"}),
     "rotation+recurrence+convolution+rope+residual":
         frozenset({"rotation", "recurrence", "convolution", "rope", "residual"}),
+    "rotation+recurrence+convolution+rope+residual+compiled":
+        frozenset({"rotation", "recurrence", "convolution", "rope", "residual", "compiled"}),
     "rotation+recurrence+matmul": frozenset({"rotation", "recurrence", "matmul"}),
 }
 _decode_path: frozenset = frozenset()
@@ -142,10 +148,15 @@ def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
 
 def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
     """Qwen3_5DecoderLayer.__call__; with the residual, decode's residual add and the norm
-    after it in one launch instead of two (_add_and_norm, the same bits). During a plain
+    after it in one launch instead of two (_add_and_norm, the same bits); compiled, a
+    GatedDeltaNet layer's step replayed from its trace (_compiled_layers). During a plain
     step the drafter's tap layers keep their outputs (dflash2_rounds.keep_tap_output)."""
     if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
         output = _stock_decoder_layer_call(self, x, mask, cache, position_ids, position_embeddings)
+    elif "compiled" in _decode_path and _takes_compiled_step(self, x, mask, cache):
+        conv_state, initial = gated_delta_state(self.linear_attn, cache, 1, x.dtype)
+        output, conv_input, states = _compiled_layers.step(self)(x, conv_state, initial)
+        commit_gated_delta(self.linear_attn, cache, conv_input, states)
     else:
         if self.is_linear:
             def mixer(normed):
@@ -157,6 +168,66 @@ def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, posit
         output = _fused_residual_layer(self, x, mixer, _module_call)
     dflash2_rounds.keep_tap_output(self, output)
     return output
+
+
+def _takes_compiled_step(layer, x, mask, cache) -> bool:
+    """Whether a decoder layer's step is the compiled one: a Qwen3.5 GatedDeltaNet layer's
+    unmasked one-row fp16 step outside a speculative round (what the convolution arm's
+    gated_delta_positions serves)."""
+    mixer = layer.linear_attn if layer.is_linear else None
+    return (type(mixer) is qwen3_5_language.Qwen3_5GatedDeltaNet and not mixer.training and mask is None
+            and cache is not None and not cache.is_speculating
+            and x.shape[:2] == (1, 1) and x.dtype == mx.float16)
+
+
+class CompiledLayers:
+    """Each GatedDeltaNet decoder layer's plain decode step under mx.compile: Python builds
+    its graph once, at the first step (the trace), and MLX replays it at every token after.
+
+    Plain decode is host-bound at the 27B shape (about 10 ms of a step is Python building
+    the graph: evidence/profile-verify-cuda.md). A trace holds the step's ops as the
+    residual arm builds them, with the layer's weights as constants: where no element-wise
+    ops meet (every kernel of the arm serving) nothing fuses, and choose_decode_path serves
+    this arm only where its step gives stock's bits and runs fastest. A layer's trace lives
+    as long as the layer and is dropped at every switch of arm (use_decode_arm), so a
+    step traces the kernels in use; weights replaced in place after the first step are not
+    seen (a pack's weights are loaded once)."""
+
+    def __init__(self):
+        self._steps = {}  # id(layer) -> (weak reference to the layer, compiled step)
+
+    def step(self, layer):
+        """The layer's compiled step: (x, convolution window, recurrent state) -> (output,
+        the convolution's input window, the state after the position)."""
+        kept = self._steps.get(id(layer))
+        if kept is None or kept[0]() is not layer:
+            kept = (weakref.ref(layer, lambda _, key=id(layer): self._steps.pop(key, None)),
+                    mx.compile(_layer_step(weakref.ref(layer))))
+            self._steps[id(layer)] = kept
+        return kept[1]
+
+    def clear(self):
+        self._steps.clear()
+
+
+def _layer_step(layer_ref):
+    """A GatedDeltaNet decoder layer's step as a function of arrays alone, for mx.compile
+    (the layer by weak reference: the trace keeps its weights, not the layer)."""
+    def step(x, conv_state, initial):
+        layer, kept = layer_ref(), []
+
+        def mixer(normed):
+            output, *window_and_states = gated_delta_core(
+                layer.linear_attn, normed, conv_state, initial, _module_call, _decode_linears)
+            kept.extend(window_and_states)
+            return output
+
+        return (_fused_residual_layer(layer, x, mixer, _module_call), *kept)
+
+    return step
+
+
+_compiled_layers = CompiledLayers()
 
 
 def _module_call(module, x):
@@ -212,6 +283,7 @@ def use_decode_arm(arm: str) -> None:
     """Switch plain decode's replacements to one of DECODE_ARMS."""
     global _decode_path
     _decode_path = DECODE_ARMS[arm]
+    _compiled_layers.clear()
 
 
 def decode_arm_differences(language_model, arms) -> dict:

@@ -85,22 +85,27 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
     their padding and length metadata): one request, and three sharing a batch whose rows
     join and leave, answer under every arm as under stock's, and the lone request's steps
     take the arm's one-row GatedDeltaNet layer, its rotary kernel call and its residual add
-    and norm kernel call."""
+    and norm kernel call; compiled, each layer's step is traced once and replayed after."""
     from test_first_token import PROMPTS as BATCH_PROMPTS, run
 
     one_row_layers, rotary_calls, norm_calls = [], [], []
     positions, rope_rows = dflash2_decode_arms.gated_delta_positions, dflash2_kernels.rope_rows
-    add_rms_norm = dflash2_kernels.add_rms_norm
+    core, add_rms_norm = dflash2_decode_arms.gated_delta_core, dflash2_kernels.add_rms_norm
 
     def counted(layer, inputs, cache, linear, linears):
         one_row_layers.append(inputs.shape[:2])
         return positions(layer, inputs, cache, linear, linears)
+
+    def counted_core(layer, inputs, *args):  # the compiled step's, built at its trace alone
+        one_row_layers.append(inputs.shape[:2])
+        return core(layer, inputs, *args)
 
     def counted_rope(q, k, cos, sin, variant=None):
         rotary_calls.append(dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin))
         return rope_rows(q, k, cos, sin, variant)
 
     monkeypatch.setattr(dflash2_decode_arms, "gated_delta_positions", counted)
+    monkeypatch.setattr(dflash2_decode_arms, "gated_delta_core", counted_core)
     def counted_norm(x, residual, weight, eps, variant=None):
         norm_calls.append(dflash2_kernel_fused.norm_kernel_supports(x, weight, residual))
         return add_rms_norm(x, residual, weight, eps, variant)
@@ -120,6 +125,10 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
             assert run(target, BATCH_PROMPTS[:1], **alone)[0] == stock[0], arm
             took_layer = "convolution" in dflash2_decode_arms.DECODE_ARMS[arm]
             assert bool(one_row_layers) == took_layer and set(one_row_layers) <= {(1, 1)}, arm
+            if took_layer:  # built once per layer where compiled, at every step where not
+                linear_layers = sum(layer.is_linear for layer in target[0].language_model.model.layers)
+                compiled = "compiled" in dflash2_decode_arms.DECODE_ARMS[arm]
+                assert (len(one_row_layers) == linear_layers) == compiled, arm
             assert rotary_calls == [True] * len(rotary_calls) and bool(rotary_calls) == (
                 "rope" in dflash2_decode_arms.DECODE_ARMS[arm]), arm
             assert norm_calls == [True] * len(norm_calls) and bool(norm_calls) == (
