@@ -9,7 +9,6 @@ gives stock's bits here (decode_arm_differences), and the fastest of those serve
 
 import copy
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -21,12 +20,12 @@ import dflash2_kernels
 import dflash2_rounds
 import dflash2_timing
 from dflash2_verify import (
+    CompiledLayers,
     _exact_linear_group,
     _fused_residual_layer,
     _packed_linear,
     _shared_rotation_block,
     commit_gated_delta,
-    gated_delta_core,
     gated_delta_positions,
     gated_delta_state,
 )
@@ -149,7 +148,7 @@ def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
 def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
     """Qwen3_5DecoderLayer.__call__; with the residual, decode's residual add and the norm
     after it in one launch instead of two (_add_and_norm, the same bits); compiled, a
-    GatedDeltaNet layer's step replayed from its trace (_compiled_layers). During a plain
+    GatedDeltaNet layer's step replayed from its trace (dflash2_verify.CompiledLayers). During a plain
     step the drafter's tap layers keep their outputs (dflash2_rounds.keep_tap_output)."""
     if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
         output = _stock_decoder_layer_call(self, x, mask, cache, position_ids, position_embeddings)
@@ -180,58 +179,12 @@ def _takes_compiled_step(layer, x, mask, cache) -> bool:
             and x.shape[:2] == (1, 1) and x.dtype == mx.float16)
 
 
-class CompiledLayers:
-    """Each GatedDeltaNet decoder layer's plain decode step under mx.compile: Python builds
-    its graph once, at the first step (the trace), and MLX replays it at every token after.
-
-    Plain decode is host-bound at the 27B shape (about 10 ms of a step is Python building
-    the graph: evidence/profile-verify-cuda.md). A trace holds the step's ops as the
-    residual arm builds them, with the layer's weights as constants: where no element-wise
-    ops meet (every kernel of the arm serving) nothing fuses, and choose_decode_path serves
-    this arm only where its step gives stock's bits and runs fastest. A layer's trace lives
-    as long as the layer and is dropped at every switch of arm (use_decode_arm), so a
-    step traces the kernels in use; weights replaced in place after the first step are not
-    seen (a pack's weights are loaded once)."""
-
-    def __init__(self):
-        self._steps = {}  # id(layer) -> (weak reference to the layer, compiled step)
-
-    def step(self, layer):
-        """The layer's compiled step: (x, convolution window, recurrent state) -> (output,
-        the convolution's input window, the state after the position)."""
-        kept = self._steps.get(id(layer))
-        if kept is None or kept[0]() is not layer:
-            kept = (weakref.ref(layer, lambda _, key=id(layer): self._steps.pop(key, None)),
-                    mx.compile(_layer_step(weakref.ref(layer))))
-            self._steps[id(layer)] = kept
-        return kept[1]
-
-    def clear(self):
-        self._steps.clear()
-
-
-def _layer_step(layer_ref):
-    """A GatedDeltaNet decoder layer's step as a function of arrays alone, for mx.compile
-    (the layer by weak reference: the trace keeps its weights, not the layer)."""
-    def step(x, conv_state, initial):
-        layer, kept = layer_ref(), []
-
-        def mixer(normed):
-            output, *window_and_states = gated_delta_core(
-                layer.linear_attn, normed, conv_state, initial, _module_call, _decode_linears)
-            kept.extend(window_and_states)
-            return output
-
-        return (_fused_residual_layer(layer, x, mixer, _module_call), *kept)
-
-    return step
-
-
-_compiled_layers = CompiledLayers()
-
-
 def _module_call(module, x):
     return module(x)
+
+
+# Plain decode's compiled GatedDeltaNet layer steps (the compiled arm), dropped at each switch of arm.
+_compiled_layers = CompiledLayers(_module_call, _decode_linears, _module_call)
 
 
 def _differing_bits(pairs) -> list:

@@ -15,6 +15,7 @@ token is picked the way plain decode picks it. dflash2_runtime installs it in ml
 
 import contextlib
 import functools
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -293,6 +294,56 @@ def commit_gated_delta(layer, cache, conv_input, states) -> None:
     cache.advance(length)
     qwen3_5_language._qwen3_5_advance_left_padding_info(cache, length)
     qwen3_5_language._qwen3_5_advance_lengths_info(cache, length)
+
+
+class CompiledLayers:
+    """Each GatedDeltaNet decoder layer's step under mx.compile: Python builds its graph
+    once per input shape (the trace), and MLX replays it at every step after.
+
+    At the 27B shape a step is host-bound (Python built a decode step's graph in about 10 of
+    its 37 ms on the H200: evidence/profile-verify-cuda.md). A trace holds the ops the layer's
+    uncompiled step builds, with its weights as constants: where no element-wise ops meet
+    (every kernel serving) nothing fuses, and a compiled step serves only where a check of
+    its bits against the uncompiled step's passed here. A layer's trace lives as long as the
+    layer, or until clear() (at a switch of kernels, so a step traces the ones in use);
+    weights replaced in place after the first step are not seen (a pack's are loaded once).
+    linear(module, x), linears(modules, x): the projections the step runs, as
+    gated_delta_positions takes them; feed_forward(mlp, x): its MLP."""
+
+    def __init__(self, linear, linears, feed_forward):
+        self._linear, self._linears, self._feed_forward = linear, linears, feed_forward
+        self._steps = {}  # id(layer) -> (weak reference to the layer, compiled step)
+
+    def step(self, layer):
+        """The decoder layer's compiled step: (hidden, convolution window, recurrent state) ->
+        (output, the convolution's input window, the state after each position)."""
+        kept = self._steps.get(id(layer))
+        if kept is None or kept[0]() is not layer:
+            kept = (weakref.ref(layer, lambda _, key=id(layer): self._steps.pop(key, None)),
+                    mx.compile(self._layer_step(weakref.ref(layer))))
+            self._steps[id(layer)] = kept
+        return kept[1]
+
+    def clear(self):
+        self._steps.clear()
+
+    def _layer_step(self, layer_ref):
+        """The layer's step as a function of arrays alone (the layer by weak reference: the
+        trace keeps its weights, not the layer)."""
+        linear, linears, feed_forward = self._linear, self._linears, self._feed_forward
+
+        def step(x, conv_state, initial):
+            layer, kept = layer_ref(), []
+
+            def mixer(normed):
+                output, *window_and_states = gated_delta_core(
+                    layer.linear_attn, normed, conv_state, initial, linear, linears)
+                kept.extend(window_and_states)
+                return output
+
+            return (_fused_residual_layer(layer, x, mixer, feed_forward), *kept)
+
+        return step
 
 
 def _gated_norm(norm, x, gate):

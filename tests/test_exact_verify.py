@@ -89,14 +89,10 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
     from test_first_token import PROMPTS as BATCH_PROMPTS, run
 
     one_row_layers, rotary_calls, norm_calls = [], [], []
-    positions, rope_rows = dflash2_decode_arms.gated_delta_positions, dflash2_kernels.rope_rows
-    core, add_rms_norm = dflash2_decode_arms.gated_delta_core, dflash2_kernels.add_rms_norm
+    core, rope_rows = dflash2_verify.gated_delta_core, dflash2_kernels.rope_rows
+    add_rms_norm = dflash2_kernels.add_rms_norm
 
-    def counted(layer, inputs, cache, linear, linears):
-        one_row_layers.append(inputs.shape[:2])
-        return positions(layer, inputs, cache, linear, linears)
-
-    def counted_core(layer, inputs, *args):  # the compiled step's, built at its trace alone
+    def counted(layer, inputs, *args):  # a compiled step's is built at its trace alone
         one_row_layers.append(inputs.shape[:2])
         return core(layer, inputs, *args)
 
@@ -104,8 +100,7 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         rotary_calls.append(dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin))
         return rope_rows(q, k, cos, sin, variant)
 
-    monkeypatch.setattr(dflash2_decode_arms, "gated_delta_positions", counted)
-    monkeypatch.setattr(dflash2_decode_arms, "gated_delta_core", counted_core)
+    monkeypatch.setattr(dflash2_verify, "gated_delta_core", counted)
     def counted_norm(x, residual, weight, eps, variant=None):
         norm_calls.append(dflash2_kernel_fused.norm_kernel_supports(x, weight, residual))
         return add_rms_norm(x, residual, weight, eps, variant)
