@@ -7,6 +7,7 @@ gives stock's bits here (decode_arm_differences), and the fastest of those serve
 (choose_decode_path): the choice changes speed, never tokens.
 """
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from dflash2_verify import (
     commit_gated_delta,
     gated_delta_positions,
     gated_delta_state,
+    takes_compiled_step,
 )
 
 
@@ -170,12 +172,10 @@ def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, posit
 
 
 def _takes_compiled_step(layer, x, mask, cache) -> bool:
-    """Whether a decoder layer's step is the compiled one: a Qwen3.5 GatedDeltaNet layer's
+    """Whether a decoder layer's step is the compiled one: what CompiledLayers serves, at an
     unmasked one-row fp16 step outside a speculative round (what the convolution arm's
     gated_delta_positions serves)."""
-    mixer = layer.linear_attn if layer.is_linear else None
-    return (type(mixer) is qwen3_5_language.Qwen3_5GatedDeltaNet and not mixer.training and mask is None
-            and cache is not None and not cache.is_speculating
+    return (takes_compiled_step(layer, mask, cache) and not cache.is_speculating
             and x.shape[:2] == (1, 1) and x.dtype == mx.float16)
 
 
@@ -237,6 +237,20 @@ def use_decode_arm(arm: str) -> None:
     global _decode_path
     _decode_path = DECODE_ARMS[arm]
     _compiled_layers.clear()
+
+
+@contextlib.contextmanager
+def decode_arm(arm: str):
+    """Plain decode under another of DECODE_ARMS for a while (the verify self-check's steps
+    take stock's), then the served arm again."""
+    global _decode_path
+    served = _decode_path
+    use_decode_arm(arm)
+    try:
+        yield
+    finally:
+        _decode_path = served
+        _compiled_layers.clear()
 
 
 def decode_arm_differences(language_model, arms) -> dict:

@@ -10,6 +10,7 @@ source differs from the audited one, `install` refuses and names it.
 """
 
 import copy
+import dataclasses
 import functools
 import logging
 import os
@@ -33,10 +34,12 @@ import dflash2_audit
 import dflash2_kernels
 import dflash2_pack
 import dflash2_rounds
+import dflash2_timing
 from dflash2_audit import _with_globals
 from dflash2_decode_arms import (
     DecodePathChoice,
     _decoder_layer_call,
+    decode_arm,
     _differing_bits,
     _gated_delta_net_call,
     _gated_delta_ops_call,
@@ -62,6 +65,7 @@ class RuntimeStatus:
     decode_path: Optional[DecodePathChoice] = None
     verify_check: Optional["VerifySelfCheck"] = None
     seconds: dict = field(default_factory=dict)  # start-up check -> wall seconds it took
+    verify_path: Optional["VerifyPathChoice"] = None
 
     def log_lines(self) -> list[str]:
         """What start-up logs: kernels, the verify self-check, plain decode's path."""
@@ -77,6 +81,11 @@ class RuntimeStatus:
                                 for arm, t in self.decode_path.step_ms.items())
             lines.append(f"plain decode path: {self.decode_path.arm} ({self.decode_path.why}"
                          + (f"; fastest step: {timings}" if timings else "") + ")")
+        if self.verify_path is not None:
+            timings = ", ".join(f"{arm} {t['min']:.2f} ms (median {t['median']:.2f})"
+                                for arm, t in self.verify_path.forward_ms.items())
+            lines.append(f"verify path: {'compiled' if self.verify_path.compiled else 'built at every round'} "
+                         f"({self.verify_path.why}" + (f"; fastest block-8 forward: {timings}" if timings else "") + ")")
         if self.seconds:
             lines.append("start-up checks took: " + ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items()))
         return lines
@@ -94,6 +103,7 @@ class RuntimeStatus:
                 "seconds_by_part": {name: round(s, 2) for name, s in check.seconds_by_part.items()},
                 "summary": check.summary(),
             },
+            "verify_path": None if self.verify_path is None else dataclasses.asdict(self.verify_path),
             "plain_decode_path": None if self.decode_path is None else {
                 "arm": self.decode_path.arm, "why": self.decode_path.why,
                 "step_ms": self.decode_path.step_ms,
@@ -189,11 +199,88 @@ def install(model=None, verdicts: Optional[VerdictCache] = None) -> RuntimeStatu
         return RuntimeStatus(False, reason, backend, result, seconds=seconds)
     if model is None:
         return RuntimeStatus(True, None, backend, result, seconds=seconds)
-    check = verdicts.check("verify self-check", lambda: self_check_verify(model.language_model))
     choice = verdicts.check("plain decode path", lambda: choose_decode_path(model), DecodePathChoice.from_json)
     use_decode_arm(choice.arm)
+    verify_path = verdicts.check("verify path", lambda: choose_verify_path(model.language_model),
+                                 VerifyPathChoice.from_json)
+    qwen3_5_language._EXACT_SPECULATIVE_VERIFIER.use_compiled_layers(verify_path.compiled)
+    # The verify path served, against stock decode steps, at every start.
+    check = verdicts.check("verify self-check", lambda: self_check_verify(model.language_model))
     reason = f"verify-self-check-failed: {check.summary()}" if check.differing else None
-    return RuntimeStatus(reason is None, reason, backend, result, choice, check, verdicts.measured_seconds())
+    return RuntimeStatus(reason is None, reason, backend, result, choice, check, verdicts.measured_seconds(),
+                         verify_path)
+
+
+@dataclass
+class VerifyPathChoice:
+    """Whether verify's GatedDeltaNet layers run compiled (dflash2_verify.CompiledLayers), and why."""
+
+    compiled: bool
+    why: str
+    forward_ms: dict = field(default_factory=dict)  # "built" / "compiled" -> {"median", "min", "max"}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "VerifyPathChoice":
+        """A cached choice (dataclasses.asdict's); ValueError for one of another form."""
+        choice = cls(**data)
+        if not isinstance(choice.compiled, bool):
+            raise ValueError(f"compiled is {choice.compiled!r}")
+        return choice
+
+
+def choose_verify_path(language_model) -> VerifyPathChoice:
+    """Compiled where that gives decode's bits here (the verify self-check, run with it) and
+    its block-8 verify forward is faster, timed interleaved beside the forward built at every
+    round; on CUDA only (CPU builds the kernels from element-wise ops, which a trace fuses)."""
+    if dflash2_kernels.backend_name() != "cuda":
+        return VerifyPathChoice(False, "compiled only on CUDA")
+    verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+    try:
+        verifier.use_compiled_layers(True)
+        check = self_check_verify(language_model)
+    except Exception as error:  # a trace that fails, say: verify stays built at every round
+        return VerifyPathChoice(False, f"the compiled forward raised {type(error).__name__}: {error}")
+    finally:
+        verifier.use_compiled_layers(False)
+    if check.differing:
+        return VerifyPathChoice(False, f"the compiled forward's self-check: {check.differing} differing")
+    timings = time_verify_forwards(language_model, {"built": lambda: verifier.use_compiled_layers(False),
+                                                    "compiled": lambda: verifier.use_compiled_layers(True)})
+    verifier.use_compiled_layers(False)
+    compiled = timings["compiled"]["min"] < timings["built"]["min"]  # by the fastest sample: see choose_decode_path
+    return VerifyPathChoice(compiled, "the faster block-8 verify forward (fastest of 5 interleaved samples), "
+                            "the compiled one's self-check 0 differing", timings)
+
+
+def time_verify_forwards(language_model, arms: dict, block: int = 8, forwards: int = 3) -> dict:
+    """dflash2_timing.interleaved_ms of exact verify forwards of `block` positions (greedy
+    tokens included, each round aborted so the cache stays) under each arm (name -> set-up)."""
+    from mlx_vlm.speculative import dflash as rounds
+    from mlx_vlm.speculative.cache_state import abort_speculative_round
+
+    layers = language_model.model.layers
+    taps = sorted({0, len(layers) // 2, len(layers) - 1})
+    cache = language_model.make_cache()
+    mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
+    tokens = mx.array([[11 + i for i in range(block)]])
+
+    def forward():
+        hidden, transaction, chosen = rounds._dflash_verify_greedy(
+            language_model, tokens, cache, taps, lambda logits: mx.argmax(logits, axis=-1))
+        mx.eval(chosen, hidden)
+        abort_speculative_round(transaction)
+
+    def sample(set_up):
+        def run():
+            set_up()
+            forward()  # traced and warm
+            started = time.perf_counter()
+            for _ in range(forwards):
+                forward()
+            return 1000 * (time.perf_counter() - started) / forwards
+        return run
+
+    return dflash2_timing.interleaved_ms({name: sample(set_up) for name, set_up in arms.items()}, repeats=5)
 
 
 # The negative control's block: stock verify's longest round, where it departs from decode
@@ -246,10 +333,11 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
     mx.eval(language_model(mx.array([list(prompt)]), cache=cache).logits)
     start = copy.deepcopy(cache)
     steps, after = [], [copy.deepcopy(cache)]
-    for token in block:
-        steps.append(language_model(mx.array([[token]]), cache=cache, capture_layer_ids=taps))
-        mx.eval(steps[-1].logits, steps[-1].hidden_states)
-        after.append(copy.deepcopy(cache))
+    with decode_arm("mlx"):  # stock's steps, whichever arm serves
+        for token in block:
+            steps.append(language_model(mx.array([[token]]), cache=cache, capture_layer_ids=taps))
+            mx.eval(steps[-1].logits, steps[-1].hidden_states)
+            after.append(copy.deepcopy(cache))
     seconds["decode steps"] = time.perf_counter() - started
 
     def check(length, verifier):

@@ -37,8 +37,9 @@ MODULES = Path(__file__).absolute().parent  # where the pack's modules load from
 CHECKS = {
     "kernel self-tests": "each kernel against MLX's own calls at the pack's shapes (a GPU's first start "
                          "builds every kernel)",
-    "verify self-check": "exact verify rounds against decode steps on the pack's weights (at every start)",
     "plain decode path": "plain decode's arms, checked against stock and timed",
+    "verify path": "verify's layers compiled or built at every round, checked against decode and timed",
+    "verify self-check": "exact verify rounds against decode steps on the pack's weights (at every start)",
     "sampled verify draws": "a verify block's sampled draws in one call against decode's per row",
     "drafter activations": "the drafter's activation dtypes, timed",
     "round costs": "each block's round, timed (the round policy's table)",
@@ -46,7 +47,7 @@ CHECKS = {
 # What of mx.device_info() names the device (not its free memory, nor which of a host's GPUs).
 DEVICE_FIELDS = ("device_name", "architecture", "compute_capability_major", "compute_capability_minor")
 # Rough durations where no cached start has timed them: the H200 at the 27B shape (issue 45).
-ESTIMATES_S = {"cuda": {"kernel self-tests": 85, "verify self-check": 3, "plain decode path": 16,
+ESTIMATES_S = {"cuda": {"kernel self-tests": 85, "verify self-check": 3, "plain decode path": 16, "verify path": 6,
                         "drafter activations": 70, "round costs": 60}}
 
 

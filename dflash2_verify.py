@@ -153,6 +153,12 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
     """
 
     _layers_built = 0  # of the forward being built; verify starts each at 0
+    compiled_layers = None  # CompiledLayers where the GatedDeltaNet layers' steps run compiled
+
+    def use_compiled_layers(self, on: bool) -> None:
+        """Verify's GatedDeltaNet decoder layers traced once per block length and replayed
+        (CompiledLayers), or built at every round."""
+        self.compiled_layers = CompiledLayers(self._linear, self._linears, self._feed_forward) if on else None
 
     def verify(self, language_model, inputs, *, cache=None, **kwargs):
         # The server's one-row batch cache brings an explicit causal mask; an
@@ -164,13 +170,19 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
 
     def _layer(self, layer, hidden, mask, cache, position_ids, position_embeddings):
         # The base class's, with the residual add and the norm after it in one launch.
-        if layer.is_linear:
-            def mixer(normed):
-                return self._gated_delta(layer.linear_attn, normed, mask, cache)
+        if self.compiled_layers is not None and takes_compiled_step(layer, mask, cache):
+            linear_attention = layer.linear_attn
+            conv_state, initial = gated_delta_state(linear_attention, cache, hidden.shape[0], hidden.dtype)
+            hidden, conv_input, states = self.compiled_layers.step(layer)(hidden, conv_state, initial)
+            commit_gated_delta(linear_attention, cache, conv_input, states)
         else:
-            def mixer(normed):
-                return self._attention(layer.self_attn, normed, mask, cache, position_ids, position_embeddings)
-        hidden = _fused_residual_layer(layer, hidden, mixer, self._feed_forward)
+            if layer.is_linear:
+                def mixer(normed):
+                    return self._gated_delta(layer.linear_attn, normed, mask, cache)
+            else:
+                def mixer(normed):
+                    return self._attention(layer.self_attn, normed, mask, cache, position_ids, position_embeddings)
+            hidden = _fused_residual_layer(layer, hidden, mixer, self._feed_forward)
         self._layers_built += 1
         if VERIFY_EVAL_EVERY and self._layers_built % VERIFY_EVAL_EVERY == 0:
             mx.async_eval(hidden)
@@ -294,6 +306,14 @@ def commit_gated_delta(layer, cache, conv_input, states) -> None:
     cache.advance(length)
     qwen3_5_language._qwen3_5_advance_left_padding_info(cache, length)
     qwen3_5_language._qwen3_5_advance_lengths_info(cache, length)
+
+
+def takes_compiled_step(layer, mask, cache) -> bool:
+    """Whether CompiledLayers serves a decoder layer's step: Qwen3.5's own GatedDeltaNet
+    decoder layer (a subclass may compute otherwise), unmasked, with a cache."""
+    return (type(layer) is qwen3_5_language.Qwen3_5DecoderLayer and layer.is_linear
+            and type(layer.linear_attn) is qwen3_5_language.Qwen3_5GatedDeltaNet
+            and not layer.linear_attn.training and mask is None and cache is not None)
 
 
 class CompiledLayers:

@@ -12,6 +12,7 @@ negative control below), so they can fail.
 """
 
 import copy
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -524,3 +525,67 @@ def test_the_rotation_arm_rotates_fp32_rows_through_the_kernels_rotate(float32_t
     finally:
         dflash2_decode_arms.use_decode_arm("mlx")
     assert rotated and set(rotated) == {mx.float32}
+
+
+def test_compiled_verify_layers_give_decode_s_bits_traced_once_per_block(target, monkeypatch):
+    """The exact verify forward with its GatedDeltaNet layers compiled (the verify path a
+    CUDA machine may choose at start-up): the self-check's rounds at every block 2..8 are
+    stock decode's bits, each layer is built once per block length and replayed after, and a
+    kernel one bit off is found."""
+    from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
+
+    lm = target[0].language_model
+    verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+    built, core = [], dflash2_verify.gated_delta_core
+
+    def counted(layer, inputs, *args):
+        built.append(inputs.shape[1])
+        return core(layer, inputs, *args)
+
+    monkeypatch.setattr(dflash2_verify, "gated_delta_core", counted)
+    linear_layers = sum(layer.is_linear for layer in lm.model.layers)
+    try:
+        verifier.use_compiled_layers(True)
+        assert dflash2_runtime.self_check_verify(lm).differing == 0
+        assert sorted(built) == sorted(length for length in range(2, 9) for _ in range(linear_layers))
+        built.clear()
+        assert dflash2_runtime.self_check_verify(lm).differing == 0 and built == []  # replayed
+        monkeypatch.setattr(dflash2_kernels, "gdn_gates", last_output_a_bit_off(dflash2_kernels.gdn_gates))
+        verifier.use_compiled_layers(True)  # traced again, with the kernel in use
+        assert dflash2_runtime.self_check_verify(lm).differing > 0
+    finally:
+        verifier.use_compiled_layers(False)
+
+
+def test_the_verify_path_is_compiled_only_on_cuda_where_checked_and_faster(target, monkeypatch):
+    """choose_verify_path: off CUDA verify is built at every round; on CUDA the compiled
+    forward is timed beside the built one only after its self-check found no difference, the
+    faster kept; one whose check differs or raises is never timed; either way the verifier is
+    left built (install then sets what was chosen)."""
+    import types
+
+    from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
+
+    lm = target[0].language_model
+    verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+    assert dflash2_runtime.choose_verify_path(lm) == dflash2_runtime.VerifyPathChoice(False, "compiled only on CUDA")
+    monkeypatch.setattr(dflash2_runtime, "dflash2_kernels", types.SimpleNamespace(backend_name=lambda: "cuda"))
+    choice = dflash2_runtime.choose_verify_path(lm)
+    assert set(choice.forward_ms) == {"built", "compiled"} and verifier.compiled_layers is None
+    assert choice.compiled == (choice.forward_ms["compiled"]["min"] < choice.forward_ms["built"]["min"])
+    assert dflash2_runtime.VerifyPathChoice.from_json(dataclasses.asdict(choice)) == choice
+    with pytest.raises(ValueError):
+        dflash2_runtime.VerifyPathChoice.from_json({**dataclasses.asdict(choice), "compiled": "yes"})
+    differing = dflash2_runtime.VerifySelfCheck(7, 3, 0, 0.1)
+    monkeypatch.setattr(dflash2_runtime, "self_check_verify", lambda language_model: differing)
+    choice = dflash2_runtime.choose_verify_path(lm)
+    assert (choice.compiled, choice.why, choice.forward_ms) == (
+        False, "the compiled forward's self-check: 3 differing", {})
+
+    def raises(language_model):
+        raise RuntimeError("the trace failed")
+
+    monkeypatch.setattr(dflash2_runtime, "self_check_verify", raises)
+    choice = dflash2_runtime.choose_verify_path(lm)
+    assert not choice.compiled and choice.why == "the compiled forward raised RuntimeError: the trace failed"
+    assert verifier.compiled_layers is None

@@ -20,7 +20,7 @@ from conftest import request
 from server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
-CACHED = {"kernel self-tests", "plain decode path", "sampled verify draws", "drafter activations"}
+CACHED = {"kernel self-tests", "plain decode path", "verify path", "sampled verify draws", "drafter activations"}
 PAIR = REPO / "fixtures" / "tiny-pair"
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
@@ -82,11 +82,11 @@ def test_a_first_start_checks_everything_says_so_and_caches_it(first):
     assert checks["from_cache"] == {} and set(checks["measured_s"]) == CACHED | {"verify self-check"}
     assert "start-up checks: all of them: nothing cached for this key yet" in first["log"]
     # One progress line per check before it runs, in order.
-    steps = [first["log"].index(f"start-up check {n} of 6: ") for n in range(1, 7)]
+    steps = [first["log"].index(f"start-up check {n} of 7: ") for n in range(1, 8)]
     assert steps == sorted(steps)
     assert len(cache_files(first["workdir"])) == 1
     # A fixed block's rounds run whatever a cost table says: none is measured.
-    assert ("start-up check 6 of 6: round costs: not run: the block is fixed (--dflash2-block-size), "
+    assert ("start-up check 7 of 7: round costs: not run: the block is fixed (--dflash2-block-size), "
             "so no decision reads a table") in first["log"]
     assert first["health"]["round_costs"] is None
 
