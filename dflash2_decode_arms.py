@@ -172,11 +172,9 @@ def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, posit
 
 
 def _takes_compiled_step(layer, x, mask, cache) -> bool:
-    """Whether a decoder layer's step is the compiled one: what CompiledLayers serves, at an
-    unmasked one-row fp16 step outside a speculative round (what the convolution arm's
-    gated_delta_positions serves)."""
-    return (takes_compiled_step(layer, mask, cache) and not cache.is_speculating
-            and x.shape[:2] == (1, 1) and x.dtype == mx.float16)
+    """Whether a decoder layer's step is the compiled one: what CompiledLayers serves, at a
+    one-row step outside a speculative round (the convolution arm's one-row layer)."""
+    return takes_compiled_step(layer, x, mask, cache) and not cache.is_speculating and x.shape[:2] == (1, 1)
 
 
 def _module_call(module, x):
@@ -285,18 +283,20 @@ def decode_arm_differences(language_model, arms) -> dict:
     return differing
 
 
-def choose_decode_path(model) -> DecodePathChoice:
+def choose_decode_path(model, compiled: bool = True) -> DecodePathChoice:
     """Give plain decode the replacements that make it fastest end to end here.
 
     Each arm is timed on this machine, interleaved after warm-up, among the arms whose
     decode step gives stock's bits here (decode_arm_differences: the tokens are the same
     under every arm that serves). Off CUDA no arm has a kernel to use, so decode stays
-    MLX's own."""
+    MLX's own. compiled False (a kernel self-test failed, so some layer op is stock's
+    element-wise calls, which a trace may fuse): no compiled arm."""
     if dflash2_kernels.backend_name() != "cuda":
         use_decode_arm("mlx")
         return DecodePathChoice("mlx", "no decode kernel on this backend")
-    differing = decode_arm_differences(model.language_model, [arm for arm in DECODE_ARMS if arm != "mlx"])
-    arms = {arm: (lambda arm=arm: use_decode_arm(arm)) for arm in DECODE_ARMS if not differing.get(arm)}
+    candidates = [arm for arm, parts in DECODE_ARMS.items() if arm != "mlx" and (compiled or "compiled" not in parts)]
+    differing = decode_arm_differences(model.language_model, candidates)
+    arms = {arm: (lambda arm=arm: use_decode_arm(arm)) for arm in ["mlx", *candidates] if not differing.get(arm)}
     repeats = 7
     timings = time_decode_steps(model.language_model, arms, repeats=repeats, steps=4)
     # By each arm's fastest sample: the noise is one-sided (on the H200 a switch between arms

@@ -84,8 +84,9 @@ class RuntimeStatus:
         if self.verify_path is not None:
             timings = ", ".join(f"{arm} {t['min']:.2f} ms (median {t['median']:.2f})"
                                 for arm, t in self.verify_path.forward_ms.items())
-            lines.append(f"verify path: {'compiled' if self.verify_path.compiled else 'built at every round'} "
-                         f"({self.verify_path.why}" + (f"; fastest block-8 forward: {timings}" if timings else "") + ")")
+            path = "compiled" if self.verify_path.compiled else "built at every round"
+            lines.append(f"verify path: {path} ({self.verify_path.why}"
+                         + (f"; fastest block-8 forward: {timings}" if timings else "") + ")")
         if self.seconds:
             lines.append("start-up checks took: " + ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items()))
         return lines
@@ -199,13 +200,22 @@ def install(model=None, verdicts: Optional[VerdictCache] = None) -> RuntimeStatu
         return RuntimeStatus(False, reason, backend, result, seconds=seconds)
     if model is None:
         return RuntimeStatus(True, None, backend, result, seconds=seconds)
-    choice = verdicts.check("plain decode path", lambda: choose_decode_path(model), DecodePathChoice.from_json)
+    # Compiled layer steps only where no kernel fell back to stock's element-wise calls.
+    kernels_serve = all(r.ok for r in result.values())
+    choice = verdicts.check("plain decode path", lambda: choose_decode_path(model, kernels_serve),
+                            DecodePathChoice.from_json)
     use_decode_arm(choice.arm)
-    verify_path = verdicts.check("verify path", lambda: choose_verify_path(model.language_model),
+    lm, verifier = model.language_model, qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+    verify_path = verdicts.check("verify path", lambda: choose_verify_path(lm, kernels_serve),
                                  VerifyPathChoice.from_json)
-    qwen3_5_language._EXACT_SPECULATIVE_VERIFIER.use_compiled_layers(verify_path.compiled)
-    # The verify path served, against stock decode steps, at every start.
-    check = verdicts.check("verify self-check", lambda: self_check_verify(model.language_model))
+    verifier.use_compiled_layers(verify_path.compiled)
+    # The verify path served, against stock decode steps, at every start (on the rounds'
+    # stream: its compiled traces are the ones served).
+    check = verdicts.check("verify self-check", lambda: self_check_verify(lm))
+    if check.differing and verify_path.compiled:  # a cached choice this start disproves
+        verify_path = VerifyPathChoice(False, f"the compiled forward's self-check at this start: {check.summary()}")
+        verifier.use_compiled_layers(False)
+        check = self_check_verify(lm)
     reason = f"verify-self-check-failed: {check.summary()}" if check.differing else None
     return RuntimeStatus(reason is None, reason, backend, result, choice, check, verdicts.measured_seconds(),
                          verify_path)
@@ -228,25 +238,27 @@ class VerifyPathChoice:
         return choice
 
 
-def choose_verify_path(language_model) -> VerifyPathChoice:
+def choose_verify_path(language_model, kernels_serve: bool = True) -> VerifyPathChoice:
     """Compiled where that gives decode's bits here (the verify self-check, run with it) and
     its block-8 verify forward is faster, timed interleaved beside the forward built at every
-    round; on CUDA only (CPU builds the kernels from element-wise ops, which a trace fuses)."""
+    round; on CUDA only, with every kernel serving (CPU builds the kernels from element-wise
+    ops, as a kernel that failed its self-test falls back to them, and a trace fuses those)."""
     if dflash2_kernels.backend_name() != "cuda":
         return VerifyPathChoice(False, "compiled only on CUDA")
+    if not kernels_serve:
+        return VerifyPathChoice(False, "a kernel self-test failed: some layer op is stock's element-wise calls")
     verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
     try:
         verifier.use_compiled_layers(True)
         check = self_check_verify(language_model)
+        if check.differing:
+            return VerifyPathChoice(False, f"the compiled forward's self-check: {check.differing} differing")
+        timings = time_verify_forwards(language_model, {"built": lambda: verifier.use_compiled_layers(False),
+                                                        "compiled": lambda: verifier.use_compiled_layers(True)})
     except Exception as error:  # a trace that fails, say: verify stays built at every round
         return VerifyPathChoice(False, f"the compiled forward raised {type(error).__name__}: {error}")
     finally:
         verifier.use_compiled_layers(False)
-    if check.differing:
-        return VerifyPathChoice(False, f"the compiled forward's self-check: {check.differing} differing")
-    timings = time_verify_forwards(language_model, {"built": lambda: verifier.use_compiled_layers(False),
-                                                    "compiled": lambda: verifier.use_compiled_layers(True)})
-    verifier.use_compiled_layers(False)
     compiled = timings["compiled"]["min"] < timings["built"]["min"]  # by the fastest sample: see choose_decode_path
     return VerifyPathChoice(compiled, "the faster block-8 verify forward (fastest of 5 interleaved samples), "
                             "the compiled one's self-check 0 differing", timings)
@@ -273,10 +285,11 @@ def time_verify_forwards(language_model, arms: dict, block: int = 8, forwards: i
     def sample(set_up):
         def run():
             set_up()
-            forward()  # traced and warm
-            started = time.perf_counter()
-            for _ in range(forwards):
-                forward()
+            with mx.stream(dflash2_rounds.generation_stream):  # as rounds run
+                forward()  # traced and warm
+                started = time.perf_counter()
+                for _ in range(forwards):
+                    forward()
             return 1000 * (time.perf_counter() - started) / forwards
         return run
 
@@ -325,55 +338,58 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
 
     if len(block) < STOCK_CONTROL_BLOCK:
         raise ValueError(f"the self-check's block needs {STOCK_CONTROL_BLOCK} tokens, got {len(block)}")
-    started = time.perf_counter()
-    seconds = {}
-    layers = language_model.model.layers
-    taps = sorted({0, len(layers) // 2, len(layers) - 1})
-    cache = language_model.make_cache()
-    mx.eval(language_model(mx.array([list(prompt)]), cache=cache).logits)
-    start = copy.deepcopy(cache)
-    steps, after = [], [copy.deepcopy(cache)]
-    with decode_arm("mlx"):  # stock's steps, whichever arm serves
-        for token in block:
-            steps.append(language_model(mx.array([[token]]), cache=cache, capture_layer_ids=taps))
-            mx.eval(steps[-1].logits, steps[-1].hidden_states)
-            after.append(copy.deepcopy(cache))
-    seconds["decode steps"] = time.perf_counter() - started
+    # On the rounds' stream: the compiled traces a check makes there are the ones served
+    # (MLX keeps a trace per stream).
+    with mx.stream(dflash2_rounds.generation_stream):
+        started = time.perf_counter()
+        seconds = {}
+        layers = language_model.model.layers
+        taps = sorted({0, len(layers) // 2, len(layers) - 1})
+        cache = language_model.make_cache()
+        mx.eval(language_model(mx.array([list(prompt)]), cache=cache).logits)
+        start = copy.deepcopy(cache)
+        steps, after = [], [copy.deepcopy(cache)]
+        with decode_arm("mlx"):  # stock's steps, whichever arm serves
+            for token in block:
+                steps.append(language_model(mx.array([[token]]), cache=cache, capture_layer_ids=taps))
+                mx.eval(steps[-1].logits, steps[-1].hidden_states)
+                after.append(copy.deepcopy(cache))
+        seconds["decode steps"] = time.perf_counter() - started
 
-    def check(length, verifier):
-        qwen3_5_language._EXACT_SPECULATIVE_VERIFIER = verifier
-        try:
-            trial = copy.deepcopy(start)
-            out = language_model(
-                mx.array([list(block[:length])]), cache=trial,
-                capture_layer_ids=taps, speculative_verify=True,
-            )
-            accepted = length // 2
-            commit_speculative_round(language_model, trial, out.gdn_states, accepted, length)
-        finally:
-            qwen3_5_language._EXACT_SPECULATIVE_VERIFIER = exact_verifier
-        pairs = [(out.logits, mx.concatenate([s.logits for s in steps[:length]], axis=1))]
-        pairs += [
-            (hidden, mx.concatenate([s.hidden_states[i] for s in steps[:length]], axis=1))
-            for i, hidden in enumerate(out.hidden_states)
-        ]
-        pairs += list(zip(dflash2_rounds.cache_arrays(trial), dflash2_rounds.cache_arrays(after[accepted + 1])))
-        counts = _differing_bits(pairs)
-        return sum(counts), counts
+        def check(length, verifier):
+            qwen3_5_language._EXACT_SPECULATIVE_VERIFIER = verifier
+            try:
+                trial = copy.deepcopy(start)
+                out = language_model(
+                    mx.array([list(block[:length])]), cache=trial,
+                    capture_layer_ids=taps, speculative_verify=True,
+                )
+                accepted = length // 2
+                commit_speculative_round(language_model, trial, out.gdn_states, accepted, length)
+            finally:
+                qwen3_5_language._EXACT_SPECULATIVE_VERIFIER = exact_verifier
+            pairs = [(out.logits, mx.concatenate([s.logits for s in steps[:length]], axis=1))]
+            pairs += [
+                (hidden, mx.concatenate([s.hidden_states[i] for s in steps[:length]], axis=1))
+                for i, hidden in enumerate(out.hidden_states)
+            ]
+            pairs += list(zip(dflash2_rounds.cache_arrays(trial), dflash2_rounds.cache_arrays(after[accepted + 1])))
+            counts = _differing_bits(pairs)
+            return sum(counts), counts
 
-    exact_verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
-    differing = 0
-    first = None
-    part_started = time.perf_counter()
-    for length in range(2, len(block) + 1):
-        count, counts = check(length, exact_verifier)
-        if count and first is None:
-            part = next(i for i, c in enumerate(counts) if c)
-            first = f"block {length}, " + ("logits" if part == 0 else f"array {part}")
-        differing += count
-    seconds["exact rounds"] = time.perf_counter() - part_started
-    part_started = time.perf_counter()
-    stock_differing = check(STOCK_CONTROL_BLOCK, exact_verifier.__dflash2_stock__)[0]
-    seconds["stock round"] = time.perf_counter() - part_started
-    return VerifySelfCheck(len(block) - 1, differing, stock_differing, time.perf_counter() - started,
-                           first, seconds_by_part=seconds)
+        exact_verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+        differing = 0
+        first = None
+        part_started = time.perf_counter()
+        for length in range(2, len(block) + 1):
+            count, counts = check(length, exact_verifier)
+            if count and first is None:
+                part = next(i for i, c in enumerate(counts) if c)
+                first = f"block {length}, " + ("logits" if part == 0 else f"array {part}")
+            differing += count
+        seconds["exact rounds"] = time.perf_counter() - part_started
+        part_started = time.perf_counter()
+        stock_differing = check(STOCK_CONTROL_BLOCK, exact_verifier.__dflash2_stock__)[0]
+        seconds["stock round"] = time.perf_counter() - part_started
+        return VerifySelfCheck(len(block) - 1, differing, stock_differing, time.perf_counter() - started,
+                               first, seconds_by_part=seconds)

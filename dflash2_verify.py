@@ -170,7 +170,7 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
 
     def _layer(self, layer, hidden, mask, cache, position_ids, position_embeddings):
         # The base class's, with the residual add and the norm after it in one launch.
-        if self.compiled_layers is not None and takes_compiled_step(layer, mask, cache):
+        if self.compiled_layers is not None and takes_compiled_step(layer, hidden, mask, cache):
             linear_attention = layer.linear_attn
             conv_state, initial = gated_delta_state(linear_attention, cache, hidden.shape[0], hidden.dtype)
             hidden, conv_input, states = self.compiled_layers.step(layer)(hidden, conv_state, initial)
@@ -308,24 +308,29 @@ def commit_gated_delta(layer, cache, conv_input, states) -> None:
     qwen3_5_language._qwen3_5_advance_lengths_info(cache, length)
 
 
-def takes_compiled_step(layer, mask, cache) -> bool:
+def takes_compiled_step(layer, x, mask, cache) -> bool:
     """Whether CompiledLayers serves a decoder layer's step: Qwen3.5's own GatedDeltaNet
-    decoder layer (a subclass may compute otherwise), unmasked, with a cache."""
+    decoder layer (a subclass may compute otherwise), unmasked, with a cache, on fp16
+    activations that stay fp16 through its input norm (where the exact kernels serve: an
+    fp32 norm weight would hand the layer fp32 rows, whose stock element-wise ops a trace
+    could fuse)."""
     return (type(layer) is qwen3_5_language.Qwen3_5DecoderLayer and layer.is_linear
             and type(layer.linear_attn) is qwen3_5_language.Qwen3_5GatedDeltaNet
-            and not layer.linear_attn.training and mask is None and cache is not None)
+            and not layer.linear_attn.training and mask is None and cache is not None
+            and x.dtype == mx.float16 and layer.input_layernorm.weight.dtype == mx.float16)
 
 
 class CompiledLayers:
     """Each GatedDeltaNet decoder layer's step under mx.compile: Python builds its graph
-    once per input shape (the trace), and MLX replays it at every step after.
+    once per input shape and stream (the trace), and MLX replays it at every step after.
 
     At the 27B shape a step is host-bound (Python built a decode step's graph in about 10 of
     its 37 ms on the H200: evidence/profile-verify-cuda.md). A trace holds the ops the layer's
-    uncompiled step builds, with its weights as constants: where no element-wise ops meet
-    (every kernel serving) nothing fuses, and a compiled step serves only where a check of
-    its bits against the uncompiled step's passed here. A layer's trace lives as long as the
-    layer, or until clear() (at a switch of kernels, so a step traces the ones in use);
+    uncompiled step builds, with its weights as constants. Where every kernel the layer uses
+    serves (fp16 activations, every kernel self-test passed: what the callers require), no
+    element-wise ops meet, so nothing fuses; a compiled step serves only where a check of its
+    bits against stock decode's passed here. A layer's trace lives as long as the store
+    (clear() drops them all: at a switch of decode arm, or a new store for the verifier);
     weights replaced in place after the first step are not seen (a pack's are loaded once).
     linear(module, x), linears(modules, x): the projections the step runs, as
     gated_delta_positions takes them; feed_forward(mlp, x): its MLP."""
@@ -339,9 +344,9 @@ class CompiledLayers:
         (output, the convolution's input window, the state after each position)."""
         kept = self._steps.get(id(layer))
         if kept is None or kept[0]() is not layer:
-            kept = (weakref.ref(layer, lambda _, key=id(layer): self._steps.pop(key, None)),
-                    mx.compile(self._layer_step(weakref.ref(layer))))
-            self._steps[id(layer)] = kept
+            # Steps of layers gone (their id may be another's now) go with their weights.
+            self._steps = {key: entry for key, entry in self._steps.items() if entry[0]() is not None}
+            kept = self._steps[id(layer)] = (weakref.ref(layer), mx.compile(self._layer_step(weakref.ref(layer))))
         return kept[1]
 
     def clear(self):

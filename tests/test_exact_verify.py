@@ -582,6 +582,9 @@ def test_the_verify_path_is_compiled_only_on_cuda_where_checked_and_faster(targe
     assert (choice.compiled, choice.why, choice.forward_ms) == (
         False, "the compiled forward's self-check: 3 differing", {})
 
+    assert dflash2_runtime.choose_verify_path(lm, kernels_serve=False).why == (
+        "a kernel self-test failed: some layer op is stock's element-wise calls")
+
     def raises(language_model):
         raise RuntimeError("the trace failed")
 
@@ -589,3 +592,36 @@ def test_the_verify_path_is_compiled_only_on_cuda_where_checked_and_faster(targe
     choice = dflash2_runtime.choose_verify_path(lm)
     assert not choice.compiled and choice.why == "the compiled forward raised RuntimeError: the trace failed"
     assert verifier.compiled_layers is None
+
+
+def test_a_cached_compiled_verify_path_this_start_disproves_is_not_served(target, monkeypatch):
+    """A verify path cached as compiled whose every-start self-check differs: the forward is
+    built at every round for this start, and speculation stays on if the built forward's
+    check passes (the status says why)."""
+    from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
+
+    model = target[0]
+    verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+    check = dflash2_runtime.self_check_verify
+
+    def differing_when_compiled(language_model):
+        found = check(language_model)
+        if verifier.compiled_layers is not None:
+            found.differing = 5
+        return found
+
+    class CachedCompiled(dflash2_runtime.VerdictCache):
+        def check(self, name, measure, restore=None, encode=dataclasses.asdict):
+            if name == "verify path":
+                return dflash2_runtime.VerifyPathChoice(True, "cached")
+            return super().check(name, measure, restore, encode)
+
+    monkeypatch.setattr(dflash2_runtime, "self_check_verify", differing_when_compiled)
+    try:
+        status = dflash2_runtime.install(model, CachedCompiled())
+        assert status.speculative and verifier.compiled_layers is None
+        assert not status.verify_path.compiled and status.verify_path.why.startswith(
+            "the compiled forward's self-check at this start: exact verify self-check: 7 blocks, 5 differing")
+        assert any(line.startswith("verify path: built at every round") for line in status.log_lines())
+    finally:
+        verifier.use_compiled_layers(False)
