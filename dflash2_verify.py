@@ -404,21 +404,34 @@ def _gate_projections(layer, x):
     b_weight, a_weight = layer.in_proj_b.weight, layer.in_proj_a.weight
     if "bias" in layer.in_proj_b or "bias" in layer.in_proj_a:
         raise ExactnessError("GatedDeltaNet gate projections with a bias are not covered")
-    weight = _derived_weight(layer, "_dflash2_gate_weight", (b_weight, a_weight),
-                             lambda b, a: mx.concatenate([b, a]))
+    weight = _derived_weights.get(layer, "gate projections", (b_weight, a_weight),
+                                  lambda b, a: mx.concatenate([b, a]))
     out = dflash2_kernels.dense_rows(x, weight)
     return out[..., : b_weight.shape[0]], out[..., b_weight.shape[0] :]
 
 
-def _derived_weight(layer, name: str, sources: tuple, derive):
-    """derive(*sources), evaluated once and kept on the layer as `name` until one of the
-    source arrays is replaced (as mlx-vlm keeps decode's convolution weight)."""
-    cached = getattr(layer, name, None)
-    if cached is None or any(kept is not source for kept, source in zip(cached[0], sources)):
-        cached = (sources, derive(*sources))
-        mx.eval(cached[1])
-        setattr(layer, name, cached)
-    return cached[1]
+class DerivedWeights:
+    """Weights the kernels take in another form than the layer keeps them (a GatedDeltaNet's
+    two gate projections as one matrix, decode's fp32 convolution weight), derived once per
+    layer and kept here, not on mlx-vlm's layer, until one of the source arrays is replaced
+    (as mlx-vlm keeps decode's convolution weight)."""
+
+    def __init__(self):
+        self._kept = {}  # (id(layer), name) -> (weak reference to the layer, sources, derived)
+
+    def get(self, layer, name: str, sources: tuple, derive):
+        """derive(*sources), evaluated, as kept for this layer."""
+        kept = self._kept.get((id(layer), name))
+        if kept is None or kept[0]() is not layer or any(a is not b for a, b in zip(kept[1], sources)):
+            # Entries of layers gone (their id may be another's now) go with their arrays.
+            self._kept = {key: entry for key, entry in self._kept.items() if entry[0]() is not None}
+            derived = derive(*sources)
+            mx.eval(derived)
+            kept = self._kept[id(layer), name] = (weakref.ref(layer), sources, derived)
+        return kept[2]
+
+
+_derived_weights = DerivedWeights()
 
 
 def _convolve_positions(layer, conv_state, mixed_qkv):
@@ -432,8 +445,8 @@ def _convolve_positions(layer, conv_state, mixed_qkv):
         conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
         return conv_input, nn.silu(dflash2_kernels.conv1d_rows(layer.conv1d, conv_input, mixed_qkv.shape[1]))
     # Decode's own weight, as mlx-vlm's _causal_conv1d_decode casts it.
-    weight = _derived_weight(layer, "_dflash2_conv_weight", (layer.conv1d.weight,),
-                             lambda w: w[:, :, 0].T.astype(mx.float32))
+    weight = _derived_weights.get(layer, "decode convolution", (layer.conv1d.weight,),
+                                  lambda w: w[:, :, 0].T.astype(mx.float32))
     return dflash2_kernels.conv_rows(conv_state, mixed_qkv, weight)
 
 
