@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import dflash2_audit
@@ -59,6 +60,11 @@ def use_exact_prefill_inverse(gdn_heads: int = 48, prefill_step: int = 2048) -> 
 # Plain generation hands out a request's first token before building its second step
 
 
+# A batch's step that first_tokens_first_step held back: the batch's token counts when its
+# prompts finished, until the step runs. Weakly keyed, so an entry goes with its batch.
+_held_first_steps = weakref.WeakKeyDictionary()
+
+
 def first_tokens_first_step(self):
     """mlx-vlm's GenerationBatch._step, except that a batch's first call after its prompts
     finished hands out their first tokens at once; the stock step that would have built the
@@ -77,11 +83,11 @@ def first_tokens_first_step(self):
 
     stock = first_tokens_first_step.__dflash2_stock__
     keyed_by_position = self.greedy_sampling or callable(getattr(self.sampler, "sample_target", None))
-    if (self._current_tokens is None and self.__dict__.get("_dflash2_unstepped") is None and keyed_by_position
+    if (self._current_tokens is None and self not in _held_first_steps and keyed_by_position
             and not any(criteria is not None for criteria in self.thinking_budget_criteria or [])):
         # No step ran since the prompts: their tokens are next. The held step samples at the
         # positions it would have had (next() counts the handed-out token before it runs).
-        self._dflash2_unstepped = list(self._num_tokens)
+        _held_first_steps[self] = list(self._num_tokens)
         lps = self._next_lps
         top_idx, top_lp = (self._next_top_idx, self._next_top_lp) if lps is not None else (None, None)
         mx.eval([a for a in (self._next_tokens, lps, top_idx, top_lp) if a is not None])
@@ -94,7 +100,7 @@ def first_tokens_first_step(self):
 def first_tokens_first_pending_state(self, evaluate=True):
     """mlx-vlm's GenerationBatch._eval_pending_state (extend and filter call it before they
     change the batch's rows), after the step first_tokens_first_step held back, if any."""
-    counts = self.__dict__.pop("_dflash2_unstepped", None)
+    counts = _held_first_steps.pop(self, None)
     if counts is not None:
         handed_out, self._num_tokens = self._num_tokens, counts
         try:
