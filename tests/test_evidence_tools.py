@@ -1019,3 +1019,33 @@ def test_the_policy_simulation_records_every_table_and_workload_and_its_commit(t
     summary = (tmp_path / "policy-simulation.md").read_text()
     assert record["git_commit"] in summary and "{" not in summary and "1 passes' ratios, seeds from 1000" in summary
     assert "Worst policy over best, by workload: zero" in summary and "; plain 1.00; " in summary
+
+
+def test_pipelined_decode_steps_decode_as_generation_does():
+    """bench's pipelined decode arm: `count` greedy steps, each queued before the token before
+    it is read, the tokens plain greedy decoding gives and the cache `count` positions on."""
+    import mlx.core as mx
+
+    import bench_arms
+    from make_synthetic_pack import build_target_model
+
+    lm = build_target_model("tiny", seed=0).language_model
+    prompt = mx.array([[3, 5, 7, 9]])
+    cache = lm.make_cache()
+    mx.eval(lm(prompt, cache=cache).logits)
+    fed = []
+    forward = lm.__call__
+
+    class Recording:  # what each step is fed, read after it was evaluated
+        def __call__(self, token, cache):
+            fed.append(token)
+            return forward(token, cache=cache)
+
+    bench_arms.pipelined_decode_steps(Recording(), cache)(4)
+    assert cache[lm.model.fa_idx].offset == 4 + 4
+    plain, token = lm.make_cache(), mx.array([[7]])
+    mx.eval(lm(prompt, cache=plain).logits)
+    for step in range(4):
+        assert fed[step].tolist() == token.tolist(), step
+        logits = lm(token, cache=plain).logits[:, -1, :]
+        token = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)[:, None]

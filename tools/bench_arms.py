@@ -29,6 +29,7 @@ BLOCK = 8
 # both, and lost at block 8: block 4 joins, so a per-block interval can be read off the record.
 EARLY_EVAL_BLOCKS = (2, 4, 8)
 EVAL_EVERY_ARMS = (4, 16)
+PIPELINED_RUN = 8  # pipelined decode steps a sample times (dflash2_timing.measure_round_costs' plain_run)
 
 
 def prefill(lm, tokens, taps):
@@ -67,6 +68,24 @@ def decode_steps(lm, cache):
     def steps(count):
         for _ in range(count):
             mx.eval(lm(token, cache=cache).logits)
+
+    return steps
+
+
+def pipelined_decode_steps(lm, cache):
+    """steps(count): `count` plain greedy decode steps as generation runs them: each step's
+    graph built and queued (async_eval) before the token of the step before is read, so the
+    host's work overlaps the GPU's (the step a user sees, and the server's cost table's)."""
+    def steps(count):
+        token, queued = mx.array([[7]]), None
+        for _ in range(count):
+            logits = lm(token, cache=cache).logits[:, -1, :]
+            following = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)[:, None]
+            mx.async_eval(following)
+            if queued is not None:
+                queued.item()
+            token = queued = following
+        queued.item()
 
     return steps
 
@@ -126,14 +145,17 @@ def on_generation_stream(steps):
 
 def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
     """Samples (dflash2_timing.steady_ms: `run` back to back after a lead-in, per step) of:
-    a decode step, an exact verify round per block (forward, greedy choice, commit of half
+    a decode step, PIPELINED_RUN pipelined decode steps, an exact verify round per block (forward, greedy choice, commit of half
     the block), the same at EARLY_EVAL_BLOCKS handed off every EVAL_EVERY_ARMS layers, a draft
     of 8 per drafter form, in bf16 and in the dtype its inputs promote to, and at block 8 the
     server's whole round with `served` (drafter, bf16) beside the verify round on the stream
     that round runs on: what the server's cost table times, taken apart."""
     settle = cache_settler(cache)
     served_steps, served_settle = served_round_steps(lm, cache, hidden, *served, BLOCK)
-    arms = {"decode": dflash2_timing.steady_ms(decode_steps(lm, cache), run, settle)}
+    arms = {"decode": dflash2_timing.steady_ms(decode_steps(lm, cache), run, settle),
+            # Pipelined: a run's first step has nothing to overlap, so a longer run (as the
+            # server's cost table times plain steps).
+            "decode, pipelined": dflash2_timing.steady_ms(pipelined_decode_steps(lm, cache), PIPELINED_RUN, settle)}
     for length in range(2, BLOCK + 1):
         arms[f"verify {length}"] = dflash2_timing.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
     for length in EARLY_EVAL_BLOCKS:

@@ -68,6 +68,16 @@ def ratio_method(r) -> str:
                " (the round phase's, from a record without samples: a ratio of medians)."))
 
 
+def verify_path_text(process) -> str:
+    """' Verify path chosen at install: ...' from a process's runtime status; '' for records
+    from before the choice."""
+    path = (process.get("runtime_status") or {}).get("verify_path")
+    if not path:
+        return ""
+    return (f" Verify path chosen at install: {'compiled' if path['compiled'] else 'built at every round'} "
+            f"({path['why']}).")
+
+
 def summary_markdown(r) -> str:
     def spread(stats):
         return f"{stats['median']:.2f} ({stats['min']:.2f}-{stats['max']:.2f})"
@@ -83,7 +93,7 @@ def summary_markdown(r) -> str:
         f"Round phase: `{rounds['command']}`, {rounds['repeats']} repeats, code {rounds.get('code', 'not recorded')}. "
         "Plain decode path chosen at install: "
         f"`{rounds['plain_decode_path']['arm']}` ({rounds['plain_decode_path']['why']}); "
-        f"decode step {r['decode_step_ms']:.2f} ms.",
+        f"decode step {r['decode_step_ms']:.2f} ms." + verify_path_text(rounds),
         "",
     ]
     if rounds is not r:
@@ -114,6 +124,11 @@ def summary_markdown(r) -> str:
                   + "; ".join(f"block {L}: " + ", ".join(f"{layers}: {ratio:.2f}"
                                                           for layers, ratio in sorted(ratios.items(), key=lambda kv: int(kv[0])))
                               for L, ratios in by_eval_every.items()) + "."]
+    if "decode_step_ms_pipelined" in r:  # absent from records before it was timed
+        lines += ["", f"Plain decode as generation runs it (each step queued before the token before it is "
+                  f"read): {r['decode_step_ms_pipelined']:.2f} ms a step, what a user's plain decoding "
+                  "runs at; in those steps: "
+                  + "; ".join(f"{arm} {ratio:.2f}" for arm, ratio in r["in_pipelined_decode_steps"].items()) + "."]
     served_round = r.get("served_round_by_part")  # absent from records before it was timed
     if served_round:
         lines += ["", f"The server's round at block {BLOCK} (dflash2_rounds.RequestDecoder.round: draft, verify, "
