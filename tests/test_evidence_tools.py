@@ -1033,16 +1033,25 @@ def test_pipelined_decode_steps_decode_as_generation_does():
     prompt = mx.array([[3, 5, 7, 9]])
     cache = lm.make_cache()
     mx.eval(lm(prompt, cache=cache).logits)
-    fed = []
-    forward = lm.__call__
+    fed, events, forward, queue = [], [], lm.__call__, mx.async_eval
 
     class Recording:  # what each step is fed, read after it was evaluated
         def __call__(self, token, cache):
             fed.append(token)
+            events.append("forward")
             return forward(token, cache=cache)
 
-    bench_arms.pipelined_decode_steps(Recording(), cache)(4)
+    def queued(*arrays):
+        events.append(("queued", arrays[0]))
+        return queue(*arrays)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mx, "async_eval", queued)
+        bench_arms.pipelined_decode_steps(Recording(), cache)(4)
     assert cache[lm.model.fa_idx].offset == 4 + 4
+    # Each step queued as it is built, and the next one fed that very (queued) token.
+    assert [e if e == "forward" else "queued" for e in events] == ["forward", "queued"] * 4
+    assert all(events[2 * i + 1][1] is fed[i + 1] for i in range(3))
     plain, token = lm.make_cache(), mx.array([[7]])
     mx.eval(lm(prompt, cache=plain).logits)
     for step in range(4):

@@ -100,7 +100,8 @@ def summary_markdown(r) -> str:
         lines += [
             f"End-to-end phase, in a second process: `{r['command']}`, {r['repeats']} repeats, "
             f"code {r.get('code', 'not recorded')}. Plain decode "
-            f"path chosen at install: `{r['plain_decode_path']['arm']}` ({r['plain_decode_path']['why']}).",
+            f"path chosen at install: `{r['plain_decode_path']['arm']}` ({r['plain_decode_path']['why']})."
+            + verify_path_text(r),
             "",
         ]
     def ratio(stats, reference):  # records before samples were kept: a ratio of medians
