@@ -47,7 +47,7 @@ CHECKS = {
 # What of mx.device_info() names the device (not its free memory, nor which of a host's GPUs).
 DEVICE_FIELDS = ("device_name", "architecture", "compute_capability_major", "compute_capability_minor")
 # Rough durations where no cached start has timed them: the H200 at the 27B shape (issue 45).
-ESTIMATES_S = {"cuda": {"kernel self-tests": 85, "verify self-check": 3, "plain decode path": 16, "verify path": 6,
+ESTIMATES_S = {"cuda": {"kernel self-tests": 85, "verify self-check": 3, "plain decode path": 16,
                         "drafter activations": 70, "round costs": 60}}
 
 
