@@ -557,6 +557,43 @@ def test_compiled_verify_layers_give_decode_s_bits_traced_once_per_block(target,
         verifier.use_compiled_layers(False)
 
 
+def test_compiled_verify_layers_serve_rounds_and_rollbacks_as_plain_decoding(target, raw_plain, monkeypatch):
+    """Through the round loop with the verify forward's GatedDeltaNet layers compiled: greedy
+    tokens at blocks 2 and 8, every draft right and a third wrong, are plain decoding's, each
+    layer built once per block length the rounds took, and the cache after a rollback at
+    every accepted count is the never-speculated one (the commit outside the trace records
+    and rolls back what the uncompiled forward does)."""
+    from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
+
+    model, processor, drafter = target
+    lm, taps = model.language_model, drafter.config.target_layer_ids
+    ids = raw_ids(processor, PROMPTS[1])
+    plain = raw_plain[1]
+    verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+    built, core = [], dflash2_verify.gated_delta_core
+
+    def counted(layer, inputs, *args):
+        built.append(inputs.shape[1])
+        return core(layer, inputs, *args)
+
+    linear_layers = sum(layer.is_linear for layer in lm.model.layers)
+    try:
+        verifier.use_compiled_layers(True)
+        with monkeypatch.context() as patch:
+            patch.setattr(dflash2_verify, "gated_delta_core", counted)
+            rounds = 0
+            for block in (2, 8):
+                for error_rate in (0.0, 0.33):
+                    tokens = oracle_token_case(model, ids, plain, block, error_rate, GENERATED)
+                    assert tokens["identical"] and tokens["rounds"], tokens
+                    rounds += tokens["rounds"]
+        assert len(built) == linear_layers * len(set(built)) < linear_layers * rounds
+        cases = rollback_cases(lm, ids, taps, plain[:8], lengths=(2, 8))
+        assert len(cases) == 2 + 8 and [c for c in cases if c["logits"]] == []
+    finally:
+        verifier.use_compiled_layers(False)
+
+
 def test_the_verify_path_is_compiled_only_on_cuda_where_checked_and_faster(target, monkeypatch):
     """choose_verify_path: off CUDA verify is built at every round; on CUDA the compiled
     forward is timed beside the built one only after its self-check found no difference, the
