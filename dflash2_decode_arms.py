@@ -26,9 +26,7 @@ from dflash2_verify import (
     _fused_residual_layer,
     _packed_linear,
     _shared_rotation_block,
-    commit_gated_delta,
     gated_delta_positions,
-    gated_delta_state,
     takes_compiled_step,
 )
 
@@ -155,9 +153,7 @@ def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, posit
     if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
         output = _stock_decoder_layer_call(self, x, mask, cache, position_ids, position_embeddings)
     elif "compiled" in _decode_path and _takes_compiled_step(self, x, mask, cache):
-        conv_state, initial = gated_delta_state(self.linear_attn, cache, 1, x.dtype)
-        output, conv_input, states = _compiled_layers.step(self)(x, conv_state, initial)
-        commit_gated_delta(self.linear_attn, cache, conv_input, states)
+        output = _compiled_layers.run(self, x, cache)
     else:
         if self.is_linear:
             def mixer(normed):
@@ -255,10 +251,8 @@ def decode_arm_differences(language_model, arms) -> dict:
     """Elements of one plain decode step, its logits and every cache array, that differ
     as bits from stock's (the "mlx" arm) under each arm, from the same prompt; an arm
     whose step raised maps to what it raised."""
-    global _decode_path
     cache = language_model.make_cache()
     mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
-    served = _decode_path
 
     def step(arm):
         use_decode_arm(arm)
@@ -267,7 +261,7 @@ def decode_arm_differences(language_model, arms) -> dict:
         mx.eval(arrays)
         return arrays
 
-    try:
+    with decode_arm("mlx"):  # the served arm again after
         stock = step("mlx")
         differing = {}
         for arm in arms:
@@ -278,8 +272,6 @@ def decode_arm_differences(language_model, arms) -> dict:
                 continue
             counts = _differing_bits(zip(arrays, stock))
             differing[arm] = sum(counts) if len(arrays) == len(stock) else "another number of cache arrays"
-    finally:
-        _decode_path = served
     return differing
 
 

@@ -171,10 +171,7 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
     def _layer(self, layer, hidden, mask, cache, position_ids, position_embeddings):
         # The base class's, with the residual add and the norm after it in one launch.
         if self.compiled_layers is not None and takes_compiled_step(layer, hidden, mask, cache):
-            linear_attention = layer.linear_attn
-            conv_state, initial = gated_delta_state(linear_attention, cache, hidden.shape[0], hidden.dtype)
-            hidden, conv_input, states = self.compiled_layers.step(layer)(hidden, conv_state, initial)
-            commit_gated_delta(linear_attention, cache, conv_input, states)
+            hidden = self.compiled_layers.run(layer, hidden, cache)
         else:
             if layer.is_linear:
                 def mixer(normed):
@@ -338,6 +335,14 @@ class CompiledLayers:
     def __init__(self, linear, linears, feed_forward):
         self._linear, self._linears, self._feed_forward = linear, linears, feed_forward
         self._steps = {}  # id(layer) -> (weak reference to the layer, compiled step)
+
+    def run(self, layer, x, cache):
+        """The decoder layer's output at x's positions: its compiled step from the cache's
+        state, then the cache commit (outside the trace: a speculative round records there)."""
+        conv_state, initial = gated_delta_state(layer.linear_attn, cache, x.shape[0], x.dtype)
+        output, conv_input, states = self.step(layer)(x, conv_state, initial)
+        commit_gated_delta(layer.linear_attn, cache, conv_input, states)
+        return output
 
     def step(self, layer):
         """The decoder layer's compiled step: (hidden, convolution window, recurrent state) ->
