@@ -194,31 +194,37 @@ def _differing_bits(pairs) -> list:
     return [int(count.item()) for count in counts]
 
 
-def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:
-    """interleaved_ms of plain decode steps under each arm (name -> set-up function).
+def pipelined_decode_steps(language_model, cache):
+    """steps(count): `count` plain greedy decode steps on `cache` as generation runs them:
+    each step's graph built and queued (async_eval) before the token of the step before is
+    read, so host work that overlaps the GPU is not counted twice."""
+    def steps(count):
+        token, queued = mx.array([[7]]), None
+        for _ in range(count):
+            logits = language_model(token, cache=cache).logits[:, -1, :]
+            following = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)[:, None]
+            mx.async_eval(following)
+            if queued is not None:
+                queued.item()
+            token = queued = following
+        queued.item()
 
-    Steps are pipelined as generation runs them: the next step's graph is built and
-    queued (async_eval) before the previous token is read, so host work that overlaps
-    the GPU is not counted twice."""
+    return steps
+
+
+def time_decode_steps(language_model, arms: dict, repeats: int = 5, steps: int = 3) -> dict:
+    """interleaved_ms of plain decode steps under each arm (name -> set-up function),
+    pipelined as generation runs them (pipelined_decode_steps)."""
     cache = language_model.make_cache()
     mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
-
-    def next_token(token):
-        logits = language_model(token, cache=cache).logits[:, -1, :]
-        return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)[:, None]
+    decode = pipelined_decode_steps(language_model, cache)
 
     def sample(set_up):
         def run():
             set_up()
-            token = next_token(mx.array([[5]]))  # graph and kernels warm
-            mx.eval(token)
+            decode(1)  # graph and kernels warm
             start = time.perf_counter()
-            for _ in range(steps):
-                following = next_token(token)
-                mx.async_eval(following)
-                token.item()
-                token = following
-            token.item()
+            decode(steps)
             return 1000 * (time.perf_counter() - start) / steps
 
         return run

@@ -1022,11 +1022,12 @@ def test_the_policy_simulation_records_every_table_and_workload_and_its_commit(t
 
 
 def test_pipelined_decode_steps_decode_as_generation_does():
-    """bench's pipelined decode arm: `count` greedy steps, each queued before the token before
-    it is read, the tokens plain greedy decoding gives and the cache `count` positions on."""
+    """The pipelined decode steps bench's arm and the decode arms' timing take: `count` greedy
+    steps, each queued before the token before it is read, the tokens plain greedy decoding
+    gives and the cache `count` positions on."""
     import mlx.core as mx
 
-    import bench_arms
+    import dflash2_decode_arms
     from make_synthetic_pack import build_target_model
 
     lm = build_target_model("tiny", seed=0).language_model
@@ -1047,7 +1048,7 @@ def test_pipelined_decode_steps_decode_as_generation_does():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mx, "async_eval", queued)
-        bench_arms.pipelined_decode_steps(Recording(), cache)(4)
+        dflash2_decode_arms.pipelined_decode_steps(Recording(), cache)(4)
     assert cache[lm.model.fa_idx].offset == 4 + 4
     # Each step queued as it is built, and the next one fed that very (queued) token.
     assert [e if e == "forward" else "queued" for e in events] == ["forward", "queued"] * 4

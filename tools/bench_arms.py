@@ -15,6 +15,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_vlm.speculative import dflash as dflash_rounds  # noqa: E402
 from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
 
+import dflash2_decode_arms  # noqa: E402
 import dflash2_drafter  # noqa: E402
 import dflash2_rounds  # noqa: E402
 import dflash2_timing  # noqa: E402
@@ -71,24 +72,6 @@ def decode_steps(lm, cache):
     def steps(count):
         for _ in range(count):
             mx.eval(lm(token, cache=cache).logits)
-
-    return steps
-
-
-def pipelined_decode_steps(lm, cache):
-    """steps(count): `count` plain greedy decode steps as generation runs them: each step's
-    graph built and queued (async_eval) before the token of the step before is read, so the
-    host's work overlaps the GPU's (the step a user sees, and the server's cost table's)."""
-    def steps(count):
-        token, queued = mx.array([[7]]), None
-        for _ in range(count):
-            logits = lm(token, cache=cache).logits[:, -1, :]
-            following = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)[:, None]
-            mx.async_eval(following)
-            if queued is not None:
-                queued.item()
-            token = queued = following
-        queued.item()
 
     return steps
 
@@ -156,7 +139,8 @@ def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
     settle = cache_settler(cache)
     served_steps, served_settle = served_round_steps(lm, cache, hidden, *served, BLOCK)
     arms = {"decode": dflash2_timing.steady_ms(decode_steps(lm, cache), run, settle),
-            "decode, pipelined": dflash2_timing.steady_ms(pipelined_decode_steps(lm, cache), PIPELINED_RUN, settle)}
+            "decode, pipelined": dflash2_timing.steady_ms(
+                dflash2_decode_arms.pipelined_decode_steps(lm, cache), PIPELINED_RUN, settle)}
     for length in range(2, BLOCK + 1):
         arms[f"verify {length}"] = dflash2_timing.steady_ms(verify_round_steps(lm, cache, taps, length), run, settle)
     for length in EARLY_EVAL_BLOCKS:
