@@ -39,7 +39,6 @@ from dflash2_audit import _with_globals
 from dflash2_decode_arms import (
     DecodePathChoice,
     _decoder_layer_call,
-    decode_arm,
     _differing_bits,
     _gated_delta_net_call,
     _gated_delta_ops_call,
@@ -47,6 +46,7 @@ from dflash2_decode_arms import (
     _mlp_call,
     _rotary_call,
     choose_decode_path,
+    decode_arm,
     use_decode_arm,
 )
 from dflash2_drafter import _draft_hidden_bf16, _drafter_attention_call, _embed_input_tokens_bf16
@@ -68,7 +68,7 @@ class RuntimeStatus:
     verify_path: Optional["VerifyPathChoice"] = None
 
     def log_lines(self) -> list[str]:
-        """What start-up logs: kernels, the verify self-check, plain decode's path."""
+        """What start-up logs: kernels, the verify self-check, plain decode's and verify's paths."""
         lines = [
             "kernel self-tests: "
             + ", ".join(f"{name} {'ok' if r.ok else 'FAILED'}" + (f" ({r.reason})" if r.reason else "")
@@ -77,16 +77,11 @@ class RuntimeStatus:
         if self.verify_check is not None:
             lines.append(self.verify_check.summary())
         if self.decode_path is not None:
-            timings = ", ".join(f"{arm} {t['min']:.2f} ms (median {t['median']:.2f})"
-                                for arm, t in self.decode_path.step_ms.items())
+            timings = _fastest_samples(self.decode_path.step_ms)
             lines.append(f"plain decode path: {self.decode_path.arm} ({self.decode_path.why}"
                          + (f"; fastest step: {timings}" if timings else "") + ")")
         if self.verify_path is not None:
-            timings = ", ".join(f"{arm} {t['min']:.2f} ms (median {t['median']:.2f})"
-                                for arm, t in self.verify_path.forward_ms.items())
-            path = "compiled" if self.verify_path.compiled else "built at every round"
-            lines.append(f"verify path: {path} ({self.verify_path.why}"
-                         + (f"; fastest block-8 forward: {timings}" if timings else "") + ")")
+            lines.append(self.verify_path.summary())
         if self.seconds:
             lines.append("start-up checks took: " + ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items()))
         return lines
@@ -168,8 +163,9 @@ def install(model=None, verdicts: Optional[VerdictCache] = None) -> RuntimeStatu
     kernel self-test or verify self-check does not raise: speculation is reported
     off, with the reason, and the caller serves plain. With a model, also runs the
     verify self-check on the pack's own weights and chooses plain decode's
-    replacements by measurement (choose_decode_path). verdicts: an opened VerdictCache whose
-    cached kernel and decode path verdicts serve instead (the verify self-check runs always).
+    replacements (choose_decode_path) and the verify forward's path (choose_verify_path) by
+    measurement. verdicts: an opened VerdictCache whose cached kernel, decode path and verify
+    path verdicts serve instead (the verify self-check runs always, on the path served).
     """
     apply_patches()
     backend = dflash2_kernels.backend_name()
@@ -221,6 +217,11 @@ def install(model=None, verdicts: Optional[VerdictCache] = None) -> RuntimeStatu
                          verify_path)
 
 
+def _fastest_samples(timings: dict) -> str:
+    """'arm MIN ms (median MEDIAN), ...' of interleaved_ms timings by arm."""
+    return ", ".join(f"{arm} {t['min']:.2f} ms (median {t['median']:.2f})" for arm, t in timings.items())
+
+
 @dataclass
 class VerifyPathChoice:
     """Whether verify's GatedDeltaNet layers run compiled (dflash2_verify.CompiledLayers), and why."""
@@ -236,6 +237,11 @@ class VerifyPathChoice:
         if not isinstance(choice.compiled, bool):
             raise ValueError(f"compiled is {choice.compiled!r}")
         return choice
+
+    def summary(self) -> str:
+        timings = _fastest_samples(self.forward_ms)
+        return (f"verify path: {'compiled' if self.compiled else 'built at every round'} ({self.why}"
+                + (f"; fastest block-8 forward: {timings}" if timings else "") + ")")
 
 
 def choose_verify_path(language_model, kernels_serve: bool = True) -> VerifyPathChoice:
@@ -264,14 +270,20 @@ def choose_verify_path(language_model, kernels_serve: bool = True) -> VerifyPath
                             "the compiled one's self-check 0 differing", timings)
 
 
+def _check_taps(language_model) -> list:
+    """The layers whose hidden states the start-up checks take, as a drafter's taps: the
+    first, the middle and the last."""
+    layers = language_model.model.layers
+    return sorted({0, len(layers) // 2, len(layers) - 1})
+
+
 def time_verify_forwards(language_model, arms: dict, block: int = 8, forwards: int = 3) -> dict:
     """dflash2_timing.interleaved_ms of exact verify forwards of `block` positions (greedy
     tokens included, each round aborted so the cache stays) under each arm (name -> set-up)."""
     from mlx_vlm.speculative import dflash as rounds
     from mlx_vlm.speculative.cache_state import abort_speculative_round
 
-    layers = language_model.model.layers
-    taps = sorted({0, len(layers) // 2, len(layers) - 1})
+    taps = _check_taps(language_model)
     cache = language_model.make_cache()
     mx.eval(language_model(mx.array([[1, 2, 3, 4]]), cache=cache).logits)
     tokens = mx.array([[11 + i for i in range(block)]])
@@ -343,8 +355,7 @@ def self_check_verify(language_model, prompt=(1, 2, 3, 4), block=(11, 29, 7, 101
     with mx.stream(dflash2_rounds.generation_stream):
         started = time.perf_counter()
         seconds = {}
-        layers = language_model.model.layers
-        taps = sorted({0, len(layers) // 2, len(layers) - 1})
+        taps = _check_taps(language_model)
         cache = language_model.make_cache()
         mx.eval(language_model(mx.array([list(prompt)]), cache=cache).logits)
         start = copy.deepcopy(cache)

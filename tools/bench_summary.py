@@ -4,6 +4,7 @@ block, acceptance, tokens per request, the peer and sampled requests."""
 import statistics
 
 import dflash2_timing
+from dflash2_runtime import VerifyPathChoice
 from bench_arms import BLOCK
 
 
@@ -69,13 +70,10 @@ def ratio_method(r) -> str:
 
 
 def verify_path_text(process) -> str:
-    """' Verify path chosen at install: ...' from a process's runtime status; '' for records
-    from before the choice."""
+    """' At install, verify path: ...' from a process's runtime status; '' for records from
+    before the choice."""
     path = (process.get("runtime_status") or {}).get("verify_path")
-    if not path:
-        return ""
-    return (f" Verify path chosen at install: {'compiled' if path['compiled'] else 'built at every round'} "
-            f"({path['why']}).")
+    return f" At install, {VerifyPathChoice.from_json(path).summary()}." if path else ""
 
 
 def summary_markdown(r) -> str:
