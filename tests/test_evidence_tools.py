@@ -730,7 +730,8 @@ def starts_record_start(second: bool) -> dict:
     checks = ({"full_check_because": None, "from_cache": {"kernels": "2025-01-01T00:00:00"}, "measured_s": {}}
               if second else {"full_check_because": "no verdict cache", "from_cache": {}, "measured_s": {"kernels": 41.5}})
     return {"ready_s": 25.0 if second else 80.0, "weights_loaded_s": 12.0, "after_load_s": 13.0 if second else 68.0,
-            "start_up_checks": checks, "answer": "def reverse(items):"}
+            "start_up_checks": checks, "runtime_log": ["... INFO DFlash2 verify path: compiled (...)"],
+            "answer": "def reverse(items):"}
 
 
 def test_bench_starts_reads_the_server_s_log_time_and_records_both_starts(tmp_path, monkeypatch):
@@ -767,6 +768,7 @@ def test_bench_starts_reads_the_server_s_log_time_and_records_both_starts(tmp_pa
     assert "| first | 80.0 | 12.0 | 68.0 | - | kernels 41.5 |" in markdown
     assert "| second | 25.0 | 12.0 | 13.0 | kernels |  |" in markdown
     assert "Second start within 30 s of its weights load: True; same greedy answer: True." in markdown
+    assert "The second start's runtime log:\n\n```\n... INFO DFlash2 verify path: compiled (...)\n```" in markdown
 
     monkeypatch.setattr(bench_starts, "start", lambda name, *args: starts_record_start(False))
     with pytest.raises(SystemExit, match="checked everything again"):

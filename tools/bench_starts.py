@@ -25,6 +25,7 @@ from records import run_environment, write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 LOADED = "start-up checks: "  # dflash2_verdicts.VerdictCache.open's line, right after the target loads
+RUNTIME_LOG = " DFlash2 "  # dflash2_speculation's start-up lines: the paths chosen, and how fast
 AFTER_LOAD_TARGET_S = 30
 PROMPT = "Write a Python function that reverses a list."
 
@@ -54,10 +55,11 @@ def start(name: str, pack: Path, workdir: Path, timeout: int) -> dict:
     try:
         health = server.wait_ready(timeout)
         ready = time.time()
-        loaded = log_time(next(line for line in server.log().splitlines() if LOADED in line))
+        log = server.log().splitlines()
+        loaded = log_time(next(line for line in log if LOADED in line))
         return {"ready_s": round(ready - launched, 1), "weights_loaded_s": round(loaded - launched, 1),
                 "after_load_s": round(ready - loaded, 1), "start_up_checks": health["start_up_checks"],
-                "answer": greedy_answer(server)}
+                "runtime_log": [line for line in log if RUNTIME_LOG in line], "answer": greedy_answer(server)}
     finally:
         server.stop()
 
@@ -109,6 +111,9 @@ def summary_markdown(r) -> str:
                      f"{start['after_load_s']:.1f} | {', '.join(checks['from_cache']) or '-'} | {measured} |")
     lines += ["", f"Second start within {AFTER_LOAD_TARGET_S} s of its weights load: "
                   f"{r['second_after_load_within_target']}; same greedy answer: {r['answers_equal']}."]
+    for name, start in r["starts"].items():
+        if start.get("runtime_log"):
+            lines += ["", f"The {name} start's runtime log:", "", "```", *start["runtime_log"], "```"]
     return "\n".join(lines) + "\n"
 
 
