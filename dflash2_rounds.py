@@ -386,7 +386,28 @@ def commit_round(lm, cache, gdn_states, accepted: int, block: int) -> None:
     graph_misses' 'commit left lazy' arm in evidence/graph-misses-cuda.md) where a queued
     commit's rounds repeat their graphs and update them in place. Same ops, same bits."""
     commit_speculative_round(lm, cache, gdn_states, accepted, block)
+    own_recurrent_states(lm.model.layers, cache)
     mx.async_eval(cache_arrays(cache))
+
+
+def own_recurrent_states(layers, cache) -> None:
+    """Copies the recurrent states a commit kept out of the round's states buffers.
+
+    A GatedDeltaNet layer's verify computes its state after every position in one buffer, and
+    mlx-vlm's commit keeps the accepted position's as a view of it: the whole buffer stayed
+    allocated until the next step replaced the state, and beside the next round's own during
+    its verify (at the 27B shape 48 layers x 3 MiB a position: 1 GB more at block 8). One
+    concatenation (a copy: the same bits) gives the kept states one buffer of plain decoding's
+    size, each layer a slice of it; MLX's concatenate of a single array is that array, so a
+    lone layer's state is copied by a gather."""
+    linear = [layer_cache for layer, layer_cache in zip(layers, cache) if layer.is_linear]
+    states = [layer_cache[1] for layer_cache in linear]
+    if len(states) == 1:
+        linear[0][1] = mx.take(states[0], mx.arange(states[0].shape[0]), axis=0)
+    elif states:
+        kept, batch = mx.concatenate(states), states[0].shape[0]
+        for index, layer_cache in enumerate(linear):
+            layer_cache[1] = kept[index * batch:(index + 1) * batch]
 
 
 def cache_arrays(cache) -> list:

@@ -722,3 +722,68 @@ def test_a_batch_cache_s_state_is_its_whole_buffers():
     recurrent[0] = mx.zeros((1, 3, 8))
     arrays = dflash2_rounds.cache_arrays([attention, recurrent])
     assert [a.shape for a in arrays] == [attention.keys.shape, attention.values.shape, (1, 3, 8)]
+
+
+def data_address(array: mx.array) -> int:
+    """Where an evaluated array's elements start in memory (CPU: MLX's buffer protocol)."""
+    import numpy as np
+
+    return np.asarray(memoryview(array)).__array_interface__["data"][0]
+
+
+def lies_within(array: mx.array, buffer: mx.array) -> bool:
+    return data_address(buffer) <= data_address(array) < data_address(buffer) + buffer.nbytes
+
+
+@pytest.mark.parametrize("accepted", [0, 3, 7])
+def test_a_committed_round_keeps_its_recurrent_state_not_the_round_s_states(target, monkeypatch, accepted):  # noqa: F811
+    """A verify of 8 positions computes each GatedDeltaNet layer's state after every position,
+    in one buffer; mlx-vlm's commit keeps the accepted position's as a view of it, which kept
+    all 8 allocated until the next step (at the 27B shape 1 GB at block 8, beside the next
+    round's own). After commit_round each layer's state has its own memory, with the bits of
+    the state it keeps."""
+    import dflash2_verify
+
+    model, _, _ = target
+    lm = model.language_model
+    cache = lm.make_cache()
+    mx.eval(lm(mx.array([[1, 2, 3, 4, 5]]), cache=cache).logits)
+    mx.eval(dflash2_rounds.cache_arrays(cache))
+    buffers, commit = [], dflash2_verify.commit_gated_delta
+
+    def commit_recording(layer, layer_cache, conv_input, states):
+        buffers.append(states)
+        return commit(layer, layer_cache, conv_input, states)
+
+    monkeypatch.setattr(dflash2_verify, "commit_gated_delta", commit_recording)
+    out = lm(mx.array([list(range(11, 19))]), cache=cache, speculative_verify=True)
+    mx.eval(out.logits, buffers)
+    kept = [states[:, accepted] for states in buffers]
+    dflash2_rounds.commit_round(lm, cache, out.gdn_states, accepted, 8)
+    mx.eval(dflash2_rounds.cache_arrays(cache))
+    recurrent = [layer_cache[1] for layer, layer_cache in zip(lm.model.layers, cache) if layer.is_linear]
+    assert len(recurrent) == len(buffers) > 0
+    assert not any(lies_within(state, states) for state, states in zip(recurrent, buffers))
+    assert all(mx.array_equal(state, expected).item() for state, expected in zip(recurrent, kept))
+
+
+def test_kept_recurrent_states_of_several_layers_share_one_copy():
+    """Several layers' kept states are copied in one concatenation: each layer keeps its
+    slice of it, outside the buffers they were views of, bit for bit."""
+    from mlx_vlm.models.cache import ArraysCache
+
+    class Layer:
+        is_linear = True
+
+    rounds = [mx.random.normal((1, 8, 2, 4, 4)) for _ in range(3)]
+    caches = []
+    for index, states in enumerate(rounds):
+        layer_cache = ArraysCache(size=2)
+        layer_cache[0], layer_cache[1] = mx.zeros((1, 3, 8)), states[:, index]
+        caches.append(layer_cache)
+    mx.eval(rounds, [c[1] for c in caches])
+    assert all(lies_within(c[1], states) for c, states in zip(caches, rounds))
+    dflash2_rounds.own_recurrent_states([Layer()] * 3, caches)
+    mx.eval([c[1] for c in caches])
+    assert not any(lies_within(c[1], states) for c, states in zip(caches, rounds))
+    assert all(mx.array_equal(c[1], states[:, index]).item() for index, (c, states) in enumerate(zip(caches, rounds)))
