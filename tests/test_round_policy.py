@@ -786,4 +786,6 @@ def test_kept_recurrent_states_of_several_layers_share_one_copy():
     dflash2_rounds.own_recurrent_states([Layer()] * 3, caches)
     mx.eval([c[1] for c in caches])
     assert not any(lies_within(c[1], states) for c, states in zip(caches, rounds))
+    kept = [c[1] for c in caches]
+    assert all(data_address(after) == data_address(before) + before.nbytes for before, after in zip(kept, kept[1:]))
     assert all(mx.array_equal(c[1], states[:, index]).item() for index, (c, states) in enumerate(zip(caches, rounds)))
