@@ -12,6 +12,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+import dflash2_kernel_cache
+
 # ===========================================================================
 # Shared: backend, result type, test inputs, bitwise comparison
 
@@ -202,8 +204,11 @@ class BakedCudaKernel:
         kernel = self._by_template.get(key)
         if kernel is None:
             source = _template_lines(key) + self._source  # first: it refuses what MLX's suffix cannot name
-            kernel = self._by_template[key] = mx.fast.cuda_kernel(
-                name=self._name + _template_suffix(key), source=source, **self._made)
+            name = self._name + _template_suffix(key)
+            kernel = self._by_template[key] = mx.fast.cuda_kernel(name=name, source=source, **self._made)
+            # The binary for this first launch's dtypes; a later launch with others MLX compiles.
+            dflash2_kernel_cache.prepare(name, self._made.get("header", ""), source, self._made["input_names"],
+                                         launch["inputs"], self._made["output_names"], launch["output_dtypes"])
         return kernel(**launch)
 
 

@@ -31,6 +31,7 @@ from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQ
 from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 
 import dflash2_audit
+import dflash2_kernel_cache
 import dflash2_kernels
 import dflash2_pack
 import dflash2_rounds
@@ -84,6 +85,8 @@ class RuntimeStatus:
             lines.append(self.verify_path.summary())
         if self.seconds:
             lines.append("start-up checks took: " + ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items()))
+        if self.backend == "cuda":
+            lines.append(dflash2_kernel_cache.summary())
         return lines
 
     def to_json(self) -> dict:

@@ -83,6 +83,7 @@ def machine_key() -> dict:
 
     import mlx.core as mx
 
+    import dflash2_kernel_cache
     import dflash2_kernels
 
     system = {"platform": platform.platform(), "python": platform.python_version()}
@@ -97,7 +98,8 @@ def machine_key() -> dict:
                 if (dist.metadata["Name"] or "").lower().startswith(("mlx", "nvidia-"))}
     return {"backend": dflash2_kernels.backend_name(),
             "device": {name: str(value) for name, value in mx.device_info().items() if name in DEVICE_FIELDS},
-            "system": system, "packages": dict(sorted(packages.items()))}
+            "system": system, "packages": dict(sorted(packages.items())),
+            "kernel binaries": dflash2_kernel_cache.binaries()}
 
 
 def _numbered(name: str) -> str:

@@ -352,6 +352,7 @@ LAYERS = [
     "dflash2_kernel_qmv32",
     "dflash2_kernel_qmv",
     "dflash2_kernel_base",
+    "dflash2_kernel_cache",
     "dflash2_source",
 ]
 

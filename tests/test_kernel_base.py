@@ -50,15 +50,16 @@ def test_a_baked_kernel_is_made_once_per_template_under_mlx_s_name_and_source(mo
     kernel = dflash2_kernel_base.BakedCudaKernel(name="dflash2_qmv_2bit_g128", input_names=["x"], output_names=["y"],
                                 source="body();", header="#include <h>\n")
     template = [("M", 8), ("S", 1), ("R", 2), ("C", 2), ("PREFETCH", 1), ("TILES", True)]
-    assert kernel(template=template, grid=(1, 1, 1)) == ["y"]
-    assert kernel(template=list(template), grid=(2, 1, 1)) == ["y"]
-    assert kernel(grid=(3, 1, 1)) == ["y"]  # no template: MLX's name and source as given
+    io = dict(inputs=[mx.zeros((2,), mx.float16)], output_dtypes=[mx.float16])
+    assert kernel(template=template, grid=(1, 1, 1), **io) == ["y"]
+    assert kernel(template=list(template), grid=(2, 1, 1), **io) == ["y"]
+    assert kernel(grid=(3, 1, 1), **io) == ["y"]  # no template: MLX's name and source as given
     assert [m["name"] for m in made] == ["dflash2_qmv_2bit_g128_8_1_2_2_1_t", "dflash2_qmv_2bit_g128"]
     assert made[0]["source"] == ("  constexpr int M = 8;\n  constexpr int S = 1;\n  constexpr int R = 2;\n"
                                  "  constexpr int C = 2;\n  constexpr int PREFETCH = 1;\n  constexpr bool TILES = true;\n"
                                  "\nbody();")
     assert made[1]["source"] == "body();" and made[0]["header"] == "#include <h>\n"
-    assert [launch for _, launch in calls] == [{"grid": (1, 1, 1)}, {"grid": (2, 1, 1)}, {"grid": (3, 1, 1)}]
+    assert [launch for _, launch in calls] == [{"grid": (grid, 1, 1), **io} for grid in (1, 2, 3)]
     assert dflash2_kernel_base._template_suffix([("FMA", False), ("D", np.int64(256))]) == "_f_256"
     with pytest.raises(TypeError, match="T must be an int or a bool"):
         kernel(template=[("T", mx.float16)])
