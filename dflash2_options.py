@@ -71,6 +71,17 @@ def exit_if_environment_refused():
 _run_temp_folders = []  # made for this run alone: removed at exit
 
 
+def _private_folder(path: Path) -> bool:
+    """Makes `path` (0700) unless it exists; whether it is a folder, not a link another user made
+    and could point elsewhere later, of this user's alone."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        status = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o077
+
+
 def use_private_temp_folder(environ=os.environ) -> None:
     """Make this process's temp folder (TMPDIR) one only this user can write: <tmp>/dflash2-UID,
     0700, inside the temp folder it had.
@@ -84,13 +95,7 @@ def use_private_temp_folder(environ=os.environ) -> None:
         return
     base = tempfile.gettempdir()
     folder = os.path.join(base, f"dflash2-{os.getuid()}")
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        status = os.lstat(folder)  # a link another user made could be pointed elsewhere later
-        private = stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o077
-    except OSError:
-        private = False
-    if not private:
+    if not _private_folder(Path(folder)):
         fresh = tempfile.mkdtemp(prefix="dflash2-", dir=base)
         print(f"warning: {folder} is not this user's alone; kernels compile into {fresh} for this run "
               "(removed at exit)", file=sys.stderr)
