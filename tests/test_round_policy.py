@@ -585,8 +585,9 @@ def test_under_the_stochastic_model_the_policy_keeps_up_with_the_best_fixed_bloc
     has 256 too): zero acceptance costs at most 3% over plain (issue 49's 0.97x), code keeps
     up with its best fixed block, chat and median stay within 13% and 8% of theirs, and on a
     mixed stream (chat, code, zero, median in turn) the policy beats every fixed block by 10%.
-    Without ROUTE_HOPE's hopeful round (routing plain on the memory's estimate alone) chat,
-    median and mixed fall short (0.85, 0.89, 1.09); at ceaa883's weights median is at 0.81."""
+    Without ROUTE_HOPE's hopeful round (routing plain on the memory's estimate alone) median
+    and mixed fall short (0.86, 1.03 on 7d92955's tables, where chat does no worse: 0.89); at
+    ceaa883's weights median is at 0.81."""
     import simulate_policy
 
     tables = simulate_policy.cost_tables(json.loads(simulate_policy.SOURCE.read_text()))
@@ -596,7 +597,7 @@ def test_under_the_stochastic_model_the_policy_keeps_up_with_the_best_fixed_bloc
     assert worst["chat"] >= 0.87 and worst["median"] >= 0.92, worst
     monkeypatch.setattr(dflash2_policy, "ROUTE_HOPE", 0.0)
     worst = simulate_policy.worst_by_workload(simulate_policy.simulate(tables, passes=2))
-    assert worst["chat"] < 0.87 and worst["mixed"] < 1.1, worst
+    assert worst["median"] < 0.92 and worst["mixed"] < 1.1, worst
 
 
 def test_a_served_drafter_remembers_zero_acceptance_across_requests(float32_target, prompt_and_plain):  # noqa: F811
