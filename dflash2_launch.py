@@ -28,6 +28,7 @@ from dflash2_options import (
     pass_options_to_mlx_vlm,
     prefix_cache_gb,
     public_model_id,
+    use_persistent_kernel_folder,
     use_private_temp_folder,
 )
 
@@ -35,10 +36,12 @@ logger = logging.getLogger("dflash2.server")
 
 
 def read_options(parser, argv=None):
-    """The options, then the environment and a private temp folder: before anything imports MLX."""
+    """The options, then the environment, a private temp folder and the kernels' folder: before
+    anything imports MLX."""
     args = parse_args(parser, argv)
     exit_if_environment_refused()
     use_private_temp_folder()
+    use_persistent_kernel_folder()
     return args
 
 

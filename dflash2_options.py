@@ -7,6 +7,7 @@ server (mlx_vlm.server reads them at import); the options are checked against th
 
 import argparse
 import atexit
+import importlib.metadata
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflash2_file_hashes import user_cache_folder
 from dflash2_requests import PackLimits
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
@@ -103,6 +105,23 @@ def use_private_temp_folder(environ=os.environ) -> None:
         _run_temp_folders.append(fresh)
         folder = fresh
     environ["TMPDIR"] = tempfile.tempdir = folder
+
+
+def use_persistent_kernel_folder(environ=os.environ) -> None:
+    """Keep MLX's compiled CUDA kernels (and the pack's: dflash2_kernel_cache) in the user's cache
+    folder, <cache>/dflash2/mlx-ptx/<mlx version>, instead of the temp folder: a reboot often
+    empties that, and a restart after one should not compile them again. MLX_PTX_CACHE_DIR
+    chosen by the user stays; a folder others could write leaves MLX's default (in the private
+    temp folder)."""
+    if "MLX_PTX_CACHE_DIR" in environ or not hasattr(os, "getuid"):
+        return
+    try:
+        version = importlib.metadata.version("mlx")  # MLX's own folder names its version too
+    except importlib.metadata.PackageNotFoundError:
+        return
+    folder = user_cache_folder() / "mlx-ptx" / version
+    if _private_folder(folder):
+        environ["MLX_PTX_CACHE_DIR"] = str(folder)
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import os
 import py_compile
@@ -176,6 +177,40 @@ def test_temp_folder_is_this_user_s_alone(script, tmp_path):
     assert result.returncode == 1 and "config.json: file is missing" in result.stderr, result.stderr
     folder = tmp_path / f"dflash2-{os.getuid()}"
     assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_kernels_compile_into_the_user_s_cache_folder(script, tmp_path):
+    """On CUDA MLX (and dflash2_kernel_cache) keep compiled kernels in MLX_PTX_CACHE_DIR: each
+    server sets it, before MLX starts, to <cache>/dflash2/mlx-ptx/<mlx version>, 0700, which a
+    reboot leaves (the run then stops at the empty pack)."""
+    env = clean_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
+    env.pop("MLX_PTX_CACHE_DIR", None)
+    result = run(script, "--pack", str(tmp_path), env=env)
+    assert result.returncode == 1 and "config.json: file is missing" in result.stderr, result.stderr
+    folder = tmp_path / "cache" / "dflash2" / "mlx-ptx" / importlib.metadata.version("mlx")
+    assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
+
+
+def test_the_kernels_folder_is_the_user_s_choice_or_private(tmp_path, monkeypatch):
+    from dflash2_options import use_persistent_kernel_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    environ = {}
+    use_persistent_kernel_folder(environ)
+    folder = tmp_path / "dflash2" / "mlx-ptx" / importlib.metadata.version("mlx")
+    assert environ == {"MLX_PTX_CACHE_DIR": str(folder)}
+    environ = {"MLX_PTX_CACHE_DIR": "/chosen"}
+    use_persistent_kernel_folder(environ)
+    assert environ == {"MLX_PTX_CACHE_DIR": "/chosen"}
+    folder.chmod(0o777)  # others could leave binaries there for the server to load: MLX's default
+    environ = {}
+    use_persistent_kernel_folder(environ)
+    assert environ == {}
+    folder.rmdir()
+    folder.symlink_to(tmp_path)
+    use_persistent_kernel_folder(environ)
+    assert environ == {}
 
 
 def test_mlx_compiles_into_the_private_temp_folder(tmp_path):
