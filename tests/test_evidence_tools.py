@@ -725,7 +725,7 @@ def test_bench_routes_variants_change_the_round_loop_only_while_flagged(monkeypa
 
 
 def starts_record_start(second: bool) -> dict:
-    """One start as bench_starts.start returns it: a first that checked everything, a second
+    """One start as bench_starts.start returns it: a first that checked everything, a later one
     that took the verdicts from the cache."""
     checks = ({"full_check_because": None, "from_cache": {"kernels": "2025-01-01T00:00:00"}, "measured_s": {}}
               if second else {"full_check_because": "no verdict cache", "from_cache": {}, "measured_s": {"kernels": 41.5}})
@@ -734,9 +734,9 @@ def starts_record_start(second: bool) -> dict:
             "answer": "def reverse(items):"}
 
 
-def test_bench_starts_reads_the_server_s_log_time_and_records_both_starts(tmp_path, monkeypatch):
+def test_bench_starts_reads_the_server_s_log_time_and_records_its_starts(tmp_path, monkeypatch):
     """bench_starts times a start's weights load from the log line the verdict cache writes, in
-    the servers' log format; its record holds both starts, and a second start that checked
+    the servers' log format; its record holds its three starts, and a later start that checked
     everything again fails the run after the record is written."""
     import logging
 
@@ -755,11 +755,12 @@ def test_bench_starts_reads_the_server_s_log_time_and_records_both_starts(tmp_pa
 
     def start(name, pack_dir, workdir, timeout):
         started.append((name, pack_dir, workdir))
-        return starts_record_start(name == "second")
+        return starts_record_start(name != "first")
 
     monkeypatch.setattr(bench_starts, "start", start)
     bench_starts.main(["--pack", str(pack), "--out", str(tmp_path / "out")])
-    assert [name for name, *_ in started] == ["first", "second"] and started[0][1:] == started[1][1:]  # one HOME
+    assert [name for name, *_ in started] == ["first", "second", "after a reboot"]
+    assert started[0][1:] == started[1][1:] == started[2][1:]  # one HOME and temp folder
     [written] = (tmp_path / "out").glob("starts-*.json")
     record = json.loads(written.read_text())
     assert record["answers_equal"] and record["second_after_load_within_target"]
@@ -767,13 +768,71 @@ def test_bench_starts_reads_the_server_s_log_time_and_records_both_starts(tmp_pa
     markdown = written.with_suffix(".md").read_text()
     assert "| first | 80.0 | 12.0 | 68.0 | - | kernels 41.5 |" in markdown
     assert "| second | 25.0 | 12.0 | 13.0 | kernels |  |" in markdown
-    assert "Second start within 30 s of its weights load: True; same greedy answer: True." in markdown
+    assert "| after a reboot | 25.0 | 12.0 | 13.0 | kernels |  |" in markdown
+    assert ("Second start within 30 s of its weights load: True; the same greedy answer from every start: "
+            "True.") in markdown
     assert "The second start's runtime log:\n\n```\n... INFO DFlash2 verify path: compiled (...)\n```" in markdown
 
     monkeypatch.setattr(bench_starts, "start", lambda name, *args: starts_record_start(False))
     with pytest.raises(SystemExit, match="checked everything again"):
         bench_starts.main(["--pack", str(pack), "--out", str(tmp_path / "again")])
     assert list((tmp_path / "again").glob("starts-*.json"))
+
+
+def test_bench_starts_runs_its_starts_over_several_invocations(tmp_path, monkeypatch):
+    """With --scratch, the first start in one run (a GPU call) and the others in the next, on the
+    same HOME and temp folder; the record comes once the second start ran; a later start
+    without a first is refused."""
+    import bench_starts
+
+    pack, scratch, out = tmp_path / "pack", tmp_path / "scratch", tmp_path / "out"
+    pack.mkdir()
+    (pack / "serve_dflash2.py").write_text("")
+    started = []
+    monkeypatch.setattr(bench_starts, "start", lambda name, pack_dir, workdir, timeout: started.append(
+        (name, workdir)) or starts_record_start(name != "first"))
+    run = ["--pack", str(pack), "--out", str(out), "--scratch", str(scratch)]
+    bench_starts.main([*run, "--starts", "first"])
+    assert started == [("first", scratch)] and not out.exists()
+    bench_starts.main([*run, "--starts", "second,after a reboot"])
+    assert started[1:] == [("second", scratch), ("after a reboot", scratch)]
+    record = json.loads((out / "starts-cpu.json").read_text())
+    assert list(record["starts"]) == ["first", "second", "after a reboot"] and record["answers_equal"]
+    with pytest.raises(SystemExit) as refused:
+        bench_starts.main([*run[:-1], str(tmp_path / "fresh"), "--starts", "second"])
+    assert refused.value.code == 2
+    with pytest.raises(SystemExit):
+        bench_starts.main([*run, "--starts", "third"])
+
+
+def test_bench_starts_after_a_reboot_finds_the_temp_folder_emptied(tmp_path, monkeypatch):
+    """A reboot empties the temp folder and keeps the user's cache (HOME): the start after one
+    runs in the same temp folder, emptied; the other starts find it as the last one left it."""
+    import bench_starts
+
+    seen = []
+
+    class Server:
+        def __init__(self, name, command, workdir, cwd, tmpdir):
+            seen.append((name, tmpdir, sorted(path.name for path in tmpdir.glob("*"))))
+            tmpdir.mkdir(parents=True, exist_ok=True)
+            (tmpdir / f"left-by-{name}").write_text("")
+
+        def wait_ready(self, timeout):
+            return {"start_up_checks": {}}
+
+        def log(self):
+            return "2026-01-01 00:00:00,000 INFO start-up checks: ...\n"
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(bench_starts, "ServerProcess", Server)
+    monkeypatch.setattr(bench_starts, "greedy_answer", lambda server: "same")
+    for name in bench_starts.STARTS:
+        bench_starts.start(name, tmp_path / "pack", tmp_path, 5)
+    assert seen == [("first", tmp_path / "tmp", []), ("second", tmp_path / "tmp", ["left-by-first"]),
+                    ("after-a-reboot", tmp_path / "tmp", [])]
 
 
 def test_make_evidence_runs_parity_then_bench_on_the_pack(tmp_path, monkeypatch):

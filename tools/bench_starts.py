@@ -1,17 +1,24 @@
-"""A first and a second start of serve_dflash2.py on one pack: how long each takes, and how much
-of it comes after the weights load (issue 45 item 2: a second start within 30 s of that).
+"""A first and a second start of serve_dflash2.py on one pack, and one after a reboot: how long
+each takes, and how much of it comes after the weights load (issue 45 item 2: a second start
+within 30 s of that).
 
-    python tools/bench_starts.py --pack PACK [--out evidence/]
+    python tools/bench_starts.py --pack PACK [--out evidence/] [--scratch DIR --starts first,...]
 
-Both starts share one fresh HOME, so the second finds the start-up verdicts the first cached
-(dflash2_verdicts.py). Each start is timed from the process's launch to /health's first 200;
-"weights loaded" is the log's first "start-up checks:" line, which the engine writes right after
-mlx-vlm loaded the target. After each start one greedy request; both answers must be the same.
-Writes evidence/starts-<backend>.json and .md with the git commit and whether the tree was clean.
+The starts share one HOME, so a later one finds the start-up verdicts and the compiled kernels
+the first kept in the user's cache folder (dflash2_verdicts.py, dflash2_kernel_cache.py), and
+one temp folder, which "after a reboot" finds emptied. Each start is timed from the process's
+launch to /health's first 200; "weights loaded" is the log's first "start-up checks:" line, which
+the engine writes right after mlx-vlm loaded the target. After each start one greedy request; the
+answers must be the same. With --scratch the HOME, the temp folder and the starts' results stay
+in DIR, so the starts can run in separate invocations (a GPU call's time limit). Writes
+evidence/starts-<backend>.json and .md, with the git commit and whether the tree was clean, once
+the first and the second start have run.
 """
 
 import argparse
+import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -49,9 +56,15 @@ def greedy_answer(server: ServerProcess) -> str:
     return body["choices"][0]["message"]["content"]
 
 
+STARTS = ("first", "second", "after a reboot")
+
+
 def start(name: str, pack: Path, workdir: Path, timeout: int) -> dict:
+    temp = workdir / "tmp"
+    if name == "after a reboot":
+        shutil.rmtree(temp, ignore_errors=True)  # the same folder, emptied: the servers' paths in it stay
     launched = time.time()
-    server = ServerProcess(name, ["serve_dflash2.py"], workdir, cwd=pack)
+    server = ServerProcess(name.replace(" ", "-"), ["serve_dflash2.py"], workdir, cwd=pack, tmpdir=temp)
     try:
         health = server.wait_ready(timeout)
         ready = time.time()
@@ -69,12 +82,30 @@ def main(argv=None):
     parser.add_argument("--pack", type=Path, required=True, help="a pack folder built by tools/build_pack.py")
     parser.add_argument("--start-timeout", type=int, default=1800, help="seconds for a server to start")
     parser.add_argument("--out", type=Path, default=REPO / "evidence")
+    parser.add_argument("--scratch", type=Path, help="keep the HOME, temp folder and results here between runs")
+    parser.add_argument("--starts", default=",".join(STARTS),
+                        help=f"which starts to run now, in order, of {', '.join(STARTS)} (later ones need a first)")
     args = parser.parse_args(argv)
     pack = args.pack.resolve()
     if not (pack / "serve_dflash2.py").is_file():
         parser.error(f"{pack} has no serve_dflash2.py: build it with tools/build_pack.py")
-    with tempfile.TemporaryDirectory(prefix="bench-starts-") as scratch:
-        starts = {name: start(name, pack, Path(scratch), args.start_timeout) for name in ("first", "second")}
+    wanted = [name.strip() for name in args.starts.split(",")]
+    if set(wanted) - set(STARTS):
+        parser.error(f"--starts takes {', '.join(STARTS)}")
+    with contextlib.ExitStack() as stack:
+        scratch = args.scratch or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-starts-")))
+        scratch.mkdir(parents=True, exist_ok=True)
+        results = scratch / "starts.json"
+        starts = json.loads(results.read_text()) if results.exists() else {}
+        if "first" not in starts and wanted[0] != "first":
+            parser.error(f"no first start in {results}: run --starts first before the others")
+        for name in wanted:
+            starts[name] = start(name, pack, scratch, args.start_timeout)
+            results.write_text(json.dumps(starts))
+    if "second" not in starts:
+        print(f"kept in {results}: {', '.join(starts)}; run the second start to write the record")
+        return
+    starts = {name: starts[name] for name in STARTS if name in starts}
     second = starts["second"]
     record = {
         **run_environment("bench_starts.py", pack.name, argv),
@@ -82,13 +113,14 @@ def main(argv=None):
                   "cached verdicts); each timed from launch to /health's first 200, weights loaded at the "
                   f"log's first {LOADED.strip()!r} line; then one greedy request each",
         "starts": starts,
-        "answers_equal": starts["first"]["answer"] == second["answer"],
+        "answers_equal": len({start["answer"] for start in starts.values()}) == 1,
         "second_after_load_within_target": second["after_load_s"] <= AFTER_LOAD_TARGET_S,
     }
     write_record(args.out, f"starts-{record['backend']}", record, summary_markdown(record))
     print(summary_markdown(record))
-    if not record["answers_equal"] or second["start_up_checks"]["full_check_because"] is not None:
-        sys.exit("error: the second start checked everything again or answered differently (see the record)")
+    if not record["answers_equal"] or any(start["start_up_checks"]["full_check_because"] is not None
+                                          for name, start in starts.items() if name != "first"):
+        sys.exit("error: a later start checked everything again, or the answers differ (see the record)")
 
 
 def summary_markdown(r) -> str:
@@ -110,7 +142,8 @@ def summary_markdown(r) -> str:
         lines.append(f"| {name} | {start['ready_s']:.1f} | {start['weights_loaded_s']:.1f} | "
                      f"{start['after_load_s']:.1f} | {', '.join(checks['from_cache']) or '-'} | {measured} |")
     lines += ["", f"Second start within {AFTER_LOAD_TARGET_S} s of its weights load: "
-                  f"{r['second_after_load_within_target']}; same greedy answer: {r['answers_equal']}."]
+                  f"{r['second_after_load_within_target']}; the same greedy answer from every start: "
+                  f"{r['answers_equal']}."]
     for name, start in r["starts"].items():
         if start.get("runtime_log"):
             lines += ["", f"The {name} start's runtime log:", "", "```", *start["runtime_log"], "```"]
