@@ -109,9 +109,10 @@ def main(argv=None):
     second = starts["second"]
     record = {
         **run_environment("bench_starts.py", pack.name, argv),
-        "method": "two starts of serve_dflash2.py from the pack, one HOME (the second finds the first's "
-                  "cached verdicts); each timed from launch to /health's first 200, weights loaded at the "
-                  f"log's first {LOADED.strip()!r} line; then one greedy request each",
+        "method": "starts of serve_dflash2.py from the pack, one HOME (a later start finds the first's "
+                  "cached verdicts and kept kernels) and one temp folder, emptied before the start 'after a "
+                  "reboot'; each timed from launch to /health's first 200, weights loaded at the log's first "
+                  f"{LOADED.strip()!r} line; then one greedy request each",
         "starts": starts,
         "answers_equal": len({start["answer"] for start in starts.values()}) == 1,
         "second_after_load_within_target": second["after_load_s"] <= AFTER_LOAD_TARGET_S,
@@ -125,7 +126,7 @@ def main(argv=None):
 
 def summary_markdown(r) -> str:
     lines = [
-        f"# First and second start on {r['backend']} ({r['device']}): {r['pack']} pack",
+        f"# Starts on {r['backend']} ({r['device']}): {', '.join(r['starts'])}, {r['pack']} pack",
         "",
         f"Command: `{r['command']}`; commit {r['git_commit'] or 'unknown'}"
         + ("" if r["git_clean"] is None else " (clean tree)" if r["git_clean"] else " (uncommitted changes)")
