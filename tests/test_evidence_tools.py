@@ -446,10 +446,15 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     # advances by its accepted half plus the bonus token, as bench's verify rounds do).
     settle = bench_arms.cache_settler(cache)
     steps = split_steps(lm, cache, taps, [4])
-    assert list(steps) == ["decode", "verify 4", "verify 4, one eval"]
+    assert list(steps) == ["decode", "verify 4", "verify 4, one eval", "decode after verify 4, its commit queued",
+                           "decode after verify 4, its commit done"]
     before = cache[lm.model.fa_idx].offset
-    split = host_split_ms(steps["verify 4, one eval"], settle, 2)
+    split = host_split_ms(steps["verify 4, one eval"][0], settle, 2)
     assert cache[lm.model.fa_idx].offset == before + 3 * 3
+    # A decode step after a round: each sample runs the round untimed first (3 positions kept), then the step.
+    step, after_round = steps["decode after verify 4, its commit queued"]
+    host_split_ms(step, settle, 2, after_round)
+    assert cache[lm.model.fa_idx].offset == before + 3 * 3 + 3 * (3 + 1)
     assert all(split[part] >= 0 and split[f"{part}_min_max"][0] <= split[part] <= split[f"{part}_min_max"][1]
                for part in ("build", "launch", "wait"))
     assert dflash2_verify.VERIFY_EVAL_EVERY == 8  # the served interval is back

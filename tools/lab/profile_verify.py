@@ -105,14 +105,17 @@ def host_ms_by_layer(steps, count: int) -> list:
     return [round(statistics.median(layer), 3) for layer in zip(*per_round)]
 
 
-def host_split_ms(step, settle, count: int) -> dict:
+def host_split_ms(step, settle, count: int, before=None) -> dict:
     """Median ms of a step's parts, unprofiled, over `count` steps (after one untimed): Python
     building its graph (the served verify's hand-offs to the device included), MLX's async_eval
     of the rest (encoding and launching it), then waiting for the device to finish.
-    step() -> (outputs to evaluate, what to run after them: a round's commit, or nothing)."""
+    step() -> (outputs to evaluate, what to run after them: a round's commit, or nothing);
+    before(): run untimed between the settled state and the step (a round the step follows)."""
     parts = {"build": [], "launch": [], "wait": []}
     for index in range(count + 1):
         settle()
+        if before is not None:
+            before()
         start = time.perf_counter()
         outputs, after = step()
         built = time.perf_counter()
@@ -129,10 +132,19 @@ def host_split_ms(step, settle, count: int) -> dict:
 
 
 def split_steps(lm, cache, taps, blocks) -> dict:
-    """name -> step() for host_split_ms: a decode step, and per block a verify round as served
-    (handed off every dflash2_verify.VERIFY_EVAL_EVERY layers) and built whole (one eval)."""
+    """name -> (step(), before()) for host_split_ms: a decode step; per block a verify round as
+    served (handed off every dflash2_verify.VERIFY_EVAL_EVERY layers) and built whole (one
+    eval); and a decode step right after a verify round of the shortest and the longest block,
+    its commit queued (as the request loop leaves it) or finished: where the first plain step
+    after a round's extra time goes (issue 49: +0.5 to +1.8 decode steps on the H100)."""
     token = mx.array([[7]])
-    steps = {"decode": lambda: ([lm(token, cache=cache).logits], lambda: None)}
+    decode = lambda: ([lm(token, cache=cache).logits], lambda: None)  # noqa: E731
+    steps = {"decode": (decode, None)}
+
+    def round_before(length, settled):
+        rounds = bench_arms.verify_round_steps(lm, cache, taps, length)
+        settle = bench_arms.cache_settler(cache)
+        return lambda: (rounds(1), settled and settle())
 
     def verify(length, every):
         block = mx.array([[11 + i for i in range(length)]])
@@ -146,8 +158,11 @@ def split_steps(lm, cache, taps, blocks) -> dict:
         return step
 
     for length in blocks:
-        steps[f"verify {length}"] = verify(length, dflash2_verify.VERIFY_EVAL_EVERY)
-        steps[f"verify {length}, one eval"] = verify(length, 0)
+        steps[f"verify {length}"] = (verify(length, dflash2_verify.VERIFY_EVAL_EVERY), None)
+        steps[f"verify {length}, one eval"] = (verify(length, 0), None)
+    for length in sorted({blocks[0], blocks[-1]}):
+        steps[f"decode after verify {length}, its commit queued"] = (decode, round_before(length, False))
+        steps[f"decode after verify {length}, its commit done"] = (decode, round_before(length, True))
     return steps
 
 
@@ -245,8 +260,8 @@ def main():
         wall = dflash2_timing.interleaved_ms(
             {name: dflash2_timing.steady_ms(steps, 3, settle) for name, steps in arm_steps.items()}, 5)
         # before the profiler: CUPTI, once attached, may slow the host's CUDA calls after it
-        host_split = {name: host_split_ms(step, settle, 2 * args.steps)
-                      for name, step in split_steps(lm, cache, taps, blocks).items()}
+        host_split = {name: host_split_ms(step, settle, 2 * args.steps, before)
+                      for name, (step, before) in split_steps(lm, cache, taps, blocks).items()}
         for name, steps in arm_steps.items():
             arms[name] = {"wall_ms": wall[name]["median"], "wall_ms_samples": wall[name]["samples"],
                           **kernel_ms_per_step(steps, args.steps, settle)}
