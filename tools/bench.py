@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +45,6 @@ import mlx.core as mx  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
 import dflash2_decode_arms  # noqa: E402
 import dflash2_drafter  # noqa: E402
@@ -58,10 +56,11 @@ import dflash2_runtime  # noqa: E402
 import dflash2_sampling  # noqa: E402
 import dflash2_timing  # noqa: E402
 import dflash2_verify  # noqa: E402
-from bench_arms import BLOCK, EARLY_EVAL_BLOCKS, EVAL_EVERY_ARMS, prefill, round_arms  # noqa: E402
+from bench_arms import (BLOCK, EARLY_EVAL_BLOCKS, EVAL_EVERY_ARMS, configured, prefill,  # noqa: E402
+                        random_drafters, round_arms)
 from bench_summary import summary_markdown  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
-from make_synthetic_pack import build_target_model, synthetic_prompt, write_drafter  # noqa: E402
+from make_synthetic_pack import build_target_model, synthetic_prompt  # noqa: E402
 from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
 from parity import greedy, served_rounds, stock_mlx_vlm  # noqa: E402
 from records import add_dense_dtype_argument, layout_suffix, run_environment, write_record  # noqa: E402
@@ -235,17 +234,10 @@ def main():
     if args.pack:
         # A built pack: its own target and drafter (whatever form it ships).
         model, _, pack_drafter = load_pack(*find_pack(args.pack))
-        drafters = {"pack": pack_drafter}
+        drafters = configured({"pack": pack_drafter})
     else:
         model = build_target_model(args.size, seed=0, dense_dtype=args.dense_dtype)
-        drafters = {}
-        with tempfile.TemporaryDirectory() as folder:
-            for form in args.drafter_forms.split(","):
-                write_drafter(Path(folder) / form, args.size, seed=0, form=form)
-                drafters[form], _ = load_drafter(Path(folder) / form)
-    mx.eval([drafter.parameters() for drafter in drafters.values()])
-    for drafter in drafters.values():  # as the server configures its drafter (blocks 2..8)
-        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions())
+        drafters = random_drafters(args.size, args.drafter_forms.split(","))
     lm = model.language_model
     log("target and drafters ready")
     # The end-to-end profiles pay the form a pack should ship: 4-bit when there is one.

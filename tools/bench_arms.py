@@ -4,6 +4,7 @@ server's own round, each as steps(count) that dflash2_timing.steady_ms samples.
 """
 
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -14,13 +15,14 @@ import dflash2_runtime  # noqa: E402  (first: it sets MLX's CUDA graph cache bef
 import mlx.core as mx  # noqa: E402
 from mlx_vlm.speculative import dflash as dflash_rounds  # noqa: E402
 from mlx_vlm.speculative.cache_state import commit_speculative_round  # noqa: E402
+from mlx_vlm.speculative.drafters import load_drafter  # noqa: E402
 
 import dflash2_decode_arms  # noqa: E402
 import dflash2_drafter  # noqa: E402
 import dflash2_rounds  # noqa: E402
 import dflash2_timing  # noqa: E402
 import dflash2_verify  # noqa: E402
-from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt  # noqa: E402
+from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt, write_drafter  # noqa: E402
 
 BLOCK = 8
 # Blocks whose verify round is also timed with the forward handed to the device every
@@ -44,6 +46,26 @@ def prefill(lm, tokens, taps):
     hidden = mx.concatenate(out.hidden_states, axis=-1)
     mx.eval(hidden, dflash2_rounds.cache_arrays(cache))
     return cache, hidden
+
+
+def configured(drafters: dict) -> dict:
+    """The drafters, their weights evaluated and each configured as the server configures its
+    drafter (blocks 2..8)."""
+    mx.eval([drafter.parameters() for drafter in drafters.values()])
+    for drafter in drafters.values():
+        dflash2_drafter.configure_drafter(drafter, dflash2_drafter.RuntimeOptions())
+    return drafters
+
+
+def random_drafters(size: str, forms) -> dict:
+    """form -> the random-weight DFlash2 drafter of `size` in that form (bf16, 4bit), written to a
+    temporary folder and loaded, configured()."""
+    drafters = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for form in forms:
+            write_drafter(Path(folder) / form, size, seed=0, form=form)
+            drafters[form], _ = load_drafter(Path(folder) / form)
+        return configured(drafters)  # its weights read while the folder is there
 
 
 def prefilled_target(size: str, context: int) -> tuple:
