@@ -154,21 +154,27 @@ def choose_drafter_dtype(model, drafter, repeats: int = 5, passes: int = 3,
     )
 
 
-def drafter_passes(model, drafter, context, bf16: bool, block: int, candidate_selector: bool = False):
-    """A function that runs `count` drafter passes of `block` as serving drafts them, in bf16
-    or promoted: after this reads `context`, each pass reads its last row once more, so no
-    pass sees a key length any pass before it saw (a request's rounds never do either)."""
+def drafter_pass(model, drafter, context, bf16: bool, block: int, candidate_selector: bool = False):
+    """A function that builds one drafter pass of `block` as serving drafts it, in bf16 or
+    promoted, and returns its tokens unevaluated: after this reads `context`, each pass reads
+    its last row once more, so no pass sees a key length any pass before it saw (a request's
+    rounds never do either)."""
     draft = greedy_drafting(drafter, candidate_selector)
     use_drafter_bf16(bf16)
     cache = drafter.reset(model)  # its own, growing across every pass
     mx.eval(draft(1, context, cache, block, None))
 
-    def passes(count):
+    def one_pass():
         use_drafter_bf16(bf16)
-        for _ in range(count):
-            mx.eval(draft(1, context[:, -1:], cache, block, None))
+        return draft(1, context[:, -1:], cache, block, None)
 
-    return passes
+    return one_pass
+
+
+def drafter_passes(model, drafter, context, bf16: bool, block: int, candidate_selector: bool = False):
+    """A function that runs `count` drafter_pass passes, each evaluated."""
+    one_pass = drafter_pass(model, drafter, context, bf16, block, candidate_selector)
+    return lambda count: [mx.eval(one_pass()) for _ in range(count)]
 
 
 def _draft_hidden_bf16(self, inputs, target_hidden, cache):
