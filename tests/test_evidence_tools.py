@@ -436,7 +436,7 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     assert dflash2_runtime.install().speculative  # the patches; the model's checks add nothing here
     lm = model.language_model
     taps = list(SIZES["tiny"]["drafter"]["target_layer_ids"])
-    cache, _ = bench_arms.prefill(lm, [3, 5, 7, 9], taps)
+    cache, hidden = bench_arms.prefill(lm, [3, 5, 7, 9], taps)
     served = dflash2_verify.ExactVerifier._layer
     layers = host_ms_by_layer(bench_arms.verify_round_steps(lm, cache, taps, 3), 2)
     assert len(layers) == len(lm.model.layers) and all(ms >= 0 for ms in layers)
@@ -455,6 +455,12 @@ def test_the_verify_profile_times_each_layer_the_served_verify_builds():
     step, after_round = steps["decode after verify 4, its commit queued"]
     host_split_ms(step, settle, 2, after_round)
     assert cache[lm.model.fa_idx].offset == before + 3 * 3 + 3 * (3 + 1)
+    # With a drafter, its pass of the longest block: the drafter's tokens, the target's cache untouched.
+    drafter = bench_arms.random_drafters("tiny", ["4bit"])["4bit"]
+    steps = split_steps(lm, cache, taps, [2, 4], (drafter, hidden))
+    assert list(steps)[-1] == "draft 4" and steps["draft 4"][0]()[0][0].shape == (1, 3)
+    offset = cache[lm.model.fa_idx].offset
+    assert host_split_ms(steps["draft 4"][0], settle, 2)["wait"] >= 0 and cache[lm.model.fa_idx].offset == offset
     assert all(split[part] >= 0 and split[f"{part}_min_max"][0] <= split[part] <= split[f"{part}_min_max"][1]
                for part in ("build", "launch", "wait"))
     assert dflash2_verify.VERIFY_EVAL_EVERY == 8  # the served interval is back

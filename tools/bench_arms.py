@@ -69,17 +69,17 @@ def random_drafters(size: str, forms) -> dict:
 
 
 def prefilled_target(size: str, context: int) -> tuple:
-    """(language model, cache, drafter taps, runtime status): the random-weight target of
-    `size` with the runtime installed (exiting where exact verify is off), a prompt of
-    `context` tokens prefilled."""
+    """(language model, cache, drafter taps, runtime status, the prompt's tap hidden states): the
+    random-weight target of `size` with the runtime installed (exiting where exact verify is
+    off), a prompt of `context` tokens prefilled."""
     model = build_target_model(size, seed=0)
     status = dflash2_runtime.install(model)
     if not status.speculative:
         sys.exit(f"exact verify is off on this machine: {status.reason}")
     lm = model.language_model
     taps = list(SIZES[size]["drafter"]["target_layer_ids"])
-    cache, _ = prefill(lm, synthetic_prompt(context), taps)
-    return lm, cache, taps, status
+    cache, hidden = prefill(lm, synthetic_prompt(context), taps)
+    return lm, cache, taps, status, hidden
 
 
 def cache_settler(cache):
