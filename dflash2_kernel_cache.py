@@ -19,9 +19,12 @@ import struct
 import threading
 from functools import cache
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+
+from dflash2_kernel_folder import whole_binary
 
 _LOCK = threading.Lock()
 _COUNTS = {"compiled": 0, "found": 0, "failed": 0}
@@ -84,14 +87,16 @@ def module_path(folder: Path, module_name: str) -> Path:
     return folder.joinpath(*parts, module_name + ".ptx")
 
 
-def mlx_cache_folder() -> Path:
-    """MLX's ptx_cache_dir: MLX_PTX_CACHE_DIR, else the temporary folder (as C++'s
-    temp_directory_path finds it) / mlx / <version> / ptx."""
-    chosen = os.environ.get("MLX_PTX_CACHE_DIR")
-    if chosen:
-        return Path(chosen).absolute()
-    temporary = next((os.environ[name] for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(name)), "/tmp")
-    return Path(temporary) / "mlx" / mx.__version__ / "ptx"
+def mlx_cache_folder() -> Optional[Path]:
+    """MLX's ptx_cache_dir: MLX_PTX_CACHE_DIR, else the temporary folder (as libstdc++'s
+    temp_directory_path finds it: the first of these variables set) / mlx / <version> / ptx.
+    None where MLX keeps none: MLX_PTX_CACHE_DIR set empty (no folder), TMPDIR set empty (it
+    throws)."""
+    if "MLX_PTX_CACHE_DIR" in os.environ:
+        chosen = os.environ["MLX_PTX_CACHE_DIR"]
+        return Path(chosen).absolute() if chosen else None
+    temporary = next((os.environ[name] for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if name in os.environ), "/tmp")
+    return Path(temporary) / "mlx" / mx.__version__ / "ptx" if temporary else None
 
 
 # ===========================================================================
@@ -139,33 +144,42 @@ def elf_arrays(path: str, prefix: bytes) -> dict:
         return found
 
 
+# jit_module.cpp's g_include_names (mlx/backend/cuda/device/...): what MLX hands NVRTC
+MLX_JIT_HEADERS = ("atomic_ops.cuh", "binary_ops.cuh", "cast_op.cuh", "config.h", "complex.cuh", "cute_dequant.cuh",
+                   "fp16_math.cuh", "gemm_sm70.cuh", "hadamard.cuh", "indexing.cuh", "qmm_naive.cuh", "qmm_sm80.cuh",
+                   "qmm_sm90.cuh", "scatter_ops.cuh", "unary_ops.cuh", "ternary_ops.cuh", "utils.cuh")
+
+
 def mlx_device_headers(library: str) -> dict:
-    """{include name: text} of MLX's JIT headers (jit_module.cpp: g_headers, each a
-    `mlx::core::jit_source_<stem>` array, named mlx/backend/cuda/device/<stem>.cuh, config's .h).
-    NVRTC reads a header handed to it only where a source includes that name."""
-    headers = {}
-    for symbol, data in elf_arrays(library, b"_ZN3mlx4coreL").items():
-        stem = symbol.partition("jit_source_")[2].removesuffix("E")  # _ZN3mlx4coreL16jit_source_utilsE
-        if stem:
-            suffix = ".h" if stem == "config" else ".cuh"
-            headers[f"mlx/backend/cuda/device/{stem}{suffix}"] = data.rstrip(b"\0")
-    if "mlx/backend/cuda/device/utils.cuh" not in headers:
-        raise ValueError(f"MLX's device headers are not in {library}'s symbol table")
-    return headers
+    """{include name: text} of the headers MLX's JIT hands NVRTC: g_include_names, each the
+    array `mlx::core::jit_source_<stem>` in libmlx's symbol table."""
+    arrays = {symbol.partition("jit_source_")[2].removesuffix("E"): data
+              for symbol, data in elf_arrays(library, b"_ZN3mlx4coreL").items()}
+    missing = [name for name in MLX_JIT_HEADERS if name.rpartition(".")[0] not in arrays]
+    if missing:
+        raise ValueError(f"MLX's device headers {', '.join(missing)} are not in {library}'s symbol table")
+    return {f"mlx/backend/cuda/device/{name}": arrays[name.rpartition(".")[0]].rstrip(b"\0") for name in MLX_JIT_HEADERS}
 
 
 # ===========================================================================
 # NVRTC, as MLX calls it
 
 
-def loaded_library(stem: str) -> str:
-    """The path of a shared library this process has loaded (the one MLX uses)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(stem + ".so"):
-                return fields[5].strip()
-    raise FileNotFoundError(f"{stem} is not loaded")
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def loaded_mlx() -> tuple:
+    """(libmlx as this process loaded it, its path as MLX's current_binary_dir gives it: dladdr
+    on one of its functions, the path it was loaded by, links not resolved). Symbols looked up
+    in the handle resolve through libmlx's own dependencies: NVRTC's are the library MLX calls."""
+    library = ctypes.CDLL("libmlx.so", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only the loaded one
+    info = _DlInfo()
+    function = ctypes.cast(library._ZN3mlx4core7versionEv, ctypes.c_void_p)  # mlx::core::version()
+    if not ctypes.CDLL(None).dladdr(function, ctypes.byref(info)) or not info.dli_fname:
+        raise OSError("dladdr found no file for libmlx")
+    return library, os.fsdecode(info.dli_fname)
 
 
 def compiles_sass(nvrtc: tuple, capability: tuple) -> bool:
@@ -181,24 +195,28 @@ def compiles_sass(nvrtc: tuple, capability: tuple) -> bool:
 
 class Compiler:
     """NVRTC with MLX's options for a device (jit_module.cpp: compile, include_path_args).
-    headers: mlx_device_headers(); mlx_root: the mlx package folder (libmlx's lib/ above);
-    capability: the device's (major, minor)."""
+    nvrtc: a library handle NVRTC's functions resolve in; headers: mlx_device_headers();
+    mlx_root: the mlx package folder (libmlx's lib/ above); capability: the device's (major,
+    minor). Where MLX would take a folder this cannot see (CCCL's from its build) it refuses."""
 
-    def __init__(self, nvrtc_path: str, headers: dict, mlx_root: Path, capability: tuple):
+    def __init__(self, nvrtc, headers: dict, mlx_root: Path, capability: tuple):
         self.headers = headers
-        self.nvrtc = ctypes.CDLL(nvrtc_path)
+        self.nvrtc = nvrtc
         self.nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
         major, minor = ctypes.c_int(), ctypes.c_int()
         self._check(self.nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
         self.sass = compiles_sass((major.value, minor.value), tuple(capability))
         arch = f"{'sm' if self.sass else 'compute'}_{capability[0]}{capability[1]}{'a' if capability[0] >= 9 else ''}"
-        includes = [mlx_root / "include", mlx_root / "include" / "cccl"]
+        include, cccl = mlx_root / "include", mlx_root / "include" / "cccl"
+        if not cccl.exists():
+            raise FileNotFoundError(f"{cccl} is missing: MLX would read the CCCL of its own build")
         cuda = mlx_root.parent / "nvidia" / ("cu13" if major.value >= 13 else "cuda_runtime") / "include"
         if not cuda.exists():
             cuda = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda") / "include"
-        includes.append(cuda)
-        self.options = ["--device-as-default-execution-space", f"--gpu-architecture={arch}"] + [
-            f"--include-path={path}" for path in includes if path.exists()]
+        if not cuda.exists():
+            raise FileNotFoundError("no CUDA headers (MLX would stop too)")
+        self.options = ["--device-as-default-execution-space", f"--gpu-architecture={arch}", f"--include-path={include}",
+                        f"--include-path={cccl}", f"--include-path={cuda}"]
         self.version = f"NVRTC {major.value}.{minor.value}, {arch}"
 
     def _check(self, result, call):
@@ -244,9 +262,9 @@ def compiler():
     if os.environ.get("DFLASH2_KERNEL_CACHE", "1") == "0" or not mx.cuda.is_available():
         return None
     try:
-        library = loaded_library("libmlx")
+        library, path = loaded_mlx()
         info = mx.device_info()
-        return Compiler(loaded_library("libnvrtc"), mlx_device_headers(library), Path(library).parent.parent,
+        return Compiler(library, mlx_device_headers(path), Path(path).parent.parent,
                         (info["compute_capability_major"], info["compute_capability_minor"]))
     except Exception as error:  # noqa: BLE001 - any failure: MLX compiles as before
         _FIRST_FAILURE.append(f"{type(error).__name__}: {error}")
@@ -258,36 +276,64 @@ def compiler():
 
 
 def _write(path: Path, data: bytes):
+    """Whole or not at all, on disk before its name: a cache entry outlives the process."""
     partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _entry_is_whole(path: Path, names: bytes) -> bool:
+    try:
+        return path.with_suffix(".txt").read_bytes() == names and whole_binary(path.read_bytes())
+    except OSError:
+        return False
 
 
 def prepare(kernel_name, header, source, input_names, inputs, output_names, output_dtypes) -> None:
     """Leave this launch's module in MLX's PTX cache unless it is there: MLX then loads it instead
     of compiling. The kernel names file goes first, as MLX reads the binary's presence as the
     whole entry's."""
-    built = compiler()
-    if built is None or not all(isinstance(x, mx.array) for x in inputs):
+    built, folder = compiler(), mlx_cache_folder()
+    if built is None or folder is None or not all(isinstance(x, mx.array) for x in inputs):
         return
     try:
         full_name = "custom_kernel_" + kernel_name
         text = mlx_kernel_source(full_name, header, source, input_names, inputs, output_names, output_dtypes)
         module = f"{full_name}_{std_hash(text.encode()):x}"
-        path = module_path(mlx_cache_folder(), module)
-        if path.exists() and path.with_suffix(".txt").exists():
+        path = module_path(folder, module)
+        names = path.with_suffix(".txt")
+        try:
+            lowered = names.read_text().partition("\t")[2].rstrip("\n")
+        except (OSError, UnicodeDecodeError):
+            lowered = None
+        if lowered and _entry_is_whole(path, f"mlx::core::cu::{full_name}\t{lowered}\n".encode()):
             outcome = "found"
         else:
             binary, lowered = built.compile(module, text, "mlx::core::cu::" + full_name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write(path.with_suffix(".txt"), f"mlx::core::cu::{full_name}\t{lowered}\n".encode())
+            _write(names, f"mlx::core::cu::{full_name}\t{lowered}\n".encode())
             _write(path, binary)
+            _sync_folder(path.parent)
             outcome = "compiled"
     except Exception as error:  # noqa: BLE001 - MLX compiles this one itself
         outcome = "failed"
         _FIRST_FAILURE.append(f"{kernel_name}: {type(error).__name__}: {error}")
     with _LOCK:
         _COUNTS[outcome] += 1
+
+
+def _sync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def binaries() -> str:
@@ -302,8 +348,8 @@ def summary() -> str:
     if built is None:
         reason = _FIRST_FAILURE[0] if _FIRST_FAILURE else "off here (not CUDA, or DFLASH2_KERNEL_CACHE=0)"
         return f"kernel binaries: MLX compiles each at its first launch ({reason})"
-    text = (f"kernel binaries in {mlx_cache_folder()}: {_COUNTS['found']} loaded, "
+    text = (f"kernel binaries in {mlx_cache_folder()}: {_COUNTS['found']} found there, "
             f"{_COUNTS['compiled']} compiled and kept ({built.version})")
     if _COUNTS["failed"]:
-        text += f"; {_COUNTS['failed']} left to MLX ({_FIRST_FAILURE[-1]})"
+        text += f"; {_COUNTS['failed']} left to MLX (the first: {_FIRST_FAILURE[0]})"
     return text

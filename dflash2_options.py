@@ -18,8 +18,10 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 from dflash2_file_hashes import user_cache_folder
+from dflash2_kernel_folder import nvidia_setup, remove_cut_entries, setup_folder_name
 from dflash2_requests import PackLimits
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
@@ -73,15 +75,23 @@ def exit_if_environment_refused():
 _run_temp_folders = []  # made for this run alone: removed at exit
 
 
-def _private_folder(path: Path) -> bool:
+def _private_folder(path: Path, top: Optional[Path] = None) -> bool:
     """Makes `path` (0700) unless it exists; whether it is a folder, not a link another user made
-    and could point elsewhere later, of this user's alone."""
+    and could point elsewhere later, of this user's alone; and with `top`, each folder above it
+    up to `top` a folder of this user's no one else can write (or swap `path` for another)."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        status = os.lstat(path)
-    except OSError:
+        chain = [path] if top is None else [path, *path.parents[:len(path.relative_to(top).parts)]]
+        chain[-1].parent.mkdir(parents=True, exist_ok=True)
+        for folder in reversed(chain):  # each one made here 0700, whatever the umask would add
+            folder.mkdir(mode=0o700, exist_ok=True)
+        for folder in chain:
+            status = os.lstat(folder)
+            if not (stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid()
+                    and not status.st_mode & (0o077 if folder == path else 0o022)):
+                return False
+    except (OSError, ValueError):
         return False
-    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not status.st_mode & 0o077
+    return True
 
 
 def use_private_temp_folder(environ=os.environ) -> None:
@@ -108,19 +118,24 @@ def use_private_temp_folder(environ=os.environ) -> None:
 
 
 def use_persistent_kernel_folder(environ=os.environ) -> None:
-    """Keep MLX's compiled CUDA kernels (and the pack's: dflash2_kernel_cache) in the user's cache
-    folder, <cache>/dflash2/mlx-ptx/<mlx version>, instead of the temp folder: a reboot often
-    empties that, and a restart after one should not compile them again. MLX_PTX_CACHE_DIR
-    chosen by the user stays; a folder others could write leaves MLX's default (in the private
-    temp folder)."""
+    """With an NVIDIA driver, keep MLX's compiled CUDA kernels (and the pack's:
+    dflash2_kernel_cache) in the user's cache folder, <cache>/dflash2/mlx-ptx/<mlx version>/<the
+    NVIDIA setup's digest>, instead of the temp folder: a reboot often empties that, and a
+    restart after one should not compile them again. One folder per setup (GPU models, driver,
+    CUDA wheels: a home shared by several machines); entries a crash cut are removed first.
+    MLX_PTX_CACHE_DIR chosen by the user stays; a folder others could write (or a folder above
+    it) leaves MLX's default, in the private temp folder."""
     if "MLX_PTX_CACHE_DIR" in environ or not hasattr(os, "getuid"):
         return
+    setup = nvidia_setup()
     try:
         version = importlib.metadata.version("mlx")  # MLX's own folder names its version too
     except importlib.metadata.PackageNotFoundError:
         return
-    folder = user_cache_folder() / "mlx-ptx" / version
-    if _private_folder(folder):
+    top = user_cache_folder()
+    folder = top / "mlx-ptx" / version / setup_folder_name(setup or "")
+    if setup is not None and _private_folder(folder, top):
+        remove_cut_entries(folder)
         environ["MLX_PTX_CACHE_DIR"] = str(folder)
 
 

@@ -353,6 +353,7 @@ LAYERS = [
     "dflash2_kernel_qmv",
     "dflash2_kernel_base",
     "dflash2_kernel_cache",
+    "dflash2_kernel_folder",
     "dflash2_source",
 ]
 

@@ -1,11 +1,14 @@
 """dflash2_kernel_cache: the module name MLX looks for (its source text and libstdc++'s hash),
 MLX's device headers read from a library's symbol table, NVRTC as MLX calls it (on the CPU:
 NVRTC needs no GPU), and the cache entries prepare() leaves. The CUDA-only test at the end runs
-a pack kernel in two processes on one cache: the second loads the first's binary, same bits."""
+a pack kernel in two processes on one cache (the second finds the first's binary, same bits),
+and a planted binary shows MLX runs what it finds under the name."""
 
 import ctypes
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -16,7 +19,9 @@ import pytest
 
 import dflash2_kernel_base
 import dflash2_kernel_cache as kernel_cache
+import dflash2_kernel_folder
 import dflash2_kernel_qmv as qmv
+from dflash2_kernel_folder import whole_binary
 
 REPO = Path(__file__).resolve().parents[1]
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -83,15 +88,29 @@ def test_module_path_splits_long_names_as_mlx_does(tmp_path):
     assert kernel_cache.module_path(tmp_path, "a" * 245) == tmp_path / ("a" * 245 + ".ptx")
 
 
+@needs_gxx
 def test_cache_folder_is_mlx_ptx_cache_dir(monkeypatch, tmp_path):
-    for name in ("MLX_PTX_CACHE_DIR", "TMPDIR", "TMP", "TEMP", "TEMPDIR"):
-        monkeypatch.delenv(name, raising=False)
-    assert kernel_cache.mlx_cache_folder() == Path("/tmp/mlx") / mx.__version__ / "ptx"
-    monkeypatch.setenv("TMP", str(tmp_path / "b"))
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "a"))  # C++'s temp_directory_path reads TMPDIR first
-    assert kernel_cache.mlx_cache_folder() == tmp_path / "a" / "mlx" / mx.__version__ / "ptx"
+    """MLX's ptx_cache_dir: MLX_PTX_CACHE_DIR (set empty: none), else libstdc++'s
+    temp_directory_path (printed by g++'s build here, under each environment) / mlx / version / ptx."""
+    program = tmp_path / "temp.cpp"
+    program.write_text('#include <filesystem>\n#include <iostream>\n'
+                       'int main() { std::cout << std::filesystem::temp_directory_path().string(); }\n')
+    subprocess.run(["g++", "-std=c++17", "-o", str(tmp_path / "temp"), str(program)], check=True)
+    names = ("MLX_PTX_CACHE_DIR", "TMPDIR", "TMP", "TEMP", "TEMPDIR")
+    for env in ({}, {"TMP": str(tmp_path / "b"), "TMPDIR": str(tmp_path / "a")}, {"TEMP": str(tmp_path / "c")},
+                {"TEMPDIR": str(tmp_path / "d"), "TEMP": str(tmp_path / "c")}):
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            Path(value).mkdir(exist_ok=True)
+            monkeypatch.setenv(name, value)
+        printed = subprocess.run([str(tmp_path / "temp")], env={**env, "PATH": os.environ["PATH"]},
+                                 capture_output=True, text=True, check=True).stdout
+        assert kernel_cache.mlx_cache_folder() == Path(printed) / "mlx" / mx.__version__ / "ptx", env
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "chosen"))
     assert kernel_cache.mlx_cache_folder() == tmp_path / "chosen"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "")  # MLX then keeps no cache (no folder named "")
+    assert kernel_cache.mlx_cache_folder() is None
 
 
 def test_sass_where_mlx_compiles_sass():
@@ -104,30 +123,31 @@ def test_sass_where_mlx_compiles_sass():
 
 @needs_gxx
 def test_device_headers_come_from_the_symbol_table(tmp_path):
-    """Arrays named as MLX's embed script names them, in a library built here; a stripped one
-    (no .symtab) is refused."""
-    source = tmp_path / "lib.cpp"
-    source.write_text(textwrap.dedent("""\
-        namespace mlx::core {
-        static const char jit_source_utils[] = "#pragma once\\n// utils\\n";
-        static const char jit_source_config[] = "#define MAX_NDIM 10\\n";
-        static const char other_table[] = "not a header";
-        }
-        extern "C" const char* pick(int i) {
-          return i == 0 ? mlx::core::jit_source_utils : i == 1 ? mlx::core::jit_source_config
-                                                                : mlx::core::other_table;
-        }
-        """))
-    library = tmp_path / "libmlx.so"
-    subprocess.run(["g++", "-shared", "-fPIC", "-O1", "-o", str(library), str(source)], check=True)
-    assert kernel_cache.mlx_device_headers(str(library)) == {
-        "mlx/backend/cuda/device/utils.cuh": b"#pragma once\n// utils\n",
-        "mlx/backend/cuda/device/config.h": b"#define MAX_NDIM 10\n",
-    }
+    """MLX's 17 JIT headers as its embed script names the arrays, in a library built here (with
+    one more array MLX does not hand NVRTC); one missing, or a stripped library (no .symtab),
+    is refused."""
+    def library(stems, name):
+        source = tmp_path / f"{name}.cpp"
+        arrays = "".join(f'static const char jit_source_{stem}[] = "// {stem}\\n";\n' for stem in stems)
+        table = ", ".join(f"jit_source_{stem}" for stem in stems)  # kept: the table points at them
+        source.write_text(f"namespace mlx::core {{\n{arrays}const char* pick(int i) {{\n"
+                          f"  static const char* all[] = {{{table}}};\n  return all[i];\n}}\n}}\n")
+        path = tmp_path / f"{name}.so"
+        subprocess.run(["g++", "-shared", "-fPIC", "-O1", "-o", str(path), str(source)], check=True)
+        return str(path)
+
+    stems = [name.rpartition(".")[0] for name in kernel_cache.MLX_JIT_HEADERS]
+    headers = kernel_cache.mlx_device_headers(library([*stems, "gather"], "libmlx"))
+    assert headers == {f"mlx/backend/cuda/device/{name}": f"// {name.rpartition('.')[0]}\n".encode()
+                       for name in kernel_cache.MLX_JIT_HEADERS}
+    assert "mlx/backend/cuda/device/config.h" in headers and len(headers) == 17
+    with pytest.raises(ValueError, match="utils.cuh are not in"):
+        kernel_cache.mlx_device_headers(library([stem for stem in stems if stem != "utils"], "partial"))
     if shutil.which("strip"):
-        subprocess.run(["strip", str(library)], check=True)
+        stripped = library(stems, "stripped")
+        subprocess.run(["strip", stripped], check=True)
         with pytest.raises(ValueError, match="no symbol table"):
-            kernel_cache.mlx_device_headers(str(library))
+            kernel_cache.mlx_device_headers(stripped)
 
 
 def _nvrtc_library():
@@ -159,7 +179,10 @@ def test_nvrtc_compiles_a_pack_kernel_as_mlx_does(monkeypatch, tmp_path):
     (mlx_root / "include" / "cccl").symlink_to(nvidia / "cu13" / "include" / "cccl")
     (mlx_root.parent / "nvidia").symlink_to(nvidia)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # not /usr/local/cuda
-    compiler = kernel_cache.Compiler(nvrtc, {"mlx/backend/cuda/device/utils.cuh": _UTILS_STAND_IN}, mlx_root, (9, 0))
+    with pytest.raises(FileNotFoundError, match="cccl is missing"):
+        kernel_cache.Compiler(ctypes.CDLL(nvrtc), {}, tmp_path, (9, 0))
+    compiler = kernel_cache.Compiler(ctypes.CDLL(nvrtc), {"mlx/backend/cuda/device/utils.cuh": _UTILS_STAND_IN},
+                                     mlx_root, (9, 0))
     assert compiler.sass and compiler.options == [
         "--device-as-default-execution-space", "--gpu-architecture=sm_90a", f"--include-path={mlx_root / 'include'}",
         f"--include-path={mlx_root / 'include' / 'cccl'}", f"--include-path={mlx_root.parent / 'nvidia' / 'cu13' / 'include'}"]
@@ -174,6 +197,7 @@ def test_nvrtc_compiles_a_pack_kernel_as_mlx_does(monkeypatch, tmp_path):
                                           [mx.float16])
     binary, lowered = compiler.compile("module", text, "mlx::core::cu::" + name)
     assert binary[:4] == b"\x7fELF" and name in lowered and lowered.startswith("_ZN3mlx4core2cu")
+    assert whole_binary(binary) and not whole_binary(binary[:-len(binary) // 3]) and not whole_binary(binary[:40])
     assert compiler.compile("module", text, "mlx::core::cu::" + name)[0] == binary
     with pytest.raises(RuntimeError, match="could not compile broken.*error"):
         compiler.compile("broken", text.replace("qmv_split_rows", "no_such_function"), "mlx::core::cu::" + name)
@@ -189,7 +213,7 @@ class _FakeCompiler:
         self.calls.append((module, text, kernel_name))
         if "fails" in text:
             raise RuntimeError("NVRTC could not compile")
-        return b"\x7fELF binary of " + module.encode(), "_Z6lowered"
+        return b"// PTX of " + module.encode() + b"\0", "_Z6lowered"
 
 
 def test_prepare_leaves_what_mlx_reads_and_compiles_once(monkeypatch, tmp_path, fresh_counts):
@@ -201,7 +225,7 @@ def test_prepare_leaves_what_mlx_reads_and_compiles_once(monkeypatch, tmp_path, 
     (module, text, kernel_name), = fake.calls
     assert module == f"custom_kernel_k_1_{kernel_cache.std_hash(text.encode()):x}"
     assert kernel_name == "mlx::core::cu::custom_kernel_k_1"
-    assert (tmp_path / f"{module}.ptx").read_bytes() == b"\x7fELF binary of " + module.encode()
+    assert (tmp_path / f"{module}.ptx").read_bytes() == b"// PTX of " + module.encode() + b"\0"
     # MLX's read_cached_ptx: one "name<TAB>lowered" line per kernel
     assert (tmp_path / f"{module}.txt").read_text() == "mlx::core::cu::custom_kernel_k_1\t_Z6lowered\n"
     assert sorted(path.name for path in tmp_path.iterdir()) == [f"{module}.ptx", f"{module}.txt"]  # no partials
@@ -211,14 +235,61 @@ def test_prepare_leaves_what_mlx_reads_and_compiles_once(monkeypatch, tmp_path, 
     (tmp_path / f"{module}.txt").unlink()  # a binary without its names MLX cannot load: built again
     kernel_cache.prepare("k_1", "", "y[0] = x[0];", ["x"], inputs, ["y"], [mx.float16])
     assert len(fake.calls) == 2 and (tmp_path / f"{module}.txt").exists()
+    (tmp_path / f"{module}.ptx").write_bytes(b"// PTX of")  # cut short (a crash, a full disk): again
+    kernel_cache.prepare("k_1", "", "y[0] = x[0];", ["x"], inputs, ["y"], [mx.float16])
+    assert len(fake.calls) == 3 and (tmp_path / f"{module}.ptx").read_bytes().endswith(b"\0")
     kernel_cache.prepare("k_1", "", "y[0] = x[0];", ["x"], [mx.zeros((2, 4), mx.float32)], ["y"], [mx.float16])
-    assert len(fake.calls) == 3  # other dtypes: another module
+    assert len(fake.calls) == 4  # other dtypes: another module
     kernel_cache.prepare("k_2", "", "fails", ["x"], inputs, ["y"], [mx.float16])
     kernel_cache.prepare("k_3", "", "y[0] = 1;", ["x"], [1], ["y"], [mx.float16])  # a scalar input: MLX's
-    assert kernel_cache._COUNTS == {"compiled": 3, "found": 1, "failed": 1}
+    assert kernel_cache._COUNTS == {"compiled": 4, "found": 1, "failed": 1}
     assert len(list(tmp_path.glob("*.ptx"))) == 2
     summary = kernel_cache.summary()
-    assert "1 loaded, 3 compiled and kept (fake)" in summary and "1 left to MLX (k_2: RuntimeError" in summary
+    assert "1 found there, 4 compiled and kept (fake)" in summary
+    assert "1 left to MLX (the first: k_2: RuntimeError" in summary
+
+
+def test_a_write_that_fails_leaves_nothing_behind(monkeypatch, tmp_path, fresh_counts):
+    """A failed write (a full disk) leaves neither a partial file nor an entry: MLX compiles it."""
+    monkeypatch.setattr(kernel_cache, "compiler", lambda: _FakeCompiler())
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kernel_cache.os, "replace", full)
+    kernel_cache.prepare("k_1", "", "y[0] = x[0];", ["x"], [mx.zeros((2,), mx.float16)], ["y"], [mx.float16])
+    assert kernel_cache._COUNTS["failed"] == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_nvidia_setup_names_the_gpus_driver_and_wheels(tmp_path):
+    """What a kernel folder is for, read from the driver's /proc files (a copy here); none
+    without them."""
+    for index, model in enumerate(["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"]):
+        (tmp_path / "gpus" / f"0000:0{index}:00.0").mkdir(parents=True)
+        (tmp_path / "gpus" / f"0000:0{index}:00.0" / "information").write_text(f"Model: \t {model}\nIRQ: 1\n")
+    (tmp_path / "version").write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15\nGCC version\n")
+    setup = json.loads(dflash2_kernel_folder.nvidia_setup(tmp_path))
+    assert setup["gpus"] == ["NVIDIA H100 80GB HBM3"] * 2 and setup["driver"].endswith("570.86.15")
+    assert f"mlx=={mx.__version__}" in setup["packages"]
+    assert dflash2_kernel_folder.nvidia_setup(tmp_path / "none") is None
+
+
+def test_cut_entries_are_removed_whole_ones_kept(tmp_path):
+    whole = bytearray(b"\x7fELF" + bytes(124))
+    struct.pack_into("<QQ", whole, 0x20, 64, 96)  # program headers at 64, section headers at 96:
+    struct.pack_into("<HHHH", whole, 0x36, 32, 1, 32, 1)  # both inside its 128 bytes
+    entries = {"cubin": bytes(whole), "ptx": b"// PTX\0", "cut cubin": bytes(whole[:100]), "cut ptx": b"// PT",
+               "empty": b"", "no names": b"// PTX\0"}
+    (tmp_path / "long").mkdir()
+    for name, data in entries.items():
+        binary = tmp_path / ("long" if name == "ptx" else ".") / f"{name.replace(' ', '_')}.ptx"
+        binary.write_bytes(data)
+        if name != "no names":
+            binary.with_suffix(".txt").write_text("mlx::core::cu::k\t_Z1kv\n")
+    assert dflash2_kernel_folder.remove_cut_entries(tmp_path) == 4
+    assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*.*")) == [
+        "cubin.ptx", "cubin.txt", "long/ptx.ptx", "long/ptx.txt"]
 
 
 def test_baked_kernel_prepares_before_its_first_launch(monkeypatch, tmp_path, fresh_counts):
@@ -271,6 +342,47 @@ def test_kernel_source_is_what_mlx_prints_it_builds(capfd):
         assert printed == f"Generated source code for `{name}`:\n```\n{text}\n```\n"
 
 
+_PLANTED = """
+import sys
+import mlx.core as mx
+sys.path.insert(0, {repo!r})
+import dflash2_kernel_base, dflash2_kernel_cache as cache
+kernel = dflash2_kernel_base.BakedCudaKernel(name="dflash2_probe", input_names=["x"], output_names=["y"],
+                                             source="  y[threadIdx.x] = x[threadIdx.x] * 2.0f;")
+x = mx.arange(32, dtype=mx.float32)
+if sys.argv[1] == "plant":  # under the name MLX gives the doubling kernel: a tripling one's binary
+    text = cache.mlx_kernel_source("custom_kernel_dflash2_probe", "", kernel._source, ["x"], [x], ["y"], [mx.float32])
+    module = f"custom_kernel_dflash2_probe_{{cache.std_hash(text.encode()):x}}"
+    binary, lowered = cache.compiler().compile(module, text.replace("* 2.0f", "* 3.0f"),
+                                               "mlx::core::cu::custom_kernel_dflash2_probe")
+    path = cache.module_path(cache.mlx_cache_folder(), module)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".txt").write_text(f"mlx::core::cu::custom_kernel_dflash2_probe\\t{{lowered}}\\n")
+    path.write_bytes(binary)
+else:
+    print(kernel(inputs=[x], output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                 threadgroup=(32, 1, 1))[0][:3].tolist())
+"""
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="CUDA only")
+def test_mlx_runs_the_binary_left_under_the_module_name(tmp_path):
+    """The decisive check of the name, the entry's format and the compile: a binary compiled here
+    from a tripling body, left under the name of a doubling kernel, is what MLX runs for it in
+    a new process (the cache's own step off); with the folder empty MLX compiles the doubling."""
+    script = tmp_path / "planted.py"
+    script.write_text(_PLANTED.format(repo=str(REPO)))
+
+    def run(mode, folder):
+        env = {**os.environ, "MLX_PTX_CACHE_DIR": str(folder), "DFLASH2_KERNEL_CACHE": "1" if mode == "plant" else "0"}
+        return subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    run("plant", tmp_path / "ptx")
+    assert run("run", tmp_path / "ptx") == "[0.0, 3.0, 6.0]"
+    assert run("run", tmp_path / "empty") == "[0.0, 2.0, 4.0]"
+
+
 _TWO_PROCESSES = """
 import sys, time, numpy as np, mlx.core as mx
 sys.path.insert(0, {repo!r})
@@ -291,15 +403,14 @@ np.save(sys.argv[1], np.array(y.view(mx.uint16)))
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="CUDA only")
 def test_a_second_process_loads_the_first_ones_binary(tmp_path):
-    """On a GPU: the first process compiles and keeps the 8-row qmv; the second loads it (no
-    compile: its first launch far quicker) and computes the same bits."""
+    """On a GPU: the first process compiles and keeps the 8-row qmv; the second finds it whole and
+    computes the same bits (that MLX runs what it finds: the planted binary's test)."""
     script = tmp_path / "run.py"
     script.write_text(_TWO_PROCESSES.format(repo=str(REPO)))
     env = {**os.environ, "MLX_PTX_CACHE_DIR": str(tmp_path / "ptx"), "PYTHONUNBUFFERED": "1"}
     runs = [subprocess.run([sys.executable, str(script), str(tmp_path / f"y{i}.npy")], env=env,
                            capture_output=True, text=True, check=True).stdout.split(" ", 1) for i in range(2)]
-    (first_s, first_counts), (second_s, second_counts) = runs
+    (_, first_counts), (_, second_counts) = runs
     assert "'compiled': 1" in first_counts and "'found': 1" in second_counts and "'compiled': 0" in second_counts
-    assert float(second_s) < float(first_s) / 3, runs
     import numpy as np
     assert np.array_equal(np.load(tmp_path / "y0.npy"), np.load(tmp_path / "y1.npy"))

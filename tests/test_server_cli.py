@@ -16,6 +16,7 @@ import py_compile
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -181,34 +182,64 @@ def test_temp_folder_is_this_user_s_alone(script, tmp_path):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_kernels_compile_into_the_user_s_cache_folder(script, tmp_path):
-    """On CUDA MLX (and dflash2_kernel_cache) keep compiled kernels in MLX_PTX_CACHE_DIR: each
-    server sets it, before MLX starts, to <cache>/dflash2/mlx-ptx/<mlx version>, 0700, which a
-    reboot leaves (the run then stops at the empty pack)."""
+    """With an NVIDIA driver MLX (and dflash2_kernel_cache) keep compiled kernels in
+    MLX_PTX_CACHE_DIR: each server sets it, before MLX starts, to <cache>/dflash2/mlx-ptx/<mlx
+    version>/<setup>, 0700, which a reboot leaves; without one it sets nothing (the run then
+    stops at the empty pack)."""
+    from dflash2_kernel_folder import nvidia_setup, setup_folder_name
+
     env = clean_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("MLX_PTX_CACHE_DIR", None)
     result = run(script, "--pack", str(tmp_path), env=env)
     assert result.returncode == 1 and "config.json: file is missing" in result.stderr, result.stderr
-    folder = tmp_path / "cache" / "dflash2" / "mlx-ptx" / importlib.metadata.version("mlx")
-    assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
+    versions = tmp_path / "cache" / "dflash2" / "mlx-ptx" / importlib.metadata.version("mlx")
+    setup = nvidia_setup()
+    if setup is None:
+        assert not versions.exists()
+    else:
+        folder = versions / setup_folder_name(setup)
+        assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
 
 
 def test_the_kernels_folder_is_the_user_s_choice_or_private(tmp_path, monkeypatch):
+    import dflash2_options
     from dflash2_options import use_persistent_kernel_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(dflash2_options, "nvidia_setup", lambda: '{"gpus": ["NVIDIA H100 80GB HBM3"]}')
     environ = {}
     use_persistent_kernel_folder(environ)
-    folder = tmp_path / "dflash2" / "mlx-ptx" / importlib.metadata.version("mlx")
+    version = tmp_path / "dflash2" / "mlx-ptx" / importlib.metadata.version("mlx")
+    [folder] = version.iterdir()
     assert environ == {"MLX_PTX_CACHE_DIR": str(folder)}
+    assert all(path.stat().st_mode & 0o777 == 0o700 for path in (folder, version, version.parent, tmp_path / "dflash2"))
+    cut = bytearray(b"\x7fELF" + bytes(60))
+    struct.pack_into("<QQ", cut, 0x20, 0, 4096)  # its section headers at 4096: past its end, cut
+    struct.pack_into("<HHHH", cut, 0x36, 56, 0, 64, 12)
+    (folder / "cut.ptx").write_bytes(bytes(cut))
+    (folder / "cut.txt").write_text("mlx::core::cu::k\t_Z1kv\n")
+    (folder / "whole.ptx").write_bytes(b"// PTX\0")
+    (folder / "whole.txt").write_text("mlx::core::cu::w\t_Z1wv\n")
+    use_persistent_kernel_folder({})  # a later start: the cut entry goes before MLX reads it
+    assert sorted(path.name for path in folder.iterdir()) == ["whole.ptx", "whole.txt"]
+
     environ = {"MLX_PTX_CACHE_DIR": "/chosen"}
     use_persistent_kernel_folder(environ)
     assert environ == {"MLX_PTX_CACHE_DIR": "/chosen"}
-    folder.chmod(0o777)  # others could leave binaries there for the server to load: MLX's default
+    version.chmod(0o777)  # a folder above it others could write: they could swap the folder
     environ = {}
     use_persistent_kernel_folder(environ)
     assert environ == {}
-    folder.rmdir()
-    folder.symlink_to(tmp_path)
+    version.chmod(0o700)
+    folder.chmod(0o755)  # others could read it
+    use_persistent_kernel_folder(environ)
+    assert environ == {}
+    folder.chmod(0o700)
+    monkeypatch.setattr(dflash2_options, "nvidia_setup", lambda: '{"gpus": ["NVIDIA A100-SXM4-80GB"]}')
+    use_persistent_kernel_folder(environ)  # another machine's GPU on the same home: another folder
+    assert Path(environ["MLX_PTX_CACHE_DIR"]) != folder and Path(environ["MLX_PTX_CACHE_DIR"]).parent == version
+    environ = {}
+    monkeypatch.setattr(dflash2_options, "nvidia_setup", lambda: None)  # no NVIDIA driver: MLX's default
     use_persistent_kernel_folder(environ)
     assert environ == {}
 

@@ -76,6 +76,7 @@ RUNTIME_FILES = (
     "dflash2_kernel_qmv.py",
     "dflash2_kernel_base.py",
     "dflash2_kernel_cache.py",
+    "dflash2_kernel_folder.py",
     "dflash2_source.py",
     "requirements.txt",
 )

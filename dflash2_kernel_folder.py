@@ -1,0 +1,64 @@
+"""What MLX's CUDA kernel folder holds: whole entries or cut ones, and the NVIDIA setup its
+binaries are for. No MLX here: the servers read this before MLX starts.
+
+MLX loads a module from its PTX cache (MLX_PTX_CACHE_DIR, else <tmp>/mlx/<version>/ptx) under the
+name it looks for without checking it (jit_module.cpp: read_cached_ptx, then cuModuleLoadDataEx,
+which fails the op), and writes its own entries in place. A binary is SASS for one GPU
+architecture, and MLX names its own modules by their ops, not their text: a folder serves one
+MLX version and one NVIDIA setup, and an entry a crash cut must go before MLX reads it.
+"""
+
+import hashlib
+import importlib.metadata
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Optional
+
+
+def nvidia_setup(driver_folder: Path = Path("/proc/driver/nvidia")) -> Optional[str]:
+    """The GPU models and driver (from /proc/driver/nvidia, without starting CUDA) and the
+    mlx and nvidia-* wheels' versions, as text; None where no NVIDIA driver runs."""
+    try:
+        models = sorted(re.search(r"^Model:\s*(.+)$", (gpu / "information").read_text(), re.M).group(1).strip()
+                        for gpu in (driver_folder / "gpus").iterdir())
+        driver = (driver_folder / "version").read_text().splitlines()[0]
+    except (OSError, AttributeError, IndexError):
+        return None
+    packages = sorted(f"{dist.metadata['Name'].lower()}=={dist.version}" for dist in importlib.metadata.distributions()
+                      if (dist.metadata["Name"] or "").lower().startswith(("mlx", "nvidia-")))
+    return json.dumps({"gpus": models, "driver": driver, "packages": packages}, sort_keys=True)
+
+
+def setup_folder_name(setup: str) -> str:
+    return hashlib.sha256(setup.encode()).hexdigest()[:16]
+
+
+def whole_binary(data: bytes) -> bool:
+    """Whether a cache entry's binary is whole: a cubin (ELF) whose program and section header
+    tables lie inside it (a cut one's end is missing), or PTX text with its final NUL."""
+    if data[:4] == b"\x7fELF":
+        if len(data) < 64:
+            return False
+        phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+        return phoff + phentsize * phnum <= len(data) and shoff + shentsize * shnum <= len(data)
+    return data[-1:] == b"\0"
+
+
+def remove_cut_entries(folder: Path) -> int:
+    """Removes every entry (a .ptx binary and its .txt kernel names) MLX could not load: a
+    binary not whole, or names missing or empty. Returns how many."""
+    removed = 0
+    for binary in sorted(folder.rglob("*.ptx")):
+        names = binary.with_suffix(".txt")
+        try:
+            whole = whole_binary(binary.read_bytes()) and names.stat().st_size > 0
+        except OSError:
+            whole = False
+        if not whole:
+            binary.unlink(missing_ok=True)
+            names.unlink(missing_ok=True)
+            removed += 1
+    return removed
