@@ -113,6 +113,14 @@ def test_cache_folder_is_mlx_ptx_cache_dir(monkeypatch, tmp_path):
     assert kernel_cache.mlx_cache_folder() is None
 
 
+def test_libmlx_is_found_where_mlx_finds_itself():
+    """dladdr's path for libmlx (MLX's current_binary_dir: the path it was loaded by), in this
+    process's MLX; its own handle answers for its functions."""
+    library, path = kernel_cache.loaded_mlx()
+    assert Path(path) == Path(mx.__file__).parent / "lib" / "libmlx.so"
+    assert library._ZN3mlx4core7versionEv is not None
+
+
 def test_sass_where_mlx_compiles_sass():
     assert kernel_cache.compiles_sass((13, 0), (9, 0)) and kernel_cache.compiles_sass((12, 8), (10, 0))
     assert kernel_cache.compiles_sass((11, 8), (9, 0))
