@@ -290,7 +290,7 @@ def _write(path: Path, data: bytes):
 
 def _entry_is_whole(path: Path, names: bytes) -> bool:
     try:
-        return path.with_suffix(".txt").read_bytes() == names and whole_binary(path.read_bytes())
+        return path.with_suffix(".txt").read_bytes() == names and whole_binary(path)
     except OSError:
         return False
 

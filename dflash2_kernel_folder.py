@@ -11,6 +11,7 @@ MLX version and one NVIDIA setup, and an entry a crash cut must go before MLX re
 import hashlib
 import importlib.metadata
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -35,16 +36,22 @@ def setup_folder_name(setup: str) -> str:
     return hashlib.sha256(setup.encode()).hexdigest()[:16]
 
 
-def whole_binary(data: bytes) -> bool:
+def whole_binary(path: Path) -> bool:
     """Whether a cache entry's binary is whole: a cubin (ELF) whose program and section header
-    tables lie inside it (a cut one's end is missing), or PTX text with its final NUL."""
-    if data[:4] == b"\x7fELF":
-        if len(data) < 64:
+    tables lie inside it (a cut one's end is missing), or PTX text with its final NUL. Reads its
+    first 64 bytes and its last."""
+    with open(path, "rb") as file:
+        head, size = file.read(64), os.fstat(file.fileno()).st_size
+        if head[:4] == b"\x7fELF":
+            if len(head) < 64:
+                return False
+            phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+            return phoff + phentsize * phnum <= size and shoff + shentsize * shnum <= size
+        if not size:
             return False
-        phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
-        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
-        return phoff + phentsize * phnum <= len(data) and shoff + shentsize * shnum <= len(data)
-    return data[-1:] == b"\0"
+        file.seek(size - 1)
+        return file.read(1) == b"\0"
 
 
 def remove_cut_entries(folder: Path) -> int:
@@ -54,7 +61,7 @@ def remove_cut_entries(folder: Path) -> int:
     for binary in sorted(folder.rglob("*.ptx")):
         names = binary.with_suffix(".txt")
         try:
-            whole = whole_binary(binary.read_bytes()) and names.stat().st_size > 0
+            whole = whole_binary(binary) and names.stat().st_size > 0
         except OSError:
             whole = False
         if not whole:

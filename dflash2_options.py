@@ -76,9 +76,10 @@ _run_temp_folders = []  # made for this run alone: removed at exit
 
 
 def _private_folder(path: Path, top: Optional[Path] = None) -> bool:
-    """Makes `path` (0700) unless it exists; whether it is a folder, not a link another user made
-    and could point elsewhere later, of this user's alone; and with `top`, each folder above it
-    up to `top` a folder of this user's no one else can write (or swap `path` for another)."""
+    """Makes `path` (and with `top` each folder from `top` down to it) 0700 unless it exists;
+    whether it is a folder, not a link another user made and could point elsewhere later, of
+    this user's alone, and each folder above it up to `top` one of this user's no one else can
+    write (or swap `path` for another)."""
     try:
         chain = [path] if top is None else [path, *path.parents[:len(path.relative_to(top).parts)]]
         chain[-1].parent.mkdir(parents=True, exist_ok=True)
@@ -125,16 +126,16 @@ def use_persistent_kernel_folder(environ=os.environ) -> None:
     CUDA wheels: a home shared by several machines); entries a crash cut are removed first.
     MLX_PTX_CACHE_DIR chosen by the user stays; a folder others could write (or a folder above
     it) leaves MLX's default, in the private temp folder."""
-    if "MLX_PTX_CACHE_DIR" in environ or not hasattr(os, "getuid"):
-        return
     setup = nvidia_setup()
+    if setup is None or "MLX_PTX_CACHE_DIR" in environ or not hasattr(os, "getuid"):
+        return
     try:
         version = importlib.metadata.version("mlx")  # MLX's own folder names its version too
     except importlib.metadata.PackageNotFoundError:
         return
     top = user_cache_folder()
-    folder = top / "mlx-ptx" / version / setup_folder_name(setup or "")
-    if setup is not None and _private_folder(folder, top):
+    folder = top / "mlx-ptx" / version / setup_folder_name(setup)
+    if _private_folder(folder, top):
         remove_cut_entries(folder)
         environ["MLX_PTX_CACHE_DIR"] = str(folder)
 

@@ -205,7 +205,10 @@ def test_nvrtc_compiles_a_pack_kernel_as_mlx_does(monkeypatch, tmp_path):
                                           [mx.float16])
     binary, lowered = compiler.compile("module", text, "mlx::core::cu::" + name)
     assert binary[:4] == b"\x7fELF" and name in lowered and lowered.startswith("_ZN3mlx4core2cu")
-    assert whole_binary(binary) and not whole_binary(binary[:-len(binary) // 3]) and not whole_binary(binary[:40])
+    for kept, data, whole in (("whole", binary, True), ("cut", binary[:-len(binary) // 3], False),
+                              ("head", binary[:40], False)):
+        (tmp_path / kept).write_bytes(data)
+        assert whole_binary(tmp_path / kept) is whole, kept
     assert compiler.compile("module", text, "mlx::core::cu::" + name)[0] == binary
     with pytest.raises(RuntimeError, match="could not compile broken.*error"):
         compiler.compile("broken", text.replace("qmv_split_rows", "no_such_function"), "mlx::core::cu::" + name)
