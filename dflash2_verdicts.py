@@ -1,7 +1,8 @@
 """Caches the verdicts of the speculative server's start-up checks, so a second start skips them.
 
-On the H200 at the 27B shape the checks after the weights load take about four minutes
-(kernel self-tests, plain decode's arms, the drafter's dtype, the round costs). Their verdicts
+On an H100 at the 27B shape the checks after the weights load took 398 s (kernel self-tests,
+plain decode's arms, the sampled draws, the drafter's dtype, the round costs:
+evidence/starts-cuda.md). Their verdicts
 depend only on what this file's key holds: the backend and device, the driver and CUDA (or
 macOS) version, the mlx*/nvidia-* packages, Python, the sha256 of every pack module, the pack's
 pins (or, unpinned, its configs and weights headers) and the drafter options. One JSON file per
@@ -46,9 +47,10 @@ CHECKS = {
 }
 # What of mx.device_info() names the device (not its free memory, nor which of a host's GPUs).
 DEVICE_FIELDS = ("device_name", "architecture", "compute_capability_major", "compute_capability_minor")
-# Rough durations where no cached start has timed them: the H200 at the 27B shape (issue 45).
-ESTIMATES_S = {"cuda": {"kernel self-tests": 85, "verify self-check": 3, "plain decode path": 16,
-                        "drafter activations": 70, "round costs": 60}}
+# Rough durations where no cached start has timed them: a first start's on an H100 at the 27B
+# shape (evidence/starts-cuda.md, at 7d92955), every kernel compiled as it went.
+ESTIMATES_S = {"cuda": {"kernel self-tests": 153, "plain decode path": 32, "verify path": 5, "verify self-check": 1,
+                        "sampled verify draws": 62, "drafter activations": 60, "round costs": 52}}
 
 
 def cache_folder() -> Path:
@@ -235,7 +237,7 @@ class VerdictCache:
         if name in self.estimates:
             return f"about {self.estimates[name]:.0f} s, as the last cached start took"
         guess = ESTIMATES_S.get(self.key["backend"] if self.key else None, {}).get(name)
-        return f"about {guess} s on an H200 at the 27B shape" if guess else "no estimate on this backend yet"
+        return f"about {guess} s on an H100 at the 27B shape" if guess else "no estimate on this backend yet"
 
     def measured_seconds(self) -> dict:
         """check -> seconds, of the checks this start ran."""
