@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: pack | server | routes | starts-first | starts | memory | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | fp32-kernels | tune | compare | profile | ncu | kernels
+#   bash tools/device_27b.sh PART     PART: pack | kernel-cache | server | routes | starts-first | starts | memory | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | fp32-kernels | tune | compare | profile | ncu | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
 #                                     regenerate every GPU record README quotes, at HEAD: eight calls,
 #                                     one part each (no two of them fit one call's 585 s)
@@ -179,5 +179,11 @@ for rows, call in ((1, dk.stock_rows), (1, dk.cuda_matmul), (8, dk.cuda_matmul))
     python3 tools/lab/ncu_summary.py "$OUT/ncu-qmv.txt" "$OUT/ncu-sass.csv" --out "$OUT" ;;
   kernels)  # the kernel tests, their CUDA-only ones included (CPU CI skips those)
     t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_*.py 2>&1 | tee "$OUT/kernels.txt" | tail -30 ;;
-  *) echo "usage: bash tools/device_27b.sh all|server|routes|starts|memory|parity|parity-contexts|parity-tokens|rounds|e2e|e2e-long|prefix-4k|fp32-kernels|tune|compare|profile|ncu|kernels" >&2; exit 2 ;;
+  # kernel-cache: dflash2_kernel_cache's tests (its CUDA ones: MLX runs a binary planted under a
+  # module's name), then the pack, so that starts-first has its whole call
+  kernel-cache)
+    t=$(left) || exit 124; timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernel_cache.py \
+      tests/test_kernel_base.py 2>&1 | tee "$OUT/kernel-cache.txt" | tail -30
+    build_pack ;;
+  *) echo "usage: bash tools/device_27b.sh all|pack|server|routes|starts-first|starts|memory|parity|parity-contexts|parity-tokens|rounds|e2e|e2e-long|prefix-4k|fp32-kernels|tune|compare|profile|ncu|kernels|kernel-cache" >&2; exit 2 ;;
 esac
