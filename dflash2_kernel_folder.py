@@ -20,12 +20,15 @@ from typing import Optional
 
 def nvidia_setup(driver_folder: Path = Path("/proc/driver/nvidia")) -> Optional[str]:
     """The GPU models and driver (from /proc/driver/nvidia, without starting CUDA) and the
-    mlx and nvidia-* wheels' versions, as text; None where no NVIDIA driver runs."""
+    mlx and nvidia-* wheels' versions, as text; None where no NVIDIA driver runs, or where the
+    host's GPUs are of several models (a server's binaries would not suit another's GPU)."""
     try:
         models = sorted(re.search(r"^Model:\s*(.+)$", (gpu / "information").read_text(), re.M).group(1).strip()
                         for gpu in (driver_folder / "gpus").iterdir())
         driver = (driver_folder / "version").read_text().splitlines()[0]
     except (OSError, AttributeError, IndexError):
+        return None
+    if len(set(models)) != 1:
         return None
     packages = sorted(f"{dist.metadata['Name'].lower()}=={dist.version}" for dist in importlib.metadata.distributions()
                       if (dist.metadata["Name"] or "").lower().startswith(("mlx", "nvidia-")))
@@ -38,8 +41,8 @@ def setup_folder_name(setup: str) -> str:
 
 def whole_binary(path: Path) -> bool:
     """Whether a cache entry's binary is whole: a cubin (ELF) whose program and section header
-    tables lie inside it (a cut one's end is missing), or PTX text with its final NUL. Reads its
-    first 64 bytes and its last."""
+    tables lie inside it (a cut one's end is missing), or PTX text (no NUL in its first 64
+    bytes) with its final NUL. Reads its first 64 bytes and its last."""
     with open(path, "rb") as file:
         head, size = file.read(64), os.fstat(file.fileno()).st_size
         if head[:4] == b"\x7fELF":
@@ -48,24 +51,28 @@ def whole_binary(path: Path) -> bool:
             phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
             phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
             return phoff + phentsize * phnum <= size and shoff + shentsize * shnum <= size
-        if not size:
+        if not head or b"\0" in head[:size - 1]:  # a NUL only as its last byte
             return False
         file.seek(size - 1)
         return file.read(1) == b"\0"
 
 
 def remove_cut_entries(folder: Path) -> int:
-    """Removes every entry (a .ptx binary and its .txt kernel names) MLX could not load: a
-    binary not whole, or names missing or empty. Returns how many."""
+    """Removes every entry (a .ptx binary and its .txt kernel names, a line each) MLX could not
+    load: a binary not whole, names missing, empty or cut within a line. Returns how many; an
+    entry it cannot remove stays (MLX then fails that op, as it would have)."""
     removed = 0
     for binary in sorted(folder.rglob("*.ptx")):
         names = binary.with_suffix(".txt")
         try:
-            whole = whole_binary(binary) and names.stat().st_size > 0
+            if not binary.is_file() or (whole_binary(binary) and names.read_bytes().endswith(b"\n")):
+                continue
         except OSError:
-            whole = False
-        if not whole:
+            pass
+        try:
             binary.unlink(missing_ok=True)
             names.unlink(missing_ok=True)
             removed += 1
+        except OSError:
+            continue
     return removed

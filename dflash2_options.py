@@ -79,7 +79,8 @@ def _private_folder(path: Path, top: Optional[Path] = None) -> bool:
     """Makes `path` (and with `top` each folder from `top` down to it) 0700 unless it exists;
     whether it is a folder, not a link another user made and could point elsewhere later, of
     this user's alone, and each folder above it up to `top` one of this user's no one else can
-    write (or swap `path` for another)."""
+    write (or swap `path` for another). With `top`, a folder of the chain this user owns loses
+    what others could do there (a umask of 002 leaves folders group-writable)."""
     try:
         chain = [path] if top is None else [path, *path.parents[:len(path.relative_to(top).parts)]]
         chain[-1].parent.mkdir(parents=True, exist_ok=True)
@@ -87,8 +88,12 @@ def _private_folder(path: Path, top: Optional[Path] = None) -> bool:
             folder.mkdir(mode=0o700, exist_ok=True)
         for folder in chain:
             status = os.lstat(folder)
-            if not (stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid()
-                    and not status.st_mode & (0o077 if folder == path else 0o022)):
+            if not (stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid()):
+                return False
+            unwanted = 0o077 if folder == path else 0o022
+            if status.st_mode & unwanted and top is not None:
+                os.chmod(folder, stat.S_IMODE(status.st_mode) & ~unwanted)
+            elif status.st_mode & unwanted:
                 return False
     except (OSError, ValueError):
         return False
@@ -133,11 +138,18 @@ def use_persistent_kernel_folder(environ=os.environ) -> None:
         version = importlib.metadata.version("mlx")  # MLX's own folder names its version too
     except importlib.metadata.PackageNotFoundError:
         return
-    top = user_cache_folder()
-    folder = top / "mlx-ptx" / version / setup_folder_name(setup)
-    if _private_folder(folder, top):
-        remove_cut_entries(folder)
-        environ["MLX_PTX_CACHE_DIR"] = str(folder)
+    try:
+        top = user_cache_folder()
+        folder = top / "mlx-ptx" / version / setup_folder_name(setup)
+        if _private_folder(folder, top):
+            remove_cut_entries(folder)
+            environ["MLX_PTX_CACHE_DIR"] = str(folder)
+            return
+        why = f"{folder} or a folder above it is not this user's alone"
+    except (OSError, RuntimeError) as error:  # no home folder (an arbitrary container uid), ...
+        why = f"no user cache folder ({error})"
+    print(f"warning: {why}: compiled CUDA kernels stay in the temp folder, which a reboot may empty",
+          file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------

@@ -286,6 +286,8 @@ def test_nvidia_setup_names_the_gpus_driver_and_wheels(tmp_path):
     assert setup["gpus"] == ["NVIDIA H100 80GB HBM3"] * 2 and setup["driver"].endswith("570.86.15")
     assert f"mlx=={mx.__version__}" in setup["packages"]
     assert dflash2_kernel_folder.nvidia_setup(tmp_path / "none") is None
+    (tmp_path / "gpus" / "0000:01:00.0" / "information").write_text("Model: NVIDIA A100-SXM4-80GB\n")
+    assert dflash2_kernel_folder.nvidia_setup(tmp_path) is None  # two models: no one folder suits both
 
 
 def test_cut_entries_are_removed_whole_ones_kept(tmp_path):
@@ -293,16 +295,17 @@ def test_cut_entries_are_removed_whole_ones_kept(tmp_path):
     struct.pack_into("<QQ", whole, 0x20, 64, 96)  # program headers at 64, section headers at 96:
     struct.pack_into("<HHHH", whole, 0x36, 32, 1, 32, 1)  # both inside its 128 bytes
     entries = {"cubin": bytes(whole), "ptx": b"// PTX\0", "cut cubin": bytes(whole[:100]), "cut ptx": b"// PT",
-               "empty": b"", "no names": b"// PTX\0"}
+               "empty": b"", "no names": b"// PTX\0", "zeros": bytes(100), "cut names": b"// PTX\0"}
     (tmp_path / "long").mkdir()
     for name, data in entries.items():
         binary = tmp_path / ("long" if name == "ptx" else ".") / f"{name.replace(' ', '_')}.ptx"
         binary.write_bytes(data)
         if name != "no names":
-            binary.with_suffix(".txt").write_text("mlx::core::cu::k\t_Z1kv\n")
-    assert dflash2_kernel_folder.remove_cut_entries(tmp_path) == 4
+            binary.with_suffix(".txt").write_text("mlx::core::cu::k\t_Z1kv\n"[:-3 if name == "cut names" else None])
+    (tmp_path / "a folder.ptx").mkdir()  # not an entry: left alone
+    assert dflash2_kernel_folder.remove_cut_entries(tmp_path) == 6
     assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*.*")) == [
-        "cubin.ptx", "cubin.txt", "long/ptx.ptx", "long/ptx.txt"]
+        "a folder.ptx", "cubin.ptx", "cubin.txt", "long/ptx.ptx", "long/ptx.txt"]
 
 
 def test_baked_kernel_prepares_before_its_first_launch(monkeypatch, tmp_path, fresh_counts):

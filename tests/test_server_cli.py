@@ -201,7 +201,7 @@ def test_kernels_compile_into_the_user_s_cache_folder(script, tmp_path):
         assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
 
 
-def test_the_kernels_folder_is_the_user_s_choice_or_private(tmp_path, monkeypatch):
+def test_the_kernels_folder_is_the_user_s_choice_or_private(tmp_path, monkeypatch, capsys):
     import dflash2_options
     from dflash2_options import use_persistent_kernel_folder
 
@@ -226,22 +226,34 @@ def test_the_kernels_folder_is_the_user_s_choice_or_private(tmp_path, monkeypatc
     environ = {"MLX_PTX_CACHE_DIR": "/chosen"}
     use_persistent_kernel_folder(environ)
     assert environ == {"MLX_PTX_CACHE_DIR": "/chosen"}
-    version.chmod(0o777)  # a folder above it others could write: they could swap the folder
+    # Folders of this user's that others could write or read (a umask of 002, an older start's
+    # verdict folder): what others could do there goes, and the folder serves.
+    version.chmod(0o777)
+    folder.chmod(0o755)
     environ = {}
     use_persistent_kernel_folder(environ)
-    assert environ == {}
-    version.chmod(0o700)
-    folder.chmod(0o755)  # others could read it
-    use_persistent_kernel_folder(environ)
-    assert environ == {}
-    folder.chmod(0o700)
+    assert environ == {"MLX_PTX_CACHE_DIR": str(folder)}
+    assert version.stat().st_mode & 0o777 == 0o755 and folder.stat().st_mode & 0o777 == 0o700
     monkeypatch.setattr(dflash2_options, "nvidia_setup", lambda: '{"gpus": ["NVIDIA A100-SXM4-80GB"]}')
-    use_persistent_kernel_folder(environ)  # another machine's GPU on the same home: another folder
+    use_persistent_kernel_folder(environ := {})  # another machine's GPU on the same home: another folder
     assert Path(environ["MLX_PTX_CACHE_DIR"]) != folder and Path(environ["MLX_PTX_CACHE_DIR"]).parent == version
-    environ = {}
-    monkeypatch.setattr(dflash2_options, "nvidia_setup", lambda: None)  # no NVIDIA driver: MLX's default
+
+    capsys.readouterr()
+    moved = tmp_path / "moved"
+    version.rename(moved)
+    version.symlink_to(moved)  # a link in the chain could be pointed elsewhere later: the temp folder
+    use_persistent_kernel_folder(environ := {})
+    assert environ == {} and "is not this user's alone: compiled CUDA kernels stay" in capsys.readouterr().err
+
+    def homeless():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(dflash2_options, "user_cache_folder", homeless)  # a container's uid with no home
     use_persistent_kernel_folder(environ)
-    assert environ == {}
+    assert environ == {} and "no user cache folder (Could not determine" in capsys.readouterr().err
+    monkeypatch.setattr(dflash2_options, "nvidia_setup", lambda: None)  # no NVIDIA driver: MLX's default, quietly
+    use_persistent_kernel_folder(environ)
+    assert environ == {} and capsys.readouterr().err == ""
 
 
 def test_mlx_compiles_into_the_private_temp_folder(tmp_path):
