@@ -193,9 +193,9 @@ def test_gpu_benchmarks_give_each_server_its_own_kernel_folder(tmp_path, monkeyp
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     folders = {name: own_kernel_folder(name) for name in ("serve_dflash2.py", "serve.py")}
     assert len(set(folders.values())) == 2 and own_kernel_folder("serve.py") == folders["serve.py"]
-    probe = ServerProcess("probe", ["-c", "import os; print('TMPDIR=' + os.environ['TMPDIR'])"], tmp_path,
-                          tmpdir=tmp_path / "kernels")
-    assert probe.process.wait(60) == 0 and f"TMPDIR={tmp_path / 'kernels'}" in probe.log()
+    probe = ServerProcess("probe", ["-c", "import os; print(os.environ['TMPDIR'], os.environ['MLX_PTX_CACHE_DIR'])"],
+                          tmp_path, tmpdir=tmp_path / "kernels", kernels=tmp_path / "kernels" / "ptx")
+    assert probe.process.wait(60) == 0 and f"{tmp_path / 'kernels'} {tmp_path / 'kernels' / 'ptx'}" in probe.log()
 
 
 def test_the_memory_bench_prompts_have_about_the_context_s_tokens():
@@ -788,6 +788,9 @@ def test_bench_starts_reads_the_server_s_log_time_and_records_its_starts(tmp_pat
     with pytest.raises(SystemExit, match="checked everything again"):
         bench_starts.main(["--pack", str(pack), "--out", str(tmp_path / "again")])
     assert list((tmp_path / "again").glob("starts-*.json"))
+    monkeypatch.setattr(bench_starts, "start", lambda name, *args: starts_record_start(True))
+    with pytest.raises(SystemExit, match="the first start found verdicts cached"):
+        bench_starts.main(["--pack", str(pack), "--out", str(tmp_path / "cached")])
 
 
 def test_bench_starts_runs_its_starts_over_several_invocations(tmp_path, monkeypatch):
@@ -803,8 +806,10 @@ def test_bench_starts_runs_its_starts_over_several_invocations(tmp_path, monkeyp
     monkeypatch.setattr(bench_starts, "start", lambda name, pack_dir, workdir, timeout: started.append(
         (name, workdir)) or starts_record_start(name != "first"))
     run = ["--pack", str(pack), "--out", str(out), "--scratch", str(scratch)]
+    (scratch / "home").mkdir(parents=True)
+    (scratch / "home" / "verdicts.json").write_text("{}")  # an earlier run's: a first start finds none
     bench_starts.main([*run, "--starts", "first"])
-    assert started == [("first", scratch)] and not out.exists()
+    assert started == [("first", scratch)] and not out.exists() and not (scratch / "home").exists()
     bench_starts.main([*run, "--starts", "second,after a reboot"])
     assert started[1:] == [("second", scratch), ("after a reboot", scratch)]
     record = json.loads((out / "starts-cpu.json").read_text())

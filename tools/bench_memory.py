@@ -89,10 +89,13 @@ def finish_peak(line: str) -> float:
 
 def run(pack: Path, contexts, max_tokens: int, repeats: int, block: int, logs: Path, start_timeout: int):
     texts = prompts(pack, contexts)
+    folders = {name: own_kernel_folder(name) for name in (SPECULATIVE, PLAIN)}
+    kernels = {name: folder and folder / "ptx" for name, folder in folders.items()}
     servers = {
         SPECULATIVE: ServerProcess(SPECULATIVE, [SPECULATIVE, *NO_CACHE, "--dflash2-block-size", str(block)],
-                                   logs / "spec", cwd=pack, tmpdir=own_kernel_folder(SPECULATIVE)),
-        PLAIN: ServerProcess(PLAIN, [PLAIN, *NO_CACHE], logs / "plain", cwd=pack, tmpdir=own_kernel_folder(PLAIN)),
+                                   logs / "spec", cwd=pack, tmpdir=folders[SPECULATIVE], kernels=kernels[SPECULATIVE]),
+        PLAIN: ServerProcess(PLAIN, [PLAIN, *NO_CACHE], logs / "plain", cwd=pack, tmpdir=folders[PLAIN],
+                             kernels=kernels[PLAIN]),
     }
     try:
         for server in servers.values():

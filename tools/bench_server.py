@@ -107,8 +107,9 @@ def run(pack: Path, max_tokens: int, repeats: int, logs: Path, start_timeout: in
     servers = {}
     try:
         for name, (script, options) in ARMS.items():
-            servers[name] = ServerProcess(name, [script, *options], logs / name, cwd=pack,
-                                          tmpdir=own_kernel_folder(name))
+            folder = own_kernel_folder(name)
+            servers[name] = ServerProcess(name, [script, *options], logs / name, cwd=pack, tmpdir=folder,
+                                          kernels=folder and folder / "ptx")
         health = {name: server.wait_ready(start_timeout) for name, server in servers.items()}
         samples = {prompt: {name: [] for name in ARMS} for prompt in PROMPTS}
         for prompt, text in PROMPTS.items():  # warm-up, not recorded

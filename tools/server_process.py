@@ -48,11 +48,13 @@ def free_port() -> int:
 
 
 def own_kernel_folder(name: str):
-    """A temp folder of the named server's own on a GPU, the same in every run on this machine
-    (what it compiled, a later run's server of that name finds); None on MLX's CPU backend.
+    """A folder of the named server's own on a GPU, the same in every run on this machine (what
+    it compiled, a later run's server of that name finds), for its temp folder and, in ptx/, its
+    compiled CUDA kernels (ServerProcess's tmpdir and kernels: the servers would otherwise keep
+    them in each run's fresh HOME); None on MLX's CPU backend.
 
-    MLX writes the kernels it compiles (CUDA: .ptx files and their name lists) into the temp
-    folder in place, where a server starting beside another could read one half written. On
+    MLX writes the kernels it compiles (CUDA: .ptx files and their name lists) in place, where
+    a server starting beside another could read one half written. On
     the CPU backend the servers take turns over their start-ups (dflash2_launch.compiling_alone),
     which takes seconds there; a GPU start measures for minutes, and the benchmarks start
     several servers on one GPU together."""
@@ -74,7 +76,7 @@ class ServerProcess:
     go to workdir/NAME.log. python=None runs COMMAND as it is written (a README's command line)."""
 
     def __init__(self, name, command, workdir: Path, cwd: Path = None, python=sys.executable, home: Path = None,
-                 tmpdir: Path = None):
+                 tmpdir: Path = None, kernels: Path = None):
         self.name, self.command, self.port, self.workdir = name, list(command), free_port(), workdir
         self.home, self.cwd = Path(home or workdir / "home"), Path(cwd or workdir / "cwd")
         for folder in (self.home, self.cwd, *([tmpdir] if tmpdir else [])):
@@ -84,7 +86,8 @@ class ServerProcess:
             self.process = subprocess.Popen(
                 [*([python] if python else []), *self.command, "--port", str(self.port)], cwd=self.cwd,
                 env=clean_env(HOME=str(self.home), XDG_CACHE_HOME=str(self.home / ".cache"), PYTHONUNBUFFERED="1",
-                              **({"TMPDIR": str(tmpdir)} if tmpdir else {})),
+                              **({"TMPDIR": str(tmpdir)} if tmpdir else {}),
+                              **({"MLX_PTX_CACHE_DIR": str(kernels)} if kernels else {})),
                 stdout=log, stderr=subprocess.STDOUT)
 
     @property
