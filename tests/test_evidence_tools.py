@@ -187,12 +187,13 @@ def test_gpu_benchmarks_give_each_server_its_own_kernel_folder(tmp_path, monkeyp
     share one (warm) and take turns over their start-ups."""
     import mlx.core as mx
 
-    from server_process import ServerProcess, own_kernel_folder
+    from server_process import ServerProcess, own_kernel_folder, own_kernels
 
-    assert own_kernel_folder("serve.py") is None
+    assert own_kernel_folder("serve.py") is None and own_kernels("serve.py") == {}
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     folders = {name: own_kernel_folder(name) for name in ("serve_dflash2.py", "serve.py")}
     assert len(set(folders.values())) == 2 and own_kernel_folder("serve.py") == folders["serve.py"]
+    assert own_kernels("serve.py") == {"tmpdir": folders["serve.py"], "kernels": folders["serve.py"] / "ptx"}
     probe = ServerProcess("probe", ["-c", "import os; print(os.environ['TMPDIR'], os.environ['MLX_PTX_CACHE_DIR'])"],
                           tmp_path, tmpdir=tmp_path / "kernels", kernels=tmp_path / "kernels" / "ptx")
     assert probe.process.wait(60) == 0 and f"{tmp_path / 'kernels'} {tmp_path / 'kernels' / 'ptx'}" in probe.log()

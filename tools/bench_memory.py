@@ -35,7 +35,7 @@ from bench_server import (  # noqa: E402
     REQUEST_PEAK, add_bench_options, bench_pack, parse_bench_args, server_memory, spread)
 from dflash2_options import PREFIX_CACHE_PREFILL_STEP  # noqa: E402
 from records import run_environment, write_record  # noqa: E402
-from server_process import ServerProcess, own_kernel_folder  # noqa: E402
+from server_process import ServerProcess, own_kernels  # noqa: E402
 
 # The prompt: this module's own source, repeated and cut to the context's tokens.
 TEXT = Path(__file__).read_text()
@@ -89,13 +89,10 @@ def finish_peak(line: str) -> float:
 
 def run(pack: Path, contexts, max_tokens: int, repeats: int, block: int, logs: Path, start_timeout: int):
     texts = prompts(pack, contexts)
-    folders = {name: own_kernel_folder(name) for name in (SPECULATIVE, PLAIN)}
-    kernels = {name: folder and folder / "ptx" for name, folder in folders.items()}
     servers = {
         SPECULATIVE: ServerProcess(SPECULATIVE, [SPECULATIVE, *NO_CACHE, "--dflash2-block-size", str(block)],
-                                   logs / "spec", cwd=pack, tmpdir=folders[SPECULATIVE], kernels=kernels[SPECULATIVE]),
-        PLAIN: ServerProcess(PLAIN, [PLAIN, *NO_CACHE], logs / "plain", cwd=pack, tmpdir=folders[PLAIN],
-                             kernels=kernels[PLAIN]),
+                                   logs / "spec", cwd=pack, **own_kernels(SPECULATIVE)),
+        PLAIN: ServerProcess(PLAIN, [PLAIN, *NO_CACHE], logs / "plain", cwd=pack, **own_kernels(PLAIN)),
     }
     try:
         for server in servers.values():

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 from records import run_environment, write_record  # noqa: E402
-from server_process import ServerProcess, own_kernel_folder  # noqa: E402
+from server_process import ServerProcess, own_kernels  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
@@ -107,9 +107,7 @@ def run(pack: Path, max_tokens: int, repeats: int, logs: Path, start_timeout: in
     servers = {}
     try:
         for name, (script, options) in ARMS.items():
-            folder = own_kernel_folder(name)
-            servers[name] = ServerProcess(name, [script, *options], logs / name, cwd=pack, tmpdir=folder,
-                                          kernels=folder and folder / "ptx")
+            servers[name] = ServerProcess(name, [script, *options], logs / name, cwd=pack, **own_kernels(name))
         health = {name: server.wait_ready(start_timeout) for name, server in servers.items()}
         samples = {prompt: {name: [] for name in ARMS} for prompt in PROMPTS}
         for prompt, text in PROMPTS.items():  # warm-up, not recorded

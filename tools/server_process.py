@@ -65,6 +65,13 @@ def own_kernel_folder(name: str):
     return Path(tempfile.gettempdir()) / "dflash2-bench-servers" / name.replace("/", "-")
 
 
+def own_kernels(name: str) -> dict:
+    """ServerProcess's tmpdir and kernels for the named server: its own_kernel_folder and the
+    ptx/ in it, or nothing (MLX's CPU backend)."""
+    folder = own_kernel_folder(name)
+    return {} if folder is None else {"tmpdir": folder, "kernels": folder / "ptx"}
+
+
 class ServerFailed(RuntimeError):
     pass
 
