@@ -30,9 +30,15 @@ def nvidia_setup(driver_folder: Path = Path("/proc/driver/nvidia")) -> Optional[
         return None
     if len(set(models)) != 1:
         return None
-    packages = sorted(f"{dist.metadata['Name'].lower()}=={dist.version}" for dist in importlib.metadata.distributions()
-                      if (dist.metadata["Name"] or "").lower().startswith(("mlx", "nvidia-")))
+    packages = [f"{name}=={version}" for name, version in mlx_and_cuda_packages().items()]
     return json.dumps({"gpus": models, "driver": driver, "packages": packages}, sort_keys=True)
+
+
+def mlx_and_cuda_packages() -> dict:
+    """name -> version of the installed mlx, mlx-vlm, mlx-cuda or mlx-metal and CUDA library
+    (nvidia-*) wheels, by name."""
+    return dict(sorted((dist.metadata["Name"].lower(), dist.version) for dist in importlib.metadata.distributions()
+                       if (dist.metadata["Name"] or "").lower().startswith(("mlx", "nvidia-"))))
 
 
 def setup_folder_name(setup: str) -> str:

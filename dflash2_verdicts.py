@@ -81,11 +81,10 @@ def pack_key(pack_dir: Path, target_dir: Path, drafter_dir: Optional[Path], opti
 def machine_key() -> dict:
     """The key's part that needs MLX: backend, device, driver, system and package versions.
     Call it once dflash2_runtime is imported (it sets what MLX reads when the GPU starts)."""
-    import importlib.metadata
-
     import mlx.core as mx
 
     import dflash2_kernel_cache
+    import dflash2_kernel_folder
     import dflash2_kernels
 
     system = {"platform": platform.platform(), "python": platform.python_version()}
@@ -95,12 +94,9 @@ def machine_key() -> dict:
         system["nvidia driver"] = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
     except (OSError, IndexError):
         pass
-    # mlx, mlx-vlm, mlx-cuda or mlx-metal, and the CUDA libraries' wheels (nvidia-*).
-    packages = {dist.metadata["Name"].lower(): dist.version for dist in importlib.metadata.distributions()
-                if (dist.metadata["Name"] or "").lower().startswith(("mlx", "nvidia-"))}
     return {"backend": dflash2_kernels.backend_name(),
             "device": {name: str(value) for name, value in mx.device_info().items() if name in DEVICE_FIELDS},
-            "system": system, "packages": dict(sorted(packages.items())),
+            "system": system, "packages": dflash2_kernel_folder.mlx_and_cuda_packages(),
             "kernel binaries": dflash2_kernel_cache.binaries()}
 
 
