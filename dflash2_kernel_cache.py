@@ -288,9 +288,14 @@ def _write(path: Path, data: bytes):
         partial.unlink(missing_ok=True)
 
 
-def _entry_is_whole(path: Path, names: bytes) -> bool:
+def _entry_is_whole(path: Path, kernel: str) -> bool:
+    """Whether MLX can load the entry: its names file the one line `kernel<TAB>lowered name`,
+    its binary whole."""
     try:
-        return path.with_suffix(".txt").read_bytes() == names and whole_binary(path)
+        names = path.with_suffix(".txt").read_bytes()
+        lowered = names[len(kernel) + 1:-1]
+        return (names.startswith(f"{kernel}\t".encode()) and names.endswith(b"\n") and bool(lowered)
+                and b"\n" not in lowered and whole_binary(path))
     except OSError:
         return False
 
@@ -306,18 +311,13 @@ def prepare(kernel_name, header, source, input_names, inputs, output_names, outp
         full_name = "custom_kernel_" + kernel_name
         text = mlx_kernel_source(full_name, header, source, input_names, inputs, output_names, output_dtypes)
         module = f"{full_name}_{std_hash(text.encode()):x}"
-        path = module_path(folder, module)
-        names = path.with_suffix(".txt")
-        try:
-            lowered = names.read_text().partition("\t")[2].rstrip("\n")
-        except (OSError, UnicodeDecodeError):
-            lowered = None
-        if lowered and _entry_is_whole(path, f"mlx::core::cu::{full_name}\t{lowered}\n".encode()):
+        path, kernel = module_path(folder, module), "mlx::core::cu::" + full_name
+        if _entry_is_whole(path, kernel):
             outcome = "found"
         else:
-            binary, lowered = built.compile(module, text, "mlx::core::cu::" + full_name)
+            binary, lowered = built.compile(module, text, kernel)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write(names, f"mlx::core::cu::{full_name}\t{lowered}\n".encode())
+            _write(path.with_suffix(".txt"), f"{kernel}\t{lowered}\n".encode())
             _write(path, binary)
             _sync_folder(path.parent)
             outcome = "compiled"
