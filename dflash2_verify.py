@@ -321,8 +321,8 @@ class CompiledLayers:
     """Each GatedDeltaNet decoder layer's step under mx.compile: Python builds its graph
     once per input shape and stream (the trace), and MLX replays it at every step after.
 
-    At the 27B shape a step is host-bound (Python built a decode step's graph in about 10 of
-    its 37 ms on the H200: evidence/profile-verify-cuda.md). A trace holds the ops the layer's
+    At the 27B shape a step is host-bound (uncompiled, Python built a decode step's graph in
+    about 10 of its 37 ms on the H200). A trace holds the ops the layer's
     uncompiled step builds, with its weights as constants. Where every kernel the layer uses
     serves (fp16 activations, every kernel self-test passed: what the callers require), no
     element-wise ops meet, so nothing fuses; a compiled step serves only where a check of its

@@ -648,9 +648,10 @@ def test_device_27b_all_lists_the_calls_that_regenerate_readme_s_gpu_records(tmp
     assert gpu and all(stem in plan.stdout.splitlines()[0] for stem in gpu)
     calls = [line for line in plan.stdout.splitlines() if "bash tools/device_27b.sh " in line]
     assert [line.split("device_27b.sh ")[1].split()[0] for line in calls] == ["parity", "parity-contexts", "parity-tokens", "rounds",
-                                                                                   "e2e", "e2e-long", "prefix-4k", "rounds"]
+                                                                                   "e2e", "e2e-long", "prefix-4k", "rounds",
+                                                                                   "pack", "starts-first", "starts"]
     # bench-cuda-27b-fp32: the round phase again with the real file's fp32 activations
-    assert "DENSE_DTYPE=float32 " in calls[-1] and not any("DENSE_DTYPE" in line for line in calls[:-1])
+    assert "DENSE_DTYPE=float32 " in calls[7] and sum("DENSE_DTYPE" in line for line in calls) == 1
     try:
         head = git("rev-parse", "HEAD")
         assert all(f"RECORD_GIT_COMMIT={head} " in line for line in calls)

@@ -2,13 +2,13 @@
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
 #   bash tools/device_27b.sh PART     PART: pack | kernel-cache | server | routes | starts-first | starts | memory | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | fp32-kernels | tune | compare | profile | ncu | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
-#                                     regenerate every GPU record README quotes, at HEAD: eight calls,
+#                                     regenerate every GPU record README quotes, at HEAD: eleven calls,
 #                                     one part each (no two of them fit one call's 585 s)
 # Records name the commit they measured (tools/records.py git_state). The device's copy of the
 # tree has no git history: pass RECORD_GIT_COMMIT (the full hash of the commit sent, `git
 # rev-parse HEAD` here) and RECORD_GIT_CLEAN (1: no uncommitted change to tracked files; 0: some)
 # in the device call's command, as `all` prints them. The parts whose records README quotes
-# (parity, rounds, e2e, e2e-long, prefix-4k) refuse to run without them where there is no git.
+# (parity, rounds, e2e, e2e-long, prefix-4k, starts-first, starts) refuse to run without them where there is no git.
 # Runs in the repository root on the GPU machine, after ../shared/device's staging (mlx-cuda,
 # mlx-vlm and the server's wheels; fastapi there also needs opentelemetry-api; the kernels part
 # needs pytest's wheels: EXTRA_WHEELS="pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0
@@ -59,9 +59,9 @@ plan() {  # the device calls that regenerate README's GPU records at this commit
     [ -z "$(git status --porcelain --untracked-files=no)" ] && clean=1 || clean=0
   else clean=${RECORD_GIT_CLEAN:-'<1|0>'}; fi
   cat <<PLAN
-Regenerating every GPU record README quotes (parity-cuda, bench-cuda-27b, bench-cuda-27b-fp32, prefix-cache-cuda-27b-4k)
-at $commit: eight device calls of one H200 (nvidia-h200), in this order, each under 585 s
-(about 55 minutes of device time in all, start-up not counted: more than one session's 30;
+Regenerating every GPU record README quotes (parity-cuda, bench-cuda-27b, bench-cuda-27b-fp32, prefix-cache-cuda-27b-4k, starts-cuda)
+at $commit: eleven device calls of one H200 (nvidia-h200), in this order, each under 585 s
+(about 75 minutes of device time in all, start-up not counted: more than one session's 30;
 a session that runs out leaves the rest to the next, at the commit it then has):
   1. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity           # controls, verify, rollback, kernels
   2. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh parity-contexts  # the same at 7 contexts, prefill routes
@@ -71,7 +71,11 @@ a session that runs out leaves the rest to the next, at the commit it then has):
   6. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh e2e-long         # ~510 s: 256 tokens, greedy, the peer
   7. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh prefix-4k        # ~420 s
   8. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean DENSE_DTYPE=float32 bash tools/device_27b.sh rounds  # ~480 s (H100): fp32 activations
-Calls 2 and 3 add to the record call 1 left in /tmp/parity, calls 5 and 6 to call 4's in /tmp/b27; if
+  9. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh pack           # ~120 s (H100): the 27B-shape pack
+ 10. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh starts-first   # ~575 s (H100): a first start
+ 11. RECORD_GIT_COMMIT=$commit RECORD_GIT_CLEAN=$clean bash tools/device_27b.sh starts         # ~80 s: second, after a reboot
+Calls 2 and 3 add to the record call 1 left in /tmp/parity, calls 5 and 6 to call 4's in /tmp/b27, 10
+and 11 read call 9's pack and 11 call 10's first start (one warm machine); if
 the machine went cold in between, carry the latest parity-cuda.json or bench-cuda-27b.json back
 in as .gpu/parity/ or .gpu/b27/ (carry: [".gpu"]). Copy each call's \$OUT records into
 evidence/ as they come back (call 7's from \$OUT/p4k/). Then, here:
@@ -92,9 +96,9 @@ case "${1:-}" in
   # /tmp/starts on the warm machine. On the H100 a first start took 436 s and a second 72 s:
   # one call for the first, one for the others, the pack built in an earlier call (pack).
   # starts runs all three where no first start is kept.
-  starts-first) build_pack; t=$(left) || exit 124
+  starts-first) need_commit starts-first; build_pack; t=$(left) || exit 124
     timeout "$t" python3 tools/bench_starts.py --pack /tmp/pack27 --scratch /tmp/starts --starts first --out "$OUT" ;;
-  starts) build_pack; t=$(left) || exit 124
+  starts) need_commit starts; build_pack; t=$(left) || exit 124
     [ -f /tmp/starts/starts.json ] && later="second,after a reboot" || later="first,second,after a reboot"
     timeout "$t" python3 tools/bench_starts.py --pack /tmp/pack27 --scratch /tmp/starts --starts "$later" --out "$OUT" ;;
   # memory: speculation's extra peak over serve.py's over HTTP at 0.1k, 4k and 16k tokens (issue 49

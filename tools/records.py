@@ -135,6 +135,12 @@ def next_turn(r):
     return f"{row['ttft_ms']['cached']:,.0f} / {row['ttft_ms']['cold']:,.0f} ms ({row['cached_over_cold']:.2f})"
 
 
+def starts(r):
+    first, second = r["starts"]["first"], r["starts"]["second"]
+    return (f"first {first['ready_s']:.0f} s ({first['after_load_s']:.0f} s of checks), second "
+            f"{second['ready_s']:.0f} s ({second['after_load_s']:.1f} s after its weights loaded)")
+
+
 def battery(r):
     servers = r["servers"].values()
     worst = [max(len(s["client_5xx"]) for s in servers), max(s["crashes"] for s in servers),
@@ -158,6 +164,7 @@ RESULTS = [
     ("A next turn's first token at 4k tokens of history: prefix cache / cold", "prefix-cache-cuda-27b-4k", next_turn),
     ("Speculation's extra memory at 16k tokens: whole context / the drafter's sliding window",
      "prefix-cache-cuda-27b-4k", lambda r: "{full:.2f} / {sliding_window:.2f} GB".format(**r["spec_extra_memory_gb"]["16384"])),
+    ("Server start, launch to ready at the 27B shape: first, then with its checks cached", "starts-cuda", starts),
     ("Hostile requests per server: client errors answered 5xx / crashes / paths leaked / answers changed",
      "battery-cpu", battery),
 ]
