@@ -70,6 +70,8 @@ DECODE_ARMS = {
     "rotation+recurrence+convolution+rope+residual+compiled":
         frozenset({"rotation", "recurrence", "convolution", "rope", "residual", "compiled"}),
     "rotation+recurrence+matmul": frozenset({"rotation", "recurrence", "matmul"}),
+    "rotation+recurrence+convolution+rope+residual+matmul+compiled":
+        frozenset({"rotation", "recurrence", "convolution", "rope", "residual", "matmul", "compiled"}),
 }
 _decode_path: frozenset = frozenset()
 

@@ -86,7 +86,8 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
     their padding and length metadata): one request, and three sharing a batch whose rows
     join and leave, answer under every arm as under stock's, and the lone request's steps
     take the arm's one-row GatedDeltaNet layer, its rotary kernel call and its residual add
-    and norm kernel call; compiled, each layer's step is traced once and replayed after."""
+    and norm kernel call, and under the matmul arms the exact matmul kernels; compiled, each
+    layer's step is traced once and replayed after."""
     from test_first_token import PROMPTS as BATCH_PROMPTS, run
 
     one_row_layers, rotary_calls, norm_calls = [], [], []
@@ -108,6 +109,11 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
 
     monkeypatch.setattr(dflash2_kernels, "rope_rows", counted_rope)
     monkeypatch.setattr(dflash2_kernels, "add_rms_norm", counted_norm)
+    exact_calls = []
+    for name in ("exact_linear_rows", "exact_linear_group"):
+        kernel = getattr(dflash2_kernels, name)
+        monkeypatch.setattr(dflash2_kernels, name,
+                            lambda *args, kernel=kernel, **kwargs: exact_calls.append(1) or kernel(*args, **kwargs))
     alone = dict(greedy_sampling=True, top_logprobs_k=2)
     shared = dict(greedy_sampling=True, max_tokens=[4, 2, 6], completion_batch_size=3, prefill_batch_size=1)
     stock = run(target, BATCH_PROMPTS[:1], **alone)[0], run(target, BATCH_PROMPTS, **shared)[0]
@@ -118,7 +124,9 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
             one_row_layers.clear()
             rotary_calls.clear()
             norm_calls.clear()
+            exact_calls.clear()
             assert run(target, BATCH_PROMPTS[:1], **alone)[0] == stock[0], arm
+            assert bool(exact_calls) == ("matmul" in dflash2_decode_arms.DECODE_ARMS[arm]), arm
             took_layer = "convolution" in dflash2_decode_arms.DECODE_ARMS[arm]
             assert bool(one_row_layers) == took_layer and set(one_row_layers) <= {(1, 1)}, arm
             if took_layer:  # built once per layer where compiled, at every step where not
