@@ -68,6 +68,13 @@ REPLACED = (
         "offset past what it skips, as RequestDecoder does for taps the prefill dropped.",
     ),
     Audited(
+        "mlx_vlm.speculative.drafters.dflash2.dflash2:_grouped_dynamic_convolve",
+        "66150dd5c65d6c3e2fe7322ca96bee08c525ae7c00f0a66c8a8c6504d1171259",
+        "The drafter's grouped dynamic causal convolution, the same ops in the same order (its "
+        "bits), its taps' element-wise ops compiled into one launch after one zero padding: "
+        "about 13 launches a call, four calls a drafter layer, each costing the host.",
+    ),
+    Audited(
         "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens",
         "46d8b30d7519be85a0e2c3323ce7667008b85e4a2f85187216afd97bcd2e6542",
         "Where the drafter runs in bf16, the target's fp16 embeddings enter it as bf16.",
@@ -709,7 +716,7 @@ def mismatches(rows=REPLACED + AUDITED) -> list:
 # sources_digest() of the audited install: mlx-vlm 0.7.2's files and the places in them that
 # REPLACED and AUDITED name. Regenerate it with the sha256 rows when the pins change
 # (tests/test_exact_verify.py prints the installed one).
-SOURCES_DIGEST = "68f804d14370b561a18d7e1b86eb205d2ba95335fc9acac1eaa9b8877bf27d9e"
+SOURCES_DIGEST = "3f5e8cd779140aad35d3094dbb8716deffffe9d5917ba40e39ffc84a4d3fd6dd"
 
 
 def _source_place(obj) -> tuple:

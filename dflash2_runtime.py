@@ -50,7 +50,8 @@ from dflash2_decode_arms import (
     decode_arm,
     use_decode_arm,
 )
-from dflash2_drafter import _draft_hidden_bf16, _drafter_attention_call, _embed_input_tokens_bf16
+from dflash2_drafter import (_draft_hidden_bf16, _drafter_attention_call, _embed_input_tokens_bf16,
+                             grouped_dynamic_convolve)
 from dflash2_verdicts import VerdictCache
 from dflash2_verify import ExactVerifier, exact_verify_greedy
 
@@ -138,6 +139,7 @@ REPLACEMENTS = {
     "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._hidden": _draft_hidden_bf16,
     "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens":
         _embed_input_tokens_bf16,
+    "mlx_vlm.speculative.drafters.dflash2.dflash2:_grouped_dynamic_convolve": grouped_dynamic_convolve,
     "mlx_vlm.speculative.drafters.qwen3_dflash.dflash:DFlashAttention.__call__": _drafter_attention_call,
     "mlx_vlm.models.qwen3_5.gated_delta:gated_delta_ops": _gated_delta_ops_call,
     "mlx_vlm.models.qwen3_5.language:Qwen3_5GatedDeltaNet.__call__": _gated_delta_net_call,

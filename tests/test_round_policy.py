@@ -452,6 +452,52 @@ def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeyp
 
 
 
+def test_the_drafters_convolution_gives_mlx_vlm_s_bits_in_fewer_launches(target):
+    """The installed _grouped_dynamic_convolve gives mlx-vlm's bits (signed zeros and the
+    shifted-in zeros included) for every tap count, length and dtype, in three primitives a
+    call where mlx-vlm's builds thirteen or more; a drafter pass takes it at each of its
+    layers' four convolutions."""
+    import dflash2_audit
+    import dflash2_drafter
+    from graph_count import graph_kinds
+    from mlx_vlm.speculative.drafters.dflash2 import dflash2 as drafter_module
+
+    def bits(array):  # bf16 widened exactly, so every bit compares
+        return mx.view(array.astype(mx.float32), mx.uint32)
+
+    target_name = "mlx_vlm.speculative.drafters.dflash2.dflash2:_grouped_dynamic_convolve"
+    stock = dflash2_audit.stock(target_name)
+    assert drafter_module._grouped_dynamic_convolve is dflash2_drafter.grouped_dynamic_convolve
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        for taps in (1, 2, 3):
+            for length in (1, 2, 8):
+                keys = mx.random.split(mx.random.key(10 * length + taps), 3)
+                hidden = (3 * mx.random.normal((1, length, 64), key=keys[0])).astype(dtype)
+                hidden = mx.where(mx.arange(64) % 7 == 0, mx.array(-0.0, dtype), hidden)
+                dynamic = mx.random.normal((1, length, taps * 4), key=keys[1]).astype(dtype)
+                base = mx.random.normal((taps, 64), key=keys[2])
+                want = stock(hidden, dynamic, base, 16)
+                got = drafter_module._grouped_dynamic_convolve(hidden, dynamic, base, 16)
+                assert got.dtype == want.dtype and bits(got).tolist() == bits(want).tolist(), (dtype, taps, length)
+    hidden, dynamic, base = mx.zeros((1, 8, 512), mx.bfloat16), mx.zeros((1, 8, 64), mx.bfloat16), mx.zeros((2, 512))
+    mx.eval(hidden, dynamic, base)
+    stock_count = sum(graph_kinds([stock(hidden, dynamic, base, 16)])[0].values())
+    ours_count = sum(graph_kinds([drafter_module._grouped_dynamic_convolve(hidden, dynamic, base, 16)])[0].values())
+    assert (ours_count, stock_count >= 13) == (3, True)
+
+    model, _, drafter = target
+    calls = []
+    convolve = drafter_module._grouped_dynamic_convolve
+    try:
+        drafter_module._grouped_dynamic_convolve = lambda *args: calls.append(1) or convolve(*args)
+        lm = model.language_model
+        context = mx.zeros((1, 3, len(drafter.config.target_layer_ids) * lm.args.hidden_size), mx.float16)
+        mx.eval(drafter.draft_block_greedy(1, context, drafter.reset(model), 4, None))
+    finally:
+        drafter_module._grouped_dynamic_convolve = convolve
+    assert len(calls) == 4 * len(drafter.layers)
+
+
 def test_block_cap_bounds_the_blocks_rounds_and_start_up_use(target):
     import dflash2_drafter
     from mlx_vlm.speculative.common import _dflash_block_total
