@@ -70,9 +70,10 @@ REPLACED = (
     Audited(
         "mlx_vlm.speculative.drafters.dflash2.dflash2:_grouped_dynamic_convolve",
         "66150dd5c65d6c3e2fe7322ca96bee08c525ae7c00f0a66c8a8c6504d1171259",
-        "The drafter's grouped dynamic causal convolution, the same ops in the same order (its "
-        "bits), its taps' element-wise ops compiled into one launch after one zero padding: "
-        "about 13 launches a call, four calls a drafter layer, each costing the host.",
+        "The drafter's grouped dynamic causal convolution, the same ops in the same order, its "
+        "taps' element-wise ops compiled into one launch after one zero padding (mlx-vlm's: "
+        "about 13 launches a call, four calls a drafter layer, each costing the host). Only "
+        "proposals depend on it.",
     ),
     Audited(
         "mlx_vlm.speculative.drafters.dflash2.dflash2:DFlash2DraftModel._embed_input_tokens",

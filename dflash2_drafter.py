@@ -182,7 +182,10 @@ def drafter_passes(model, drafter, context, bf16: bool, block: int, candidate_se
 # launches a call and four calls a layer: at the 27B shape about half of the drafter's 490
 # launches a pass, each costing the host about 10 us (evidence/profile-verify-cuda.md, draft
 # 8). Here the input is zero-padded once and every tap's ops run as one compiled element-wise
-# kernel; the same ops in the same order, so the same bits (+0 start, shifted-in zeros).
+# kernel: the same ops in the same order (+0 start, shifted-in zeros), mlx-vlm's bits on CPU.
+# Only proposals depend on it: on CUDA NVRTC may fuse an fp32 multiply and add into one FMA
+# (fp16 and bf16 arithmetic are intrinsics it does not contract), so a promoted drafter's
+# proposals can differ in a last bit, never the tokens.
 
 
 @mx.compile
@@ -199,7 +202,7 @@ def _convolve_taps(padded, dynamic, base):
 
 
 def grouped_dynamic_convolve(hidden, dynamic, base, group_size):
-    """mlx-vlm's _grouped_dynamic_convolve (its bits) through _convolve_taps."""
+    """mlx-vlm's _grouped_dynamic_convolve through _convolve_taps."""
     batch, length, hidden_size = hidden.shape
     groups = hidden_size // group_size
     blocks = hidden.reshape(batch, length, groups, group_size)

@@ -453,8 +453,8 @@ def test_the_drafters_own_attention_code_calls_drafter_attention(target, monkeyp
 
 
 def test_the_drafters_convolution_gives_mlx_vlm_s_bits_in_fewer_launches(target):
-    """The installed _grouped_dynamic_convolve gives mlx-vlm's bits (signed zeros and the
-    shifted-in zeros included) for every tap count, length and dtype, in three primitives a
+    """The installed _grouped_dynamic_convolve gives mlx-vlm's bits on CPU (signed zeros and
+    the shifted-in zeros included) for every tap count, length and dtype, in three primitives a
     call where mlx-vlm's builds thirteen or more; a drafter pass takes it at each of its
     layers' four convolutions."""
     import dflash2_audit
