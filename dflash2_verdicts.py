@@ -48,9 +48,9 @@ CHECKS = {
 # What of mx.device_info() names the device (not its free memory, nor which of a host's GPUs).
 DEVICE_FIELDS = ("device_name", "architecture", "compute_capability_major", "compute_capability_minor")
 # Rough durations where no cached start has timed them: a first start's on an H100 at the 27B
-# shape (evidence/starts-cuda.md, at 7d92955), every kernel compiled as it went.
-ESTIMATES_S = {"cuda": {"kernel self-tests": 153, "plain decode path": 32, "verify path": 5, "verify self-check": 1,
-                        "sampled verify draws": 62, "drafter activations": 60, "round costs": 52}}
+# shape (evidence/starts-cuda.md, at 23e968f), every kernel compiled as it went.
+ESTIMATES_S = {"cuda": {"kernel self-tests": 177, "plain decode path": 38, "verify path": 5, "verify self-check": 1,
+                        "sampled verify draws": 76, "drafter activations": 77, "round costs": 58}}
 
 
 def cache_folder() -> Path:

@@ -206,7 +206,7 @@ def test_a_cached_verdict_is_restored_instead_of_measured(machine, caplog):
     first = opened(pack)
     assert first.check("round costs", lambda: {"table": 1}, dict, dict) == {"table": 1}
     assert first.check("verify self-check", lambda: "checked") == "checked"
-    assert "about 52 s on an H100 at the 27B shape" in caplog.text  # no cached start yet
+    assert "about 58 s on an H100 at the 27B shape" in caplog.text  # no cached start yet
     first.save()
     second = opened(pack)
     assert second.check("round costs", lambda: pytest.fail("measured"), lambda value: ("restored", value)) == (
