@@ -743,6 +743,7 @@ def starts_record_start(second: bool) -> dict:
     checks = ({"full_check_because": None, "from_cache": {"kernels": "2025-01-01T00:00:00"}, "measured_s": {}}
               if second else {"full_check_because": "no verdict cache", "from_cache": {}, "measured_s": {"kernels": 41.5}})
     return {"ready_s": 25.0 if second else 80.0, "weights_loaded_s": 12.0, "after_load_s": 13.0 if second else 68.0,
+            "milestones_s": {"launch checks": 2.5, "engine started": 3.0, "target loaded": 12.0},
             "start_up_checks": checks, "runtime_log": ["... INFO DFlash2 verify path: compiled (...)"],
             "answer": "def reverse(items):"}
 
@@ -760,6 +761,17 @@ def test_bench_starts_reads_the_server_s_log_time_and_records_its_starts(tmp_pat
                              ("/tmp/x",), None)
     text = ScrubbedFormatter(lambda text: text).format(line)
     assert bench_starts.LOADED in text and abs(bench_starts.log_time(text) - line.created) < 0.002
+    # Each phase's end from the server's own lines, in launch order; a line not found is left out.
+    lines = []
+    for seconds, message in ((1.5, "launch checks against dflash2-pack.json: ..."), (2.0, "prefill inverse: ..."),
+                             (9.5, "start-up checks: verdicts cached in /tmp/x")):
+        record = logging.LogRecord("dflash2", logging.INFO, __file__, 1, message, (), None)
+        record.created, record.msecs = line.created + seconds, ((line.created + seconds) % 1) * 1000
+        lines.append(ScrubbedFormatter(lambda text: text).format(record))
+    phases = bench_starts.milestones_s(["noise", *lines], line.created)
+    assert list(phases) == ["launch checks", "engine started", "target loaded"]
+    assert [abs(got - want) < 0.01 for got, want in zip(phases.values(), (1.5, 2.0, 9.5))] == [True] * 3
+    assert bench_starts.milestones_s(lines[:1], line.created) == {"launch checks": phases["launch checks"]}
 
     pack = tmp_path / "pack"
     pack.mkdir()
@@ -785,6 +797,7 @@ def test_bench_starts_reads_the_server_s_log_time_and_records_its_starts(tmp_pat
     assert ("Second start within 30 s of its weights load: True; the same greedy answer from every start: "
             "True.") in markdown
     assert "The second start's runtime log:\n\n```\n... INFO DFlash2 verify path: compiled (...)\n```" in markdown
+    assert "first: launch checks 2.5, engine started 3.0, target loaded 12.0; second: launch checks 2.5" in markdown
 
     monkeypatch.setattr(bench_starts, "start", lambda name, *args: starts_record_start(False))
     with pytest.raises(SystemExit, match="checked everything again"):

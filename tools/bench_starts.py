@@ -32,6 +32,10 @@ from records import run_environment, write_record  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 LOADED = "start-up checks: "  # dflash2_verdicts.VerdictCache.open's line, right after the target loads
+# Where the time before the checks goes: the server's log lines that end each phase (imports
+# and the pack's launch checks; the drafter's set-up and the engine's start; the target's load).
+MILESTONES = {"launch checks": "launch checks against ", "engine started": "prefill inverse: ",
+              "target loaded": LOADED}
 RUNTIME_LOG = " DFlash2 "  # dflash2_speculation's start-up lines: the paths chosen, and how fast
 AFTER_LOAD_TARGET_S = 30
 PROMPT = "Write a Python function that reverses a list."
@@ -40,6 +44,16 @@ PROMPT = "Write a Python function that reverses a list."
 def log_time(line: str) -> float:
     """A log line's time (the gateway's format: local time, milliseconds)."""
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def milestones_s(log: list, launched: float) -> dict:
+    """Seconds from launch to each MILESTONES line's first appearance in the log (those found)."""
+    found = {}
+    for name, text in MILESTONES.items():
+        line = next((line for line in log if text in line), None)
+        if line is not None:
+            found[name] = round(log_time(line) - launched, 1)
+    return found
 
 
 def greedy_answer(server: ServerProcess) -> str:
@@ -71,7 +85,8 @@ def start(name: str, pack: Path, workdir: Path, timeout: int) -> dict:
         log = server.log().splitlines()
         loaded = log_time(next(line for line in log if LOADED in line))
         return {"ready_s": round(ready - launched, 1), "weights_loaded_s": round(loaded - launched, 1),
-                "after_load_s": round(ready - loaded, 1), "start_up_checks": health["start_up_checks"],
+                "after_load_s": round(ready - loaded, 1), "milestones_s": milestones_s(log, launched),
+                "start_up_checks": health["start_up_checks"],
                 "runtime_log": [line for line in log if RUNTIME_LOG in line], "answer": greedy_answer(server)}
     finally:
         server.stop()
@@ -147,6 +162,12 @@ def summary_markdown(r) -> str:
         measured = ", ".join(f"{check} {seconds:.1f}" for check, seconds in checks["measured_s"].items())
         lines.append(f"| {name} | {start['ready_s']:.1f} | {start['weights_loaded_s']:.1f} | "
                      f"{start['after_load_s']:.1f} | {', '.join(checks['from_cache']) or '-'} | {measured} |")
+    timed = {name: start["milestones_s"] for name, start in r["starts"].items() if start.get("milestones_s")}
+    if timed:  # records before the milestones were kept lack them
+        lines += ["", "Seconds from launch to each phase's end (imports and the pack's launch checks; the drafter's "
+                  "set-up and the engine's start; the target's load): " + "; ".join(
+                      f"{name}: " + ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in phases.items())
+                      for name, phases in timed.items()) + "."]
     lines += ["", f"Second start within {AFTER_LOAD_TARGET_S} s of its weights load: "
                   f"{r['second_after_load_within_target']}; the same greedy answer from every start: "
                   f"{r['answers_equal']}."]
