@@ -52,7 +52,7 @@ def milestones_s(log: list, launched: float) -> dict:
     for name, text in MILESTONES.items():
         line = next((line for line in log if text in line), None)
         if line is not None:
-            found[name] = round(log_time(line) - launched, 1)
+            found[name] = log_time(line) - launched
     return found
 
 
@@ -83,9 +83,11 @@ def start(name: str, pack: Path, workdir: Path, timeout: int) -> dict:
         health = server.wait_ready(timeout)
         ready = time.time()
         log = server.log().splitlines()
-        loaded = log_time(next(line for line in log if LOADED in line))
-        return {"ready_s": round(ready - launched, 1), "weights_loaded_s": round(loaded - launched, 1),
-                "after_load_s": round(ready - loaded, 1), "milestones_s": milestones_s(log, launched),
+        phases = milestones_s(log, launched)
+        loaded = phases["target loaded"]
+        return {"ready_s": round(ready - launched, 1), "weights_loaded_s": round(loaded, 1),
+                "after_load_s": round(ready - launched - loaded, 1),
+                "milestones_s": {name: round(seconds, 1) for name, seconds in phases.items()},
                 "start_up_checks": health["start_up_checks"],
                 "runtime_log": [line for line in log if RUNTIME_LOG in line], "answer": greedy_answer(server)}
     finally:
