@@ -5,8 +5,8 @@ binary of it, yet before compiling any module its JIT looks for one in its PTX c
 (mlx/backend/cuda/jit_module.cpp: JitModule reads `<cache>/<module>.ptx` and `.txt` first and
 only skips writing them for custom kernels). Each of the pack's kernels is compiled here as
 MLX would compile it and left in that cache under the module name MLX looks for, so a restart
-loads the binary (a cached start's verify self-check spent 44 s compiling on the H100:
-evidence/starts-cuda.md). The binary is the one MLX would make: the source MLX's build_kernel
+loads the binary (a cached start's verify self-check spent 44 s compiling on the H100 at
+7d92955; 3 s with the binaries kept, evidence/starts-cuda.md at 23e968f). The binary is the one MLX would make: the source MLX's build_kernel
 writes (custom_kernel.cpp), MLX's own device headers (its jit_source_* arrays, read from
 libmlx's symbol table), the NVRTC library MLX loaded and MLX's options. Any step that fails
 leaves the cache alone and MLX compiles as before; mlx-cuda is pinned (requirements.txt) and

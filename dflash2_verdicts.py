@@ -1,8 +1,8 @@
 """Caches the verdicts of the speculative server's start-up checks, so a second start skips them.
 
-On an H100 at the 27B shape the checks after the weights load took 398 s (kernel self-tests,
+On an H100 at the 27B shape the checks after the weights load took 466 s (kernel self-tests,
 plain decode's arms, the sampled draws, the drafter's dtype, the round costs:
-evidence/starts-cuda.md). Their verdicts
+evidence/starts-cuda.md, at 23e968f). Their verdicts
 depend only on what this file's key holds: the backend and device, the driver and CUDA (or
 macOS) version, the mlx*/nvidia-* packages, Python, the sha256 of every pack module, the pack's
 pins (or, unpinned, its configs and weights headers) and the drafter options. One JSON file per

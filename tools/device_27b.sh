@@ -93,8 +93,9 @@ case "${1:-}" in
   pack) build_pack ;;
   # starts-first, then starts: a first start of serve_dflash2.py, then a second and one after a
   # reboot (its temp folder emptied), sharing one HOME (the verdicts and kernels cached) kept in
-  # /tmp/starts on the warm machine. On the H100 a first start took 436 s and a second 72 s:
-  # one call for the first, one for the others, the pack built in an earlier call (pack).
+  # /tmp/starts on the warm machine. On the H100 at 23e968f a first start took 504 s (the call
+  # 575 s of its 585) and a second 29 s: one call for the first, one for the others, the pack
+  # built in an earlier call (pack).
   # starts runs all three where no first start is kept.
   starts-first) need_commit starts-first; build_pack; t=$(left) || exit 124
     timeout "$t" python3 tools/bench_starts.py --pack /tmp/pack27 --scratch /tmp/starts --starts first --out "$OUT" ;;
