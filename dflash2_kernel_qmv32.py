@@ -19,9 +19,12 @@ fp16 one in dflash2_kernel_qmv:
 single-row result bit for bit, the weights read once for all rows. (MLX's own call sends 2..7
 rows to qmv too, one grid row each, so exact but reading the weights once per row; 8 rows go
 to qmm_naive, a SIMT GEMM that sums in another order: the self-test's negative control.) On
-Metal MLX's fp32 single row is qmv_fast with T float, which dflash2_kernel_qmv's Metal kernel
-copies for any T (never run: no Mac; its self-test gates it there). On CPU the rows take MLX's
-single-row calls one by one. One row is always MLX's own call.
+CUDA one row takes the kernel too: MLX's fp32 call first converts the fp16 scales and biases
+to fp32 (ops.cpp quantized_matmul: two more launches, every call), where the kernel reads
+them as fp16, exactly. On Metal MLX's fp32 single row is qmv_fast with T float, which
+dflash2_kernel_qmv's Metal kernel copies for any T (never run: no Mac; its self-test gates it
+there), for 2..8 rows; one row there is MLX's own call. On CPU the rows take MLX's single-row
+calls one by one.
 """
 
 from functools import cache, partial
@@ -165,7 +168,7 @@ __device__ __forceinline__ void qmv32_rows(
 _CUDA_SOURCE = "dflash2_qmv32::qmv32_rows<M, R, FMA>(x, w, scales, biases, y, w_shape[0], w_shape[1] * 16);"
 CUDA_WARPS_PER_BLOCK = 4
 # Output rows a warp takes, by activation rows: R * M * 8 accumulators in registers.
-CUDA_ROWS_PER_WARP = {2: 4, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}
+CUDA_ROWS_PER_WARP = {1: 4, 2: 4, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}
 
 
 @cache
@@ -185,7 +188,7 @@ def cuda_template(rows: int, variant: str) -> list:
 
 
 def cuda_matmul_fp32(x, weight, scales, biases, variant="fma"):
-    """(..., K) fp32 rows, M in all (2..8) -> (..., N) fp32 through the kernel; no self-test
+    """(..., K) fp32 rows, M in all (1..8) -> (..., N) fp32 through the kernel; no self-test
     gate. The kernel reads M rows of K from x's row-contiguous data (K from the weight)."""
     rows, n = x.size // x.shape[-1], weight.shape[0]
     warps = -(-n // CUDA_ROWS_PER_WARP[rows])  # a warp per R output rows
@@ -220,7 +223,7 @@ def exact_rows_fp32(x, weight, scales, biases):
     check_packed_weights passed, each row bitwise MLX's single-row call; (..., N) fp32."""
     k = x.shape[-1]
     rows, backend = x.size // k, backend_name()
-    if rows > 1 and backend in QMV32_VARIANTS and kernel_supports(backend, weight.shape[0], k):
+    if (rows > 1 or backend == "cuda") and backend in QMV32_VARIANTS and kernel_supports(backend, weight.shape[0], k):
         if backend not in _qmv32_serving:
             self_test_qmv32()
         variant = _qmv32_serving.get(backend)
@@ -234,7 +237,8 @@ def exact_rows_fp32(x, weight, scales, biases):
 
 
 def self_test_qmv32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
-    """Check fp32 rows 2..8 bit for bit against MLX's single-row calls.
+    """Check fp32 rows 1..8 bit for bit against MLX's single-row calls (2..8 on Metal, whose
+    one row exact_rows_fp32 leaves to MLX).
 
     kernel: (x (M, K), weight, scales, biases) -> (M, N), tested as variant "kernel";
     default: this backend's variants (QMV32_VARIANTS), the first that passes then serves (cpu:
@@ -264,7 +268,7 @@ def self_test_qmv32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
             negative[f"quantized_matmul(x[:{MAX_ROWS}])"] += _differing(
                 stock_quantized_matmul(x, weight, scales, biases), want)
             for name, matmul in variants.items():
-                for rows in range(2, MAX_ROWS + 1):
+                for rows in range(1 if backend == "cuda" or kernel else 2, MAX_ROWS + 1):
                     def compare(matmul=matmul, rows=rows):
                         return {"y": (matmul(x[:rows], weight, scales, biases), want[:rows])}
 

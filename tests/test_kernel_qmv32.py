@@ -26,7 +26,7 @@ def fp16_kernel(x, weight, scales, biases):
 
 
 def test_the_serving_path_passes_where_batched_calls_round_otherwise(gpu_like_rounding):
-    """What exact_rows_fp32 serves here equals the single-row calls at rows 2..8 of every
+    """What exact_rows_fp32 serves here equals the single-row calls at rows 1..8 of every
     kind and shape, where MLX's batched call rounds otherwise (the control counts it);
     off CUDA there is no kernel of its own to test."""
     assert dflash2_kernel_qmv32.self_test_qmv32().reason == NO_KERNEL or dk.backend_name() == "cuda"
@@ -34,7 +34,7 @@ def test_the_serving_path_passes_where_batched_calls_round_otherwise(gpu_like_ro
     result = dflash2_kernel_qmv32.self_test_qmv32(kernel=dk.exact_rows_fp32)
     assert result.ok and result.variant == "kernel" and result.mismatches == 0, result.reason
     assert result.stock_mismatches > 0
-    assert {case["rows"] for case in result.cases} == set(range(2, 9))
+    assert {case["rows"] for case in result.cases} == set(range(1, 9))
     assert {case["input"] for case in result.cases} == set(dflash2_kernel_base.FP32_INPUT_KINDS)
     assert {tuple(case["shape"]) for case in result.cases} == set(dflash2_kernel_qmv32.FP32_SHAPES_SMALL)
     assert dflash2_kernel_qmv32._qmv32_serving == serving  # an injected kernel never switches serving
@@ -133,6 +133,29 @@ def test_the_cuda_kernel_equals_single_row_calls_at_the_27b_shapes():
     result = dflash2_kernel_qmv32.self_test_qmv32(shapes=list(dflash2_kernel_qmv.PACKED_SHAPES_27B))
     assert result.ok and result.variant == "fma", result.reason
     assert result.controls["quantized_matmul(x[:8])"] > 0
+
+
+def test_on_cuda_one_fp32_row_takes_the_kernel_too(monkeypatch):
+    """As on CUDA (the backend faked, the kernel a stand-in): the self-test checks rows 1..8,
+    and one row then takes the kernel, not MLX's fp32 call (which converts the fp16 scales
+    and biases to fp32 first: two launches more, every call)."""
+    calls = []
+
+    def cuda(x, weight, scales, biases, variant):
+        calls.append((x.shape, variant))
+        return dk.stock_rows(x, weight, scales, biases)
+
+    monkeypatch.setattr(dflash2_kernel_qmv32, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dflash2_kernel_qmv32, "cuda_matmul_fp32", cuda)
+    monkeypatch.setattr(dflash2_kernel_qmv32, "_qmv32_serving", {})
+    tested = dflash2_kernel_qmv32.self_test_qmv32(shapes=[SHAPE])
+    assert tested.ok and tested.variant == "fma", tested.reason
+    assert {case["rows"] for case in tested.cases} == set(range(1, 9))
+    packed = dflash2_kernel_qmv.make_weights(*SHAPE, mx.random.key(1))
+    x = dflash2_kernel_base.make_inputs_fp32("normal", 1, SHAPE[1], mx.random.key(2))
+    calls.clear()
+    got = dk.exact_rows_fp32(x, *packed)
+    assert calls == [((1, SHAPE[1]), "fma")] and _differing(got, dk.stock_rows(x, *packed)) == 0
 
 
 def test_on_metal_fp32_rows_take_the_qmv_fast_kernel_where_it_serves(monkeypatch):

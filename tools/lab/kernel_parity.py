@@ -469,7 +469,7 @@ def bench_kernel(name):
     elif name == "qmv32":
         for n, k in ((17408, 5120), (5120, 17408), (12288, 5120), (1024, 5120)):
             packed = dflash2_kernel_qmv.make_weights(n, k, mx.random.key(2))
-            for rows in (2, 4, 8):
+            for rows in (1, 2, 4, 8):
                 x = dflash2_kernel_base.make_inputs_fp32("normal", rows, k, mx.random.key(3))
                 mx.eval(packed, x)
                 rows_out.append(timing_row(
