@@ -1,5 +1,5 @@
-"""Hadamard rotation, alone and ahead of the qmv: stock reference, CUDA, Metal, dispatch,
-self-test.
+"""Hadamard rotation: stock reference, CUDA (one x by one or several sign vectors), Metal,
+dispatch, self-test. dflash2_kernel_linear puts it ahead of the qmv.
 
 - `rotate(x, block, signs)`: mlx-vlm's four-primitive `hadamard_transform`
   (astype fp32, times the fp32 signs, `mx.hadamard_transform`, astype back) in one
@@ -25,7 +25,7 @@ from dflash2_kernel_base import (
     FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _first_difference,
     _no_kernel_result, _variants_result, backend_name, cuda_header, make_inputs, make_inputs_fp32, run_case,
 )
-from dflash2_kernel_qmv import SWIZZLE_WIDTH, _serving_kernel, cuda_matmul, exact_rows, swizzle_steps
+from dflash2_kernel_qmv import SWIZZLE_WIDTH, swizzle_steps
 
 # ===========================================================================
 # Hadamard rotation
@@ -487,6 +487,14 @@ def _choose_rotate_plan(k: int, block: int, dtype):
     return plan
 
 
+def rotation_serves(k: int, block: int) -> bool:
+    """Whether the CUDA kernel rotates fp16 rows at (K, block) here (its self-test run first
+    where none has run at that shape)."""
+    if (k, block, mx.float16) not in _rotate_plans:
+        _choose_rotate_plan(k, block, mx.float16)  # the self-test at (K, block), both layouts
+    return backend_name() == "cuda" and bool(_rotate_verified.get(("cuda", k, block)))
+
+
 def rotate(x, block, signs):
     """`hadamard_transform(x, block, signs)` of mlx-vlm in one launch, same bits.
 
@@ -499,73 +507,6 @@ def rotate(x, block, signs):
     if plan is None:
         plan = _choose_rotate_plan(x.shape[-1], block, x.dtype)
     return plan(x, signs)
-
-
-# (K, block) -> the CUDA rotation writing swizzled rows where it passed its self-test at
-# (K, block), else None; chosen once.
-_swizzled_rotations: dict = {}
-
-
-def _swizzled_rotation(k: int, block: int):
-    plan = _swizzled_rotations.get((k, block), False)
-    if plan is False:
-        if (k, block, mx.float16) not in _rotate_plans:
-            _choose_rotate_plan(k, block, mx.float16)  # the self-test at (K, block), both layouts
-        serves = backend_name() == "cuda" and k % SWIZZLE_WIDTH == 0 and _rotate_verified.get(("cuda", k, block))
-        plan = _swizzled_rotations[(k, block)] = cuda_rotate_plan(k, block, swizzled=True) if serves else None
-    return plan
-
-
-# (K, block, outputs) -> whether the CUDA group rotation passed its self-test there.
-_rotate_group_verified: dict = {}
-
-
-def _rotate_group_serves(k: int, block: int, outputs: int) -> bool:
-    shape = (k, block, outputs)
-    if shape not in _rotate_group_verified:  # first use: its self-test at this shape
-        if backend_name() == "cuda" and k % SWIZZLE_WIDTH == 0 and block in ROTATE_BLOCKS and k % block == 0:
-            self_test_rotate_group([shape])
-        else:
-            _rotate_group_verified[shape] = False
-    return _rotate_group_verified[shape]
-
-
-def rotate_group(x, block, signs):
-    """(rotate(x, block, s) for s in signs), the same bits: the rotations of decode's linears
-    that share x ((..., K) fp16 rows), for their MLX matmuls. On CUDA, where the group rotation
-    passed its self-test at (K, block, len(signs)), in one launch."""
-    k = x.shape[-1]
-    if len(signs) > 1 and x.dtype == mx.float16 and _rotate_group_serves(k, block, len(signs)):
-        return tuple(cuda_rotate_plan(k, block, False, len(signs))(x, signs))
-    return tuple(rotate(x, block, sign) for sign in signs)
-
-
-def exact_linear_group(x, block, signs, matrices):
-    """Rotated packed linears that share their input x ((..., K) fp16 rows, at most 8): a tuple
-    of exact_linear_rows(x, block, signs[i], *matrices[i]), every row bitwise decode's. On CUDA,
-    where the group rotation passed its self-test at (K, block, len(matrices)) and the qmv
-    serves, one launch rotates x by every sign vector (swizzled rows for the qmv): len - 1
-    launches fewer than a rotation each. matrices: [(weight, scales, biases)]."""
-    k, rows = x.shape[-1], x.size // x.shape[-1]
-    if (block and len(matrices) > 1 and _rotate_group_serves(k, block, len(matrices))
-            and all(_serving_kernel("cuda", weight.shape[0], k, rows) for weight, _, _ in matrices)):
-        rotated = cuda_rotate_plan(k, block, True, len(matrices))(x, signs)
-        return tuple(cuda_matmul(rows_in, *matrix, swizzled=True) for rows_in, matrix in zip(rotated, matrices))
-    return tuple(exact_linear_rows(x, block, sign, *matrix) for sign, matrix in zip(signs, matrices))
-
-
-def exact_linear_rows(x, block, signs, weight, scales, biases):
-    """A rotated packed linear on (..., K) fp16 rows, at most 8: rotate(x, block, signs)
-    (block 0: none), then exact_rows; every row bitwise decode's. On CUDA, where both
-    kernels passed their self-tests, the rotation writes its rows swizzled for the qmv
-    (accumulate_step: the same bits from half the L1 wavefronts)."""
-    k = x.shape[-1]
-    if block:
-        swizzled = _swizzled_rotation(k, block)
-        if swizzled and _serving_kernel("cuda", weight.shape[0], k, x.size // k):
-            return cuda_matmul(swizzled(x, signs), weight, scales, biases, swizzled=True)
-        x = rotate(x, block, signs)
-    return exact_rows(x, weight, scales, biases)
 
 
 # ---------------------------------------------------------------------------
@@ -735,65 +676,3 @@ def self_test_rotate_fp32(shapes=None, seed: int = 0, kernel=None) -> SelfTestRe
         for k, block in shapes:
             _rotate_fp32_verified[(backend, k, block)] = result.ok
     return result
-
-# (K, block, outputs): the 27B pack's groups of rotated linears that share their input, at both
-# blocks that divide 5120 (attention q/k/v: 3; in_proj_qkv and in_proj_z, gate and up: 2).
-ROTATE_GROUP_SHAPES_27B = ((5120, 512, 2), (5120, 512, 3), (5120, 1024, 2), (5120, 1024, 3))
-
-
-def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
-    """Check a group rotation bit for bit against mlx-vlm's chain, one row and one sign
-    vector at a time: every output of each launch, in both layouts (plain rows for decode's
-    MLX matmul, swizzled rows for the qmv).
-
-    shapes: (K, block, outputs) triples; default ROTATE_GROUP_SHAPES_27B. kernel: (x (M, K),
-    block, [signs], swizzled) -> [rotated]; default CUDA's own (the only backend with one),
-    whose serving at each tested shape is then switched on or off by the outcome. The sign
-    vectors alternate the pack's +-1 and general values; rows 1..8 of every input kind;
-    stock_mismatches counts the fp16-arithmetic rotation (the negative control)."""
-    backend = backend_name()
-    own = kernel is None
-    if own and backend != "cuda":
-        return _no_kernel_result(backend)
-    shapes = [tuple(s) for s in (shapes or ROTATE_GROUP_SHAPES_27B)]
-    cases, mismatches, control_mismatches, reason = [], 0, 0, None
-    key = mx.random.key(seed)
-    try:
-        for k, block, outputs in shapes:
-            call = kernel or (lambda x, block, signs, swizzled, k=k, n=outputs:
-                              cuda_rotate_plan(k, block, swizzled, n)(x, signs))
-            key, sign_key = mx.random.split(key)
-            signs = [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
-                     for index, one_key in enumerate(mx.random.split(sign_key, outputs))]
-            for kind in ROTATE_INPUT_KINDS:
-                key, input_key = mx.random.split(key)
-                x = make_rotate_inputs(kind, MAX_ROWS, k, input_key)
-                want = [mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)])
-                        for sign in signs]
-                got = {layout: [call(x[:rows], block, signs, layout == "swizzled") for rows in range(1, MAX_ROWS + 1)]
-                       for layout in ("rows", "swizzled")}
-                control = _fp16_chain(x, block, signs[0])
-                mx.eval(want, got, control)
-                control_differ = _differing(control, want[0])
-                control_mismatches += control_differ
-                for (layout, outs), rows, index in itertools.product(got.items(), range(1, MAX_ROWS + 1),
-                                                                     range(outputs)):
-                    wanted = want[index][:rows]
-                    wanted = swizzle_steps(wanted) if layout == "swizzled" else wanted
-                    differ = _differing(outs[rows - 1][index], wanted)
-                    mismatches += differ
-                    cases.append({"shape": [k, block, outputs], "input": kind, "rows": rows, "output": index,
-                                  "layout": layout, "mismatches": differ,
-                                  "stock_mismatches": (control_differ if (rows, index, layout) == (MAX_ROWS, 0, "rows")
-                                                       else None)})
-                    if differ and reason is None:
-                        reason = (f"{backend} group rotation differs from the stock chain at K={k}, block={block}, "
-                                  f"outputs={outputs}, output {index}, rows={rows}, input={kind}, layout={layout}: "
-                                  ) + _first_difference(outs[rows - 1][index], wanted)[0]
-    except Exception as error:  # a kernel that fails to build or run fails the test
-        reason = f"{backend} group rotation raised {type(error).__name__}: {error}"
-    ok = reason is None
-    if own:
-        for shape in shapes:
-            _rotate_group_verified[shape] = ok
-    return SelfTestResult(ok, backend, reason, mismatches, control_mismatches, cases)

@@ -8,7 +8,8 @@ beside its kernel (stock reference, CUDA, Metal, dispatch, self-test):
 
 - dflash2_kernel_qmv: `exact_quantized_matmul`, `exact_rows` (the 2-bit packed matmul);
 - dflash2_kernel_qmv32: `exact_rows_fp32` (the same for fp32 rows, the real file's activations);
-- dflash2_kernel_rotate: `rotate`, `rotate_group`, `exact_linear_rows`, `exact_linear_group`;
+- dflash2_kernel_rotate: `rotate` (the Hadamard rotation);
+- dflash2_kernel_linear: `rotate_group`, `exact_linear_rows`, `exact_linear_group` (rotated linears);
 - dflash2_kernel_gdn: `gdn_recurrence`, `dense_rows`;
 - dflash2_kernel_fused: `conv_rows`, `rope_rows`, `add_rms_norm`, `gated_rms_norm`, `gdn_gates`;
 - dflash2_kernel_conv32: `conv1d_rows` (fp32 convolution weights: MLX's one call where proven);
@@ -50,9 +51,11 @@ from dflash2_kernel_qmv import (  # noqa: F401
     _verified, check_packed_weights, exact_quantized_matmul, exact_rows, packed_width, self_test, stock_rows,
 )
 from dflash2_kernel_qmv32 import _qmv32_serving, exact_rows_fp32, self_test_qmv32  # noqa: F401
+from dflash2_kernel_linear import (  # noqa: F401
+    _rotate_group_verified, exact_linear_group, exact_linear_rows, rotate_group, self_test_rotate_group,
+)
 from dflash2_kernel_rotate import (  # noqa: F401
-    _rotate_fp32_verified, _rotate_group_verified, _rotate_verified, exact_linear_group, exact_linear_rows, rotate,
-    rotate_group, self_test_rotate, self_test_rotate_fp32, self_test_rotate_group,
+    _rotate_fp32_verified, _rotate_verified, rotate, self_test_rotate, self_test_rotate_fp32,
 )
 
 # ===========================================================================

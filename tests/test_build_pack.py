@@ -348,6 +348,7 @@ LAYERS = [
     "dflash2_kernel_fused",
     "dflash2_kernel_conv32",
     "dflash2_kernel_gdn",
+    "dflash2_kernel_linear",
     "dflash2_kernel_rotate",
     "dflash2_kernel_qmv32",
     "dflash2_kernel_qmv",

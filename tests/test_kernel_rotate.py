@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_kernel_base
+import dflash2_kernel_linear
 import dflash2_kernel_qmv
 import dflash2_kernel_rotate
 import dflash2_kernels as dk
@@ -48,7 +49,7 @@ def test_rotated_rows_reach_the_qmv_swizzled_only_where_both_kernels_passed(monk
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dflash2_kernel_qmv._verified, "cuda", True)
     monkeypatch.setattr(dflash2_kernel_rotate, "_rotate_plans", {})
-    monkeypatch.setattr(dflash2_kernel_rotate, "_swizzled_rotations", {})
+    monkeypatch.setattr(dflash2_kernel_linear, "_swizzled_rotations", {})
     monkeypatch.setattr(dflash2_kernel_rotate, "_rotate_verified", {("cuda", k, 512): rotation_passed})
     dflash2_kernel_qmv._cuda_launch.cache_clear()
     dflash2_kernel_rotate.cuda_rotate_plan.cache_clear()
@@ -71,19 +72,19 @@ def test_group_rotation_self_test_fails_naming_the_output():
     """The group rotation's check, with stand-in kernels (CUDA has the real one; here the
     default says there is none): the chain per sign vector, in plain rows or swizzled as asked,
     passes; outputs in another order, or one layout whatever is asked, fail naming the case."""
-    assert dflash2_kernel_rotate.self_test_rotate_group().reason == (dflash2_kernel_base.NO_KERNEL if dk.backend_name() != "cuda" else None)
+    assert dflash2_kernel_linear.self_test_rotate_group().reason == (dflash2_kernel_base.NO_KERNEL if dk.backend_name() != "cuda" else None)
     shape = [(1024, 512, 3)]
 
     def chain(x, block, signs, swizzled):
         rotated = [dflash2_kernel_rotate.stock_rotate(x, block, sign) for sign in signs]
         return [dflash2_kernel_qmv.swizzle_steps(out) for out in rotated] if swizzled else rotated
 
-    assert dflash2_kernel_rotate.self_test_rotate_group(shape, kernel=chain).ok
-    swapped = dflash2_kernel_rotate.self_test_rotate_group(shape, kernel=lambda x, block, signs, swizzled:
+    assert dflash2_kernel_linear.self_test_rotate_group(shape, kernel=chain).ok
+    swapped = dflash2_kernel_linear.self_test_rotate_group(shape, kernel=lambda x, block, signs, swizzled:
                                         chain(x, block, signs[::-1], swizzled))
     assert not swapped.ok and "outputs=3, output 0, rows=1" in swapped.reason and "got 0x" in swapped.reason
     for layout, always in (("swizzled", False), ("rows", True)):
-        one_layout = dflash2_kernel_rotate.self_test_rotate_group(shape, kernel=lambda x, block, signs, swizzled:
+        one_layout = dflash2_kernel_linear.self_test_rotate_group(shape, kernel=lambda x, block, signs, swizzled:
                                                chain(x, block, signs, always))
         assert not one_layout.ok and f"layout={layout}" in one_layout.reason and one_layout.stock_mismatches > 0
 
@@ -100,9 +101,9 @@ def test_rotated_linears_sharing_their_input_take_one_rotation_launch_where_it_p
     patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
     monkeypatch.setitem(dflash2_kernel_qmv._verified, "cuda", True)
     monkeypatch.setattr(dflash2_kernel_rotate, "_rotate_plans", {})
-    monkeypatch.setattr(dflash2_kernel_rotate, "_swizzled_rotations", {})
+    monkeypatch.setattr(dflash2_kernel_linear, "_swizzled_rotations", {})
     monkeypatch.setattr(dflash2_kernel_rotate, "_rotate_verified", {("cuda", 1024, 512): True})
-    monkeypatch.setattr(dflash2_kernel_rotate, "_rotate_group_verified", {(1024, 512, 3): group_passed})
+    monkeypatch.setattr(dflash2_kernel_linear, "_rotate_group_verified", {(1024, 512, 3): group_passed})
     for cached in (dflash2_kernel_qmv._cuda_launch, dflash2_kernel_rotate.cuda_rotate_plan):
         cached.cache_clear()
     matrices = [dflash2_kernel_qmv.make_weights(n, 1024, mx.random.key(n)) for n in (48, 16, 16)]
@@ -173,7 +174,7 @@ def test_group_rotation_and_qmvs_equal_the_stock_chain_and_single_row_calls_on_c
             assert dflash2_kernel_base._differing(out, dk.stock_rows(dflash2_kernel_rotate.stock_rotate(x, block, sign), *matrix)) == 0
         for out, sign in zip(dk.rotate_group(x, block, signs), signs):  # decode's, in plain rows
             assert dflash2_kernel_base._differing(out, dflash2_kernel_rotate.stock_rotate(x, block, sign)) == 0
-    assert dflash2_kernel_rotate._rotate_group_verified[(k, block, 3)]  # the group kernel served, with the qmv:
+    assert dflash2_kernel_linear._rotate_group_verified[(k, block, 3)]  # the group kernel served, with the qmv:
     assert all(dflash2_kernel_qmv._serving_kernel("cuda", n, k, dk.MAX_ROWS) for n in (48, 16, 24))
 
 
@@ -189,7 +190,7 @@ def test_swizzled_rotation_and_qmv_equal_the_stock_chain_and_single_row_calls_on
         x = dflash2_kernel_base.make_inputs("normal", rows, k, mx.random.key(3 + rows))
         want = dk.stock_rows(dflash2_kernel_rotate.stock_rotate(x, block, signs), weight, scales, biases)
         assert dflash2_kernel_base._differing(dk.exact_linear_rows(x, block, signs, weight, scales, biases), want) == 0
-    assert dflash2_kernel_rotate._swizzled_rotation(k, block) is not None and dflash2_kernel_qmv._serving_kernel("cuda", 24, k, dk.MAX_ROWS)
+    assert dflash2_kernel_linear._swizzled_rotation(k, block) is not None and dflash2_kernel_qmv._serving_kernel("cuda", 24, k, dk.MAX_ROWS)
     plain_read_as_swizzled = dk.self_test(
         kernel=lambda x, w, s, b: dflash2_kernel_qmv.cuda_matmul(x, w, s, b, swizzled=True), shapes=[(16, k)])
     assert not plain_read_as_swizzled.ok and "layout=rows" in plain_read_as_swizzled.reason

@@ -71,6 +71,7 @@ RUNTIME_FILES = (
     "dflash2_kernel_fused.py",
     "dflash2_kernel_conv32.py",
     "dflash2_kernel_gdn.py",
+    "dflash2_kernel_linear.py",
     "dflash2_kernel_rotate.py",
     "dflash2_kernel_qmv32.py",
     "dflash2_kernel_qmv.py",

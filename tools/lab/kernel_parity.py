@@ -30,6 +30,7 @@ import dflash2_kernel_attention  # noqa: E402
 import dflash2_kernel_base  # noqa: E402
 import dflash2_kernel_conv32  # noqa: E402
 import dflash2_kernel_gdn  # noqa: E402
+import dflash2_kernel_linear  # noqa: E402
 import dflash2_kernel_qmv  # noqa: E402
 import dflash2_kernel_qmv32  # noqa: E402
 import dflash2_kernel_rotate  # noqa: E402
@@ -398,7 +399,7 @@ CONV_SHAPE_27B = conv_shape_27b()
 # Kernel -> (27B shapes, small shapes) of its self-test.
 KERNEL_SHAPES = {
     "rotate": (dflash2_kernel_rotate.ROTATE_SHAPES_27B, dflash2_kernel_rotate.ROTATE_SHAPES_SMALL),
-    "rotate_group": (dflash2_kernel_rotate.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
+    "rotate_group": (dflash2_kernel_linear.ROTATE_GROUP_SHAPES_27B, ((1024, 512, 2), (2048, 2048, 3))),
     "gdn": (dflash2_kernel_gdn.GDN_SHAPES_27B, dflash2_kernel_gdn.GDN_SHAPES_SMALL),
     "dense": (dflash2_kernel_gdn.DENSE_SHAPES_27B, dflash2_kernel_gdn.DENSE_SHAPES_SMALL),
     "qmv32": (tuple(dflash2_kernel_qmv.PACKED_SHAPES_27B), dflash2_kernel_qmv32.FP32_SHAPES_SMALL),
