@@ -7,17 +7,23 @@ linears that share their input, and the group rotation that serves them.
   by each linear's signs (q/k/v, a GatedDeltaNet's in_proj_qkv and in_proj_z, an MLP's gate
   and up) in one launch on CUDA where the group rotation passed its self-test, each output
   `rotate`'s bits; then each linear's exact matmul (or, rotate_group, decode's MLX matmuls).
+  fp16 rows, and fp32 rows (the real file's) where the group's fp32 self-test passed: the
+  kernel's arithmetic is rotate's on fp32 rows, whose chain's astypes are no-ops.
 """
 
 import itertools
 
 import mlx.core as mx
 
-from dflash2_kernel_base import MAX_ROWS, SelfTestResult, _differing, _first_difference, _no_kernel_result, backend_name
+from dflash2_kernel_base import (
+    FP32_INPUT_KINDS, MAX_ROWS, SelfTestResult, _differing, _first_difference, _no_kernel_result, _variants_result,
+    backend_name, make_inputs_fp32, run_case,
+)
 from dflash2_kernel_qmv import SWIZZLE_WIDTH, _serving_kernel, cuda_matmul, exact_rows, swizzle_steps
+from dflash2_kernel_qmv32 import exact_rows_fp32
 from dflash2_kernel_rotate import (
-    ROTATE_BLOCKS, ROTATE_INPUT_KINDS, SIGN_KINDS, _fp16_chain, cuda_rotate_plan, make_rotate_inputs, make_signs,
-    rotate, rotation_serves, stock_rotate,
+    ROTATE_BLOCKS, ROTATE_INPUT_KINDS, SIGN_KINDS, _fp16_chain, _matrix_chain, cuda_rotate_plan, make_rotate_inputs,
+    make_signs, rotate, rotation_serves, stock_rotate,
 )
 
 # ===========================================================================
@@ -36,36 +42,48 @@ def _swizzled_rotation(k: int, block: int):
     return plan
 
 
-# (K, block, outputs) -> whether the CUDA group rotation passed its self-test there.
+# (K, block, outputs) -> whether the CUDA group rotation passed its self-test there (fp16
+# rows, fp32 rows).
 _rotate_group_verified: dict = {}
+_rotate_group_fp32_verified: dict = {}
 
 
-def _rotate_group_serves(k: int, block: int, outputs: int) -> bool:
+def _rotate_group_serves(k: int, block: int, outputs: int, dtype=mx.float16) -> bool:
     shape = (k, block, outputs)
-    if shape not in _rotate_group_verified:  # first use: its self-test at this shape
-        if backend_name() == "cuda" and k % SWIZZLE_WIDTH == 0 and block in ROTATE_BLOCKS and k % block == 0:
-            self_test_rotate_group([shape])
+    fp32 = dtype == mx.float32
+    verified = _rotate_group_fp32_verified if fp32 else _rotate_group_verified
+    if shape not in verified:  # first use: its self-test at this shape
+        # fp16 rows feed the qmv, which reads them swizzled (K a multiple of 512).
+        if (backend_name() == "cuda" and (fp32 or k % SWIZZLE_WIDTH == 0) and block in ROTATE_BLOCKS
+                and k % block == 0):
+            (self_test_rotate_group_fp32 if fp32 else self_test_rotate_group)([shape])
         else:
-            _rotate_group_verified[shape] = False
-    return _rotate_group_verified[shape]
+            verified[shape] = False
+    return verified[shape]
 
 
 def rotate_group(x, block, signs):
-    """(rotate(x, block, s) for s in signs), the same bits: the rotations of decode's linears
-    that share x ((..., K) fp16 rows), for their MLX matmuls. On CUDA, where the group rotation
-    passed its self-test at (K, block, len(signs)), in one launch."""
+    """(rotate(x, block, s) for s in signs), the same bits: the rotations of linears that share
+    x ((..., K) fp16 or fp32 rows). On CUDA, where the group rotation passed its self-test
+    (fp16's or fp32's) at (K, block, len(signs)), in one launch."""
     k = x.shape[-1]
-    if len(signs) > 1 and x.dtype == mx.float16 and _rotate_group_serves(k, block, len(signs)):
-        return tuple(cuda_rotate_plan(k, block, False, len(signs))(x, signs))
+    if (len(signs) > 1 and x.dtype in (mx.float16, mx.float32)
+            and _rotate_group_serves(k, block, len(signs), x.dtype)):
+        return tuple(cuda_rotate_plan(k, block, False, len(signs), x.dtype)(x, signs))
     return tuple(rotate(x, block, sign) for sign in signs)
 
 
 def exact_linear_group(x, block, signs, matrices):
-    """Rotated packed linears that share their input x ((..., K) fp16 rows, at most 8): a tuple
-    of exact_linear_rows(x, block, signs[i], *matrices[i]), every row bitwise decode's. On CUDA,
-    where the group rotation passed its self-test at (K, block, len(matrices)) and the qmv
-    serves, one launch rotates x by every sign vector (swizzled rows for the qmv): len - 1
-    launches fewer than a rotation each. matrices: [(weight, scales, biases)]."""
+    """Rotated packed linears that share their input x ((..., K) fp16 or fp32 rows, at most 8):
+    a tuple of each one's rotation (block 0: none) then exact matmul, every row bitwise
+    decode's; fp16 rows as exact_linear_rows, fp32 rows through rotate_group and
+    exact_rows_fp32. On CUDA, where the group rotation passed its self-test at (K, block,
+    len(matrices)) (and, for fp16 rows, the qmv serves), one launch rotates x by every sign
+    vector (fp16: swizzled rows for the qmv): len - 1 launches fewer than a rotation each.
+    matrices: [(weight, scales, biases)]."""
+    if x.dtype == mx.float32:
+        rotated = rotate_group(x, block, signs) if block else [x] * len(matrices)
+        return tuple(exact_rows_fp32(rows_in, *matrix) for rows_in, matrix in zip(rotated, matrices))
     k, rows = x.shape[-1], x.size // x.shape[-1]
     if (block and len(matrices) > 1 and _rotate_group_serves(k, block, len(matrices))
             and all(_serving_kernel("cuda", weight.shape[0], k, rows) for weight, _, _ in matrices)):
@@ -152,3 +170,51 @@ def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestR
         for shape in shapes:
             _rotate_group_verified[shape] = ok
     return SelfTestResult(ok, backend, reason, mismatches, control_mismatches, cases)
+
+
+def self_test_rotate_group_fp32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """Check the CUDA group rotation on fp32 rows (the real file's) bit for bit against
+    mlx-vlm's chain, one row and one sign vector at a time: every output, rows 1..8, every fp32
+    input kind and non-finite values, the sign vectors alternating the pack's +-1 and general
+    values.
+
+    shapes: (K, block, outputs), default ROTATE_GROUP_SHAPES_27B. kernel: (x (M, K), block,
+    [signs]) -> [rotated], tested as variant "kernel"; default the CUDA kernel, whose fp32
+    serving at each tested shape is then switched on or off (off CUDA nothing to test). The
+    Hadamard-matrix GEMM of the first output is counted alongside (the control)."""
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    name = "kernel" if kernel else "butterflies"
+    shapes = [tuple(s) for s in (shapes or ROTATE_GROUP_SHAPES_27B)]
+    differing, failures, cases, control = {name: 0}, {}, [], {"Hadamard-matrix GEMM": 0}
+    key = mx.random.key(seed)
+    for k, block, outputs in shapes:
+        call = kernel or (lambda x, block, signs, k=k, n=outputs:
+                          cuda_rotate_plan(k, block, False, n, mx.float32)(x, signs))
+        key, sign_key = mx.random.split(key)
+        signs = [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
+                 for index, one_key in enumerate(mx.random.split(sign_key, outputs))]
+        for kind in FP32_INPUT_KINDS + ("nonfinite",):
+            key, input_key = mx.random.split(key)
+            x = (make_rotate_inputs(kind, MAX_ROWS, k, input_key).astype(mx.float32) if kind == "nonfinite"
+                 else make_inputs_fp32(kind, MAX_ROWS, k, input_key))
+            want = [mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)])
+                    for sign in signs]
+            if kind != "nonfinite":
+                control["Hadamard-matrix GEMM"] += _differing(_matrix_chain(x, block, signs[0]), want[0])
+            for rows in range(1, MAX_ROWS + 1):
+                def compare(x=x, rows=rows, signs=signs, want=want, call=call):
+                    got = call(x[:rows], block, signs)
+                    if len(got) != len(want):
+                        raise ValueError(f"{len(got)} outputs for {len(want)} sign vectors")
+                    return {f"y{index}": (out, wanted[:rows]) for index, (out, wanted) in enumerate(zip(got, want))}
+
+                run_case(name, compare, {"shape": [k, block, outputs], "input": kind, "rows": rows},
+                         f"K={k}, block={block}, outputs={outputs}, rows={rows}, input={kind}", differing, failures,
+                         cases)
+    result = _variants_result(backend, differing, failures, control, cases)
+    if name == "butterflies":
+        for shape in shapes:
+            _rotate_group_fp32_verified[shape] = result.ok
+    return result

@@ -25,7 +25,7 @@ runs them at the pack's shapes at start-up; a kernel not yet tested there tests
 itself on first use. The Metal kernels are written from MLX's source and were
 never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200 (`gdn_gates` in
 its "half" variant: MLX's Sigmoid on fp16, as the stock beta), but for fp32 rows (the real
-file's: qmv32, conv32, the fp32 rotation and dense rows), which no GPU has run yet.
+file's: qmv32, conv32, the fp32 rotation, its group and dense rows), which no GPU has run yet.
 """
 
 import time
@@ -52,7 +52,8 @@ from dflash2_kernel_qmv import (  # noqa: F401
 )
 from dflash2_kernel_qmv32 import _qmv32_serving, exact_rows_fp32, self_test_qmv32  # noqa: F401
 from dflash2_kernel_linear import (  # noqa: F401
-    _rotate_group_verified, exact_linear_group, exact_linear_rows, rotate_group, self_test_rotate_group,
+    _rotate_group_fp32_verified, _rotate_group_verified, exact_linear_group, exact_linear_rows, rotate_group,
+    self_test_rotate_group, self_test_rotate_group_fp32,
 )
 from dflash2_kernel_rotate import (  # noqa: F401
     _rotate_fp32_verified, _rotate_verified, rotate, self_test_rotate, self_test_rotate_fp32,
@@ -68,6 +69,7 @@ SELF_TESTS = {
     "rotate": ("rotations", self_test_rotate),
     "rotate_group": ("rotation_groups", self_test_rotate_group),
     "rotate32": ("rotations_fp32", self_test_rotate_fp32),
+    "rotate_group32": ("rotation_groups_fp32", self_test_rotate_group_fp32),
     "gdn": ("gdn", self_test_gdn),
     "dense": ("dense", self_test_dense),
     "attention": ("attention", self_test_attention),
@@ -84,7 +86,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
     """Self-test every kernel at the pack's shapes, rows / steps / queries 1..8.
 
     shapes: {"packed": [(N, K)], "packed_fp32": [(N, K)], "rotations": [(K, block)], "rotations_fp32":
-    [(K, block)], "rotation_groups": [(K, block, outputs)], "gdn": [(B, Hk, Hv, Dk, Dv)], "dense": [(N, K)],
+    [(K, block)], "rotation_groups": [(K, block, outputs)], "rotation_groups_fp32": [(K, block, outputs)], "gdn": [(B, Hk, Hv, Dk, Dv)], "dense": [(N, K)],
     "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "conv_fp32": [(B, C, K)], "rope": [(B, Hq, Hk, D, R)],
     "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
@@ -103,7 +105,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
 # The tables the self-tests fill, which decide what serves where (never rebound: filled in place).
 VERDICT_TABLES = {
     "qmv": _verified, "qmv32": _qmv32_serving, "rotate": _rotate_verified, "rotate_group": _rotate_group_verified,
-    "rotate32": _rotate_fp32_verified, "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified,
+    "rotate32": _rotate_fp32_verified, "rotate_group32": _rotate_group_fp32_verified, "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified,
     "conv": _conv_serving, "conv32": _conv32_serving, "rope": _rope_serving, "add_norm": _add_norm_serving,
     "gated_norm": _gated_norm_serving, "gates": _gates_serving,
 }

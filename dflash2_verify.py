@@ -70,11 +70,11 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
 
 
 def _shared_rotation_block(linears, x) -> int:
-    """The rotation block packed linears that share fp16 x can rotate it with in one launch:
-    all HadamardQuantizedLinear (not a subclass, which may call otherwise) with one nonzero
-    block; else 0."""
+    """The rotation block packed linears that share fp16 or fp32 x can rotate it with in one
+    launch: all HadamardQuantizedLinear (not a subclass, which may call otherwise) with one
+    nonzero block; else 0."""
     blocks = {getattr(linear, "block", None) for linear in linears}
-    if (x.dtype != mx.float16 or len(blocks) != 1
+    if (x.dtype not in (mx.float16, mx.float32) or len(blocks) != 1
             or not all(type(linear) is HadamardQuantizedLinear for linear in linears)):
         return 0
     return linears[0].block
