@@ -24,8 +24,8 @@ after its self-test passed on this machine: `verify_kernel_self_tests(shapes)`
 runs them at the pack's shapes at start-up; a kernel not yet tested there tests
 itself on first use. The Metal kernels are written from MLX's source and were
 never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200 (`gdn_gates` in
-its "half" variant: MLX's Sigmoid on fp16, as the stock beta), but for fp32 rows (the real
-file's: qmv32, conv32, the fp32 rotation, its group and dense rows), which no GPU has run yet.
+its "half" variant: MLX's Sigmoid on fp16, as the stock beta), those for fp32 rows (the real
+file's: qmv32 from one row, conv32, the fp32 rotation, its group and dense rows) on an H100.
 """
 
 import time
