@@ -73,9 +73,13 @@ def pack_key(pack_dir: Path, target_dir: Path, drafter_dir: Optional[Path], opti
                 pack[path.relative_to(pack_dir).as_posix()] = _sha256(path.read_bytes())
             for path in sorted(folder.glob("*.safetensors")) if folder else ():
                 pack[path.relative_to(pack_dir).as_posix()] = safetensors_header_sha256(path)
+    return {"modules": modules_key(), "pack": pack, "options": options}
+
+
+def modules_key() -> dict:
+    """The runtime's modules (dflash2_*.py, serve*.py) by name: the sha256 of each."""
     modules = sorted(MODULES.glob("dflash2_*.py")) + sorted(MODULES.glob("serve*.py"))
-    return {"modules": {path.name: _sha256(path.read_bytes()) for path in modules},
-            "pack": pack, "options": options}
+    return {path.name: _sha256(path.read_bytes()) for path in modules}
 
 
 def machine_key() -> dict:

@@ -38,6 +38,29 @@ def test_a_split_bench_record_keeps_each_phase_s_own_process():
     assert "End-to-end phase, in a second process: `python tools/bench.py --part e2e # 1`, 5 repeats, code e2e1" in markdown
 
 
+def test_bench_s_verdict_cache_is_keyed_by_the_modules_and_the_model():
+    """--verdict-cache keys the start-up verdicts by the runtime's modules and the synthetic
+    model (fp16 and fp32 apart), and the e2e phase's summary names the checks it took from the
+    round phase's cache; without it there is no cache."""
+    from argparse import Namespace
+
+    from bench import start_up_verdicts
+    from bench_summary import cached_checks_text
+    from dflash2_verdicts import modules_key
+
+    def args(**given):
+        return Namespace(**{"verdict_cache": True, "pack": None, "size": "27b", "dense_dtype": "float16", **given})
+
+    assert start_up_verdicts(args(verdict_cache=False)).pack is None
+    fp16, fp32 = start_up_verdicts(args()).pack, start_up_verdicts(args(dense_dtype="float32")).pack
+    assert fp16["modules"] == modules_key() and "dflash2_kernels.py" in fp16["modules"]
+    assert fp16["pack"] == {"synthetic": "27b", "seed": 0, "dense_dtype": "float16"} and fp16 != fp32
+    took = {"from_cache": {"kernel self-tests": "2026-12-07T19:24:28Z", "verify path": "2026-12-07T19:24:28Z"}}
+    assert cached_checks_text({"start_up_verdicts": took}) == (
+        " Start-up checks from the verdict cache (measured 2026-12-07T19:24:28Z): kernel self-tests, verify path.")
+    assert cached_checks_text({"start_up_verdicts": {"from_cache": {}}}) == cached_checks_text({}) == ""
+
+
 def test_bench_keeps_each_token_count_s_pass_and_puts_the_longest_on_top():
     """--part e2e at 256 tokens, then at 40 (separate device calls), then 256 again: each
     count's section under e2e_by_tokens, the top-level keys (README's) always the 256 pass's,

@@ -60,6 +60,7 @@ from bench_arms import (BLOCK, EARLY_EVAL_BLOCKS, EVAL_EVERY_ARMS, configured, p
                         random_drafters, round_arms)
 from bench_summary import summary_markdown  # noqa: E402
 from dflash2_pack import find_pack, load_pack  # noqa: E402
+from dflash2_verdicts import VerdictCache, modules_key, pack_key  # noqa: E402
 from make_synthetic_pack import build_target_model, synthetic_prompt  # noqa: E402
 from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
 from parity import greedy, served_rounds, stock_mlx_vlm  # noqa: E402
@@ -73,8 +74,20 @@ SAMPLED_SETTINGS = {"top_p": 0.95, "top_k": 20, "seed": 0}
 # chat and prose 2.0, median 2.71, code 4.5) and zero acceptance (a random drafter).
 PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.5}
 # What a split run's round phase keeps of its own process when --part e2e adds to its record.
-ROUND_PROCESS_KEYS = ("runtime_status", "plain_decode_path", "round_costs", "drafter_dtype_by_form",
-                      "command", "repeats", "code", "git_commit", "git_clean")
+ROUND_PROCESS_KEYS = ("runtime_status", "start_up_verdicts", "plain_decode_path", "round_costs",
+                      "drafter_dtype_by_form", "command", "repeats", "code", "git_commit", "git_clean")
+
+
+def start_up_verdicts(args) -> VerdictCache:
+    """The start-up checks' verdict cache (--verdict-cache), keyed as a server keys its own: the
+    runtime's modules, the model (a built pack's files, or the synthetic size and dense dtype:
+    seed 0, so the same weights) and, once opened, this machine. Without it every check runs."""
+    if not args.verdict_cache:
+        return VerdictCache()
+    if args.pack:
+        return VerdictCache(pack_key(Path(args.pack), *find_pack(args.pack), {}))
+    return VerdictCache({"modules": modules_key(), "pack": {"synthetic": args.size, "seed": 0,
+                                                            "dense_dtype": args.dense_dtype}, "options": {}})
 
 
 def sampled_sampler(temperature):
@@ -202,6 +215,10 @@ def main():
     parser.add_argument("--part", choices=["all", "rounds", "e2e"], default="all",
                         help="rounds: stop after the round phase; e2e: only the end-to-end phase, "
                         "added to the record a rounds run wrote in --out")
+    parser.add_argument("--verdict-cache", action="store_true",
+                        help="keep the start-up checks' verdicts in the user cache, keyed as a server keys "
+                        "them (the runtime's modules, the model, this machine): a later process here (the "
+                        "e2e part after the rounds part) takes them as a server's second start does")
     args = parser.parse_args()
     fixed_blocks = sorted({int(block) for block in args.fixed_blocks.split(",")})
     if BLOCK not in fixed_blocks or not all(2 <= block <= BLOCK for block in fixed_blocks):
@@ -246,7 +263,11 @@ def main():
     taps = list(cost_drafter.config.target_layer_ids)
     prompt = synthetic_prompt(args.context)
 
-    status = dflash2_runtime.install(model)
+    verdicts = start_up_verdicts(args)
+    verdicts.open()
+    status = dflash2_runtime.install(model, verdicts)
+    if status.speculative:
+        verdicts.save()
     chosen_arm = status.decode_path.arm
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
     # Every end-to-end arm prefills as the servers do (at mlx-vlm's default prefill step).
@@ -260,6 +281,7 @@ def main():
     log(f"round policy costs: {costs.summary()}")
     process = {  # what this process installed and measured at start-up, as a server would
         "runtime_status": {"speculative": status.speculative, "reason": status.reason, **status.to_json()},
+        "start_up_verdicts": verdicts.to_json(),
         "plain_decode_path": {"arm": chosen_arm, "why": status.decode_path.why,
                               "step_ms_by_arm": status.decode_path.step_ms},
         "round_costs": costs.to_json(),

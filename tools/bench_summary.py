@@ -69,6 +69,13 @@ def ratio_method(r) -> str:
                " (the round phase's, from a record without samples: a ratio of medians)."))
 
 
+def cached_checks_text(record: dict) -> str:
+    """' Start-up checks from the verdict cache (...)' where a process took any (--verdict-cache)."""
+    cached = (record.get("start_up_verdicts") or {}).get("from_cache")
+    return f" Start-up checks from the verdict cache (measured {sorted(set(cached.values()))[0]}): " \
+        f"{', '.join(cached)}." if cached else ""
+
+
 def verify_path_text(process) -> str:
     """' At install, verify path: ...' from a process's runtime status; '' for records from
     before the choice."""
@@ -99,7 +106,7 @@ def summary_markdown(r) -> str:
             f"End-to-end phase, in a second process: `{r['command']}`, {r['repeats']} repeats, "
             f"code {r.get('code', 'not recorded')}. Plain decode "
             f"path chosen at install: `{r['plain_decode_path']['arm']}` ({r['plain_decode_path']['why']})."
-            + verify_path_text(r),
+            + verify_path_text(r) + cached_checks_text(r),
             "",
         ]
     def ratio(stats, reference):  # records before samples were kept: a ratio of medians

@@ -42,8 +42,10 @@ build_pack() {  # the 27B-shape pack with a 4-bit random drafter (zero acceptanc
 # activations fp32; the exact kernels take fp16 rows): bench and parity records named -fp32
 DENSE=${DENSE_DTYPE:-float16}
 SUFFIX=$([ "$DENSE" = float32 ] && echo -fp32)
+# --verdict-cache: the rounds part's start-up checks (about 210 s of self-tests in fp32 on the H100
+# at 3b80a8a) serve the e2e parts after it on the same warm machine, as a server's second start
 BENCH=(python3 tools/bench.py --size 27b --out /tmp/b27 --tokens 40 --repeats 5 --fixed-blocks 2,4,8
-       --drafter-forms 4bit --no-all-decode-arms --no-first-request-arms --dense-dtype "$DENSE")
+       --drafter-forms 4bit --no-all-decode-arms --no-first-request-arms --dense-dtype "$DENSE" --verdict-cache)
 mkdir -p "$OUT" /tmp/b27
 
 need_commit() {  # a record README quotes must name its commit (tests/test_evidence_tools.py checks it)
