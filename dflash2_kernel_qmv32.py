@@ -58,17 +58,38 @@ namespace dflash2_qmv32 {
 constexpr int kLaneElems = 8;                  // elements one lane takes per step
 constexpr int kStepElems = 32 * kLaneElems;    // 256: elements a warp takes per step
 
-// This lane's 8 elements idx..idx+7 of one step, in R output rows and M activation rows
-// (x: row 0, rows k apart): the weights dequantized once, each used by all M rows.
+// This lane's pointers at the current step: its 8 elements of x in each of M activation
+// rows and, in each of R output rows, the word holding their codes (the half `half` of it),
+// their group's scale and bias. Made once and advanced a step (256 elements: 16 words, 2
+// groups) at a time, so a step's loads need no index arithmetic.
+template <int M, int R>
+struct LanePointers {
+  const float* x[M];
+  const uint32_t* w[R];
+  const __half* s[R];
+  const __half* b[R];
+  int half;
+
+  __device__ __forceinline__ void advance() {
+#pragma unroll
+    for (int m = 0; m < M; ++m) x[m] += kStepElems;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      w[j] += kStepElems / 16;
+      s[j] += kStepElems / 128;
+      b[j] += kStepElems / 128;
+    }
+  }
+};
+
+// This lane's 8 elements of the step `at` points at, in R output rows and M activation rows:
+// the weights dequantized once, each used by all M rows.
 template <int M, int R, bool FMA>
-__device__ __forceinline__ void accumulate_step(
-    const float* __restrict__ x, int k, int idx,
-    const uint32_t* const (&w_row)[R], const __half* const (&s_row)[R], const __half* const (&b_row)[R],
-    float (&acc)[R][M][kLaneElems]) {
+__device__ __forceinline__ void accumulate_step(const LanePointers<M, R>& at, float (&acc)[R][M][kLaneElems]) {
   float xs[M][kLaneElems];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    const float4* xv = reinterpret_cast<const float4*>(x + m * k + idx);
+    const float4* xv = reinterpret_cast<const float4*>(at.x[m]);
     const float4 lo = __ldg(xv);
     const float4 hi = __ldg(xv + 1);
     xs[m][0] = lo.x; xs[m][1] = lo.y; xs[m][2] = lo.z; xs[m][3] = lo.w;
@@ -76,10 +97,10 @@ __device__ __forceinline__ void accumulate_step(
   }
 #pragma unroll
   for (int j = 0; j < R; ++j) {
-    // Element e of a word sits at bits 2e..2e+1; this lane's 8 are half (idx / 8) % 2.
-    const uint32_t codes = __ldg(w_row[j] + idx / 16) >> (16 * ((idx / kLaneElems) & 1));
-    const float scale = __half2float(__ldg(s_row[j] + idx / 128));
-    const float bias = __half2float(__ldg(b_row[j] + idx / 128));
+    // Element e of a word sits at bits 2e..2e+1.
+    const uint32_t codes = __ldg(at.w[j]) >> (16 * at.half);
+    const float scale = __half2float(__ldg(at.s[j]));
+    const float bias = __half2float(__ldg(at.b[j]));
 #pragma unroll
     for (int i = 0; i < kLaneElems; ++i) {
       const float code = static_cast<float>((codes >> (2 * i)) & 3u);
@@ -108,15 +129,17 @@ __device__ __forceinline__ void qmv32_rows(
   if (first >= n) {
     return;
   }
-  const uint32_t* w_row[R];
-  const __half* s_row[R];
-  const __half* b_row[R];
+  // Lane l's elements start at 8 l: word l / 2 (its half l % 2), group l / 16.
+  LanePointers<M, R> at;
+#pragma unroll
+  for (int m = 0; m < M; ++m) at.x[m] = x + int64_t(m) * k + lane * kLaneElems;
+  at.half = lane & 1;
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     const int64_t row = first + j < n ? first + j : n - 1;
-    w_row[j] = w + row * (k / 16);
-    s_row[j] = scales + row * (k / 128);
-    b_row[j] = biases + row * (k / 128);
+    at.w[j] = w + row * (k / 16) + lane / 2;
+    at.s[j] = scales + row * (k / 128) + lane / 16;
+    at.b[j] = biases + row * (k / 128) + lane / 16;
   }
 
   // MLX's fp32 accumulators, one per element slot, starting at +0.
@@ -132,12 +155,13 @@ __device__ __forceinline__ void qmv32_rows(
   const int steps = k / kStepElems;
 #pragma unroll 4
   for (int r = 0; r < steps; ++r) {
-    accumulate_step<M, R, FMA>(x, k, r * kStepElems + lane * kLaneElems, w_row, s_row, b_row, acc);
+    accumulate_step<M, R, FMA>(at, acc);
+    at.advance();
   }
   // MLX's tail for K % 256: lanes whose 8 elements start before k take one more step.
   const int rest = k % kStepElems;
   if (rest && lane * kLaneElems < rest) {
-    accumulate_step<M, R, FMA>(x, k, k - rest + lane * kLaneElems, w_row, s_row, b_row, acc);
+    accumulate_step<M, R, FMA>(at, acc);
   }
 
   // Slots summed in float from +0 in slot order, then the xor butterfly of cg::reduce;
