@@ -30,6 +30,9 @@ def test_views_are_free_and_one_launch_calls_count_once():
     assert count(lambda: [x.reshape(8, 4, 128).transpose(1, 0, 2)[:, 2:]]) == 0
     assert count(lambda: [mx.fast.rms_norm(x, weight, 1e-6), mx.fast.rms_norm(x, None, 1e-6)]) == 2
     assert count(lambda: [dk.exact_quantized_matmul(x, *packed)]) == 1
+    x32 = x.astype(mx.float32)  # the real file's rows: on CPU a stock call a row, each converting scales
+    mx.eval(x32)
+    assert count(lambda: [dk.exact_rows_fp32(x32, *packed)]) == 1
     signs = [dflash2_kernel_rotate.make_signs("pm1", 512, mx.random.key(index)) for index in range(3)]
     mx.eval(signs)
     assert count(lambda: list(dk.exact_linear_group(x, 512, signs, [packed] * 3))) == 4  # one rotation for three

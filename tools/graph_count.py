@@ -53,6 +53,7 @@ VIEWS = {
 ONE_LAUNCH = (
     (mx.fast, "rms_norm", lambda *args, **kwargs: 1),
     (dflash2_kernels, "exact_rows", lambda *args, **kwargs: 1),
+    (dflash2_kernels, "exact_rows_fp32", lambda *args, **kwargs: 1),  # fp32 rows (the real file's)
     # A matmul each, and one rotation for all the linears that share x (none at block 0).
     (dflash2_kernels, "exact_linear_group", lambda x, block, signs, matrices: len(matrices) + bool(block)),
     (dflash2_kernels, "rotate", lambda *args, **kwargs: 1),
