@@ -108,6 +108,14 @@ def verify_rounds(r):
     return ", ".join(f"block {block}: {r['verify_ratio_by_block'][block]:.2f}" for block in ("2", "4", "8"))
 
 
+def served_rounds(r):
+    """The server's cost table at start-up: a round's verify + draft at blocks 2, 4 and 8, in
+    the plain decode steps it timed beside them (pipelined, as generation runs them)."""
+    costs = r["round_costs"]
+    return ", ".join(f"block {block}: {costs['verify_steps_by_block'][block]:.2f} + "
+                     f"{costs['draft_steps_by_block'][block]:.2f}" for block in ("2", "4", "8"))
+
+
 def profile_cells(r, speedups: dict, counts: dict) -> str:
     """Each measured profile's tokens per round and policy-over-plain ratio, marked where the
     arm's last run took no token from rounds (routed plain: plain against plain)."""
@@ -152,8 +160,12 @@ def battery(r):
 RESULTS = [
     ("Exact verify, rollback, greedy and seeded sampled tokens against plain decoding: differing elements", "parity-cuda",
      lambda r: f"{r['exact_mismatches']:,} (negative controls: {r['stock_mismatches']:,})"),
-    ("Exact verify round, in decode steps", "bench-cuda-27b", verify_rounds),
+    ("Exact verify round timed alone, in the round phase's decode steps (each evaluated alone)", "bench-cuda-27b",
+     verify_rounds),
     ("The same with the real file's fp32 activations", "bench-cuda-27b-fp32", verify_rounds),
+    ("A round as the server times it at start-up, verify + draft, in its plain decode steps (queued as "
+     "generation queues them): what the round policy decides by", "bench-cuda-27b", served_rounds),
+    ("The same with the real file's fp32 activations", "bench-cuda-27b-fp32", served_rounds),
     ("4-bit drafter pass, in decode steps", "bench-cuda-27b", lambda r: f"{r['drafter_ratio_by_form']['4bit']:.2f}"),
     ("Plain decoding, the pack's kernels over stock mlx-vlm", "bench-cuda-27b",
      lambda r: times(r["installed_plain_ratio"])),
