@@ -25,7 +25,8 @@ runs them at the pack's shapes at start-up; a kernel not yet tested there tests
 itself on first use. The Metal kernels are written from MLX's source and were
 never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200 (`gdn_gates` in
 its "half" variant: MLX's Sigmoid on fp16, as the stock beta), those for fp32 rows (the real
-file's: qmv32 from one row, conv32, the fp32 rotation, its group and dense rows) on an H100.
+file's: qmv32 from one row, conv32, the fp32 rotation, its group and dense rows) on an H100
+(at 3b80a8a; qmv32's loads since rewritten, not yet run on a GPU).
 """
 
 import time

@@ -40,25 +40,61 @@ def test_a_split_bench_record_keeps_each_phase_s_own_process():
 
 def test_bench_s_verdict_cache_is_keyed_by_the_modules_and_the_model():
     """--verdict-cache keys the start-up verdicts by the runtime's modules and the synthetic
-    model (fp16 and fp32 apart), and the e2e phase's summary names the checks it took from the
-    round phase's cache; without it there is no cache."""
+    model (its dtype, kernel shapes and builder's source), and the e2e phase's summary names the
+    checks it took from the round phase's cache; without it there is no cache."""
     from argparse import Namespace
 
     from bench import start_up_verdicts
     from bench_summary import cached_checks_text
+    from dflash2_pack import kernel_shapes
     from dflash2_verdicts import modules_key
+    from make_synthetic_pack import build_target_model
 
     def args(**given):
-        return Namespace(**{"verdict_cache": True, "pack": None, "size": "27b", "dense_dtype": "float16", **given})
+        return Namespace(**{"verdict_cache": True, "pack": None, "size": "tiny", "dense_dtype": "float16", **given})
 
-    assert start_up_verdicts(args(verdict_cache=False)).pack is None
-    fp16, fp32 = start_up_verdicts(args()).pack, start_up_verdicts(args(dense_dtype="float32")).pack
+    fp16_model, fp32_model = (build_target_model("tiny", seed=0, dense_dtype=dtype) for dtype in ("float16", "float32"))
+    assert start_up_verdicts(args(verdict_cache=False), fp16_model).pack is None
+    fp16 = start_up_verdicts(args(), fp16_model).pack
+    fp32 = start_up_verdicts(args(dense_dtype="float32"), fp32_model).pack
     assert fp16["modules"] == modules_key() and "dflash2_kernels.py" in fp16["modules"]
-    assert fp16["pack"] == {"synthetic": "27b", "seed": 0, "dense_dtype": "float16"} and fp16 != fp32
+    assert fp16["pack"]["kernel_shapes"] == kernel_shapes(fp16_model) != fp32["pack"]["kernel_shapes"]
+    assert len(fp16["pack"]["make_synthetic_pack.py"]) == 64 and fp16 != fp32
     took = {"from_cache": {"kernel self-tests": "2026-12-07T19:24:28Z", "verify path": "2026-12-07T19:24:28Z"}}
     assert cached_checks_text({"start_up_verdicts": took}) == (
         " Start-up checks from the verdict cache (measured 2026-12-07T19:24:28Z): kernel self-tests, verify path.")
     assert cached_checks_text({"start_up_verdicts": {"from_cache": {}}}) == cached_checks_text({}) == ""
+
+
+def test_a_bench_start_that_fails_its_checks_leaves_no_verdicts_behind(tmp_path, monkeypatch):
+    """A bench process whose start took cached verdicts and then did not serve speculation
+    removes the cache file, as the server does; one that serves saves its verdicts."""
+    import dflash2_verdicts
+    from bench import keep_start_up_verdicts
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = {"at": "2026-12-07T19:24:28Z", "seconds": 1.0, "value": {"arm": "mlx"}}
+    first = dflash2_verdicts.VerdictCache({"modules": {}, "pack": {"synthetic": "tiny"}, "options": {}})
+    first.open()
+    first.measured["plain decode path"] = measured
+    keep_start_up_verdicts(first, True)
+    assert first.path.is_file()
+    second = dflash2_verdicts.VerdictCache(first.pack)
+    second.open()
+    assert second.cached and second.path == first.path
+    second.used["plain decode path"] = measured["at"]
+    keep_start_up_verdicts(second, False)
+    assert not first.path.exists()
+
+
+def test_the_e2e_part_takes_round_records_from_before_the_verdict_cache():
+    """--part e2e needs of a round record what every committed one holds: records written
+    before start_up_verdicts was kept still serve (a cold machine carries them back in)."""
+    from bench import ROUND_RECORD_KEYS
+
+    assert "start_up_verdicts" not in ROUND_RECORD_KEYS
+    for stem in ("bench-cuda-27b", "bench-cuda-27b-fp32"):
+        assert set(ROUND_RECORD_KEYS) - json.loads((EVIDENCE / f"{stem}.json").read_text()).keys() == set(), stem
 
 
 def test_bench_keeps_each_token_count_s_pass_and_puts_the_longest_on_top():

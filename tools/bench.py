@@ -28,6 +28,7 @@ the whole run does not fit in one ten-minute GPU call at the 27B shape).
 """
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -59,7 +60,7 @@ import dflash2_verify  # noqa: E402
 from bench_arms import (BLOCK, EARLY_EVAL_BLOCKS, EVAL_EVERY_ARMS, configured, prefill,  # noqa: E402
                         random_drafters, round_arms)
 from bench_summary import summary_markdown  # noqa: E402
-from dflash2_pack import find_pack, load_pack  # noqa: E402
+from dflash2_pack import find_pack, kernel_shapes, load_pack  # noqa: E402
 from dflash2_verdicts import VerdictCache, modules_key, pack_key  # noqa: E402
 from make_synthetic_pack import build_target_model, synthetic_prompt  # noqa: E402
 from oracle_drafter import DEFAULT_DEPTH_DECAY, DepthAcceptance, OracleDrafter  # noqa: E402
@@ -76,18 +77,33 @@ PROFILE_TOKENS_PER_ROUND = {"zero": 1.0, "chat": 2.0, "median": 2.71, "code": 4.
 # What a split run's round phase keeps of its own process when --part e2e adds to its record.
 ROUND_PROCESS_KEYS = ("runtime_status", "start_up_verdicts", "plain_decode_path", "round_costs",
                       "drafter_dtype_by_form", "command", "repeats", "code", "git_commit", "git_clean")
+# What --part e2e needs of the round phase's record (start_up_verdicts: records since c815b3e).
+ROUND_RECORD_KEYS = (*(key for key in ROUND_PROCESS_KEYS if key != "start_up_verdicts"), "round_ms",
+                     "decode_step_ms")
 
 
-def start_up_verdicts(args) -> VerdictCache:
+def start_up_verdicts(args, model) -> VerdictCache:
     """The start-up checks' verdict cache (--verdict-cache), keyed as a server keys its own: the
-    runtime's modules, the model (a built pack's files, or the synthetic size and dense dtype:
-    seed 0, so the same weights) and, once opened, this machine. Without it every check runs."""
+    runtime's modules, the model (a built pack's files; or the synthetic one's size, dense
+    dtype, kernel shapes and the source of the tool that builds it, at seed 0) and, once opened,
+    this machine. Without it every check runs."""
     if not args.verdict_cache:
         return VerdictCache()
     if args.pack:
         return VerdictCache(pack_key(Path(args.pack), *find_pack(args.pack), {}))
-    return VerdictCache({"modules": modules_key(), "pack": {"synthetic": args.size, "seed": 0,
-                                                            "dense_dtype": args.dense_dtype}, "options": {}})
+    builder = hashlib.sha256((REPO / "tools" / "make_synthetic_pack.py").read_bytes()).hexdigest()
+    synthetic = {"synthetic": args.size, "seed": 0, "dense_dtype": args.dense_dtype,
+                 "kernel_shapes": kernel_shapes(model), "make_synthetic_pack.py": builder}
+    return VerdictCache({"modules": modules_key(), "pack": synthetic, "options": {}})
+
+
+def keep_start_up_verdicts(verdicts: VerdictCache, speculative: bool) -> None:
+    """As the server: a start that serves speculation saves what it measured; one that does not
+    (a check failed, perhaps on cached verdicts) removes the file, so the next start checks all."""
+    if speculative:
+        verdicts.save()
+    else:
+        verdicts.discard()
 
 
 def sampled_sampler(temperature):
@@ -243,7 +259,7 @@ def main():
         if not rounds_record.is_file():
             parser.error(f"--part e2e adds to the record a --part rounds run wrote; {rounds_record} is missing")
         record = json.loads(rounds_record.read_text())
-        missing = {*ROUND_PROCESS_KEYS, "round_ms", "decode_step_ms"} - record.keys()
+        missing = set(ROUND_RECORD_KEYS) - record.keys()
         if missing or record["size"] != size:
             parser.error(f"--part e2e: {rounds_record} is not a round-phase record of {size} "
                          f"({'lacks ' + ', '.join(sorted(missing)) if missing else 'size ' + record['size']})")
@@ -263,11 +279,10 @@ def main():
     taps = list(cost_drafter.config.target_layer_ids)
     prompt = synthetic_prompt(args.context)
 
-    verdicts = start_up_verdicts(args)
+    verdicts = start_up_verdicts(args, model)
     verdicts.open()
     status = dflash2_runtime.install(model, verdicts)
-    if status.speculative:
-        verdicts.save()
+    keep_start_up_verdicts(verdicts, status.speculative)
     chosen_arm = status.decode_path.arm
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
     # Every end-to-end arm prefills as the servers do (at mlx-vlm's default prefill step).
