@@ -115,7 +115,8 @@ case "${1:-}" in
   # of the greedy-only run's 18 (about 275 s), about 90 s more
   # PROFILES: the acceptance profiles measured end to end (default all; with DENSE_DTYPE=float32
   # code and median: there the start-up took 185 s and a pass of all 18 greedy arms 80 s, past
-  # the call, session 44)
+  # the call, session 44; at 3b80a8a the fp32 start-up's checks took 275 s, which the rounds
+  # part's cached verdicts now spare an e2e part run after it on the same machine)
   e2e) need_commit e2e; [ -f /tmp/b27/bench-cuda-27b$SUFFIX.json ] || cp .gpu/b27/bench-cuda-27b$SUFFIX.json /tmp/b27/ || exit 7
        PROFILES=${PROFILES-$([ "$DENSE" = float32 ] && echo code,median)}
        t=$(left 590) || exit 124; timeout "$t" "${BENCH[@]}" --sampled-temperatures "${SAMPLED-0.6,1.0}" \
