@@ -6,10 +6,13 @@ kernel_parity, compare_qmv_launch, ncu_summary and profile_verify are tested in
 tests/test_evidence_tools.py and tests/test_kernel_qmv.py."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
 import dflash2_kernel_qmv as qmv
+
+REPO = Path(__file__).resolve().parents[1]
 
 # nvdisasm -c's listing: labels, then each instruction with its address and encoding. An inner
 # loop (.L_x_2) inside an outer one (.L_x_1), a forward branch, and a one-instruction self-loop
@@ -73,3 +76,23 @@ def test_qmv_sass_needs_nvcc(monkeypatch):
     with pytest.raises(SystemExit) as refused:
         qmv_sass.main()
     assert refused.value.code == 2
+
+
+def test_the_decode_probe_times_each_condition_once_a_sample(target):
+    """tools/lab/decode_probe.py's arms on the tiny pack (runtime installed): six conditions,
+    each sample a positive ms per step, and its summary names every arm."""
+    sys.path.insert(0, str(REPO / "tools" / "lab"))
+    from decode_probe import probe_arms, summary
+
+    lm = target[0].language_model
+    arms = probe_arms(lm, [0], context=8, long=16)
+    assert list(arms) == ["pipelined, 4-token cache", "pipelined, prompt cache", "pipelined, prompt cache, batch stream",
+                          "evaluated alone, batch stream", "pipelined, prompt + 16 tokens",
+                          "pipelined, after a verify round"]
+    samples = {name: sample() for name, sample in arms.items()}
+    assert all(ms > 0 for ms in samples.values()), samples
+    record = {"backend": "cpu", "device": "x", "command": "c", "git_commit": "0" * 40, "git_clean": True,
+              "plain_decode_path": "mlx", "repeats": 1,
+              "step_ms": {name: {"median": ms, "min": ms, "max": ms} for name, ms in samples.items()},
+              "ratio_to_first": {name: 1.0 for name in samples}}
+    assert all(f"| {name} |" in summary(record) for name in arms)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The H200 evidence runs at the 27B shape, one part per device call (each fits its 10 minutes).
-#   bash tools/device_27b.sh PART     PART: pack | kernel-cache | server | routes | starts-first | starts | memory | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | fp32-kernels | tune | compare | profile | ncu | kernels
+#   bash tools/device_27b.sh PART     PART: pack | kernel-cache | server | routes | starts-first | starts | memory | parity | parity-contexts | parity-tokens | rounds | e2e | e2e-long | prefix-4k | fp32-kernels | tune | compare | profile | decode-probe | ncu | kernels
 #   bash tools/device_27b.sh all      prints the device calls (and the local steps after them) that
 #                                     regenerate every GPU record README quotes, at HEAD: eleven calls,
 #                                     one part each (no two of them fit one call's 585 s)
@@ -141,6 +141,11 @@ case "${1:-}" in
   # file's fp32 activations)
   fp32-kernels) t=$(left) || exit 124; timeout "$t" python3 tools/lab/kernel_parity.py --kernels qmv32,dense,conv32,rotate32 \
          --shapes 27b --bench --out "$OUT" ;;
+  # decode-probe: the round phase's plain decode step against the start-up's, by condition
+  # (tools/lab/decode_probe.py; about a minute after the start-up, which the rounds part's cached
+  # verdicts spare on the same machine)
+  decode-probe) t=$(left) || exit 124; timeout "$t" python3 tools/lab/decode_probe.py --size 27b --dense-dtype "$DENSE" \
+         --verdict-cache --out "$OUT" ;;
   tune) t=$(left) || exit 124; timeout "$t" python3 tools/lab/kernel_parity.py --shapes 27b --seed 0 --bench --tune --out "$OUT" ;;
   # compare: the code's launch table against PREVIOUS (default: the last tune's 8-row pick),
   # interleaved; issue 13 item 3 holds the 8-row kernel to 1.2x MLX's single row. With
