@@ -262,3 +262,41 @@ def _variants_result(backend, differing, failures, controls, cases) -> SelfTestR
         variants=differing,
         controls=controls,
     )
+
+
+# ===========================================================================
+# A kernel's variants against decode's calls (the fused steps' and the rotary's self-tests)
+
+
+def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_case, stock,
+                     failed_are_controls=False, rows=range(1, MAX_ROWS + 1)) -> SelfTestResult:
+    """A kernel's variants against decode's calls, as bits, at each of `rows` and every input kind:
+    make_case(kind, rows, shape, key) -> (arguments, where); kernel, each variant and stock
+    take the arguments and return {part: array}. kernel: tested alone as variant "kernel",
+    serving untouched; else serving[backend] becomes the first variant that passed (None: the
+    stock calls). failed_are_controls: the variants that differ are the passing one's
+    negative controls."""
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    variants = {"kernel": kernel} if kernel else variants
+    differing = {name: 0 for name in variants}
+    failures, cases = {}, []
+    key = mx.random.key(seed)
+    for shape in shapes:
+        for kind in INPUT_KINDS:
+            key, case_key = mx.random.split(key)
+            for count in rows:
+                arguments, where = make_case(kind, count, shape, case_key)
+                want = stock(*arguments)
+                for name, function in variants.items():
+                    def compare(function=function):
+                        return {part: (got, want[part]) for part, got in function(*arguments).items()}
+
+                    run_case(name, compare, {"shape": list(shape), "rows": count, "input": kind},
+                              f"{where} input={kind}", differing, failures, cases)
+    controls = {name: count for name, count in differing.items() if count} if failed_are_controls else {}
+    result = _variants_result(backend, differing, failures, controls, cases)
+    if kernel is None:
+        serving[backend] = result.variant
+    return result

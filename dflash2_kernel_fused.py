@@ -1,14 +1,10 @@
-"""Decode's small fused steps, each in one launch: convolution, rotary embedding, the RMSNorms
-and the GatedDeltaNet gates (CUDA only).
+"""Decode's small fused steps, each in one launch: convolution, the RMSNorms and the
+GatedDeltaNet gates (CUDA only; dflash2_kernel_rope has the rotary embedding's).
 
 - `conv_rows(state, x, weight)`: the GatedDeltaNet's depthwise convolution at each
   of L positions, decode's per-window arithmetic (fp32 products, summed over the taps
   in order, rounded to fp16), silu after it with MLX's own functors, and the window
   the cache keeps, in one launch where decode runs six. cuda only.
-- `rope_rows(q, k, cos, sin)`: queries and keys rotated as mlx-vlm's compiled rotary
-  rotates them (fp16 products, one contracted into the sum as ptxas compiles MLX's
-  fused kernel), at any number of positions, in one launch where decode runs twelve.
-  cuda only.
 - `add_rms_norm(x, residual, weight, eps)`: the decoder layer's residual add and the
   RMSNorm after it (MLX's Add and rms_norm_small copied), both outputs, in one launch
   where decode runs two; `gated_rms_norm(x, weight, eps, gate)`: the GatedDeltaNet's
@@ -21,13 +17,12 @@ from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_vlm.models import rope_utils
 from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 
 from dflash2_kernel_base import (
-    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result, _variants_result,
-    backend_name, cuda_header, cuda_serving_variant, make_inputs, run_case,
+    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result, _self_test_cases,
+    _variants_result, backend_name, cuda_header, cuda_serving_variant, make_inputs, run_case,
 )
 
 # ===========================================================================
@@ -167,40 +162,6 @@ def make_conv_case(kind: str, batch: int, channels: int, taps: int, key):
     return window[:, : taps - 1], window[:, taps - 1 :], weight
 
 
-def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_case, stock,
-                     failed_are_controls=False, rows=range(1, MAX_ROWS + 1)) -> SelfTestResult:
-    """A kernel's variants against decode's calls, as bits, at each of `rows` and every input kind:
-    make_case(kind, rows, shape, key) -> (arguments, where); kernel, each variant and stock
-    take the arguments and return {part: array}. kernel: tested alone as variant "kernel",
-    serving untouched; else serving[backend] becomes the first variant that passed (None: the
-    stock calls). failed_are_controls: the variants that differ are the passing one's
-    negative controls."""
-    backend = backend_name()
-    if kernel is None and backend != "cuda":
-        return _no_kernel_result(backend)
-    variants = {"kernel": kernel} if kernel else variants
-    differing = {name: 0 for name in variants}
-    failures, cases = {}, []
-    key = mx.random.key(seed)
-    for shape in shapes:
-        for kind in INPUT_KINDS:
-            key, case_key = mx.random.split(key)
-            for count in rows:
-                arguments, where = make_case(kind, count, shape, case_key)
-                want = stock(*arguments)
-                for name, function in variants.items():
-                    def compare(function=function):
-                        return {part: (got, want[part]) for part, got in function(*arguments).items()}
-
-                    run_case(name, compare, {"shape": list(shape), "rows": count, "input": kind},
-                              f"{where} input={kind}", differing, failures, cases)
-    controls = {name: count for name, count in differing.items() if count} if failed_are_controls else {}
-    result = _variants_result(backend, differing, failures, controls, cases)
-    if kernel is None:
-        serving[backend] = result.variant
-    return result
-
-
 def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check the convolution bit for bit against decode's per-position calls, rows 1..8,
     silu after it, and the window. kernel: (state, x, weight) -> (window, silu(out)),
@@ -234,161 +195,6 @@ def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     if kernel is None:
         _conv_serving[backend] = result.variant
     return result
-
-
-# ===========================================================================
-# Rotary embedding
-
-# `rope_rows(q, k, cos, sin)`: queries (B, Hq, L, D) and keys (B, Hk, L, D) rotated as
-# mlx-vlm 0.7.2 rotates them at every position (qwen3_5/language.py:44 ->
-# rope_utils.py:1338-1357, `_apply_interleaved_rotary_pos_emb_axis1`, an mx.compile'd
-# function): the first R = cos.shape[-1] features of each head become
-# x * cos + rotate_half(x) * sin (rotate_half: the halves swapped, the second negated),
-# the rest pass through, and each comes back concatenated. On CUDA that is six launches
-# for q and six for k (the negation, rotate_half's and the result's concatenations, two
-# copies each, and one fused kernel for the products and the sum); here one for both.
-# The fused kernel MLX generates (backend/cuda/compiled.cpp) computes on __half with its
-# Multiply and Add functors, `Add{}(Multiply{}(x, cos), Multiply{}(r, sin))`, and ptxas
-# contracts one product into the add: compiled offline for sm_90a the same source is
-# HMUL2 for r * sin, then HFMA2 x * cos + that. Variant "fma" does exactly that with
-# explicit rounding (__hfma of x, cos and __hmul_rn(r, sin)); "mul_add" never contracts
-# (for a compiler that does not). The self-test decides which serves; the negation and
-# the copies are exact.
-
-ROPE_SHAPES_SMALL = ((1, 4, 2, 64, 16), (2, 3, 1, 32, 32), (1, 6, 6, 256, 64))  # (B, Hq, Hk, D, R)
-ROPE_VARIANTS = ("fma", "mul_add")
-ROPE_LONG_ROWS = 300  # a prefill's length, beside 1..8: the kernel is element-wise at any L
-stock_rope_rows = rope_utils._apply_interleaved_rotary_pos_emb_axis1
-
-_ROPE_CUDA_HEADER = r"""
-namespace dflash2_rope {
-
-// Feature d of one head's row x (its last-axis stride `step`), rotated by c and s.
-template <int R, bool FMA>
-__device__ __forceinline__ __half rotated(const __half* x, int64_t step, int d, __half c, __half s) {
-  if (d >= R) {
-    return x[d * step];
-  }
-  constexpr int kHalf = R / 2;
-  const __half r = d < kHalf ? __hneg(x[(d + kHalf) * step]) : x[(d - kHalf) * step];
-  if (FMA) {
-    return __hfma(x[d * step], c, __hmul_rn(r, s));
-  }
-  return __hadd_rn(__hmul_rn(x[d * step], c), __hmul_rn(r, s));
-}
-
-}  // namespace dflash2_rope
-"""
-# One thread per output element (b, h, l, d) over the Hq + Hk heads of q and k, read in
-# place through their strides (the model hands over transposed views).
-_ROPE_SOURCE = """
-  const int D = q_shape[3], L = q_shape[2], Hq = q_shape[1], H = Hq + k_shape[1];
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= int64_t(q_shape[0]) * H * L * D) {
-    return;
-  }
-  const int d = i % D;
-  const int l = (i / D) % L;
-  const int h = (i / (int64_t(D) * L)) % H;
-  const int64_t b = i / (int64_t(D) * L * H);
-  __half c = __float2half(0.0f), s = c;
-  if (d < R) {
-    c = cos[b * cos_strides[0] + l * cos_strides[1] + d * cos_strides[2]];
-    s = sin[b * sin_strides[0] + l * sin_strides[1] + d * sin_strides[2]];
-  }
-  if (h < Hq) {
-    const __half* x = q + b * q_strides[0] + h * q_strides[1] + l * q_strides[2];
-    q_out[((b * Hq + h) * L + l) * D + d] = dflash2_rope::rotated<R, FMA>(x, q_strides[3], d, c, s);
-  } else {
-    const int hk = h - Hq;
-    const __half* x = k + b * k_strides[0] + hk * k_strides[1] + l * k_strides[2];
-    k_out[((b * (H - Hq) + hk) * L + l) * D + d] = dflash2_rope::rotated<R, FMA>(x, k_strides[3], d, c, s);
-  }
-"""
-ROPE_THREADS = 256
-
-
-@cache
-def _rope_kernel():
-    return BakedCudaKernel(
-        name="dflash2_rope_rows",
-        input_names=["q", "k", "cos", "sin"],
-        output_names=["q_out", "k_out"],
-        source=_ROPE_SOURCE,
-        header=cuda_header(_ROPE_CUDA_HEADER),
-        ensure_row_contiguous=False,  # q and k are transposed views
-    )
-
-
-def cuda_rope_rows(q, k, cos, sin, variant: str):
-    """(q, k) rotated through the CUDA kernel in one of ROPE_VARIANTS; no self-test gate."""
-    batch, q_heads, rows, width = q.shape
-    total = batch * (q_heads + k.shape[1]) * rows * width
-    return tuple(_rope_kernel()(
-        inputs=[q, k, cos, sin],
-        template=[("R", cos.shape[-1]), ("FMA", variant == "fma")],
-        grid=(-(-total // ROPE_THREADS) * ROPE_THREADS, 1, 1),
-        threadgroup=(ROPE_THREADS, 1, 1),
-        output_shapes=[q.shape, k.shape],
-        output_dtypes=[mx.float16, mx.float16],
-    ))
-
-
-_rope_serving: dict = {}  # backend -> the variant its self-test verified, or None
-
-
-def rope_kernel_supports(q, k, cos, sin) -> bool:
-    if not q.ndim == k.ndim == 4:
-        return False
-    batch, _, rows, width = q.shape
-    return (cos.shape == sin.shape == (batch, rows, cos.shape[-1])
-            and k.shape[0] == batch and k.shape[2:] == q.shape[2:]
-            and 0 < cos.shape[-1] <= width and cos.shape[-1] % 2 == 0
-            and q.dtype == k.dtype == cos.dtype == sin.dtype == mx.float16)
-
-
-def rope_rows(q, k, cos, sin, variant=None):
-    """(q, k) each rotated as mlx-vlm's `_apply_interleaved_rotary_pos_emb_axis1` rotates it
-    (cos, sin: (B, L, R)), bit for bit, as two row-contiguous arrays of q's and k's shapes.
-    variant: one of ROPE_VARIANTS forces the kernel (no gate); default: the self-test's."""
-    if variant is None:
-        variant = cuda_serving_variant(_rope_serving, self_test_rope)
-        if variant is None or not rope_kernel_supports(q, k, cos, sin):
-            return stock_rope_rows(q, k, cos, sin)
-    return cuda_rope_rows(q, k, cos, sin, variant)
-
-
-def make_rope_case(kind: str, batch, q_heads, k_heads, width, rotary, rows, key):
-    """(q, k, cos, sin) as the model hands them over: q and k (B, H, L, D) transposed
-    views of (B, L, H, D) fp16 activations of `kind`, cos and sin (B, L, R) fp16 of real
-    angles (position p times MRoPE-like frequencies)."""
-    k_q, k_k = mx.random.split(key)
-    q = make_inputs(kind, batch * rows, q_heads * width, k_q).reshape(batch, rows, q_heads, width)
-    k = make_inputs(kind, batch * rows, k_heads * width, k_k).reshape(batch, rows, k_heads, width)
-    frequencies = 10000.0 ** (-mx.arange(0, rotary, 2, dtype=mx.float32) / rotary)
-    angles = (mx.arange(rows, dtype=mx.float32) + 1000.0)[:, None] * frequencies
-    angles = mx.broadcast_to(mx.concatenate([angles, angles], axis=-1), (batch, rows, rotary))
-    return (q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-            mx.cos(angles).astype(mx.float16), mx.sin(angles).astype(mx.float16))
-
-
-def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
-    """Check the rotary kernel bit for bit against mlx-vlm's compiled rotary call, at
-    1..8 positions and a prefill's length, every input kind. kernel: (q, k, cos, sin) ->
-    (q, k), tested as variant "kernel"; default: each of ROPE_VARIANTS, serving then
-    switched to the first that passed (None: the stock call). shapes: (B, Hq, Hk, D, R).
-    The variants that did not pass are the controls of the one that did."""
-    def make_case(kind, rows, shape, key):
-        return make_rope_case(kind, *shape, rows, key), f"(B, Hq, Hk, D, R)={shape} rows={rows}"
-
-    def parts(function):
-        return lambda *arguments: dict(zip(("q", "k"), function(*arguments)))
-
-    variants = {name: parts(partial(cuda_rope_rows, variant=name)) for name in ROPE_VARIANTS}
-    return _self_test_cases(kernel and parts(kernel), variants, _rope_serving,
-                            [tuple(s) for s in (shapes or ROPE_SHAPES_SMALL)], seed, make_case,
-                            parts(stock_rope_rows), failed_are_controls=True,
-                            rows=(*range(1, MAX_ROWS + 1), ROPE_LONG_ROWS))
 
 
 # ===========================================================================

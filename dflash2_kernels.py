@@ -11,7 +11,8 @@ beside its kernel (stock reference, CUDA, Metal, dispatch, self-test):
 - dflash2_kernel_rotate: `rotate` (the Hadamard rotation);
 - dflash2_kernel_linear: `rotate_group`, `exact_linear_rows`, `exact_linear_group` (rotated linears);
 - dflash2_kernel_gdn: `gdn_recurrence`, `dense_rows`;
-- dflash2_kernel_fused: `conv_rows`, `rope_rows`, `add_rms_norm`, `gated_rms_norm`, `gdn_gates`;
+- dflash2_kernel_fused: `conv_rows`, `add_rms_norm`, `gated_rms_norm`, `gdn_gates`;
+- dflash2_kernel_rope: `rope_rows`;
 - dflash2_kernel_conv32: `conv1d_rows` (fp32 convolution weights: MLX's one call where proven);
 - dflash2_kernel_attention: `decode_attention_rows`;
 - dflash2_kernel_prefill: the chunked scan's inverse (`inverse_candidates`);
@@ -38,12 +39,15 @@ from dflash2_kernel_attention import (  # noqa: F401
 from dflash2_kernel_base import MAX_ROWS, SelfTestResult, backend_name, raw_bits  # noqa: F401
 from dflash2_kernel_conv32 import _conv32_serving, conv1d_rows, self_test_conv32  # noqa: F401
 from dflash2_kernel_fused import (  # noqa: F401
-    _add_norm_serving, _conv_serving, _gated_norm_serving, _gates_serving, _rope_serving, add_rms_norm,
-    conv_rows, gated_rms_norm, gdn_gates, rope_rows, self_test_add_norm, self_test_conv, self_test_gated_norm,
-    self_test_gates, self_test_rope,
+    _add_norm_serving, _conv_serving, _gated_norm_serving, _gates_serving, add_rms_norm, conv_rows, gated_rms_norm,
+    gdn_gates, self_test_add_norm, self_test_conv, self_test_gated_norm, self_test_gates,
 )
 from dflash2_kernel_gdn import (  # noqa: F401
     _dense_serving, _gdn_serving, dense_rows, gdn_recurrence, self_test_dense, self_test_gdn,
+)
+from dflash2_kernel_linear import (  # noqa: F401
+    _rotate_group_fp32_verified, _rotate_group_verified, exact_linear_group, exact_linear_rows, rotate_group,
+    self_test_rotate_group, self_test_rotate_group_fp32,
 )
 from dflash2_kernel_prefill import (  # noqa: F401
     calibrate_fused_inverse, inverse_candidates, self_test_inverse,
@@ -52,10 +56,7 @@ from dflash2_kernel_qmv import (  # noqa: F401
     _verified, check_packed_weights, exact_quantized_matmul, exact_rows, packed_width, self_test, stock_rows,
 )
 from dflash2_kernel_qmv32 import _qmv32_serving, exact_rows_fp32, self_test_qmv32  # noqa: F401
-from dflash2_kernel_linear import (  # noqa: F401
-    _rotate_group_fp32_verified, _rotate_group_verified, exact_linear_group, exact_linear_rows, rotate_group,
-    self_test_rotate_group, self_test_rotate_group_fp32,
-)
+from dflash2_kernel_rope import _rope_serving, rope_rows, self_test_rope  # noqa: F401
 from dflash2_kernel_rotate import (  # noqa: F401
     _rotate_fp32_verified, _rotate_verified, rotate, self_test_rotate, self_test_rotate_fp32,
 )

@@ -346,6 +346,7 @@ LAYERS = [
     "dflash2_kernel_prefill",
     "dflash2_kernel_attention",
     "dflash2_kernel_fused",
+    "dflash2_kernel_rope",
     "dflash2_kernel_conv32",
     "dflash2_kernel_gdn",
     "dflash2_kernel_linear",

@@ -30,6 +30,7 @@ import dflash2_decode_arms
 import dflash2_kernel_base
 import dflash2_kernel_fused
 import dflash2_kernel_gdn
+import dflash2_kernel_rope
 import dflash2_kernels
 import dflash2_runtime
 import dflash2_verify
@@ -99,7 +100,7 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         return core(layer, inputs, *args)
 
     def counted_rope(q, k, cos, sin, variant=None):
-        rotary_calls.append(dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin))
+        rotary_calls.append(dflash2_kernel_rope.rope_kernel_supports(q, k, cos, sin))
         return rope_rows(q, k, cos, sin, variant)
 
     monkeypatch.setattr(dflash2_verify, "gated_delta_core", counted)
@@ -243,7 +244,7 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
 
 @pytest.mark.parametrize("name, arm, call_shape, serving", [
     ("rope_rows", "rotation+recurrence+convolution+rope",
-     lambda q, k, cos, sin: (q.shape[2], dflash2_kernel_fused.rope_kernel_supports(q, k, cos, sin)),
+     lambda q, k, cos, sin: (q.shape[2], dflash2_kernel_rope.rope_kernel_supports(q, k, cos, sin)),
      lambda layer: not layer.is_linear),
     ("add_rms_norm", "rotation+recurrence+convolution+rope+residual",
      lambda x, residual, weight, eps: (x.shape[1], dflash2_kernel_fused.norm_kernel_supports(x, weight, residual)),

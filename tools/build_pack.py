@@ -69,6 +69,7 @@ RUNTIME_FILES = (
     "dflash2_kernel_prefill.py",
     "dflash2_kernel_attention.py",
     "dflash2_kernel_fused.py",
+    "dflash2_kernel_rope.py",
     "dflash2_kernel_conv32.py",
     "dflash2_kernel_gdn.py",
     "dflash2_kernel_linear.py",
