@@ -269,13 +269,13 @@ def _variants_result(backend, differing, failures, controls, cases) -> SelfTestR
 
 
 def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_case, stock,
-                     failed_are_controls=False, rows=range(1, MAX_ROWS + 1)) -> SelfTestResult:
+                     failed_are_controls=False, rows=range(1, MAX_ROWS + 1), kinds=INPUT_KINDS) -> SelfTestResult:
     """A kernel's variants against decode's calls, as bits, at each of `rows` and every input kind:
     make_case(kind, rows, shape, key) -> (arguments, where); kernel, each variant and stock
     take the arguments and return {part: array}. kernel: tested alone as variant "kernel",
     serving untouched; else serving[backend] becomes the first variant that passed (None: the
     stock calls). failed_are_controls: the variants that differ are the passing one's
-    negative controls."""
+    negative controls. kinds: the input kinds make_case takes (INPUT_KINDS: fp16's)."""
     backend = backend_name()
     if kernel is None and backend != "cuda":
         return _no_kernel_result(backend)
@@ -284,7 +284,7 @@ def _self_test_cases(kernel, variants: dict, serving: dict, shapes, seed, make_c
     failures, cases = {}, []
     key = mx.random.key(seed)
     for shape in shapes:
-        for kind in INPUT_KINDS:
+        for kind in kinds:
             key, case_key = mx.random.split(key)
             for count in rows:
                 arguments, where = make_case(kind, count, shape, case_key)

@@ -3,7 +3,9 @@ stock reference, CUDA, dispatch, self-test.
 
 - `rope_rows(q, k, cos, sin)`: queries and keys rotated as mlx-vlm's compiled rotary
   rotates them (fp16 products, one contracted into the sum as ptxas compiles MLX's
-  fused kernel), in one launch where decode runs twelve. cuda only.
+  fused kernel), in one launch where decode runs twelve. fp32 rows (the real file's) the
+  same in fp32, once their own self-test found which product MLX's build contracts. cuda
+  only.
 """
 
 from functools import cache, partial
@@ -12,7 +14,8 @@ import mlx.core as mx
 from mlx_vlm.models import rope_utils
 
 from dflash2_kernel_base import (
-    MAX_ROWS, BakedCudaKernel, SelfTestResult, _self_test_cases, cuda_header, cuda_serving_variant, make_inputs,
+    FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _self_test_cases, cuda_header, cuda_serving_variant,
+    make_inputs, make_inputs_fp32,
 )
 
 # ===========================================================================
@@ -32,28 +35,51 @@ from dflash2_kernel_base import (
 # HMUL2 for r * sin, then HFMA2 x * cos + that. Variant "fma" does exactly that with
 # explicit rounding (__hfma of x, cos and __hmul_rn(r, sin)); "mul_add" never contracts
 # (for a compiler that does not). The self-test decides which serves; the negation and
-# the copies are exact.
+# the copies are exact. fp32 rows: the same kernel on float (MLX's fused kernel then
+# computes in fp32 and either product could be the contracted one: "fma_sin" contracts
+# r * sin into x * cos + it), its own self-test and verdict.
 
 ROPE_SHAPES_SMALL = ((1, 4, 2, 64, 16), (2, 3, 1, 32, 32), (1, 6, 6, 256, 64))  # (B, Hq, Hk, D, R)
 ROPE_VARIANTS = ("fma", "mul_add")
+ROPE32_VARIANTS = ("fma", "fma_sin", "mul_add")
+_CONTRACTED = {"mul_add": 0, "fma": 1, "fma_sin": 2}  # the kernel's FMA: which product fuses into the sum
 ROPE_LONG_ROWS = 300  # a prefill's length, beside 1..8: the kernel is element-wise at any L
 stock_rope_rows = rope_utils._apply_interleaved_rotary_pos_emb_axis1
 
 _ROPE_CUDA_HEADER = r"""
 namespace dflash2_rope {
 
-// Feature d of one head's row x (its last-axis stride `step`), rotated by c and s.
-template <int R, bool FMA>
-__device__ __forceinline__ __half rotated(const __half* x, int64_t step, int d, __half c, __half s) {
+// The element type a kernel argument points to.
+template <typename P> struct Element;
+template <typename T> struct Element<T*> { using type = T; };
+template <typename T> struct Element<const T*> { using type = T; };
+
+// Each operation rounded as written, on __half or float.
+__device__ __forceinline__ __half neg(__half v) { return __hneg(v); }
+__device__ __forceinline__ float neg(float v) { return -v; }
+__device__ __forceinline__ __half mul_rn(__half a, __half b) { return __hmul_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ __half add_rn(__half a, __half b) { return __hadd_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ __half fma_rn(__half a, __half b, __half c) { return __hfma(a, b, c); }
+__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+
+// Feature d of one head's row x (its last-axis stride `step`), rotated by c and s. FMA: 0
+// no product contracted, 1 x * c into the sum, 2 r * s into it.
+template <int R, int FMA, typename T>
+__device__ __forceinline__ T rotated(const T* x, int64_t step, int d, T c, T s) {
   if (d >= R) {
     return x[d * step];
   }
   constexpr int kHalf = R / 2;
-  const __half r = d < kHalf ? __hneg(x[(d + kHalf) * step]) : x[(d - kHalf) * step];
-  if (FMA) {
-    return __hfma(x[d * step], c, __hmul_rn(r, s));
+  const T r = d < kHalf ? neg(x[(d + kHalf) * step]) : x[(d - kHalf) * step];
+  if (FMA == 1) {
+    return fma_rn(x[d * step], c, mul_rn(r, s));
   }
-  return __hadd_rn(__hmul_rn(x[d * step], c), __hmul_rn(r, s));
+  if (FMA == 2) {
+    return fma_rn(r, s, mul_rn(x[d * step], c));
+  }
+  return add_rn(mul_rn(x[d * step], c), mul_rn(r, s));
 }
 
 }  // namespace dflash2_rope
@@ -70,17 +96,18 @@ _ROPE_SOURCE = """
   const int l = (i / D) % L;
   const int h = (i / (int64_t(D) * L)) % H;
   const int64_t b = i / (int64_t(D) * L * H);
-  __half c = __float2half(0.0f), s = c;
+  using T = dflash2_rope::Element<decltype(q_out)>::type;
+  T c{}, s{};
   if (d < R) {
     c = cos[b * cos_strides[0] + l * cos_strides[1] + d * cos_strides[2]];
     s = sin[b * sin_strides[0] + l * sin_strides[1] + d * sin_strides[2]];
   }
   if (h < Hq) {
-    const __half* x = q + b * q_strides[0] + h * q_strides[1] + l * q_strides[2];
+    const T* x = q + b * q_strides[0] + h * q_strides[1] + l * q_strides[2];
     q_out[((b * Hq + h) * L + l) * D + d] = dflash2_rope::rotated<R, FMA>(x, q_strides[3], d, c, s);
   } else {
     const int hk = h - Hq;
-    const __half* x = k + b * k_strides[0] + hk * k_strides[1] + l * k_strides[2];
+    const T* x = k + b * k_strides[0] + hk * k_strides[1] + l * k_strides[2];
     k_out[((b * (H - Hq) + hk) * L + l) * D + d] = dflash2_rope::rotated<R, FMA>(x, k_strides[3], d, c, s);
   }
 """
@@ -100,20 +127,23 @@ def _rope_kernel():
 
 
 def cuda_rope_rows(q, k, cos, sin, variant: str):
-    """(q, k) rotated through the CUDA kernel in one of ROPE_VARIANTS; no self-test gate."""
+    """(q, k) rotated through the CUDA kernel in one of ROPE32_VARIANTS (fp16 rows: of
+    ROPE_VARIANTS), in q's dtype; no self-test gate."""
     batch, q_heads, rows, width = q.shape
     total = batch * (q_heads + k.shape[1]) * rows * width
     return tuple(_rope_kernel()(
         inputs=[q, k, cos, sin],
-        template=[("R", cos.shape[-1]), ("FMA", variant == "fma")],
+        template=[("R", cos.shape[-1]), ("FMA", _CONTRACTED[variant])],
         grid=(-(-total // ROPE_THREADS) * ROPE_THREADS, 1, 1),
         threadgroup=(ROPE_THREADS, 1, 1),
         output_shapes=[q.shape, k.shape],
-        output_dtypes=[mx.float16, mx.float16],
+        output_dtypes=[q.dtype, q.dtype],
     ))
 
 
-_rope_serving: dict = {}  # backend -> the variant its self-test verified, or None
+# backend -> the variant its self-test verified, or None (fp16 rows, fp32 rows).
+_rope_serving: dict = {}
+_rope32_serving: dict = {}
 
 
 def rope_kernel_supports(q, k, cos, sin) -> bool:
@@ -123,32 +153,35 @@ def rope_kernel_supports(q, k, cos, sin) -> bool:
     return (cos.shape == sin.shape == (batch, rows, cos.shape[-1])
             and k.shape[0] == batch and k.shape[2:] == q.shape[2:]
             and 0 < cos.shape[-1] <= width and cos.shape[-1] % 2 == 0
-            and q.dtype == k.dtype == cos.dtype == sin.dtype == mx.float16)
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in (mx.float16, mx.float32))
 
 
 def rope_rows(q, k, cos, sin, variant=None):
     """(q, k) each rotated as mlx-vlm's `_apply_interleaved_rotary_pos_emb_axis1` rotates it
     (cos, sin: (B, L, R)), bit for bit, as two row-contiguous arrays of q's and k's shapes.
-    variant: one of ROPE_VARIANTS forces the kernel (no gate); default: the self-test's."""
+    variant: one of ROPE32_VARIANTS forces the kernel (no gate); default: the self-test's
+    for fp16 rows, or fp32 rows' own."""
     if variant is None:
-        variant = cuda_serving_variant(_rope_serving, self_test_rope)
+        variant = (cuda_serving_variant(_rope32_serving, self_test_rope32) if q.dtype == mx.float32
+                   else cuda_serving_variant(_rope_serving, self_test_rope))
         if variant is None or not rope_kernel_supports(q, k, cos, sin):
             return stock_rope_rows(q, k, cos, sin)
     return cuda_rope_rows(q, k, cos, sin, variant)
 
 
-def make_rope_case(kind: str, batch, q_heads, k_heads, width, rotary, rows, key):
+def make_rope_case(kind: str, batch, q_heads, k_heads, width, rotary, rows, key, dtype=mx.float16):
     """(q, k, cos, sin) as the model hands them over: q and k (B, H, L, D) transposed
-    views of (B, L, H, D) fp16 activations of `kind`, cos and sin (B, L, R) fp16 of real
-    angles (position p times MRoPE-like frequencies)."""
+    views of (B, L, H, D) fp16 (or fp32) activations of `kind`, cos and sin (B, L, R) of
+    that dtype, of real angles (position p times MRoPE-like frequencies)."""
+    make = make_inputs_fp32 if dtype == mx.float32 else make_inputs
     k_q, k_k = mx.random.split(key)
-    q = make_inputs(kind, batch * rows, q_heads * width, k_q).reshape(batch, rows, q_heads, width)
-    k = make_inputs(kind, batch * rows, k_heads * width, k_k).reshape(batch, rows, k_heads, width)
+    q = make(kind, batch * rows, q_heads * width, k_q).reshape(batch, rows, q_heads, width)
+    k = make(kind, batch * rows, k_heads * width, k_k).reshape(batch, rows, k_heads, width)
     frequencies = 10000.0 ** (-mx.arange(0, rotary, 2, dtype=mx.float32) / rotary)
     angles = (mx.arange(rows, dtype=mx.float32) + 1000.0)[:, None] * frequencies
     angles = mx.broadcast_to(mx.concatenate([angles, angles], axis=-1), (batch, rows, rotary))
     return (q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-            mx.cos(angles).astype(mx.float16), mx.sin(angles).astype(mx.float16))
+            mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype))
 
 
 def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
@@ -157,14 +190,28 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     (q, k), tested as variant "kernel"; default: each of ROPE_VARIANTS, serving then
     switched to the first that passed (None: the stock call). shapes: (B, Hq, Hk, D, R).
     The variants that did not pass are the controls of the one that did."""
+    return _self_test_rows(mx.float16, ROPE_VARIANTS, _rope_serving, shapes, seed, kernel)
+
+
+def self_test_rope32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """self_test_rope on fp32 rows (the real file's), every fp32 input kind: each of
+    ROPE32_VARIANTS, fp32 rows' serving then switched to the first that passed."""
+    return _self_test_rows(mx.float32, ROPE32_VARIANTS, _rope32_serving, shapes, seed, kernel)
+
+
+def _self_test_rows(dtype, variant_names, serving: dict, shapes, seed, kernel) -> SelfTestResult:
+    fp32 = dtype == mx.float32
+
     def make_case(kind, rows, shape, key):
-        return make_rope_case(kind, *shape, rows, key), f"(B, Hq, Hk, D, R)={shape} rows={rows}"
+        return (make_rope_case(kind, *shape, rows, key, dtype=dtype),
+                f"(B, Hq, Hk, D, R)={shape} rows={rows}" + " fp32" * fp32)
 
     def parts(function):
         return lambda *arguments: dict(zip(("q", "k"), function(*arguments)))
 
-    variants = {name: parts(partial(cuda_rope_rows, variant=name)) for name in ROPE_VARIANTS}
-    return _self_test_cases(kernel and parts(kernel), variants, _rope_serving,
+    variants = {name: parts(partial(cuda_rope_rows, variant=name)) for name in variant_names}
+    return _self_test_cases(kernel and parts(kernel), variants, serving,
                             [tuple(s) for s in (shapes or ROPE_SHAPES_SMALL)], seed, make_case,
                             parts(stock_rope_rows), failed_are_controls=True,
-                            rows=(*range(1, MAX_ROWS + 1), ROPE_LONG_ROWS))
+                            rows=(*range(1, MAX_ROWS + 1), ROPE_LONG_ROWS),
+                            kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)

@@ -27,7 +27,7 @@ itself on first use. The Metal kernels are written from MLX's source and were
 never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200 (`gdn_gates` in
 its "half" variant: MLX's Sigmoid on fp16, as the stock beta), those for fp32 rows (the real
 file's: qmv32 from one row, conv32, the fp32 rotation, its group and dense rows) on an H100
-(at 3b80a8a; qmv32's loads since rewritten, not yet run on a GPU).
+(at 3b80a8a; qmv32's loads since rewritten, and the fp32 rotary, not yet run on a GPU).
 """
 
 import time
@@ -56,7 +56,9 @@ from dflash2_kernel_qmv import (  # noqa: F401
     _verified, check_packed_weights, exact_quantized_matmul, exact_rows, packed_width, self_test, stock_rows,
 )
 from dflash2_kernel_qmv32 import _qmv32_serving, exact_rows_fp32, self_test_qmv32  # noqa: F401
-from dflash2_kernel_rope import _rope_serving, rope_rows, self_test_rope  # noqa: F401
+from dflash2_kernel_rope import (  # noqa: F401
+    _rope32_serving, _rope_serving, rope_rows, self_test_rope, self_test_rope32,
+)
 from dflash2_kernel_rotate import (  # noqa: F401
     _rotate_fp32_verified, _rotate_verified, rotate, self_test_rotate, self_test_rotate_fp32,
 )
@@ -78,6 +80,7 @@ SELF_TESTS = {
     "conv": ("conv", self_test_conv),
     "conv32": ("conv_fp32", self_test_conv32),
     "rope": ("rope", self_test_rope),
+    "rope32": ("rope_fp32", self_test_rope32),
     "add_norm": ("norms", self_test_add_norm),
     "gated_norm": ("gated_norms", self_test_gated_norm),
     "gates": ("gates", self_test_gates),
@@ -88,8 +91,9 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
     """Self-test every kernel at the pack's shapes, rows / steps / queries 1..8.
 
     shapes: {"packed": [(N, K)], "packed_fp32": [(N, K)], "rotations": [(K, block)], "rotations_fp32":
-    [(K, block)], "rotation_groups": [(K, block, outputs)], "rotation_groups_fp32": [(K, block, outputs)], "gdn": [(B, Hk, Hv, Dk, Dv)], "dense": [(N, K)],
-    "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)], "conv_fp32": [(B, C, K)], "rope": [(B, Hq, Hk, D, R)],
+    [(K, block)], "rotation_groups": [(K, block, outputs)], "rotation_groups_fp32": [(K, block, outputs)],
+    "gdn": [(B, Hk, Hv, Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)],
+    "conv_fp32": [(B, C, K)], "rope": [(B, Hq, Hk, D, R)], "rope_fp32": [(B, Hq, Hk, D, R)],
     "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
     serves only where its test passed. Returns {kernel name: SelfTestResult};
@@ -107,8 +111,9 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
 # The tables the self-tests fill, which decide what serves where (never rebound: filled in place).
 VERDICT_TABLES = {
     "qmv": _verified, "qmv32": _qmv32_serving, "rotate": _rotate_verified, "rotate_group": _rotate_group_verified,
-    "rotate32": _rotate_fp32_verified, "rotate_group32": _rotate_group_fp32_verified, "gdn": _gdn_serving, "dense": _dense_serving, "attention": _attention_verified,
-    "conv": _conv_serving, "conv32": _conv32_serving, "rope": _rope_serving, "add_norm": _add_norm_serving,
+    "rotate32": _rotate_fp32_verified, "rotate_group32": _rotate_group_fp32_verified, "gdn": _gdn_serving,
+    "dense": _dense_serving, "attention": _attention_verified, "conv": _conv_serving, "conv32": _conv32_serving,
+    "rope": _rope_serving, "rope32": _rope32_serving, "add_norm": _add_norm_serving,
     "gated_norm": _gated_norm_serving, "gates": _gates_serving,
 }
 

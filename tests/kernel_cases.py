@@ -50,7 +50,7 @@ class RecordingKernel:
 
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         self.launches.append({"template": dict(template), "grid": grid, "threadgroup": threadgroup,
-                              "x": inputs[0]})
+                              "x": inputs[0], "dtypes": list(output_dtypes)})
         return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
 
 

@@ -54,7 +54,6 @@ class RecordingRotation(RecordingKernel):
     def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         super().__call__(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                          output_shapes=output_shapes, output_dtypes=output_dtypes)
-        self.launches[-1]["dtypes"] = output_dtypes
         x, *signs = inputs
         return chain(x, template[0][1], signs)
 
