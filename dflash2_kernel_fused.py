@@ -21,8 +21,9 @@ from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 
 from dflash2_kernel_base import (
-    INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result, _self_test_cases,
-    _variants_result, backend_name, cuda_header, cuda_serving_variant, make_inputs, run_case,
+    FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result,
+    _self_test_cases, _variants_result, backend_name, cuda_header, cuda_serving_variant, make_inputs,
+    make_inputs_fp32, run_case,
 )
 
 # ===========================================================================
@@ -505,14 +506,26 @@ def self_test_gated_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestRes
 # Multiply, Exp on fp32. This kernel calls the same functors in the same order. beta is
 # MLX's unary Sigmoid kernel on __half, built with MLX itself rather than by NVRTC, so two
 # variants: "half" runs the functor on __half as that kernel does, "float" in fp32 with one
-# rounding. The self-test decides which serves.
+# rounding. The self-test decides which serves. fp32 rows (the real file's: a, b and dt_bias
+# fp32): the same functors on float, where both variants are one ("float"), under their own
+# self-test and verdict.
 
 GATE_SHAPES_SMALL = ((4,), (48,), (7,))  # (Hv,): value heads
 GATE_VARIANTS = ("half", "float")
+GATE32_VARIANTS = ("float",)
 
 _GATES_CUDA_HEADER = r"""
 #include "mlx/backend/cuda/device/binary_ops.cuh"
 #include "mlx/backend/cuda/device/unary_ops.cuh"
+
+namespace dflash2_gates {
+
+// The element type a kernel argument points to.
+template <typename P> struct Element;
+template <typename T> struct Element<T*> { using type = T; };
+template <typename T> struct Element<const T*> { using type = T; };
+
+}  // namespace dflash2_gates
 """
 # One thread per (b, l, h); a and b are read in place through their strides (the gate
 # projections hand over slices of one output).
@@ -525,12 +538,13 @@ _GATES_SOURCE = """
   const int h = i % H;
   const int l = (i / H) % L;
   const int64_t n = i / (int64_t(H) * L);
-  const __half a_value = a[n * a_strides[0] + l * a_strides[1] + h * a_strides[2]];
-  const __half b_value = b[n * b_strides[0] + l * b_strides[1] + h * b_strides[2]];
+  using T = dflash2_gates::Element<decltype(beta)>::type;  // the rows' dtype: __half or float
+  const T a_value = a[n * a_strides[0] + l * a_strides[1] + h * a_strides[2]];
+  const T b_value = b[n * b_strides[0] + l * b_strides[1] + h * b_strides[2]];
   const float decay = Negative{}(Exp{}(A_log[h * A_log_strides[0]]));
-  const __half softplus = LogAddExp{}(Add{}(a_value, dt_bias[h * dt_bias_strides[0]]), static_cast<__half>(0));
+  const T softplus = LogAddExp{}(Add{}(a_value, dt_bias[h * dt_bias_strides[0]]), static_cast<T>(0));
   g[i] = Exp{}(Multiply{}(decay, static_cast<float>(softplus)));
-  beta[i] = HALF ? Sigmoid{}(b_value) : static_cast<__half>(Sigmoid{}(static_cast<float>(b_value)));
+  beta[i] = HALF ? Sigmoid{}(b_value) : static_cast<T>(Sigmoid{}(static_cast<float>(b_value)));
 """
 GATES_THREADS = 256
 
@@ -548,7 +562,8 @@ def _gates_kernel():
 
 
 def cuda_gdn_gates(A_log, a, b, dt_bias, variant: str):
-    """(g, beta) through the CUDA kernel in one of GATE_VARIANTS; no self-test gate."""
+    """(g, beta) through the CUDA kernel in one of GATE_VARIANTS (beta in a's dtype); no
+    self-test gate."""
     total = a.size
     return tuple(_gates_kernel()(
         inputs=[A_log, a, b, dt_bias],
@@ -556,37 +571,43 @@ def cuda_gdn_gates(A_log, a, b, dt_bias, variant: str):
         grid=(-(-total // GATES_THREADS) * GATES_THREADS, 1, 1),
         threadgroup=(GATES_THREADS, 1, 1),
         output_shapes=[a.shape, a.shape],
-        output_dtypes=[mx.float32, mx.float16],
+        output_dtypes=[mx.float32, a.dtype],
     ))
 
 
-_gates_serving: dict = {}  # backend -> the variant its self-test verified, or None
+# backend -> the variant its self-test verified, or None (fp16 rows, fp32 rows).
+_gates_serving: dict = {}
+_gates32_serving: dict = {}
 
 
 def gates_kernel_supports(A_log, a, b, dt_bias) -> bool:
     return (a.ndim == 3 and a.shape == b.shape and a.size > 0
             and A_log.shape == dt_bias.shape == (a.shape[2],)
-            and A_log.dtype == mx.float32 and a.dtype == b.dtype == dt_bias.dtype == mx.float16)
+            and A_log.dtype == mx.float32 and a.dtype == b.dtype == dt_bias.dtype
+            and a.dtype in (mx.float16, mx.float32))
 
 
 def gdn_gates(A_log, a, b, dt_bias, variant=None):
     """`_compute_g_beta(A_log, a, b, dt_bias)` bit for bit, in one launch where the kernel
     serves. variant: one of GATE_VARIANTS forces the kernel (no gate); default: the
-    self-test's."""
+    self-test's for fp16 rows, or fp32 rows' own."""
     if variant is None:
-        variant = cuda_serving_variant(_gates_serving, self_test_gates)
+        variant = (cuda_serving_variant(_gates32_serving, self_test_gates32) if a.dtype == mx.float32
+                   else cuda_serving_variant(_gates_serving, self_test_gates))
         if variant is None or not gates_kernel_supports(A_log, a, b, dt_bias):
             return _compute_g_beta(A_log, a, b, dt_bias)
     return cuda_gdn_gates(A_log, a, b, dt_bias, variant)
 
 
-def make_gates_case(kind: str, rows: int, heads: int, key):
+def make_gates_case(kind: str, rows: int, heads: int, key, dtype=mx.float16):
     """(A_log, a, b, dt_bias) as the model hands them over: a and b slices of one
-    (1, rows, 2 * heads) fp16 output of `kind`, A_log fp32 and dt_bias fp16 per head."""
+    (1, rows, 2 * heads) fp16 (or fp32) output of `kind`, A_log fp32 and dt_bias of that
+    dtype per head."""
     k_x, k_A, k_dt = mx.random.split(key, 3)
-    gates = make_inputs(kind, rows, 2 * heads, k_x).reshape(1, rows, 2 * heads)
+    make = make_inputs_fp32 if dtype == mx.float32 else make_inputs
+    gates = make(kind, rows, 2 * heads, k_x).reshape(1, rows, 2 * heads)
     A_log = mx.log(mx.random.uniform(0.5, 16.0, (heads,), key=k_A))
-    dt_bias = (1.0 + 0.1 * mx.random.normal((heads,), key=k_dt)).astype(mx.float16)
+    dt_bias = (1.0 + 0.1 * mx.random.normal((heads,), key=k_dt)).astype(dtype)
     return A_log, gates[..., heads:], gates[..., :heads], dt_bias
 
 
@@ -595,13 +616,26 @@ def self_test_gates(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     kind. kernel: (A_log, a, b, dt_bias) -> (g, beta), tested as variant "kernel"; default:
     each of GATE_VARIANTS, serving then switched to the first that passed (None: the stock
     calls). shapes: (Hv,). The variants that did not pass are the controls of the one that did."""
+    return _self_test_gate_rows(mx.float16, GATE_VARIANTS, _gates_serving, shapes, seed, kernel)
+
+
+def self_test_gates32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """self_test_gates on fp32 rows (the real file's), every fp32 input kind, GATE32_VARIANTS,
+    fp32 rows' serving then switched on or off."""
+    return _self_test_gate_rows(mx.float32, GATE32_VARIANTS, _gates32_serving, shapes, seed, kernel)
+
+
+def _self_test_gate_rows(dtype, variant_names, serving: dict, shapes, seed, kernel) -> SelfTestResult:
+    fp32 = dtype == mx.float32
+
     def make_case(kind, rows, shape, key):
-        return make_gates_case(kind, rows, shape[0], key), f"Hv={shape[0]} L={rows}"
+        return make_gates_case(kind, rows, shape[0], key, dtype), f"Hv={shape[0]} L={rows}" + " fp32" * fp32
 
     def parts(function):
         return lambda *arguments: dict(zip(("g", "beta"), function(*arguments)))
 
-    variants = {name: parts(partial(cuda_gdn_gates, variant=name)) for name in GATE_VARIANTS}
-    return _self_test_cases(kernel and parts(kernel), variants, _gates_serving,
+    variants = {name: parts(partial(cuda_gdn_gates, variant=name)) for name in variant_names}
+    return _self_test_cases(kernel and parts(kernel), variants, serving,
                             [tuple(s) for s in (shapes or GATE_SHAPES_SMALL)], seed, make_case,
-                            parts(_compute_g_beta), failed_are_controls=True)
+                            parts(_compute_g_beta), failed_are_controls=True,
+                            kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)

@@ -458,6 +458,7 @@ def kernel_shapes(model) -> dict:
     shapes["rotations_fp32"] = shapes["rotations"] if fp32_rows else set()
     shapes["rotation_groups_fp32"] = shapes["rotation_groups"] if fp32_rows else set()
     shapes["rope_fp32"] = shapes["rope"] if fp32_rows else set()
+    shapes["gates_fp32"] = shapes["gates"] if fp32_rows else set()
     return {key: sorted(value) for key, value in shapes.items()}
 
 

@@ -111,15 +111,19 @@ def test_wrong_gated_norm_fails_naming_the_case():
     assert dflash2_kernel_fused.self_test_gated_norm([(2, 64)], kernel=dflash2_kernel_fused.stock_gated_rms_norm).ok
 
 
-def test_wrong_gates_fail_naming_the_case():
+@pytest.mark.parametrize("fp32", [False, True])
+def test_wrong_gates_fail_naming_the_case(fp32):
+    """fp16 rows' self-test and fp32 rows' (their own input kinds) each fail a beta one bit off."""
     def wrong(A_log, a, b, dt_bias):  # beta's first element one bit off at 4 positions
         g, beta = dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)
         return g, flip_first_bit(beta) if a.shape[1] == 4 else beta
 
-    result = dflash2_kernel_fused.self_test_gates([(4,)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
-    assert "Hv=4 L=4 input=normal, beta" in result.reason
-    assert dflash2_kernel_fused.self_test_gates([(4,)], kernel=dflash2_kernel_fused._compute_g_beta).ok
+    self_test = dflash2_kernel_fused.self_test_gates32 if fp32 else dflash2_kernel_fused.self_test_gates
+    kinds = dflash2_kernel_base.FP32_INPUT_KINDS if fp32 else dflash2_kernel_base.INPUT_KINDS
+    result = self_test([(4,)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(kinds)
+    assert f"Hv=4 L=4{' fp32' * fp32} input=normal, beta" in result.reason
+    assert self_test([(4,)], kernel=dflash2_kernel_fused._compute_g_beta).ok
 
 
 def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypatch):
@@ -177,3 +181,35 @@ def test_gated_norm_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
     positions: the kernel serves."""
     result = dflash2_kernel_fused.self_test_gated_norm([(48, 128), *dflash2_kernel_fused.GATED_NORM_SHAPES_SMALL])
     assert result.ok and result.variant == "fused", result.reason
+
+
+def test_fp32_gates_serve_by_their_own_self_test(monkeypatch, float32_target):
+    """fp32 rows (the real file's a, b and dt_bias), as on CUDA with a stand-in kernel: their
+    self-test takes every fp32 input kind and the one fp32 variant, fills fp32's verdict only,
+    and gdn_gates then sends fp32 rows to it and fp16 rows by fp16's verdict; beta comes in
+    the rows' dtype. An fp32 pack's start-up tests the gates at its heads."""
+    from dflash2_pack import kernel_shapes
+
+    calls = []
+
+    def stand_in(A_log, a, b, dt_bias, variant):
+        calls.append((a.dtype, variant))
+        return dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)
+
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dflash2_kernel_fused, "cuda_gdn_gates", stand_in)
+    monkeypatch.setattr(dflash2_kernel_fused, "_gates_serving", {"cuda": None})
+    monkeypatch.setattr(dflash2_kernel_fused, "_gates32_serving", {})
+    result = dflash2_kernel_fused.self_test_gates32([(4,)])
+    assert result.ok and result.variant == "float" and dflash2_kernel_fused._gates32_serving == {"cuda": "float"}
+    assert {case["input"] for case in result.cases} == set(dflash2_kernel_base.FP32_INPUT_KINDS)
+    assert set(calls) == {(mx.float32, "float")}
+    calls.clear()
+    for dtype in (mx.float32, mx.float16):
+        A_log, a, b, dt_bias = dflash2_kernel_fused.make_gates_case("normal", 3, 4, mx.random.key(2), dtype)
+        g, beta = dk.gdn_gates(A_log, a, b, dt_bias)
+        assert g.dtype == mx.float32 and beta.dtype == dtype
+    assert calls == [(mx.float32, "float")]  # fp16's verdict is None here: its stock calls
+    shapes = kernel_shapes(float32_target[0])
+    assert shapes["gates_fp32"] == shapes["gates"] and shapes["gates"]
+    assert dk.SELF_TESTS["gates32"][0] == "gates_fp32" and "gates32" in dk.VERDICT_TABLES
