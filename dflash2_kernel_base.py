@@ -151,6 +151,22 @@ def run_case(name, compare, case: dict, where: str, differing: dict, failures: d
 # CUDA kernel sources
 
 
+# The element type a CUDA kernel argument points to, `dflash2_types::Element<decltype(arg)>::type`:
+# one source for a kernel's fp16 and fp32 builds (MLX writes each argument's pointer type).
+CUDA_ELEMENT_TYPE = r"""
+#ifndef DFLASH2_ELEMENT_TYPE
+#define DFLASH2_ELEMENT_TYPE
+namespace dflash2_types {
+
+template <typename P> struct Element;
+template <typename T> struct Element<T*> { using type = T; };
+template <typename T> struct Element<const T*> { using type = T; };
+
+}  // namespace dflash2_types
+#endif
+"""
+
+
 @cache
 def _private_header_folder() -> str:
     return tempfile.mkdtemp(prefix="dflash2-cuda-")

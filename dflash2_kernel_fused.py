@@ -21,9 +21,9 @@ from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 
 from dflash2_kernel_base import (
-    FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result,
-    _self_test_cases, _variants_result, backend_name, cuda_header, cuda_serving_variant, make_inputs,
-    make_inputs_fp32, run_case,
+    CUDA_ELEMENT_TYPE, FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing,
+    _no_kernel_result, _self_test_cases, _variants_result, backend_name, cuda_header, cuda_serving_variant,
+    make_inputs, make_inputs_fp32, run_case,
 )
 
 # ===========================================================================
@@ -517,16 +517,7 @@ GATE32_VARIANTS = ("float",)
 _GATES_CUDA_HEADER = r"""
 #include "mlx/backend/cuda/device/binary_ops.cuh"
 #include "mlx/backend/cuda/device/unary_ops.cuh"
-
-namespace dflash2_gates {
-
-// The element type a kernel argument points to.
-template <typename P> struct Element;
-template <typename T> struct Element<T*> { using type = T; };
-template <typename T> struct Element<const T*> { using type = T; };
-
-}  // namespace dflash2_gates
-"""
+""" + CUDA_ELEMENT_TYPE
 # One thread per (b, l, h); a and b are read in place through their strides (the gate
 # projections hand over slices of one output).
 _GATES_SOURCE = """
@@ -538,7 +529,7 @@ _GATES_SOURCE = """
   const int h = i % H;
   const int l = (i / H) % L;
   const int64_t n = i / (int64_t(H) * L);
-  using T = dflash2_gates::Element<decltype(beta)>::type;  // the rows' dtype: __half or float
+  using T = dflash2_types::Element<decltype(beta)>::type;  // the rows' dtype: __half or float
   const T a_value = a[n * a_strides[0] + l * a_strides[1] + h * a_strides[2]];
   const T b_value = b[n * b_strides[0] + l * b_strides[1] + h * b_strides[2]];
   const float decay = Negative{}(Exp{}(A_log[h * A_log_strides[0]]));

@@ -16,14 +16,14 @@ import itertools
 import mlx.core as mx
 
 from dflash2_kernel_base import (
-    FP32_INPUT_KINDS, MAX_ROWS, SelfTestResult, _differing, _first_difference, _no_kernel_result, _variants_result,
-    backend_name, make_inputs_fp32, run_case,
+    MAX_ROWS, SelfTestResult, _differing, _first_difference, _no_kernel_result, _variants_result, backend_name,
+    run_case,
 )
 from dflash2_kernel_qmv import SWIZZLE_WIDTH, _serving_kernel, cuda_matmul, exact_rows, swizzle_steps
 from dflash2_kernel_qmv32 import exact_rows_fp32
 from dflash2_kernel_rotate import (
-    ROTATE_BLOCKS, ROTATE_INPUT_KINDS, SIGN_KINDS, _fp16_chain, _matrix_chain, cuda_rotate_plan, make_rotate_inputs,
-    make_signs, rotate, rotation_serves, stock_rotate,
+    ROTATE32_INPUT_KINDS, ROTATE_BLOCKS, ROTATE_INPUT_KINDS, SIGN_KINDS, _fp16_chain, _matrix_chain, cuda_rotate_plan,
+    make_rotate_inputs, make_rotate_inputs_fp32, make_signs, rotate, rotation_serves, stock_rotate,
 )
 
 # ===========================================================================
@@ -53,9 +53,7 @@ def _rotate_group_serves(k: int, block: int, outputs: int, dtype=mx.float16) -> 
     fp32 = dtype == mx.float32
     verified = _rotate_group_fp32_verified if fp32 else _rotate_group_verified
     if shape not in verified:  # first use: its self-test at this shape
-        # fp16 rows feed the qmv, which reads them swizzled (K a multiple of 512).
-        if (backend_name() == "cuda" and (fp32 or k % SWIZZLE_WIDTH == 0) and block in ROTATE_BLOCKS
-                and k % block == 0):
+        if backend_name() == "cuda" and k % SWIZZLE_WIDTH == 0 and block in ROTATE_BLOCKS and k % block == 0:
             (self_test_rotate_group_fp32 if fp32 else self_test_rotate_group)([shape])
         else:
             verified[shape] = False
@@ -195,10 +193,9 @@ def self_test_rotate_group_fp32(shapes=None, seed: int = 0, kernel=None) -> Self
         key, sign_key = mx.random.split(key)
         signs = [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
                  for index, one_key in enumerate(mx.random.split(sign_key, outputs))]
-        for kind in FP32_INPUT_KINDS + ("nonfinite",):
+        for kind in ROTATE32_INPUT_KINDS:
             key, input_key = mx.random.split(key)
-            x = (make_rotate_inputs(kind, MAX_ROWS, k, input_key).astype(mx.float32) if kind == "nonfinite"
-                 else make_inputs_fp32(kind, MAX_ROWS, k, input_key))
+            x = make_rotate_inputs_fp32(kind, MAX_ROWS, k, input_key)
             want = [mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)])
                     for sign in signs]
             if kind != "nonfinite":

@@ -14,8 +14,8 @@ import mlx.core as mx
 from mlx_vlm.models import rope_utils
 
 from dflash2_kernel_base import (
-    FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _self_test_cases, cuda_header, cuda_serving_variant,
-    make_inputs, make_inputs_fp32,
+    CUDA_ELEMENT_TYPE, FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _self_test_cases,
+    cuda_header, cuda_serving_variant, make_inputs, make_inputs_fp32,
 )
 
 # ===========================================================================
@@ -46,13 +46,8 @@ _CONTRACTED = {"mul_add": 0, "fma": 1, "fma_sin": 2}  # the kernel's FMA: which 
 ROPE_LONG_ROWS = 300  # a prefill's length, beside 1..8: the kernel is element-wise at any L
 stock_rope_rows = rope_utils._apply_interleaved_rotary_pos_emb_axis1
 
-_ROPE_CUDA_HEADER = r"""
+_ROPE_CUDA_HEADER = CUDA_ELEMENT_TYPE + r"""
 namespace dflash2_rope {
-
-// The element type a kernel argument points to.
-template <typename P> struct Element;
-template <typename T> struct Element<T*> { using type = T; };
-template <typename T> struct Element<const T*> { using type = T; };
 
 // Each operation rounded as written, on __half or float.
 __device__ __forceinline__ __half neg(__half v) { return __hneg(v); }
@@ -96,7 +91,7 @@ _ROPE_SOURCE = """
   const int l = (i / D) % L;
   const int h = (i / (int64_t(D) * L)) % H;
   const int64_t b = i / (int64_t(D) * L * H);
-  using T = dflash2_rope::Element<decltype(q_out)>::type;
+  using T = dflash2_types::Element<decltype(q_out)>::type;
   T c{}, s{};
   if (d < R) {
     c = cos[b * cos_strides[0] + l * cos_strides[1] + d * cos_strides[2]];

@@ -46,6 +46,7 @@ from dflash2_kernel_qmv import SWIZZLE_WIDTH, swizzle_steps
 
 ROTATE_BLOCKS = (512, 1024, 2048, 4096)  # the blocks mlx-vlm accepts (prism_hadamard_qwen35.py:33)
 ROTATE_INPUT_KINDS = INPUT_KINDS + ("nonfinite",)
+ROTATE32_INPUT_KINDS = FP32_INPUT_KINDS + ("nonfinite",)  # fp32 rows' (make_rotate_inputs_fp32)
 SIGN_KINDS = ("pm1", "general")  # the pack's +-1 signs; any fp32 values (one multiply, like MLX)
 # (K, block): the 27B pack's rotated widths with every block that divides them;
 # tiny widths covering the other block sizes (the tiny synthetic pack rotates K = 512).
@@ -530,6 +531,14 @@ def make_rotate_inputs(kind: str, rows: int, k: int, key) -> mx.array:
     return x.astype(mx.float16)
 
 
+def make_rotate_inputs_fp32(kind: str, rows: int, k: int, key) -> mx.array:
+    """fp32 activations of one of ROTATE32_INPUT_KINDS: `nonfinite`'s rows in fp32, the others
+    make_inputs_fp32's."""
+    if kind == "nonfinite":
+        return make_rotate_inputs(kind, rows, k, key).astype(mx.float32)
+    return make_inputs_fp32(kind, rows, k, key)
+
+
 def make_signs(kind: str, k: int, key) -> mx.array:
     """float32 signs: the pack's +-1 (tools/make_synthetic_pack.py, dflash2_pack.py
     checks |s| == 1), or `general` +-[0.5, 2) values that make the multiply round."""
@@ -656,11 +665,10 @@ def self_test_rotate_fp32(shapes=None, seed: int = 0, kernel=None) -> SelfTestRe
     differing, failures, cases, control = {name: 0}, {}, [], {"Hadamard-matrix GEMM": 0}
     key = mx.random.key(seed)
     for k, block in shapes:
-        for sign_kind, kind in itertools.product(SIGN_KINDS, FP32_INPUT_KINDS + ("nonfinite",)):
+        for sign_kind, kind in itertools.product(SIGN_KINDS, ROTATE32_INPUT_KINDS):
             key, sign_key, input_key = mx.random.split(key, 3)
             signs = make_signs(sign_kind, k, sign_key)
-            x = (make_rotate_inputs(kind, MAX_ROWS, k, input_key).astype(mx.float32) if kind == "nonfinite"
-                 else make_inputs_fp32(kind, MAX_ROWS, k, input_key))
+            x = make_rotate_inputs_fp32(kind, MAX_ROWS, k, input_key)
             want = mx.concatenate([stock_rotate(x[m : m + 1], block, signs) for m in range(MAX_ROWS)])
             if kind != "nonfinite":
                 control["Hadamard-matrix GEMM"] += _differing(_matrix_chain(x, block, signs), want)

@@ -454,11 +454,9 @@ def kernel_shapes(model) -> dict:
             )
             shapes["rope"].add((1, attention.num_attention_heads, attention.num_key_value_heads,
                                 attention.head_dim, attention.rotary_emb.dim))
-    shapes["packed_fp32"] = shapes["packed"] if fp32_rows else set()
-    shapes["rotations_fp32"] = shapes["rotations"] if fp32_rows else set()
-    shapes["rotation_groups_fp32"] = shapes["rotation_groups"] if fp32_rows else set()
-    shapes["rope_fp32"] = shapes["rope"] if fp32_rows else set()
-    shapes["gates_fp32"] = shapes["gates"] if fp32_rows else set()
+    # The kernels with fp32 variants test them at the same shapes, where the rows are fp32.
+    for key in ("packed", "rotations", "rotation_groups", "rope", "gates"):
+        shapes[f"{key}_fp32"] = shapes[key] if fp32_rows else set()
     return {key: sorted(value) for key, value in shapes.items()}
 
 
