@@ -106,6 +106,16 @@ def keep_start_up_verdicts(verdicts: VerdictCache, speculative: bool) -> None:
         verdicts.discard()
 
 
+def install_runtime(model, args) -> tuple:
+    """(status, verdicts): dflash2_runtime.install on the model with start_up_verdicts(args,
+    model), which keep_start_up_verdicts then keeps or discards."""
+    verdicts = start_up_verdicts(args, model)
+    verdicts.open()
+    status = dflash2_runtime.install(model, verdicts)
+    keep_start_up_verdicts(verdicts, status.speculative)
+    return status, verdicts
+
+
 def sampled_sampler(temperature):
     """The sampled arms' position-keyed sampler at `temperature` (None: greedy, no sampler)."""
     return None if temperature is None else dflash2_sampling.PositionSampler(temperature=temperature, **SAMPLED_SETTINGS)
@@ -279,10 +289,7 @@ def main():
     taps = list(cost_drafter.config.target_layer_ids)
     prompt = synthetic_prompt(args.context)
 
-    verdicts = start_up_verdicts(args, model)
-    verdicts.open()
-    status = dflash2_runtime.install(model, verdicts)
-    keep_start_up_verdicts(verdicts, status.speculative)
+    status, verdicts = install_runtime(model, args)
     chosen_arm = status.decode_path.arm
     log(f"runtime installed: speculative {status.speculative} {status.reason or ''}; " + "; ".join(status.log_lines()))
     # Every end-to-end arm prefills as the servers do (at mlx-vlm's default prefill step).

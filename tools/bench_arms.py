@@ -143,9 +143,10 @@ def served_round_steps(lm, cache, hidden, drafter, bf16: bool, length: int):
     return steps, lambda: dflash2_timing.settle_decoder(decoder)
 
 
-def on_generation_stream(steps):
+def on_stream(steps, stream=dflash2_rounds.generation_stream):
+    """steps(count) run on `stream` (default: the rounds' generation stream)."""
     def run(count):
-        with mx.stream(dflash2_rounds.generation_stream):
+        with mx.stream(stream):
             steps(count)
 
     return run
@@ -180,6 +181,6 @@ def round_arms(lm, cache, taps, drafters, hidden, served, run=3):
     arms[f"verify {BLOCK}, commit left lazy"] = dflash2_timing.steady_ms(
         verify_round_steps(lm, cache, taps, BLOCK, commit=commit_speculative_round), run, settle)
     arms[f"verify {BLOCK}, generation stream"] = dflash2_timing.steady_ms(
-        on_generation_stream(verify_round_steps(lm, cache, taps, BLOCK)), run, settle)
+        on_stream(verify_round_steps(lm, cache, taps, BLOCK)), run, settle)
     arms[f"served round {BLOCK}"] = dflash2_timing.steady_ms(served_steps, run, served_settle)
     return arms

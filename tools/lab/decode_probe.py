@@ -21,29 +21,19 @@ Writes decode-probe-<backend>.json and .md to --out.
 
 import argparse
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
-import dflash2_runtime  # noqa: E402  (first: it sets MLX's CUDA graph cache before MLX starts)
+from bench import install_runtime  # noqa: E402  (first: MLX's environment as bench's records had it)
 import mlx.core as mx  # noqa: E402
 
 import dflash2_decode_arms  # noqa: E402
 import dflash2_timing  # noqa: E402
-from bench import keep_start_up_verdicts, start_up_verdicts  # noqa: E402
-from bench_arms import PIPELINED_RUN, cache_settler, decode_steps, prefill, verify_round_steps  # noqa: E402
+from bench_arms import PIPELINED_RUN, cache_settler, decode_steps, on_stream, prefill, verify_round_steps  # noqa: E402
 from make_synthetic_pack import SIZES, build_target_model, synthetic_prompt  # noqa: E402
-from records import run_environment, write_record  # noqa: E402
-
-
-def on_batch_stream(steps):
-    def run(count):
-        with mx.stream(dflash2_timing.batch_stream):
-            steps(count)
-
-    return run
+from records import add_dense_dtype_argument, layout_suffix, run_environment, write_record  # noqa: E402
 
 
 def probe_arms(lm, taps, context: int, long: int) -> dict:
@@ -73,8 +63,10 @@ def probe_arms(lm, taps, context: int, long: int) -> dict:
     return {
         "pipelined, 4-token cache": sample(pipelined["fresh"], caches["fresh"]),
         "pipelined, prompt cache": sample(pipelined["prompt"], caches["prompt"]),
-        "pipelined, prompt cache, batch stream": sample(on_batch_stream(pipelined["batch"]), caches["batch"]),
-        "evaluated alone, batch stream": sample(on_batch_stream(decode_steps(lm, caches["alone"])), caches["alone"]),
+        "pipelined, prompt cache, batch stream": sample(on_stream(pipelined["batch"], dflash2_timing.batch_stream),
+                                                        caches["batch"]),
+        "evaluated alone, batch stream": sample(on_stream(decode_steps(lm, caches["alone"]), dflash2_timing.batch_stream),
+                                                caches["alone"]),
         f"pipelined, prompt + {long} tokens": sample(pipelined["long"], caches["long"]),
         "pipelined, after a verify round": sample(pipelined["verify"], caches["verify"], lead_in=after_verify),
     }
@@ -95,20 +87,17 @@ def summary(record: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="27b")
-    parser.add_argument("--dense-dtype", choices=["float16", "float32"], default="float16")
+    add_dense_dtype_argument(parser)
     parser.add_argument("--context", type=int, default=32, help="bench's prompt tokens")
     parser.add_argument("--long", type=int, default=2048, help="tokens the long cache holds past the prompt")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--verdict-cache", action="store_true", help="as tools/bench.py's (the same key)")
     parser.add_argument("--out", default=str(REPO / "evidence"))
+    parser.set_defaults(pack=None)  # the synthetic target: bench's verdict key without a pack
     args = parser.parse_args()
 
     model = build_target_model(args.size, seed=0, dense_dtype=args.dense_dtype)
-    verdicts = start_up_verdicts(Namespace(verdict_cache=args.verdict_cache, pack=None, size=args.size,
-                                           dense_dtype=args.dense_dtype), model)
-    verdicts.open()
-    status = dflash2_runtime.install(model, verdicts)
-    keep_start_up_verdicts(verdicts, status.speculative)
+    status, _ = install_runtime(model, args)
     if not status.speculative:
         sys.exit(f"exact verify is off on this machine: {status.reason}")
     lm = model.language_model
@@ -121,7 +110,7 @@ def main():
         "step_ms": {name: {key: stats[key] for key in ("median", "min", "max")} for name, stats in timings.items()},
         "ratio_to_first": {name: dflash2_timing.paired_ratio(stats, timings[first]) for name, stats in timings.items()},
     }
-    name = f"decode-probe-{record['backend']}" + ("-fp32" if args.dense_dtype == "float32" else "")
+    name = f"decode-probe-{record['backend']}" + layout_suffix(args.dense_dtype)
     write_record(Path(args.out), name, record, summary(record))
     print(summary(record))
 
