@@ -112,6 +112,17 @@ def exact_linear_rows(x, block, signs, weight, scales, biases):
 ROTATE_GROUP_SHAPES_27B = ((5120, 512, 2), (5120, 512, 3), (5120, 1024, 2), (5120, 1024, 3))
 
 
+def _group_signs(k: int, outputs: int, key) -> list:
+    """A group's sign vectors, alternating the pack's +-1 and general values."""
+    return [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
+            for index, one_key in enumerate(mx.random.split(key, outputs))]
+
+
+def _stock_rows(x, block, signs) -> list:
+    """x's MAX_ROWS rows rotated by each sign vector through mlx-vlm's chain, one row at a time."""
+    return [mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)]) for sign in signs]
+
+
 def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check a group rotation bit for bit against mlx-vlm's chain, one row and one sign
     vector at a time: every output of each launch, in both layouts (plain rows for decode's
@@ -134,13 +145,11 @@ def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestR
             call = kernel or (lambda x, block, signs, swizzled, k=k, n=outputs:
                               cuda_rotate_plan(k, block, swizzled, n)(x, signs))
             key, sign_key = mx.random.split(key)
-            signs = [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
-                     for index, one_key in enumerate(mx.random.split(sign_key, outputs))]
+            signs = _group_signs(k, outputs, sign_key)
             for kind in ROTATE_INPUT_KINDS:
                 key, input_key = mx.random.split(key)
                 x = make_rotate_inputs(kind, MAX_ROWS, k, input_key)
-                want = [mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)])
-                        for sign in signs]
+                want = _stock_rows(x, block, signs)
                 got = {layout: [call(x[:rows], block, signs, layout == "swizzled") for rows in range(1, MAX_ROWS + 1)]
                        for layout in ("rows", "swizzled")}
                 control = _fp16_chain(x, block, signs[0])
@@ -191,13 +200,11 @@ def self_test_rotate_group_fp32(shapes=None, seed: int = 0, kernel=None) -> Self
         call = kernel or (lambda x, block, signs, k=k, n=outputs:
                           cuda_rotate_plan(k, block, False, n, mx.float32)(x, signs))
         key, sign_key = mx.random.split(key)
-        signs = [make_signs(SIGN_KINDS[index % len(SIGN_KINDS)], k, one_key)
-                 for index, one_key in enumerate(mx.random.split(sign_key, outputs))]
+        signs = _group_signs(k, outputs, sign_key)
         for kind in ROTATE32_INPUT_KINDS:
             key, input_key = mx.random.split(key)
             x = make_rotate_inputs_fp32(kind, MAX_ROWS, k, input_key)
-            want = [mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)])
-                    for sign in signs]
+            want = _stock_rows(x, block, signs)
             if kind != "nonfinite":
                 control["Hadamard-matrix GEMM"] += _differing(_matrix_chain(x, block, signs[0]), want[0])
             for rows in range(1, MAX_ROWS + 1):
