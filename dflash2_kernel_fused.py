@@ -6,9 +6,10 @@ GatedDeltaNet gates (CUDA only; dflash2_kernel_rope has the rotary embedding's).
   in order, rounded to fp16), silu after it with MLX's own functors, and the window
   the cache keeps, in one launch where decode runs six. cuda only.
 - `add_rms_norm(x, residual, weight, eps)`: the decoder layer's residual add and the
-  RMSNorm after it (MLX's Add and rms_norm_small copied), both outputs, in one launch
-  where decode runs two; `gated_rms_norm(x, weight, eps, gate)`: the GatedDeltaNet's
-  output norm and its fp32 swiglu gate, one launch where decode runs two. cuda only.
+  RMSNorm after it (MLX's Add and rms_norm_small or rms_norm copied), both outputs, in one
+  launch where decode runs two; `gated_rms_norm(x, weight, eps, gate)`: the GatedDeltaNet's
+  output norm and its fp32 swiglu gate, one launch where decode runs two. fp16 and fp32
+  rows, each under its own self-test. cuda only.
 - `gdn_gates(A_log, a, b, dt_bias)`: the GatedDeltaNet's g and beta (`_compute_g_beta`),
   one launch where decode runs two. cuda only.
 """
@@ -219,13 +220,26 @@ def self_test_conv(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 # memory, one more cg::reduce), rsqrt of sum / D + eps, then each output
 # `w * half(float(x) * that)`. The square of an fp16 value is exact in fp32, so whether a
 # compiler fuses it into the running sum (MLX's build does: FFMA) cannot change a bit.
-# MLX picks rms_norm_small for rows of up to 8192 fp16.
+# MLX picks rms_norm_small for rows of up to 8192 fp16 (N_READS * 128 * 8); longer rows
+# take its rms_norm (:128-170), 1024 threads each loading vectors r * 1024 + i in turn with
+# the same sums: this kernel at BLOCK 1024 and CHUNKS ceil(D / (1024 * N_READS)).
+# fp32 rows (the real file's residual stream and norm weights): the same kernels on float,
+# N_READS 4, so the 27B's 5120 features take MLX's rms_norm (rows above 4096 floats). An
+# fp32 square is rounded, so whether MLX's build fused it into the sum matters there: two
+# variants, "fma" (fused, as the fp16 kernel's exact squares are) and "mul_add" (rounded
+# apart), under their own self-tests and verdicts (add_norm32, gated_norm32).
 
-# (D,): blocks 64 and 128, 1 to 5 chunks, rows that end inside an 8-wide vector (1003; odd
-# rows then start unaligned, where load_vector reads element by element)
-NORM_WIDTHS_SMALL = ((512,), (1003,), (2560,), (4096,))
+# (D,): blocks 64 and 128, 1 to 5 chunks, rows that end inside a vector (1003; odd rows then
+# start unaligned, where load_vector reads element by element), MLX's long-row kernel (9000)
+NORM_WIDTHS_SMALL = ((512,), (1003,), (2560,), (4096,), (9000,))
+# fp32: 4-wide vectors, long rows from 4097 (the 27B's 5120, and one ending inside a vector)
+NORM32_WIDTHS_SMALL = ((512,), (1003,), (4096,), (5120,), (6001,))
 GATED_NORM_SHAPES_SMALL = ((4, 128), (3, 64), (2, 100))  # (heads, D): rows of heads at each position
-NORM_MAX_WIDTH = 8 * 128 * 8  # N_READS * 128 * 8 for fp16 (rms_norm.cu:585)
+NORM_VARIANTS = ("fused",)
+NORM32_VARIANTS = ("fma", "mul_add")
+_SQUARE_FUSED = {"fused": 1, "fma": 1, "mul_add": 0}  # the kernel's FMA template argument
+NORM_LONG_THREADS = 1024  # rms_norm's BLOCK_DIM (rms_norm.cu:617)
+NORM_MAX_CHUNKS = 8  # vectors a thread holds: rows up to 1024 * N_READS * 8
 
 
 def stock_add_rms_norm(x, residual, weight, eps: float):
@@ -239,11 +253,19 @@ def stock_gated_rms_norm(x, weight, eps: float, gate):
     return qwen3_5_language._precise_swiglu(x, gate, mx.fast.rms_norm(x, weight, eps))
 
 
-def rms_norm_launch(width: int) -> tuple:
-    """(BLOCK, CHUNKS) of MLX's rms_norm_small for an fp16 row of `width`
-    (dispatch_num_chunks and dispatch_chunks, rms_norm.cu:502-536, N_READS 8)."""
-    vectors = -(-width // 8)
-    if width <= 8 * 64:
+def norm_reads(dtype) -> int:
+    """MLX's N_READS for rows of this dtype: 16 bytes a vector (rms_norm.cu:583)."""
+    return 16 // dtype.size
+
+
+def rms_norm_launch(width: int, reads: int = 8) -> tuple:
+    """(BLOCK, CHUNKS) of MLX's norm for a row of `width` in vectors of `reads` (fp16 8,
+    fp32 4): rms_norm_small's (dispatch_num_chunks and dispatch_chunks, rms_norm.cu:502-536)
+    up to reads * 128 * 8, then rms_norm's 1024 threads and its passes over the row."""
+    if width > reads * 128 * 8:
+        return NORM_LONG_THREADS, -(-width // (NORM_LONG_THREADS * reads))
+    vectors = -(-width // reads)
+    if width <= reads * 64:
         return 64, 1
     if vectors % 128 == 0 and vectors // 128 <= 8:
         return 128, vectors // 128
@@ -263,11 +285,18 @@ namespace cg = cooperative_groups;
 using mlx::core::cu::AlignedVector;
 using mlx::core::cu::load_vector;
 using mlx::core::cu::store_vector;
-constexpr int N = 8;  // N_READS for __half
+template <typename T>
+constexpr int kReads = 16 / sizeof(T);  // N_READS: 8 for __half, 4 for float
 
-// rms_norm_small's factor for the row whose thread-owned vectors are xn.
-template <int BLOCK, int CHUNKS>
-__device__ float inverse_rms(const AlignedVector<__half, N> (&xn)[CHUNKS], const float* eps, uint32_t axis) {
+// One square into the running sum: FMA 1 fused (one rounding), 0 rounded apart.
+template <int FMA>
+__device__ __forceinline__ float add_square(float sum, float t) {
+  return FMA ? __fmaf_rn(t, t, sum) : __fadd_rn(sum, __fmul_rn(t, t));
+}
+
+// rms_norm_small's (or rms_norm's) factor for the row whose thread-owned vectors are xn.
+template <int BLOCK, int CHUNKS, int FMA, typename T>
+__device__ float inverse_rms(const AlignedVector<T, kReads<T>> (&xn)[CHUNKS], const float* eps, uint32_t axis) {
   auto block = cg::this_thread_block();
   auto warp = cg::tiled_partition<32>(block);
   __shared__ float temp[BLOCK / 32 > 1 ? BLOCK / 32 : 1];
@@ -275,9 +304,8 @@ __device__ float inverse_rms(const AlignedVector<__half, N> (&xn)[CHUNKS], const
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const float t = static_cast<float>(xn[c][j]);
-      normalizer += t * t;
+    for (int j = 0; j < kReads<T>; ++j) {
+      normalizer = add_square<FMA>(normalizer, static_cast<float>(xn[c][j]));
     }
   }
   normalizer = cg::reduce(warp, normalizer, cg::plus<float>{});
@@ -293,36 +321,37 @@ __device__ float inverse_rms(const AlignedVector<__half, N> (&xn)[CHUNKS], const
 }
 
 // One norm output as rms_norm_small writes it.
-__device__ __forceinline__ __half normed(__half x, float normalizer, __half w) {
+template <typename T>
+__device__ __forceinline__ T normed(T x, float normalizer, T w) {
   const float y = static_cast<float>(x) * normalizer;
-  return w * static_cast<__half>(y);
+  return w * static_cast<T>(y);
 }
 
-template <int BLOCK, int CHUNKS>
-__device__ void add_rms_norm(const __half* x, const __half* r, const __half* w, const float* eps,
-                             __half* h, __half* out, uint32_t axis) {
+template <int BLOCK, int CHUNKS, int FMA, typename T>
+__device__ void add_rms_norm(const T* x, const T* r, const T* w, const float* eps, T* h, T* out, uint32_t axis) {
+  constexpr int N = kReads<T>;
   const int64_t row = blockIdx.x;
   x += row * axis;
   r += row * axis;
   h += row * axis;
   out += row * axis;
-  AlignedVector<__half, N> hn[CHUNKS];
+  AlignedVector<T, N> hn[CHUNKS];
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int offset = BLOCK * c + threadIdx.x;
-    const auto xn = load_vector<N>(x, offset, axis, __float2half(0.0f));
-    const auto rn = load_vector<N>(r, offset, axis, __float2half(0.0f));
+    const auto xn = load_vector<N>(x, offset, axis, static_cast<T>(0.0f));
+    const auto rn = load_vector<N>(r, offset, axis, static_cast<T>(0.0f));
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       hn[c][j] = mlx::core::cu::Add{}(xn[j], rn[j]);
     }
     store_vector<N>(h, offset, hn[c], axis);
   }
-  const float normalizer = inverse_rms<BLOCK, CHUNKS>(hn, eps, axis);
+  const float normalizer = inverse_rms<BLOCK, CHUNKS, FMA>(hn, eps, axis);
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int offset = BLOCK * c + threadIdx.x;
-    const auto wn = load_vector<N>(w, offset, axis, __float2half(0.0f));
+    const auto wn = load_vector<N>(w, offset, axis, static_cast<T>(0.0f));
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       hn[c][j] = normed(hn[c][j], normalizer, wn[j]);
@@ -331,30 +360,30 @@ __device__ void add_rms_norm(const __half* x, const __half* r, const __half* w, 
   }
 }
 
-template <int BLOCK, int CHUNKS>
-__device__ void gated_rms_norm(const __half* x, const __half* w, const float* eps, const __half* gate,
-                               __half* out, uint32_t axis) {
+template <int BLOCK, int CHUNKS, int FMA, typename T>
+__device__ void gated_rms_norm(const T* x, const T* w, const float* eps, const T* gate, T* out, uint32_t axis) {
+  constexpr int N = kReads<T>;
   const int64_t row = blockIdx.x;
   x += row * axis;
   gate += row * axis;
   out += row * axis;
-  AlignedVector<__half, N> xn[CHUNKS];
+  AlignedVector<T, N> xn[CHUNKS];
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
-    xn[c] = load_vector<N>(x, BLOCK * c + threadIdx.x, axis, __float2half(0.0f));
+    xn[c] = load_vector<N>(x, BLOCK * c + threadIdx.x, axis, static_cast<T>(0.0f));
   }
-  const float normalizer = inverse_rms<BLOCK, CHUNKS>(xn, eps, axis);
+  const float normalizer = inverse_rms<BLOCK, CHUNKS, FMA>(xn, eps, axis);
   mlx::core::cu::Multiply multiply;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int offset = BLOCK * c + threadIdx.x;
-    const auto wn = load_vector<N>(w, offset, axis, __float2half(0.0f));
-    const auto gn = load_vector<N>(gate, offset, axis, __float2half(0.0f));
+    const auto wn = load_vector<N>(w, offset, axis, static_cast<T>(0.0f));
+    const auto gn = load_vector<N>(gate, offset, axis, static_cast<T>(0.0f));
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const float g = static_cast<float>(gn[j]);
       const float silu = multiply(g, mlx::core::cu::Sigmoid{}(g));
-      xn[c][j] = static_cast<__half>(multiply(silu, static_cast<float>(normed(xn[c][j], normalizer, wn[j]))));
+      xn[c][j] = static_cast<T>(multiply(silu, static_cast<float>(normed(xn[c][j], normalizer, wn[j]))));
     }
     store_vector<N>(out, offset, xn[c], axis);
   }
@@ -362,8 +391,8 @@ __device__ void gated_rms_norm(const __half* x, const __half* w, const float* ep
 
 }  // namespace dflash2_norm
 """
-_ADD_NORM_SOURCE = "dflash2_norm::add_rms_norm<BLOCK, CHUNKS>(x, r, w, eps, h, out, x_shape[x_ndim - 1]);"
-_GATED_NORM_SOURCE = "dflash2_norm::gated_rms_norm<BLOCK, CHUNKS>(x, w, eps, gate, out, x_shape[x_ndim - 1]);"
+_ADD_NORM_SOURCE = "dflash2_norm::add_rms_norm<BLOCK, CHUNKS, FMA>(x, r, w, eps, h, out, x_shape[x_ndim - 1]);"
+_GATED_NORM_SOURCE = "dflash2_norm::gated_rms_norm<BLOCK, CHUNKS, FMA>(x, w, eps, gate, out, x_shape[x_ndim - 1]);"
 
 
 @cache
@@ -395,63 +424,72 @@ def _eps_array(eps: float) -> mx.array:
     return value
 
 
-def _norm_launch(x) -> dict:
-    block, chunks = rms_norm_launch(x.shape[-1])
-    return dict(template=[("BLOCK", block), ("CHUNKS", chunks)],
+def _norm_launch(x, variant: str) -> dict:
+    block, chunks = rms_norm_launch(x.shape[-1], norm_reads(x.dtype))
+    return dict(template=[("BLOCK", block), ("CHUNKS", chunks), ("FMA", _SQUARE_FUSED[variant])],
                 grid=(x.size // x.shape[-1] * block, 1, 1), threadgroup=(block, 1, 1))
 
 
-def cuda_add_rms_norm(x, residual, weight, eps: float):
-    """(h, norm) through the CUDA kernel; no self-test gate."""
+def cuda_add_rms_norm(x, residual, weight, eps: float, variant: str = "fused"):
+    """(h, norm) through the CUDA kernel in one of NORM32_VARIANTS (fp16 rows: "fused"), in
+    x's dtype; no self-test gate."""
     return tuple(_add_norm_kernel()(
-        inputs=[x, residual, weight, _eps_array(eps)], **_norm_launch(x),
-        output_shapes=[x.shape, x.shape], output_dtypes=[mx.float16, mx.float16],
+        inputs=[x, residual, weight, _eps_array(eps)], **_norm_launch(x, variant),
+        output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype],
     ))
 
 
-def cuda_gated_rms_norm(x, weight, eps: float, gate):
-    """The gated norm through the CUDA kernel; no self-test gate."""
+def cuda_gated_rms_norm(x, weight, eps: float, gate, variant: str = "fused"):
+    """The gated norm through the CUDA kernel, variants as cuda_add_rms_norm's; no self-test gate."""
     return _gated_norm_kernel()(
-        inputs=[x, weight, _eps_array(eps), gate], **_norm_launch(x),
-        output_shapes=[x.shape], output_dtypes=[mx.float16],
+        inputs=[x, weight, _eps_array(eps), gate], **_norm_launch(x, variant),
+        output_shapes=[x.shape], output_dtypes=[x.dtype],
     )[0]
 
 
-_add_norm_serving: dict = {}  # backend -> "fused" where its self-test passed, else None
+# backend -> the variant its self-test verified, or None (fp16 rows, fp32 rows).
+_add_norm_serving: dict = {}
+_add_norm32_serving: dict = {}
 _gated_norm_serving: dict = {}
+_gated_norm32_serving: dict = {}
 
 
 def norm_kernel_supports(x, weight, *same) -> bool:
-    """Whether the norm kernels take x (the residual or the gate beside it: `same`)."""
-    return (x.ndim >= 1 and x.size > 0 and 0 < x.shape[-1] <= NORM_MAX_WIDTH
+    """Whether the norm kernels take x (the residual or the gate beside it: `same`): all
+    fp16 or all fp32, rows of up to 1024 threads' NORM_MAX_CHUNKS vectors."""
+    return (x.ndim >= 1 and x.size > 0 and x.dtype in (mx.float16, mx.float32)
+            and 0 < x.shape[-1] <= NORM_LONG_THREADS * norm_reads(x.dtype) * NORM_MAX_CHUNKS
             and weight.shape == (x.shape[-1],) and all(other.shape == x.shape for other in same)
-            and all(a.dtype == mx.float16 for a in (x, weight, *same)))
+            and all(a.dtype == x.dtype for a in (weight, *same)))
 
 
 def add_rms_norm(x, residual, weight, eps: float, variant=None):
     """(x + residual, mx.fast.rms_norm(x + residual, weight, eps)), each bit for bit as
     decode's own Add and rms_norm compute it, in one launch where the kernel serves.
-    variant: "fused" forces the kernel (no gate); default: as its self-test decided."""
+    variant: one of NORM32_VARIANTS (fp16: "fused") forces the kernel (no gate); default:
+    as the self-test of the rows' dtype decided."""
     if variant is None:
-        variant = cuda_serving_variant(_add_norm_serving, self_test_add_norm)
+        variant = (cuda_serving_variant(_add_norm32_serving, self_test_add_norm32) if x.dtype == mx.float32
+                   else cuda_serving_variant(_add_norm_serving, self_test_add_norm))
         if variant is None or not norm_kernel_supports(x, weight, residual):
             return stock_add_rms_norm(x, residual, weight, eps)
-    return cuda_add_rms_norm(x, residual, weight, eps)
+    return cuda_add_rms_norm(x, residual, weight, eps, variant=variant)
 
 
 def gated_rms_norm(x, weight, eps: float, gate, variant=None):
     """Qwen3_5RMSNormGated's output for x and its gate, bit for bit as decode's rms_norm and
-    compiled swiglu compute it, in one launch where the kernel serves. variant: "fused"
-    forces the kernel (no gate); default: as its self-test decided."""
+    compiled swiglu compute it, in one launch where the kernel serves. variant: as
+    add_rms_norm's."""
     if variant is None:
-        variant = cuda_serving_variant(_gated_norm_serving, self_test_gated_norm)
+        variant = (cuda_serving_variant(_gated_norm32_serving, self_test_gated_norm32) if x.dtype == mx.float32
+                   else cuda_serving_variant(_gated_norm_serving, self_test_gated_norm))
         if variant is None or not norm_kernel_supports(x, weight, gate):
             return stock_gated_rms_norm(x, weight, eps, gate)
-    return cuda_gated_rms_norm(x, weight, eps, gate)
+    return cuda_gated_rms_norm(x, weight, eps, gate, variant=variant)
 
 
-def _norm_weight(width: int, key) -> mx.array:
-    return (1 + 0.25 * mx.random.normal((width,), key=key)).astype(mx.float16)
+def _norm_weight(width: int, key, dtype) -> mx.array:
+    return (1 + 0.25 * mx.random.normal((width,), key=key)).astype(dtype)
 
 
 def self_test_add_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
@@ -459,21 +497,37 @@ def self_test_add_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResul
     mx.fast.rms_norm, at 1..8 positions (the first two of them also as 2 batch rows).
     kernel: (x, residual, weight, eps) -> (h, norm), tested as variant "kernel"; default:
     the CUDA kernel ("fused"), serving then switched on or off. shapes: (D,) widths."""
+    # No control: MLX's norm of many rows is its norm of each (one block a row), which is
+    # what lets verify batch it.
+    return _self_test_add_norm_rows(mx.float16, NORM_VARIANTS, _add_norm_serving, shapes, seed, kernel)
+
+
+def self_test_add_norm32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """self_test_add_norm on fp32 rows and weights (the real file's), every fp32 input kind:
+    each of NORM32_VARIANTS, fp32 rows' serving then switched to the first that passed; the
+    other is its control."""
+    return _self_test_add_norm_rows(mx.float32, NORM32_VARIANTS, _add_norm32_serving, shapes, seed, kernel)
+
+
+def _self_test_add_norm_rows(dtype, variant_names, serving: dict, shapes, seed, kernel) -> SelfTestResult:
+    fp32 = dtype == mx.float32
+    make = make_inputs_fp32 if fp32 else make_inputs
+
     def make_case(kind, rows, shape, key):
         k_x, k_r, k_w = mx.random.split(key, 3)
         (width,) = shape
         batch = 2 if rows == 2 else 1  # (2, 1, D): rows of a batch, as the servers' batches make
-        x, residual = (make_inputs(kind, rows, width, k).reshape(batch, rows // batch, width) for k in (k_x, k_r))
-        return (x, residual, _norm_weight(width, k_w), 1e-6), f"D={width} (B, L)={x.shape[:2]}"
+        x, residual = (make(kind, rows, width, k).reshape(batch, rows // batch, width) for k in (k_x, k_r))
+        return (x, residual, _norm_weight(width, k_w, dtype), 1e-6), f"D={width} (B, L)={x.shape[:2]}" + " fp32" * fp32
 
     def parts(function):
         return lambda *arguments: dict(zip(("h", "norm"), function(*arguments)))
 
-    # No control: MLX's norm of many rows is its norm of each (one block a row), which is
-    # what lets verify batch it.
-    return _self_test_cases(kernel and parts(kernel), {"fused": parts(cuda_add_rms_norm)}, _add_norm_serving,
-                            [tuple(s) for s in (shapes or NORM_WIDTHS_SMALL)], seed, make_case,
-                            parts(stock_add_rms_norm))
+    variants = {name: parts(partial(cuda_add_rms_norm, variant=name)) for name in variant_names}
+    return _self_test_cases(kernel and parts(kernel), variants, serving,
+                            [tuple(s) for s in (shapes or (NORM32_WIDTHS_SMALL if fp32 else NORM_WIDTHS_SMALL))],
+                            seed, make_case, parts(stock_add_rms_norm), failed_are_controls=fp32,
+                            kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)
 
 
 def self_test_gated_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
@@ -481,18 +535,33 @@ def self_test_gated_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestRes
     1..8 positions of every head. kernel: (x, weight, eps, gate) -> out, tested as variant
     "kernel"; default: the CUDA kernel ("fused"), serving then switched on or off.
     shapes: (heads, D)."""
+    return _self_test_gated_norm_rows(mx.float16, NORM_VARIANTS, _gated_norm_serving, shapes, seed, kernel)
+
+
+def self_test_gated_norm32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
+    """self_test_gated_norm on fp32 rows, gates and weights (the real file's), as
+    self_test_add_norm32 does the residual norm's."""
+    return _self_test_gated_norm_rows(mx.float32, NORM32_VARIANTS, _gated_norm32_serving, shapes, seed, kernel)
+
+
+def _self_test_gated_norm_rows(dtype, variant_names, serving: dict, shapes, seed, kernel) -> SelfTestResult:
+    fp32 = dtype == mx.float32
+    make = make_inputs_fp32 if fp32 else make_inputs
+
     def make_case(kind, rows, shape, key):
         k_x, k_g, k_w = mx.random.split(key, 3)
         heads, width = shape
-        x, gate = (make_inputs(kind, rows * heads, width, k).reshape(1, rows, heads, width) for k in (k_x, k_g))
-        return (x, _norm_weight(width, k_w), 1e-6, gate), f"(heads, D)={shape} L={rows}"
+        x, gate = (make(kind, rows * heads, width, k).reshape(1, rows, heads, width) for k in (k_x, k_g))
+        return (x, _norm_weight(width, k_w, dtype), 1e-6, gate), f"(heads, D)={shape} L={rows}" + " fp32" * fp32
 
     def parts(function):
         return lambda *arguments: {"out": function(*arguments)}
 
-    return _self_test_cases(kernel and parts(kernel), {"fused": parts(cuda_gated_rms_norm)}, _gated_norm_serving,
+    variants = {name: parts(partial(cuda_gated_rms_norm, variant=name)) for name in variant_names}
+    return _self_test_cases(kernel and parts(kernel), variants, serving,
                             [tuple(s) for s in (shapes or GATED_NORM_SHAPES_SMALL)], seed, make_case,
-                            parts(stock_gated_rms_norm))
+                            parts(stock_gated_rms_norm), failed_are_controls=fp32,
+                            kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)
 
 
 # ===========================================================================

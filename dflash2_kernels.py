@@ -27,7 +27,8 @@ itself on first use. The Metal kernels are written from MLX's source and were
 never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200 (`gdn_gates` in
 its "half" variant: MLX's Sigmoid on fp16, as the stock beta), those for fp32 rows (the real
 file's: qmv32 from one row, conv32, the fp32 rotation, its group and dense rows) on an H100
-(at 3b80a8a; qmv32's loads since rewritten, the fp32 rotary and gates not yet run on a GPU).
+(at 3b80a8a; qmv32's loads since rewritten, the fp32 rotary, gates and norms not yet run on
+a GPU).
 """
 
 import time
@@ -39,8 +40,9 @@ from dflash2_kernel_attention import (  # noqa: F401
 from dflash2_kernel_base import MAX_ROWS, SelfTestResult, backend_name, raw_bits  # noqa: F401
 from dflash2_kernel_conv32 import _conv32_serving, conv1d_rows, self_test_conv32  # noqa: F401
 from dflash2_kernel_fused import (  # noqa: F401
-    _add_norm_serving, _conv_serving, _gated_norm_serving, _gates32_serving, _gates_serving, add_rms_norm, conv_rows,
-    gated_rms_norm, gdn_gates, self_test_add_norm, self_test_conv, self_test_gated_norm, self_test_gates,
+    _add_norm32_serving, _add_norm_serving, _conv_serving, _gated_norm32_serving, _gated_norm_serving,
+    _gates32_serving, _gates_serving, add_rms_norm, conv_rows, gated_rms_norm, gdn_gates, self_test_add_norm,
+    self_test_add_norm32, self_test_conv, self_test_gated_norm, self_test_gated_norm32, self_test_gates,
     self_test_gates32,
 )
 from dflash2_kernel_gdn import (  # noqa: F401
@@ -83,7 +85,9 @@ SELF_TESTS = {
     "rope": ("rope", self_test_rope),
     "rope32": ("rope_fp32", self_test_rope32),
     "add_norm": ("norms", self_test_add_norm),
+    "add_norm32": ("norms_fp32", self_test_add_norm32),
     "gated_norm": ("gated_norms", self_test_gated_norm),
+    "gated_norm32": ("gated_norms_fp32", self_test_gated_norm32),
     "gates": ("gates", self_test_gates),
     "gates32": ("gates_fp32", self_test_gates32),
 }
@@ -96,7 +100,8 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
     [(K, block)], "rotation_groups": [(K, block, outputs)], "rotation_groups_fp32": [(K, block, outputs)],
     "gdn": [(B, Hk, Hv, Dk, Dv)], "dense": [(N, K)], "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)],
     "conv_fp32": [(B, C, K)], "rope": [(B, Hq, Hk, D, R)], "rope_fp32": [(B, Hq, Hk, D, R)],
-    "norms": [(D,)], "gated_norms": [(heads, D)], "gates": [(Hv,)], "gates_fp32": [(Hv,)]}; a missing or
+    "norms": [(D,)], "norms_fp32": [(D,)], "gated_norms": [(heads, D)], "gated_norms_fp32": [(heads, D)],
+    "gates": [(Hv,)], "gates_fp32": [(Hv,)]}; a missing or
     empty entry leaves that kernel to test itself on first use. Each kernel then
     serves only where its test passed. Returns {kernel name: SelfTestResult};
     off the kernels' backends the results say NO_KERNEL and take no time.
@@ -116,7 +121,8 @@ VERDICT_TABLES = {
     "rotate32": _rotate_fp32_verified, "rotate_group32": _rotate_group_fp32_verified, "gdn": _gdn_serving,
     "dense": _dense_serving, "attention": _attention_verified, "conv": _conv_serving, "conv32": _conv32_serving,
     "rope": _rope_serving, "rope32": _rope32_serving, "add_norm": _add_norm_serving,
-    "gated_norm": _gated_norm_serving, "gates": _gates_serving, "gates32": _gates32_serving,
+    "add_norm32": _add_norm32_serving, "gated_norm": _gated_norm_serving, "gated_norm32": _gated_norm32_serving,
+    "gates": _gates_serving, "gates32": _gates32_serving,
 }
 
 

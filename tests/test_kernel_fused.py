@@ -84,31 +84,45 @@ def test_gdn_gates_equal_mlx_vlm_s_compute_g_beta():
 def test_rms_norm_launch_is_mlx_s_for_each_width():
     """MLX's (block, chunks) for an fp16 row (rms_norm.cu dispatch_num_chunks): 64 threads
     up to 512 features, 128 where the 8-wide vectors split evenly over 128, else 64, else
-    128 with the chunks rounded up."""
-    assert [dflash2_kernel_fused.rms_norm_launch(width) for width in (100, 512, 1000, 1024, 2560, 4096, 5120, 5128, 8192)] == [
-        (64, 1), (64, 1), (128, 1), (128, 1), (64, 5), (128, 4), (128, 5), (128, 6), (128, 8)]
+    128 with the chunks rounded up; past 8192 its long-row kernel, 1024 threads a pass. fp32
+    rows read 4-wide vectors, so the long-row kernel takes them past 4096: the 27B's 5120."""
+    launch = dflash2_kernel_fused.rms_norm_launch
+    assert [launch(width) for width in (100, 512, 1000, 1024, 2560, 4096, 5120, 5128, 8192, 8193, 9000, 16385)] == [
+        (64, 1), (64, 1), (128, 1), (128, 1), (64, 5), (128, 4), (128, 5), (128, 6), (128, 8), (1024, 2), (1024, 2),
+        (1024, 3)]
+    reads = dflash2_kernel_fused.norm_reads(mx.float32)
+    assert [launch(width, reads) for width in (128, 256, 1003, 2560, 4096, 4097, 5120, 8192, 8193)] == [
+        (64, 1), (64, 1), (128, 2), (128, 5), (128, 8), (1024, 2), (1024, 2), (1024, 2), (1024, 3)]
+    assert dflash2_kernel_fused.norm_reads(mx.float16) == 8 and reads == 4
 
 
-def test_wrong_add_norm_fails_naming_the_case():
+@pytest.mark.parametrize("fp32", [False, True])
+def test_wrong_add_norm_fails_naming_the_case(fp32):
+    """fp16 rows' self-test and fp32 rows' (their own input kinds) each fail a norm one bit off."""
     def wrong(x, residual, weight, eps):  # the norm's first element one bit off at 8 rows
         h, normed = dflash2_kernel_fused.stock_add_rms_norm(x, residual, weight, eps)
         return h, flip_first_bit(normed) if x.shape[1] == 8 else normed
 
-    result = dflash2_kernel_fused.self_test_add_norm([(512,)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
-    assert "D=512 (B, L)=(1, 8) input=normal, norm" in result.reason
-    assert dflash2_kernel_fused.self_test_add_norm([(512,)], kernel=dflash2_kernel_fused.stock_add_rms_norm).ok
+    self_test = dflash2_kernel_fused.self_test_add_norm32 if fp32 else dflash2_kernel_fused.self_test_add_norm
+    kinds = dflash2_kernel_base.FP32_INPUT_KINDS if fp32 else dflash2_kernel_base.INPUT_KINDS
+    result = self_test([(512,)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(kinds)
+    assert f"D=512 (B, L)=(1, 8){' fp32' * fp32} input=normal, norm" in result.reason
+    assert self_test([(512,)], kernel=dflash2_kernel_fused.stock_add_rms_norm).ok
 
 
-def test_wrong_gated_norm_fails_naming_the_case():
+@pytest.mark.parametrize("fp32", [False, True])
+def test_wrong_gated_norm_fails_naming_the_case(fp32):
     def wrong(x, weight, eps, gate):  # the first element one bit off at 3 positions
         out = dflash2_kernel_fused.stock_gated_rms_norm(x, weight, eps, gate)
         return flip_first_bit(out) if x.shape[1] == 3 else out
 
-    result = dflash2_kernel_fused.self_test_gated_norm([(2, 64)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(dflash2_kernel_base.INPUT_KINDS)
-    assert "(heads, D)=(2, 64) L=3 input=normal, out" in result.reason
-    assert dflash2_kernel_fused.self_test_gated_norm([(2, 64)], kernel=dflash2_kernel_fused.stock_gated_rms_norm).ok
+    self_test = dflash2_kernel_fused.self_test_gated_norm32 if fp32 else dflash2_kernel_fused.self_test_gated_norm
+    kinds = dflash2_kernel_base.FP32_INPUT_KINDS if fp32 else dflash2_kernel_base.INPUT_KINDS
+    result = self_test([(2, 64)], kernel=wrong)
+    assert not result.ok and result.mismatches == len(kinds)
+    assert f"(heads, D)=(2, 64) L=3{' fp32' * fp32} input=normal, out" in result.reason
+    assert self_test([(2, 64)], kernel=dflash2_kernel_fused.stock_gated_rms_norm).ok
 
 
 @pytest.mark.parametrize("fp32", [False, True])
@@ -213,3 +227,75 @@ def test_fp32_gates_serve_by_their_own_self_test(monkeypatch, float32_target):
     shapes = kernel_shapes(float32_target[0])
     assert shapes["gates_fp32"] == shapes["gates"] and shapes["gates"]
     assert dk.SELF_TESTS["gates32"][0] == "gates_fp32" and "gates32" in dk.VERDICT_TABLES
+
+
+@pytest.mark.parametrize("norm", ["add_norm", "gated_norm"])
+def test_fp32_norms_serve_by_their_own_self_tests(monkeypatch, float32_target, norm):
+    """fp32 rows and weights (the real file's residual stream and norms), as on CUDA with a
+    stand-in kernel whose "mul_add" variant is one bit off: the fp32 self-test tries both
+    variants on every fp32 input kind, serves "fma" with "mul_add" as its control, fills
+    fp32's verdict only; the norm then sends fp32 rows to it and fp16 rows by fp16's verdict
+    (stock here), outputs in the rows' dtype. An fp32 pack's start-up tests both norms at its
+    widths."""
+    from dflash2_pack import kernel_shapes
+
+    fused = dflash2_kernel_fused
+    stock = {"add_norm": fused.stock_add_rms_norm, "gated_norm": fused.stock_gated_rms_norm}[norm]
+    calls = []
+
+    def stand_in(*arguments, variant):
+        calls.append((arguments[0].dtype, variant))
+        out = stock(*arguments)
+        return out if variant == "fma" else one_bit_off(out)
+
+    def one_bit_off(out):  # the first output's first element
+        return (flip_first_bit(out[0]), out[1]) if isinstance(out, tuple) else flip_first_bit(out)
+
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(fused, f"cuda_{norm.replace('norm', 'rms_norm')}", stand_in)
+    monkeypatch.setattr(fused, f"_{norm}_serving", {"cuda": None})
+    monkeypatch.setattr(fused, f"_{norm}32_serving", {})
+    shape = (512,) if norm == "add_norm" else (2, 64)
+    result = getattr(fused, f"self_test_{norm}32")([shape])
+    assert result.ok and result.variant == "fma" and getattr(fused, f"_{norm}32_serving") == {"cuda": "fma"}
+    assert result.controls["mul_add"] > 0
+    assert {case["input"] for case in result.cases} == set(dflash2_kernel_base.FP32_INPUT_KINDS)
+    assert {dtype for dtype, _ in calls} == {mx.float32}
+    calls.clear()
+    for dtype in (mx.float32, mx.float16):
+        x, other = (dflash2_kernel_base.make_inputs("normal", 3, shape[-1], mx.random.key(s)).astype(dtype)
+                    for s in (1, 2))
+        weight = mx.ones((shape[-1],), dtype)
+        out = (dk.add_rms_norm(x, other, weight, 1e-6) if norm == "add_norm"
+               else dk.gated_rms_norm(x, weight, 1e-6, other))
+        assert all(o.dtype == dtype for o in (out if isinstance(out, tuple) else (out,)))
+    assert calls == [(mx.float32, "fma")]  # fp16's verdict is None here: its stock calls
+    shapes = kernel_shapes(float32_target[0])
+    key = {"add_norm": "norms", "gated_norm": "gated_norms"}[norm]
+    assert shapes[f"{key}_fp32"] == shapes[key] and shapes[key]
+    assert dk.SELF_TESTS[f"{norm}32"][0] == f"{key}_fp32" and f"{norm}32" in dk.VERDICT_TABLES
+
+
+def test_norms_take_fp16_or_fp32_rows_of_one_dtype_up_to_their_longest():
+    """The kernels' reach: all of one dtype (fp16 or fp32), weight the row's width, rows up to
+    1024 threads' 8 vectors (fp16 65536 features, fp32 32768)."""
+    supports = dflash2_kernel_fused.norm_kernel_supports
+    for dtype, longest in ((mx.float16, 65536), (mx.float32, 32768)):
+        for width, taken in ((5120, True), (longest, True), (longest + 1, False)):
+            x = mx.zeros((1, width), dtype)
+            assert supports(x, mx.zeros((width,), dtype), x) == taken
+    x = mx.zeros((1, 64), mx.float32)
+    assert not supports(x, mx.zeros((64,), mx.float16), x)  # an fp16 weight on fp32 rows: promoted, stock's
+    assert not supports(x.astype(mx.bfloat16), mx.zeros((64,), mx.bfloat16))
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernel")
+@pytest.mark.parametrize("norm", ["add_norm32", "gated_norm32"])
+def test_fp32_norm_kernels_equal_mlx_at_the_27b_shapes_on_cuda(norm):
+    """fp32 rows at the 27B's shapes (5120 features: MLX's long-row kernel; 48 heads of 128)
+    and the small ones, 1..8 positions: a variant serves, the other differs (its control)."""
+    shapes = {"add_norm32": [(5120,), *dflash2_kernel_fused.NORM32_WIDTHS_SMALL],
+              "gated_norm32": [(48, 128), *dflash2_kernel_fused.GATED_NORM_SHAPES_SMALL]}[norm]
+    result = getattr(dflash2_kernel_fused, f"self_test_{norm}")(shapes)
+    assert result.ok and result.variant in dflash2_kernel_fused.NORM32_VARIANTS, result.reason
+    print(norm, "variants, differing elements:", result.variants)
