@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_decode_arms
+import dflash2_kernel_fused
 import dflash2_kernel_qmv
 import dflash2_kernel_rotate
 import dflash2_kernels as dk
@@ -41,6 +42,23 @@ def test_views_are_free_and_one_launch_calls_count_once():
     assert count(lambda: [mx.exp(x) + 1]) == 2
     # add_rms_norm's stock form calls rms_norm, itself one launch: counted once in all.
     assert count(lambda: list(dk.add_rms_norm(x, x, weight, 1e-6))) == 1
+
+
+def test_calls_a_cuda_kernel_does_not_take_count_as_the_stock_calls_cuda_runs():
+    """The convolution kernel is fp16's only: on fp32 rows CUDA runs decode's own calls, so the
+    count is what they build (nested one-launch calls, as the norms' rms_norm, still one each);
+    the norm kernels take fp32 rows, but not an fp32 row with an fp16 weight."""
+    state, x, weight = (a.astype(mx.float32) for a in dflash2_kernel_fused.make_conv_case(
+        "normal", 1, 40, 4, mx.random.key(1)))
+    mx.eval(state, x, weight)
+    state16, x16 = state.astype(mx.float16), x.astype(mx.float16)
+    mx.eval(state16, x16)
+    assert count(lambda: list(dk.conv_rows(state, x[:, :2], weight))) > 2
+    assert count(lambda: list(dk.conv_rows(state16, x16[:, :2], weight))) == 1
+    rows, weight32, weight16 = mx.ones((2, 512), mx.float32), mx.ones((512,), mx.float32), mx.ones((512,), mx.float16)
+    mx.eval(rows, weight32, weight16)
+    assert count(lambda: list(dk.add_rms_norm(rows, rows, weight32, 1e-6))) == 1
+    assert count(lambda: list(dk.add_rms_norm(rows, rows, weight16, 1e-6))) == 2  # Add, rms_norm
 
 
 def test_views_are_counted_apart_those_inside_one_launch_calls_left_out():

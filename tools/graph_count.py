@@ -3,6 +3,8 @@
     python tools/graph_count.py                  # tiny widths, the real 64-layer pattern
     python tools/graph_count.py --pack DIR       # a built pack
     python tools/graph_count.py --out evidence/  # writes graph-counts-cpu.json and .md
+    python tools/graph_count.py --dense-dtype float32 --out evidence/   # the real file's layout:
+                                                 # fp32 activations (graph-counts-cpu-fp32)
 
 On MLX's CUDA backend a decode step is host-bound, about 15 us a primitive, so a verify
 round costs about what it launches (../shared/notes/exact-fast-verify.md, section 3).
@@ -18,7 +20,9 @@ Counts are GPU-equivalent primitives, by this rule:
 - each call of a ONE_LAUNCH function counts as 1: `mx.fast.rms_norm` (one kernel on
   GPUs, 8 or 9 ops on CPU) and dflash2_kernels' exact matmul (one kernel launch for
   all rows on CUDA and Metal, one stock call per row on CPU). The ops CPU builds such a
-  call from are counted by rebuilding the call on evaluated zeros of the same shapes;
+  call from are counted by rebuilding the call on evaluated zeros of the same shapes.
+  Where CUDA's kernel does not take the call's inputs (fp32 rows where it is fp16's only)
+  the call counts as the stock calls CUDA runs instead, as CPU builds them;
 - attention counts as CPU builds it, MLX's unfused formula: what CUDA runs at the 27B's
   head dim 256 (on Metal it is one sdpa_vector kernel, so this overcounts there).
 The decode step is generate_step's: a forward of one token, then the argmax of
@@ -41,15 +45,20 @@ from mlx_vlm.models.cache import KVCache
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
+import dflash2_kernel_fused  # noqa: E402
+import dflash2_kernel_gdn  # noqa: E402
+import dflash2_kernel_rope  # noqa: E402
 import dflash2_kernels  # noqa: E402
-from records import run_environment, write_record  # noqa: E402
+from records import add_dense_dtype_argument, layout_suffix, run_environment, write_record  # noqa: E402
 
 VIEWS = {
     "AsStrided", "Broadcast", "BroadcastAxes", "ExpandDims", "Flatten", "Reshape", "Slice",
     "Split", "Squeeze", "StopGradient", "Transpose", "Unflatten", "View",
 }
 # Kernel launches a call makes on CUDA, where CPU builds it from several ops (or, for
-# dflash2_kernels' multi-position functions, from one stock call per position).
+# dflash2_kernels' multi-position functions, from one stock call per position); None where
+# CUDA's kernel does not take those inputs (a dtype it has no kernel for: fp32 rows where a
+# kernel is fp16's only), so CUDA runs the stock calls too, counted as CPU builds them.
 ONE_LAUNCH = (
     (mx.fast, "rms_norm", lambda *args, **kwargs: 1),
     (dflash2_kernels, "exact_rows", lambda *args, **kwargs: 1),
@@ -58,16 +67,31 @@ ONE_LAUNCH = (
     (dflash2_kernels, "exact_linear_group", lambda x, block, signs, matrices: len(matrices) + bool(block)),
     (dflash2_kernels, "rotate", lambda *args, **kwargs: 1),
     (dflash2_kernels, "rotate_group", lambda *args, **kwargs: 1),  # decode's, for MLX's matmuls
-    (dflash2_kernels, "gdn_recurrence", lambda *args, **kwargs: 1),
-    (dflash2_kernels, "dense_rows", lambda *args, **kwargs: 1),
-    (dflash2_kernels, "conv_rows", lambda *args, **kwargs: 1),
-    (dflash2_kernels, "rope_rows", lambda *args, **kwargs: 1),
-    (dflash2_kernels, "add_rms_norm", lambda *args, **kwargs: 1),
-    (dflash2_kernels, "gated_rms_norm", lambda *args, **kwargs: 1),
-    (dflash2_kernels, "gdn_gates", lambda *args, **kwargs: 1),
-    # Scores, softmax and gather kernels, then decode's own p @ v call per query.
-    (dflash2_kernels, "decode_attention_rows", lambda queries, *args, **kwargs: 3 + queries.shape[2]),
+    (dflash2_kernels, "gdn_recurrence",
+     lambda q, k, v, g, beta, state, *args, **kwargs: reach(dflash2_kernel_gdn.gdn_kernel_supports(
+         "cuda", q, k, v, g, beta, state))),
+    (dflash2_kernels, "dense_rows",
+     lambda x, weight, *args, **kwargs: reach(dflash2_kernel_gdn.dense_kernel_supports(x, weight))),
+    (dflash2_kernels, "conv_rows", lambda *args, **kwargs: reach(dflash2_kernel_fused.conv_kernel_supports(*args[:3]))),
+    (dflash2_kernels, "rope_rows", lambda *args, **kwargs: reach(dflash2_kernel_rope.rope_kernel_supports(*args[:4]))),
+    (dflash2_kernels, "add_rms_norm",
+     lambda x, residual, weight, *args, **kwargs: reach(dflash2_kernel_fused.norm_kernel_supports(x, weight, residual))),
+    (dflash2_kernels, "gated_rms_norm",
+     lambda x, weight, eps, gate, *args, **kwargs: reach(dflash2_kernel_fused.norm_kernel_supports(x, weight, gate))),
+    (dflash2_kernels, "gdn_gates",
+     lambda *args, **kwargs: reach(dflash2_kernel_fused.gates_kernel_supports(*args[:4]))),
+    # Scores, softmax and gather kernels, then decode's own p @ v call per query (fp16: the
+    # kernels' dtype; at the 27B's head dim 256, whatever the tiny target's).
+    (dflash2_kernels, "decode_attention_rows",
+     lambda queries, *args, **kwargs: 3 + queries.shape[2] if queries.dtype == mx.float16 else None),
 )
+
+
+def reach(taken: bool):
+    """One launch where CUDA's kernel takes the call's inputs, else its stock calls (None)."""
+    return 1 if taken else None
+
+
 LENGTHS = range(2, 9)
 PROMPT_TOKENS = 2
 
@@ -126,8 +150,10 @@ def one_launch_calls():
         stock = getattr(owner, name)
 
         def counted(*args, stock=stock, launches=launches, **kwargs):
-            if not inside:
-                calls[stock, signature(args), signature(kwargs), launches(*args, **kwargs)] += 1
+            count = None if inside else launches(*args, **kwargs)
+            if count is None:  # inside another, or stock calls on CUDA: what it builds counts
+                return stock(*args, **kwargs)
+            calls[stock, signature(args), signature(kwargs), count] += 1
             inside.append(stock)
             try:
                 return stock(*args, **kwargs)
@@ -262,8 +288,9 @@ def count_steps(lm, taps, lengths=LENGTHS) -> dict:
     }
 
 
-def load_target(pack):
-    """(model, drafter taps): a built pack, or the tiny4 synthetic target with 64 layers."""
+def load_target(pack, dense_dtype="float16"):
+    """(model, drafter taps): a built pack, or the tiny4 synthetic target with 64 layers
+    (its unpacked tensors in dense_dtype: float32 the real file's layout)."""
     if pack:
         from dflash2_pack import find_pack, load_pack
 
@@ -272,7 +299,7 @@ def load_target(pack):
     from make_synthetic_pack import build_target_model, drafter_config
 
     taps = drafter_config("tiny4", layers=64)["dflash_config"]["target_layer_ids"]
-    return build_target_model("tiny4", seed=0, layers=64), list(taps)
+    return build_target_model("tiny4", seed=0, dense_dtype=dense_dtype, layers=64), list(taps)
 
 
 def ratios(counts) -> dict:
@@ -283,12 +310,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pack", help="pack folder (default: tiny4 synthetic target, 64 layers)")
     parser.add_argument("--out", default=str(REPO / "evidence"))
+    add_dense_dtype_argument(parser)
     args = parser.parse_args()
 
     import dflash2_decode_arms
     import dflash2_runtime
 
-    model, taps = load_target(args.pack)
+    model, taps = load_target(args.pack, args.dense_dtype)
     lm = model.language_model
     stock = count_steps(lm, taps)
     status = dflash2_runtime.install(model)
@@ -305,8 +333,10 @@ def main():
     record = {
         **run_environment(
             "graph_count.py",
-            Path(args.pack).name if args.pack else "synthetic tiny widths, 64 layers, seed 0",
+            Path(args.pack).name if args.pack else
+            f"synthetic tiny widths, 64 layers, seed 0, {args.dense_dtype} unpacked tensors",
         ),
+        "dense_dtype": None if args.pack else args.dense_dtype,
         "layers": len(lm.model.layers),
         "rule": "non-view primitives of everything the step leaves to evaluate; each call "
         "of a ONE_LAUNCH function counts as the kernel launches it makes on CUDA; stock "
@@ -329,7 +359,8 @@ def main():
             "exact_verify_8": dict(exact["kinds"]["verify"].most_common()),
         },
     }
-    write_record(args.out, "graph-counts-cpu", record, summary_markdown(record))
+    name = "graph-counts-cpu" + layout_suffix(None if args.pack else args.dense_dtype)
+    write_record(args.out, name, record, summary_markdown(record))
     print(summary_markdown(record))
 
 
