@@ -37,12 +37,16 @@ from dflash2_kernel_base import (
 # (for a compiler that does not). The self-test decides which serves; the negation and
 # the copies are exact. fp32 rows: the same kernel on float (MLX's fused kernel then
 # computes in fp32 and either product could be the contracted one: "fma_sin" contracts
-# r * sin into x * cos + it), its own self-test and verdict.
+# r * sin into x * cos + it), its own self-test and verdict. Their cos and sin tables come
+# in the embeddings' dtype, fp16 in the real file's layout (its embedding's scales are
+# fp16): the fused kernel widens each to fp32 first, exactly, and so does this one; the
+# self-test takes both table dtypes.
 
 ROPE_SHAPES_SMALL = ((1, 4, 2, 64, 16), (2, 3, 1, 32, 32), (1, 6, 6, 256, 64))  # (B, Hq, Hk, D, R)
 ROPE_VARIANTS = ("fma", "mul_add")
 ROPE32_VARIANTS = ("fma", "fma_sin", "mul_add")
 _CONTRACTED = {"mul_add": 0, "fma": 1, "fma_sin": 2}  # the kernel's FMA: which product fuses into the sum
+ROPE32_TABLES = {"fp16": mx.float16, "fp32": mx.float32}  # fp32 rows' cos and sin dtypes
 ROPE_LONG_ROWS = 300  # a prefill's length, beside 1..8: the kernel is element-wise at any L
 stock_rope_rows = rope_utils._apply_interleaved_rotary_pos_emb_axis1
 
@@ -93,9 +97,9 @@ _ROPE_SOURCE = """
   const int64_t b = i / (int64_t(D) * L * H);
   using T = dflash2_types::Element<decltype(q_out)>::type;
   T c{}, s{};
-  if (d < R) {
-    c = cos[b * cos_strides[0] + l * cos_strides[1] + d * cos_strides[2]];
-    s = sin[b * sin_strides[0] + l * sin_strides[1] + d * sin_strides[2]];
+  if (d < R) {  // tables in q's dtype, or fp16 widened to fp32 rows' (exact)
+    c = static_cast<T>(cos[b * cos_strides[0] + l * cos_strides[1] + d * cos_strides[2]]);
+    s = static_cast<T>(sin[b * sin_strides[0] + l * sin_strides[1] + d * sin_strides[2]]);
   }
   if (h < Hq) {
     const T* x = q + b * q_strides[0] + h * q_strides[1] + l * q_strides[2];
@@ -148,7 +152,8 @@ def rope_kernel_supports(q, k, cos, sin) -> bool:
     return (cos.shape == sin.shape == (batch, rows, cos.shape[-1])
             and k.shape[0] == batch and k.shape[2:] == q.shape[2:]
             and 0 < cos.shape[-1] <= width and cos.shape[-1] % 2 == 0
-            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in (mx.float16, mx.float32))
+            and q.dtype == k.dtype and cos.dtype == sin.dtype and q.dtype in (mx.float16, mx.float32)
+            and cos.dtype in {q.dtype, mx.float16})
 
 
 def rope_rows(q, k, cos, sin, variant=None):
@@ -164,10 +169,12 @@ def rope_rows(q, k, cos, sin, variant=None):
     return cuda_rope_rows(q, k, cos, sin, variant)
 
 
-def make_rope_case(kind: str, batch, q_heads, k_heads, width, rotary, rows, key, dtype=mx.float16):
+def make_rope_case(kind: str, batch, q_heads, k_heads, width, rotary, rows, key, dtype=mx.float16,
+                   table_dtype=None):
     """(q, k, cos, sin) as the model hands them over: q and k (B, H, L, D) transposed
     views of (B, L, H, D) fp16 (or fp32) activations of `kind`, cos and sin (B, L, R) of
-    that dtype, of real angles (position p times MRoPE-like frequencies)."""
+    table_dtype (default: that dtype), of real angles (position p times MRoPE-like
+    frequencies)."""
     make = make_inputs_fp32 if dtype == mx.float32 else make_inputs
     k_q, k_k = mx.random.split(key)
     q = make(kind, batch * rows, q_heads * width, k_q).reshape(batch, rows, q_heads, width)
@@ -176,7 +183,7 @@ def make_rope_case(kind: str, batch, q_heads, k_heads, width, rotary, rows, key,
     angles = (mx.arange(rows, dtype=mx.float32) + 1000.0)[:, None] * frequencies
     angles = mx.broadcast_to(mx.concatenate([angles, angles], axis=-1), (batch, rows, rotary))
     return (q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-            mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype))
+            mx.cos(angles).astype(table_dtype or dtype), mx.sin(angles).astype(table_dtype or dtype))
 
 
 def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
@@ -189,24 +196,29 @@ def self_test_rope(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
 
 
 def self_test_rope32(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
-    """self_test_rope on fp32 rows (the real file's), every fp32 input kind: each of
-    ROPE32_VARIANTS, fp32 rows' serving then switched to the first that passed."""
+    """self_test_rope on fp32 rows (the real file's), every fp32 input kind, with fp16
+    tables (the real file's) and fp32 ones: each of ROPE32_VARIANTS, fp32 rows' serving then
+    switched to the first that passed."""
     return _self_test_rows(mx.float32, ROPE32_VARIANTS, _rope32_serving, shapes, seed, kernel)
 
 
 def _self_test_rows(dtype, variant_names, serving: dict, shapes, seed, kernel) -> SelfTestResult:
     fp32 = dtype == mx.float32
+    tables = [(name,) for name in ROPE32_TABLES] if fp32 else [()]  # fp32 rows: each table dtype
 
     def make_case(kind, rows, shape, key):
-        return (make_rope_case(kind, *shape, rows, key, dtype=dtype),
-                f"(B, Hq, Hk, D, R)={shape} rows={rows}" + " fp32" * fp32)
+        if not fp32:
+            return make_rope_case(kind, *shape, rows, key), f"(B, Hq, Hk, D, R)={shape} rows={rows}"
+        *shape, table = shape
+        return (make_rope_case(kind, *shape, rows, key, dtype=dtype, table_dtype=ROPE32_TABLES[table]),
+                f"(B, Hq, Hk, D, R)={tuple(shape)} rows={rows} fp32, {table} tables")
 
     def parts(function):
         return lambda *arguments: dict(zip(("q", "k"), function(*arguments)))
 
     variants = {name: parts(partial(cuda_rope_rows, variant=name)) for name in variant_names}
     return _self_test_cases(kernel and parts(kernel), variants, serving,
-                            [tuple(s) for s in (shapes or ROPE_SHAPES_SMALL)], seed, make_case,
+                            [(*s, *table) for s in (shapes or ROPE_SHAPES_SMALL) for table in tables], seed, make_case,
                             parts(stock_rope_rows), failed_are_controls=True,
                             rows=(*range(1, MAX_ROWS + 1), ROPE_LONG_ROWS),
                             kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)

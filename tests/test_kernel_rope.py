@@ -54,23 +54,41 @@ def test_rope_kernel_equals_mlx_vlm_at_the_27b_shape_on_cuda():
 
 def test_the_fp32_rotary_self_test_passes_the_stock_call_and_fails_a_bit_off():
     """fp32 rows (the real file's): the self-test takes every fp32 input kind at 1..8 positions
-    and a prefill's, passes mlx-vlm's own call as a kernel, and fails one bit off in the keys
-    at 8 positions naming the case; off CUDA the default has no kernel to test."""
+    and a prefill's, with fp16 tables (the real file's: its embedding's dtype) and fp32 ones,
+    passes mlx-vlm's own call as a kernel, and fails one bit off in the keys at 8 positions
+    naming the case; off CUDA the default has no kernel to test."""
     assert dflash2_kernel_rope.self_test_rope32().reason == (
         dflash2_kernel_base.NO_KERNEL if dk.backend_name() != "cuda" else None)
     shape = [(1, 2, 1, 32, 16)]
     passed = dflash2_kernel_rope.self_test_rope32(shape, kernel=dflash2_kernel_rope.stock_rope_rows)
     assert passed.ok and {case["input"] for case in passed.cases} == set(dflash2_kernel_base.FP32_INPUT_KINDS)
     assert {case["rows"] for case in passed.cases} == {*range(1, 9), dflash2_kernel_rope.ROPE_LONG_ROWS}
+    assert {case["shape"][-1] for case in passed.cases} == {"fp16", "fp32"}
+    tables = []
 
     def wrong(q, k, cos, sin):
-        assert q.dtype == k.dtype == cos.dtype == mx.float32
+        assert q.dtype == k.dtype == mx.float32 and cos.dtype == sin.dtype
+        tables.append(cos.dtype)
         q_out, k_out = dflash2_kernel_rope.stock_rope_rows(q, k, cos, sin)
         return q_out, flip_first_bit(k_out) if q.shape[2] == 8 else k_out
 
     result = dflash2_kernel_rope.self_test_rope32(shape, kernel=wrong)
-    assert not result.ok and result.mismatches == len(dflash2_kernel_base.FP32_INPUT_KINDS)
-    assert "(B, Hq, Hk, D, R)=(1, 2, 1, 32, 16) rows=8 fp32 input=normal, k" in result.reason
+    assert not result.ok and result.mismatches == 2 * len(dflash2_kernel_base.FP32_INPUT_KINDS)
+    assert "(B, Hq, Hk, D, R)=(1, 2, 1, 32, 16) rows=8 fp32, fp16 tables input=normal, k" in result.reason
+    assert set(tables) == {mx.float16, mx.float32}
+
+
+def test_fp32_rows_with_fp16_tables_take_the_fp32_kernel():
+    """The real file's attention hands fp32 queries and keys with the rotary's fp16 cos and sin
+    (its embedding's dtype): the kernel takes them, widening each table entry exactly as
+    MLX's fused kernel does; other mixes stay mlx-vlm's call."""
+    supports = dflash2_kernel_rope.rope_kernel_supports
+    q, k, cos, sin = dflash2_kernel_rope.make_rope_case("normal", 1, 2, 1, 32, 16, 3, mx.random.key(1),
+                                                        dtype=mx.float32, table_dtype=mx.float16)
+    assert cos.dtype == sin.dtype == mx.float16 and supports(q, k, cos, sin)
+    assert not supports(q.astype(mx.float16), k.astype(mx.float16), cos.astype(mx.float32), sin.astype(mx.float32))
+    assert not supports(q, k, cos.astype(mx.bfloat16), sin.astype(mx.bfloat16))
+    assert not supports(q, k, cos, sin.astype(mx.float32))
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
