@@ -126,14 +126,16 @@ def _gated_delta_ops_call(q, k, v, g, beta, state=None, mask=None):
 
 
 def _gated_delta_net_call(self, inputs, mask=None, cache=None):
-    """Qwen3_5GatedDeltaNet.__call__; with the convolution, decode's one unpadded fp16 row
-    runs the layer as verify does at one position (gated_delta_positions): the window,
-    convolution and silu in one launch instead of six (dflash2_kernels.conv_rows), both
-    gates in one (dense_rows). Each kernel is bitwise decode's (its self-test), and
-    choose_decode_path compares a step of the arm with stock's before it can serve."""
+    """Qwen3_5GatedDeltaNet.__call__; with the convolution, decode's one unpadded fp16 or
+    fp32 row runs the layer as verify does at one position (gated_delta_positions): fp16's
+    window, convolution and silu in one launch instead of six (dflash2_kernels.conv_rows;
+    fp32 convolution weights keep decode's nn.Conv1d), both gate projections in one
+    (dense_rows), the gates, the q and k norms and the gated norm in fewer. Each kernel is
+    bitwise decode's (its self-test), and choose_decode_path compares a step of the arm with
+    stock's before it can serve."""
     if ("convolution" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5GatedDeltaNet
             or self.training or mask is not None or cache is None
-            or inputs.shape[:2] != (1, 1) or inputs.dtype != mx.float16):
+            or inputs.shape[:2] != (1, 1) or inputs.dtype not in (mx.float16, mx.float32)):
         return _stock_gated_delta_net_call(self, inputs, mask, cache)
     return gated_delta_positions(self, inputs, cache, _module_call, _decode_linears)
 

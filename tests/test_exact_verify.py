@@ -143,6 +143,31 @@ def test_every_decode_arm_answers_the_servers_batches_as_stock(target, monkeypat
         dflash2_decode_arms.use_decode_arm("mlx")
 
 
+def test_the_convolution_arms_take_fp32_rows_one_row_layer_too(float32_target, monkeypatch):
+    """fp32 rows (the real file's layout): under every arm with the convolution, plain greedy
+    decoding's GatedDeltaNet steps run the one-row layer (gated_delta_positions: the gates,
+    norms and gate projections in fewer launches; the convolution decode's own nn.Conv1d),
+    fp32 at (1, 1), and give stock's tokens; the others keep the stock layer."""
+    model, processor, _ = float32_target
+    ids = raw_ids(processor, PROMPTS[0])
+    stock = greedy(model, ids, GENERATED)
+    rows, core = [], dflash2_verify.gated_delta_core
+
+    def counted(layer, inputs, *args):
+        rows.append((inputs.shape[:2], inputs.dtype))
+        return core(layer, inputs, *args)
+
+    monkeypatch.setattr(dflash2_verify, "gated_delta_core", counted)
+    try:
+        for arm, parts in dflash2_decode_arms.DECODE_ARMS.items():
+            dflash2_decode_arms.use_decode_arm(arm)
+            rows.clear()
+            assert greedy(model, ids, GENERATED) == stock, arm
+            assert set(rows) == ({((1, 1), mx.float32)} if "convolution" in parts else set()), arm
+    finally:
+        dflash2_decode_arms.use_decode_arm("mlx")
+
+
 def test_norms_with_the_scales_as_weights_equal_mlx_vlm_s_normalize_qk(target):
     """gated_delta_positions' q and k norms (each scale the norm's weight: two launches, not
     four) against the layer's own _normalize_qk, as bits, fp16 and fp32 activations of every
