@@ -70,6 +70,9 @@ DECODE_ARMS = {
     "rotation+recurrence+convolution+rope+residual+compiled":
         frozenset({"rotation", "recurrence", "convolution", "rope", "residual", "compiled"}),
     "rotation+recurrence+matmul": frozenset({"rotation", "recurrence", "matmul"}),
+    # Every kernel, no trace: what fp32 rows (the real file's) can take, as the compiled step is fp16's.
+    "rotation+recurrence+convolution+rope+residual+matmul":
+        frozenset({"rotation", "recurrence", "convolution", "rope", "residual", "matmul"}),
     "rotation+recurrence+convolution+rope+residual+matmul+compiled":
         frozenset({"rotation", "recurrence", "convolution", "rope", "residual", "matmul", "compiled"}),
 }
