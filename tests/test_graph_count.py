@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_decode_arms
+import dflash2_kernel_conv32
 import dflash2_kernel_fused
 import dflash2_kernel_qmv
 import dflash2_kernel_rotate
@@ -59,6 +60,18 @@ def test_calls_a_cuda_kernel_does_not_take_count_as_the_stock_calls_cuda_runs():
     mx.eval(rows, weight32, weight16)
     assert count(lambda: list(dk.add_rms_norm(rows, rows, weight32, 1e-6))) == 1
     assert count(lambda: list(dk.add_rms_norm(rows, rows, weight16, 1e-6))) == 2  # Add, rms_norm
+
+
+def test_fp32_convolution_counts_one_call_over_the_window_as_cuda_proves_it():
+    """fp32 convolution weights (the real file's): CUDA's self-test proves one nn.Conv1d over a
+    verify block's window equal to decode's call a position (dflash2_kernel_conv32), so the
+    count takes that one call, not CPU's eight and their concatenation; CPU's verdicts stay."""
+    conv1d, window = dflash2_kernel_conv32.make_conv32_case("normal", 1, 40, 4, mx.random.key(0))
+    mx.eval(conv1d.parameters(), window)
+    verdicts = dict(dflash2_kernel_conv32._conv32_serving)
+    assert count(lambda: [dk.conv1d_rows(conv1d, window, 8)]) == 1
+    assert count(lambda: [dflash2_kernel_conv32.stock_conv1d_rows(conv1d, window, 8)]) == 9
+    assert dflash2_kernel_conv32._conv32_serving == verdicts
 
 
 def test_views_are_counted_apart_those_inside_one_launch_calls_left_out():

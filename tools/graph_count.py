@@ -45,6 +45,7 @@ from mlx_vlm.models.cache import KVCache
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
+import dflash2_kernel_conv32  # noqa: E402
 import dflash2_kernel_fused  # noqa: E402
 import dflash2_kernel_gdn  # noqa: E402
 import dflash2_kernel_rope  # noqa: E402
@@ -144,8 +145,12 @@ def bindings(owner, name) -> list:
 def one_launch_calls():
     """While active, records each call of a ONE_LAUNCH function: yields a Counter of
     (function, argument signatures). A call made inside another (the norms' rms_norm on
-    CPU) is part of the outer call's launch, so it is not recorded again."""
+    CPU) is part of the outer call's launch, so it is not recorded again. fp32 convolution
+    weights' positions take one nn.Conv1d over the window, as where CUDA's self-test proved
+    it (dflash2_kernel_conv32), not CPU's call a position."""
     calls, swapped, inside = Counter(), [], []
+    conv32, conv32_verdicts = dflash2_kernel_conv32._conv32_serving, dict(dflash2_kernel_conv32._conv32_serving)
+    conv32.update({(dflash2_kernels.backend_name(), rows): True for rows in range(1, dflash2_kernels.MAX_ROWS + 1)})
     for owner, name, launches in ONE_LAUNCH:
         stock = getattr(owner, name)
 
@@ -168,6 +173,8 @@ def one_launch_calls():
     finally:
         for owner, name, stock in swapped:
             setattr(owner, name, stock)
+        conv32.clear()
+        conv32.update(conv32_verdicts)
 
 
 @functools.cache
