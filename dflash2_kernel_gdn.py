@@ -5,9 +5,10 @@ self-test.
   each decode's own recurrence step, with the state after every step for rollback.
   cuda: decode's compiled `_gated_delta_step_ops`, in the variant ("fma": NVRTC
   contracts `state + k * delta`, or "mul_add") that its self-test found bitwise
-  equal. metal: decode runs mlx-vlm's fused kernel (`gated_delta_kernel`, T=1 a
-  step); its with-states twin (stock verify's, the same per-step statements) runs
-  all L steps once its self-test found it equal, else the fused kernel a step at a time.
+  equal; fp32 q, k, v (the real file's) under their own self-test and verdict (gdn32).
+  metal: decode runs mlx-vlm's fused kernel (`gated_delta_kernel`, T=1 a step, fp16);
+  its with-states twin (stock verify's, the same per-step statements) runs all L steps
+  once its self-test found it equal, else the fused kernel a step at a time.
 - `dense_rows(x, weight)`: 1..8 rows of x @ weight.T, each decode's one-row
   `nn.Linear` (MLX's gemv), fp16, bf16 or fp32. cuda only.
 """
@@ -415,8 +416,10 @@ def cuda_dense_rows(x, weight, variant="gemv"):
 # ---------------------------------------------------------------------------
 # gdn, dense: dispatch
 
-# backend -> the variant the last self-test verified, or None after a failure.
+# backend -> the variant the last self-test verified, or None after a failure (the
+# recurrence: fp16 q, k, v; fp32 ones).
 _gdn_serving: dict = {}
+_gdn32_serving: dict = {}
 _dense_serving: dict = {}
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -431,9 +434,9 @@ def gdn_kernel_supports(backend, q, k, v, g, beta, state) -> bool:
         and Dk <= MAX_DK
         and v.shape[2] % Hk == 0
         and g.ndim == 3
-        and state.dtype == mx.float32
-        and q.dtype == k.dtype == v.dtype  # one element type In in the kernel
-        and all(a.dtype in _FLOATS for a in (q, g, beta))
+        and state.dtype == g.dtype == mx.float32
+        # one element type In in the kernel, as the self-tests take it (beta: the gates')
+        and q.dtype == k.dtype == v.dtype == beta.dtype and q.dtype in (mx.float16, mx.float32)
     )
 
 
@@ -468,9 +471,11 @@ def gdn_recurrence(q, k, v, g, beta, state, variant=None):
         )
     backend = recurrence_backend()
     if variant is None:
-        if backend in GDN_VARIANTS and backend not in _gdn_serving:
-            self_test_gdn()
-        variant = _gdn_serving.get(backend)
+        fp32 = q.dtype == mx.float32 and backend == "cuda"  # Metal's kernel is fp16's
+        serving, self_test = (_gdn32_serving, self_test_gdn32) if fp32 else (_gdn_serving, self_test_gdn)
+        if backend in GDN_VARIANTS and backend not in serving:
+            self_test()
+        variant = serving.get(backend)
         if variant is None or not gdn_kernel_supports(backend, q, k, v, g, beta, state):
             return stock_recurrence(q, k, v, g, beta, state)
     return tuple(gdn_variant(backend, variant)(q, k, v, g, beta, state))
@@ -498,9 +503,9 @@ def dense_rows(x, weight, variant=None):
 # gdn, dense: self-tests
 
 
-def make_gdn_inputs(kind: str, B, L, Hk, Hv, Dk, Dv, key):
-    """fp16 q, k, v, fp32 state and real gates g (float32), beta (fp16) from
-    `_compute_g_beta`, as the model feeds them (q, k normalized as `_normalize_qk`)."""
+def make_gdn_inputs(kind: str, B, L, Hk, Hv, Dk, Dv, key, dtype=mx.float16):
+    """fp16 (or fp32) q, k, v, fp32 state and real gates g (float32), beta (in q's dtype)
+    from `_compute_g_beta`, as the model feeds them (q, k normalized as `_normalize_qk`)."""
     keys = mx.random.split(key, 8)
     q = mx.random.normal((B, L, Hk, Dk), key=keys[0])
     k = mx.random.normal((B, L, Hk, Dk), key=keys[1])
@@ -513,8 +518,9 @@ def make_gdn_inputs(kind: str, B, L, Hk, Hv, Dk, Dv, key):
     normalize = True
     if kind == "large":  # unnormalized q, k; values and state far from 1 (some y overflow fp16)
         q, k, v, state, normalize = q * 10.0, k * 10.0, v * 100.0, state * 1e4, False
-    elif kind == "tiny":  # fp16 subnormal q, k, v; fp32 subnormal state
-        q, k, v, state, normalize = q * 1e-5, k * 1e-5, v * 1e-5, state * 1e-38, False
+    elif kind == "tiny":  # subnormal q, k, v (fp16's, or fp32's); fp32 subnormal state
+        tiny = 1e-5 if dtype == mx.float16 else 1e-39
+        q, k, v, state, normalize = q * tiny, k * tiny, v * tiny, state * 1e-38, False
     elif kind == "extreme_gates":  # g underflowing to 0 or near 1, beta near 0 or 1
         a, b = a * 12.0, b * 12.0
     elif kind == "signed_zero":  # +-0 state and v, k mostly +-0
@@ -525,11 +531,11 @@ def make_gdn_inputs(kind: str, B, L, Hk, Hv, Dk, Dv, key):
         normalize = False
     elif kind != "normal":
         raise ValueError(f"unknown input kind {kind!r}")
-    q, k, v = q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     if normalize:  # Qwen3_5GatedDeltaNet._normalize_qk
         q = (Dk**-1.0) * mx.fast.rms_norm(q, None, 1e-6)
         k = (Dk**-0.5) * mx.fast.rms_norm(k, None, 1e-6)
-    g, beta = _compute_g_beta(A_log, a.astype(mx.float16), b.astype(mx.float16), dt_bias.astype(mx.float16))
+    g, beta = _compute_g_beta(A_log, a.astype(dtype), b.astype(dtype), dt_bias.astype(dtype))
     return q, k, v, g, beta, state
 
 
@@ -569,8 +575,22 @@ def self_test_gdn(
     must equal the stepwise reference (decode's own call a step at a time); stock
     multi-position paths are the controls.
     """
+    return _self_test_recurrence(mx.float16, _gdn_serving, shapes, seed, max_steps, kernel)
+
+
+def self_test_gdn32(
+    shapes=None, seed: int = 0, max_steps: int = GDN_MAX_STEPS, kernel=None
+) -> SelfTestResult:
+    """self_test_gdn on fp32 q, k, v and beta (the real file's), CUDA only (Metal's kernel
+    is fp16's): each of GDN_VARIANTS["cuda"], fp32's serving then switched to the first
+    that passed."""
+    return _self_test_recurrence(mx.float32, _gdn32_serving, shapes, seed, max_steps, kernel)
+
+
+def _self_test_recurrence(dtype, serving: dict, shapes, seed, max_steps, kernel) -> SelfTestResult:
+    fp32 = dtype == mx.float32
     backend = recurrence_backend()
-    if kernel is None and backend not in GDN_VARIANTS:
+    if kernel is None and (backend not in GDN_VARIANTS or fp32 and backend != "cuda"):
         return _no_kernel_result(backend)
     variants = {"kernel": kernel} if kernel else {
         name: gdn_variant(backend, name) for name in GDN_VARIANTS[backend]
@@ -583,7 +603,7 @@ def self_test_gdn(
         B, Hk, Hv, Dk, Dv = shape
         for kind in GDN_INPUT_KINDS:
             key, input_key = mx.random.split(key)
-            inputs = make_gdn_inputs(kind, B, max_steps, Hk, Hv, Dk, Dv, input_key)
+            inputs = make_gdn_inputs(kind, B, max_steps, Hk, Hv, Dk, Dv, input_key, dtype)
             mx.eval(inputs)
             want_y, want_states = stock_recurrence(*inputs, eval_each_step=True)
             for name, count in _gdn_negative_controls(inputs, want_y, want_states).items():
@@ -608,13 +628,13 @@ def self_test_gdn(
                     if (diff_y or diff_states) and name not in failures:
                         bad, want = (got_y, want_y) if diff_y else (got_states, want_states)
                         failures[name] = (
-                            f"{name} differs at (B, Hk, Hv, Dk, Dv)={shape} L={steps} input={kind}: "
+                            f"{name} differs at (B, Hk, Hv, Dk, Dv)={shape} L={steps}{' fp32' * fp32} input={kind}: "
                             f"{diff_y} of y, {diff_states} of states; "
                             + _first_difference(bad, want[:, :steps])[0]
                         )
     result = _variants_result(backend, differing, failures, negative, cases)
     if kernel is None:
-        _gdn_serving[backend] = result.variant
+        serving[backend] = result.variant
     return result
 
 

@@ -455,7 +455,7 @@ def kernel_shapes(model) -> dict:
             shapes["rope"].add((1, attention.num_attention_heads, attention.num_key_value_heads,
                                 attention.head_dim, attention.rotary_emb.dim))
     # The kernels with fp32 variants test them at the same shapes, where the rows are fp32.
-    for key in ("packed", "rotations", "rotation_groups", "rope", "norms", "gated_norms", "gates"):
+    for key in ("packed", "rotations", "rotation_groups", "gdn", "rope", "norms", "gated_norms", "gates"):
         shapes[f"{key}_fp32"] = shapes[key] if fp32_rows else set()
     return {key: sorted(value) for key, value in shapes.items()}
 

@@ -31,16 +31,58 @@ def test_dense_rows_equals_one_row_linears(dtype):
         dk.dense_rows(mx.zeros((9, 320), dtype=dtype), weight)
 
 
-def test_wrong_recurrence_fails_naming_the_case():
+@pytest.mark.parametrize("fp32", [False, True])
+def test_wrong_recurrence_fails_naming_the_case(fp32):
+    """fp16 q, k, v's self-test and fp32's (the real file's, their own inputs) each fail a y
+    one bit off at 3 steps."""
+    dtypes = []
+
     def wrong(q, k, v, g, beta, state):
+        dtypes.append((q.dtype, beta.dtype))
         return one_bit_off(dflash2_kernel_gdn.stock_recurrence, 3)(q, k, v, g, beta, state, axis=1)
 
-    result = dflash2_kernel_gdn.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=wrong)
+    self_test = dflash2_kernel_gdn.self_test_gdn32 if fp32 else dflash2_kernel_gdn.self_test_gdn
+    result = self_test([(1, 1, 2, 64, 64)], max_steps=3, kernel=wrong)
     assert not result.ok and result.variant is None
     assert result.variants == {"kernel": len(dflash2_kernel_gdn.GDN_INPUT_KINDS)}
-    assert "(B, Hk, Hv, Dk, Dv)=(1, 1, 2, 64, 64) L=3 input=normal" in result.reason
+    assert f"(B, Hk, Hv, Dk, Dv)=(1, 1, 2, 64, 64) L=3{' fp32' * fp32} input=normal" in result.reason
     assert "1 of y, 0 of states" in result.reason
-    assert dflash2_kernel_gdn.self_test_gdn([(1, 1, 2, 64, 64)], max_steps=3, kernel=dflash2_kernel_gdn.stock_recurrence).ok
+    dtype = mx.float32 if fp32 else mx.float16
+    assert set(dtypes) == {(dtype, dtype)}
+    assert self_test([(1, 1, 2, 64, 64)], max_steps=3, kernel=dflash2_kernel_gdn.stock_recurrence).ok
+
+
+def test_fp32_recurrence_serves_by_its_own_self_test(monkeypatch, float32_target):
+    """fp32 q, k, v and beta (the real file's), as on CUDA with a stand-in kernel: they take
+    the variant fp32's own self-test chose, on fp32 inputs (fp16's verdict, from fp16 inputs,
+    never decided them); fp16 inputs fp16's verdict; a mix of dtypes the self-tests never saw
+    stays decode's steps. An fp32 pack's start-up tests it at its shapes."""
+    from dflash2_pack import kernel_shapes
+
+    calls = []
+
+    def stand_in(q, k, v, g, beta, state, variant):
+        calls.append((q.dtype, variant))
+        return dflash2_kernel_gdn.stock_recurrence(q, k, v, g, beta, state)
+
+    monkeypatch.setattr(dflash2_kernel_gdn, "recurrence_backend", lambda: "cuda")
+    monkeypatch.setattr(dflash2_kernel_gdn, "cuda_recurrence", stand_in)
+    monkeypatch.setattr(dflash2_kernel_gdn, "_gdn_serving", {"cuda": None})
+    monkeypatch.setattr(dflash2_kernel_gdn, "_gdn32_serving", {})
+    result = dflash2_kernel_gdn.self_test_gdn32([(1, 1, 2, 64, 64)], max_steps=2)
+    assert result.ok and result.variant == "fma" and dflash2_kernel_gdn._gdn32_serving == {"cuda": "fma"}
+    assert {dtype for dtype, _ in calls} == {mx.float32}
+    calls.clear()
+    for dtype in (mx.float32, mx.float16):
+        inputs = dflash2_kernel_gdn.make_gdn_inputs("normal", 1, 2, 1, 2, 64, 64, mx.random.key(1), dtype)
+        dk.gdn_recurrence(*inputs)
+    assert calls == [(mx.float32, "fma")]  # fp16's verdict is None here: decode's steps
+    q, k, v, g, beta, state = dflash2_kernel_gdn.make_gdn_inputs("normal", 1, 2, 1, 2, 64, 64, mx.random.key(1), mx.float32)
+    dk.gdn_recurrence(q, k, v, g, beta.astype(mx.float16), state)
+    assert calls == [(mx.float32, "fma")]
+    shapes = kernel_shapes(float32_target[0])
+    assert shapes["gdn_fp32"] == shapes["gdn"] and shapes["gdn"]
+    assert dk.SELF_TESTS["gdn32"][0] == "gdn_fp32" and "gdn32" in dk.VERDICT_TABLES
 
 
 def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
