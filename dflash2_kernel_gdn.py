@@ -10,7 +10,7 @@ self-test.
   its with-states twin (stock verify's, the same per-step statements) runs all L steps
   once its self-test found it equal, else the fused kernel a step at a time.
 - `dense_rows(x, weight)`: 1..8 rows of x @ weight.T, each decode's one-row
-  `nn.Linear` (MLX's gemv), fp16, bf16 or fp32. cuda only.
+  `nn.Linear` (MLX's gemv), fp16 or fp32 (the dtypes its self-test covers). cuda only.
 """
 
 import itertools
@@ -421,7 +421,6 @@ def cuda_dense_rows(x, weight, variant="gemv"):
 _gdn_serving: dict = {}
 _gdn32_serving: dict = {}
 _dense_serving: dict = {}
-_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def gdn_kernel_supports(backend, q, k, v, g, beta, state) -> bool:
@@ -451,7 +450,8 @@ def gdn_variant(backend: str, name: str):
 
 
 def dense_kernel_supports(x, weight) -> bool:
-    return x.dtype == weight.dtype and x.dtype in _FLOATS
+    """x and weight of one dtype the self-test covers (DENSE_TEST_DTYPES)."""
+    return x.dtype == weight.dtype and x.dtype in [dtype for dtype, _, _ in DENSE_TEST_DTYPES]
 
 
 def gdn_recurrence(q, k, v, g, beta, state, variant=None):

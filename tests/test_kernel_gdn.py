@@ -117,6 +117,14 @@ def test_metal_verify_recurrence_is_decode_s_fused_kernel(monkeypatch, on_cpu):
     assert same_bits(y, want_y) and same_bits(states, want_states)
 
 
+def test_dense_rows_take_only_the_dtypes_their_self_test_covers():
+    """fp16 and fp32, weight and rows alike: a bf16 call (never tested) is decode's own."""
+    for dtype, taken in ((mx.float16, True), (mx.float32, True), (mx.bfloat16, False)):
+        x, weight = mx.zeros((2, 64), dtype), mx.zeros((3, 64), dtype)
+        assert dflash2_kernel_gdn.dense_kernel_supports(x, weight) == taken, dtype
+    assert not dflash2_kernel_gdn.dense_kernel_supports(mx.zeros((2, 64), mx.float32), mx.zeros((3, 64), mx.float16))
+
+
 def test_wrong_dense_rows_fails_naming_the_case():
     result = dflash2_kernel_gdn.self_test_dense([(7, 320)], kernel=one_bit_off(dflash2_kernel_gdn.stock_dense_rows, 8))
     assert not result.ok
