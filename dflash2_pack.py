@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from safetensors import SafetensorError, safe_open
 
 TARGET_SCHEMA = {
@@ -411,9 +411,20 @@ def load_pack(target_dir, drafter_dir=None):
 SHARED_INPUT_LINEARS = (("q_proj", "k_proj", "v_proj"), ("in_proj_qkv", "in_proj_z"), ("gate_proj", "up_proj"))
 
 
+def typed_as_headers(skeleton, headers) -> None:
+    """Gives each of a build_skeleton model's arrays that the headers name the dtype stored
+    there (lazy zeros of its shape: nothing is allocated), so kernel_shapes reads the pack's
+    dtypes, not the skeleton's fp32 defaults."""
+    dtypes = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+    typed = [(name, mx.zeros(array.shape, dtypes[headers[name]["dtype"]]))
+             for name, array in tree_flatten(skeleton.parameters())
+             if headers.get(name, {}).get("dtype") in dtypes and array.dtype != dtypes[headers[name]["dtype"]]]
+    skeleton.update(tree_unflatten(typed))
+
+
 def kernel_shapes(model) -> dict:
-    """The pack's own shapes for dflash2_kernels.verify_kernel_self_tests (a skeleton
-    from build_skeleton is enough: only shapes are read)."""
+    """The pack's own shapes for dflash2_kernels.verify_kernel_self_tests (a skeleton from
+    build_skeleton, typed_as_headers, is enough: only shapes and dtypes are read)."""
     import dflash2_kernels
     from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 
@@ -659,8 +670,9 @@ def verify_pack(pack_dir):
             record(check, [])
         except PackError as error:
             record(check, [str(error)])
-    try:  # at the pack's own shapes, as the server's start-up runs them
+    try:  # at the pack's own shapes and dtypes, as the server's start-up runs them
         skeleton = build_skeleton(read_config(target_dir), relative_name(target_dir, "config.json"))
+        typed_as_headers(skeleton, read_headers(target_dir)[0])
         tests = dflash2_kernels.verify_kernel_self_tests(kernel_shapes(skeleton))
     except PackError as error:
         record("kernel self-test", [str(error)])
