@@ -195,9 +195,11 @@ def install(model=None, verdicts: Optional[VerdictCache] = None) -> RuntimeStatu
             dflash2_kernels.restore_kernel_verdicts, dflash2_kernels.kernel_verdicts)
         seconds = verdicts.measured_seconds()
     # The other kernels fall back to single-position stock calls where their test
-    # failed (exact, slower); a failed matmul kernel turns speculation off.
-    if not result["qmv"].ok:
-        reason = f"kernel-self-test-failed: {result['qmv'].reason}"
+    # failed (exact, slower); a failed matmul kernel (the pack's rows': fp32's qmv32 in an
+    # fp32 pack, which tests no fp16 kernel) turns speculation off.
+    matmul = result.get("qmv", result.get("qmv32"))
+    if matmul is not None and not matmul.ok:
+        reason = f"kernel-self-test-failed: {matmul.reason}"
         return RuntimeStatus(False, reason, backend, result, seconds=seconds)
     if model is None:
         return RuntimeStatus(True, None, backend, result, seconds=seconds)

@@ -540,6 +540,31 @@ def test_install_turns_speculation_off_for_packed_weights_the_verify_matmul_does
     assert status.reason.startswith("packed-weights-unsupported: scales must be float16")
 
 
+def test_an_fp32_pack_tests_its_fp32_kernels_only_and_its_matmul_gates_speculation(
+        float32_target, target, monkeypatch):
+    """The real file's layout: every row is fp32 from the first norm on, so an fp32 pack's
+    start-up tests the fp32 kernels at its shapes and none of the fp16-only ones (on the H100
+    about 170 s of the real file's first start); an fp16 pack the reverse. The fp32 pack's
+    matmul kernel (qmv32) then decides speculation as fp16's qmv does an fp16 pack's."""
+    from dflash2_kernel_base import SelfTestResult
+    from dflash2_pack import FP32_TWINS, kernel_shapes
+
+    fp32, fp16 = kernel_shapes(float32_target[0]), kernel_shapes(target[0])
+    for key in FP32_TWINS:
+        assert fp32[key] == [] and fp32[f"{key}_fp32"] == fp16[key] != [] and fp16[f"{key}_fp32"] == [], key
+    assert fp32["conv"] == fp32["attention"] == [] and fp16["conv"] and fp16["attention"]
+    assert fp32["dense"] == fp16["dense"] != []  # one self-test for fp16 and fp32 rows
+    tested = dflash2_kernels.verify_kernel_self_tests(fp32)
+    assert "qmv32" in tested and not {"qmv", "rotate", "attention", "conv", "rope"} & set(tested)
+
+    def failed(shapes=None):
+        return SelfTestResult(False, "cuda", "qmv32 differs (forced by the test)", 1, 0)
+
+    monkeypatch.setitem(dflash2_kernels.SELF_TESTS, "qmv32", ("packed_fp32", failed))
+    status = dflash2_runtime.install(float32_target[0])
+    assert not status.speculative and status.reason == "kernel-self-test-failed: qmv32 differs (forced by the test)"
+
+
 def test_the_rotation_arm_rotates_fp32_rows_through_the_kernels_rotate(float32_target, monkeypatch):
     """The real file's fp32 rows: under the rotation arm, decode's packed linears rotate their
     row with dflash2_kernels.rotate (on CUDA the fp32 rotation kernel, where its self-test

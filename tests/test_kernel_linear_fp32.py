@@ -99,7 +99,7 @@ def test_an_fp32_pack_s_start_up_tests_the_fp32_group_rotation(target, float32_t
     from dflash2_pack import kernel_shapes
 
     fp32 = kernel_shapes(float32_target[0])
-    assert fp32["rotation_groups_fp32"] == fp32["rotation_groups"] and fp32["rotation_groups"]
+    assert fp32["rotation_groups_fp32"] and not fp32["rotation_groups"]  # no fp16 kernel tested
     assert kernel_shapes(target[0])["rotation_groups_fp32"] == []
     assert dk.SELF_TESTS["rotate_group32"][0] == "rotation_groups_fp32" and "rotate_group32" in dk.VERDICT_TABLES
 
