@@ -14,7 +14,7 @@ beside its kernel (stock reference, CUDA, Metal, dispatch, self-test):
 - dflash2_kernel_fused: `conv_rows`, `add_rms_norm`, `gated_rms_norm`, `gdn_gates`;
 - dflash2_kernel_rope: `rope_rows`;
 - dflash2_kernel_conv32: `conv1d_rows` (fp32 convolution weights: MLX's one call where proven);
-- dflash2_kernel_attention: `decode_attention_rows`;
+- dflash2_kernel_attention: `decode_attention_rows` (Metal's calls: dflash2_kernel_attention_metal);
 - dflash2_kernel_prefill: the chunked scan's inverse (`inverse_candidates`);
 - dflash2_kernel_base: what the families share.
 

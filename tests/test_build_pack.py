@@ -345,6 +345,7 @@ LAYERS = [
     "dflash2_kernels",
     "dflash2_kernel_prefill",
     "dflash2_kernel_attention",
+    "dflash2_kernel_attention_metal",
     "dflash2_kernel_fused",
     "dflash2_kernel_rope",
     "dflash2_kernel_conv32",

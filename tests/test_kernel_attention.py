@@ -5,6 +5,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_kernel_attention
+import dflash2_kernel_attention_metal
 import dflash2_kernels as dk
 from kernel_cases import one_bit_off, patch_kernels, same_bits
 
@@ -45,16 +46,16 @@ def test_metal_attention_spans_keep_decode_s_routing():
     """At most 32 // GQA queries a call (8 at most), never across a key length where MLX's
     Metal routing changes (query j sees first_length + j keys)."""
     pack, gqa_8, gqa_16 = dflash2_kernel_attention.ATTENTION_PACK_SHAPE, (1, 16, 2, 128), (1, 32, 2, 256)
-    assert dflash2_kernel_attention.metal_attention_spans(pack, 8, 100) == [(0, 5), (5, 8)]
-    assert dflash2_kernel_attention.metal_attention_spans(pack, 8, 1020) == [(0, 4), (4, 5), (5, 8)]  # 1024 and 1025 start regimes
-    assert dflash2_kernel_attention.metal_attention_spans(gqa_16, 3, 4094) == [(0, 2), (2, 3)]
-    assert dflash2_kernel_attention.metal_attention_spans(pack, 1, 7) == [(0, 1)]
+    assert dflash2_kernel_attention_metal.metal_attention_spans(pack, 8, 100) == [(0, 5), (5, 8)]
+    assert dflash2_kernel_attention_metal.metal_attention_spans(pack, 8, 1020) == [(0, 4), (4, 5), (5, 8)]  # 1024 and 1025 start regimes
+    assert dflash2_kernel_attention_metal.metal_attention_spans(gqa_16, 3, 4094) == [(0, 2), (2, 3)]
+    assert dflash2_kernel_attention_metal.metal_attention_spans(pack, 1, 7) == [(0, 1)]
     # GQA 8 at head dim 128: from 8192 keys decode's one query takes a kernel of its own.
-    assert dflash2_kernel_attention.metal_attention_spans(gqa_8, 6, 8188) == [(0, 4), (4, 5), (5, 6)]
-    assert dflash2_kernel_attention.metal_sdpa_regime(gqa_8, 8192) is None and dflash2_kernel_attention.metal_sdpa_regime(pack, 8192) == 4
-    assert not dflash2_kernel_attention.metal_attention_supports(1, 8, 2, 256, mx.float16)  # GQA 4: its n_simds branches move
-    assert not dflash2_kernel_attention.metal_attention_supports(1, 24, 4, 192, mx.float16)  # decode runs the unfused path
-    assert dflash2_kernel_attention.metal_attention_supports(*dflash2_kernel_attention.ATTENTION_PACK_SHAPE, mx.float16)
+    assert dflash2_kernel_attention_metal.metal_attention_spans(gqa_8, 6, 8188) == [(0, 4), (4, 5), (5, 6)]
+    assert dflash2_kernel_attention_metal.metal_sdpa_regime(gqa_8, 8192) is None and dflash2_kernel_attention_metal.metal_sdpa_regime(pack, 8192) == 4
+    assert not dflash2_kernel_attention_metal.metal_attention_supports(1, 8, 2, 256, mx.float16)  # GQA 4: its n_simds branches move
+    assert not dflash2_kernel_attention_metal.metal_attention_supports(1, 24, 4, 192, mx.float16)  # decode runs the unfused path
+    assert dflash2_kernel_attention_metal.metal_attention_supports(*dflash2_kernel_attention.ATTENTION_PACK_SHAPE, mx.float16)
 
 
 def test_metal_attention_serves_multi_query_calls_only_where_its_self_test_passed(monkeypatch, on_cpu):
@@ -68,8 +69,8 @@ def test_metal_attention_serves_multi_query_calls_only_where_its_self_test_passe
     monkeypatch.setattr(dflash2_kernel_attention, "_attention_verified", {})
     queries, keys, values, _, _ = dflash2_kernel_attention._make_case(shape, 250, 8, "normal", mx.random.key(2))
     calls = []
-    spans = dflash2_kernel_attention.metal_attention_spans
-    monkeypatch.setattr(dflash2_kernel_attention, "metal_attention_spans", lambda *args: calls.append(args) or spans(*args))
+    spans = dflash2_kernel_attention_metal.metal_attention_spans
+    monkeypatch.setattr(dflash2_kernel_attention_metal, "metal_attention_spans", lambda *args: calls.append(args) or spans(*args))
     want = dflash2_kernel_attention.stock_attention_rows(queries, keys, values, 0.125, 250)
     assert same_bits(dk.decode_attention_rows(queries, keys, values, 0.125, 250), want)
     assert dflash2_kernel_attention._attention_verified == {("metal", shape): {0}} and calls[-1] == (shape, 8, 250)

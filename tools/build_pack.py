@@ -68,6 +68,7 @@ RUNTIME_FILES = (
     "dflash2_kernels.py",
     "dflash2_kernel_prefill.py",
     "dflash2_kernel_attention.py",
+    "dflash2_kernel_attention_metal.py",
     "dflash2_kernel_fused.py",
     "dflash2_kernel_rope.py",
     "dflash2_kernel_conv32.py",
