@@ -11,7 +11,7 @@ multi-query calls: dflash2_kernel_attention_metal).
 """
 
 import warnings
-from functools import cache
+from functools import cache, partial
 
 import mlx.core as mx
 import numpy as np
@@ -19,8 +19,8 @@ from mlx_vlm.models.cache import KVCache
 
 from dflash2_kernel_attention_metal import metal_attention_rows, metal_attention_supports, metal_sdpa_regime
 from dflash2_kernel_base import (
-    BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result, backend_name,
-    cuda_header, gemv_elements_per_lane,
+    CUDA_ELEMENT_TYPE, BakedCudaKernel, SelfTestResult, _differing, _first_difference, _no_kernel_result,
+    backend_name, cuda_header, gemv_elements_per_lane,
 )
 
 # ===========================================================================
@@ -71,12 +71,20 @@ from dflash2_kernel_base import (
 #    concatenate's L copies), returned as the (B, Hq, L, D) transpose, so the
 #    model's `transpose(0, 2, 1, 3).reshape(B, L, -1)` (qwen3_5/language.py:928)
 #    of it is a view.
+# fp32 rows (the real file's) take the same fallback (fast.cpp's is dtype-blind; cuDNN
+# takes fp16 and bf16 only, sdpa_vector D <= 128) and so the same stages on float: the
+# scale multiply rounded in fp32, softmax<float, float, BLOCK_DIM, 4> (N_READS 16 / 4, so
+# other block dims by key length), and gemv's `sum += k * q`, no longer of exact products,
+# so whether MLX's build contracted it matters: variants "fma" and "mul_add" (the fp16
+# kernel's exact products make it "fma" there, the same bits), under their own self-test
+# and verdicts (attention32).
 # Where decode does not run that fallback (D <= 128, other dtypes, or B*Hkv == 1
 # with n_rep > 1, where matmul.cpp:86-96 folds the heads into M and leaves gemv),
 # or Metal's multi-query call cannot keep decode's routing (metal_attention_supports),
 # for more than MAX_QUERIES queries, and on CPU, each query is the stock single-query call.
 
-SOFTMAX_READS = 8  # N_READS = 16 / sizeof(__half) (softmax.cu:144)
+SOFTMAX_READS = 8  # N_READS = 16 / sizeof(__half) (softmax.cu:144); fp32 rows: 4
+ATTENTION32_VARIANTS = ("fma", "mul_add")
 ATTENTION_PACK_SHAPE = (1, 24, 4, 256)  # (B, Hq, Hkv, D) of the 27B's full-attention layers
 # Tiny shapes: D 192 (NPT 2, B 2), 136 (NPT 1, lanes past D idle), one head per
 # group (no GQA reshape), and the tiny pack's 2/1/64, which decode runs fused
@@ -114,16 +122,21 @@ def stock_attention_rows(queries, keys, values, scale, first_length):
 def attention_kernel_supports(batch, q_heads, kv_heads, head_dim, dtype) -> bool:
     """Whether decode runs the gemv + softmax + cuBLASLt fallback the kernels copy."""
     return (
-        dtype == mx.float16
+        dtype in (mx.float16, mx.float32)
         and head_dim > 128  # neither cuDNN nor sdpa_vector takes it
         and q_heads % kv_heads == 0
         and not (batch * kv_heads == 1 and q_heads > kv_heads)  # q.k leaves gemv there
     )
 
 
-def softmax_block_dim(axis_size: int) -> int:
+def softmax_reads(dtype) -> int:
+    """MLX softmax's N_READS for rows of this dtype: 16 bytes a thread a pass (softmax.cu:144)."""
+    return 16 // dtype.size
+
+
+def softmax_block_dim(axis_size: int, reads: int = SOFTMAX_READS) -> int:
     """dispatch_block_dim(ceil(axis_size / N_READS)) (kernel_utils.cuh:48-62)."""
-    threads = -(-axis_size // SOFTMAX_READS)
+    threads = -(-axis_size // reads)
     for block_dim in (32, 64, 128, 256, 512):
         if threads <= block_dim:
             return block_dim
@@ -136,7 +149,7 @@ def softmax_block_dim(axis_size: int) -> int:
 # MIT License, Copyright (c) 2025 Apple Inc. (arithmetic of gemv_impl,
 # mlx/backend/cuda/gemms/gemv.cu, and cu::softmax, mlx/backend/cuda/softmax.cu,
 # MLX 0.32.2). See NOTICE.txt.
-_ATTENTION_CUDA_HEADER = r"""
+_ATTENTION_CUDA_HEADER = CUDA_ELEMENT_TYPE + r"""
 #include <cooperative_groups/reduce.h>
 
 namespace mlx::core::cu {
@@ -144,20 +157,31 @@ namespace dflash2_attention {
 
 namespace cg = cooperative_groups;
 
+// fast.cpp's multiply(array(scale, q.dtype), q): one rounding in the rows' dtype.
+__device__ __forceinline__ __half scaled(__half s, __half x) { return __hmul(s, x); }
+__device__ __forceinline__ float scaled(float s, float x) { return __fmul_rn(s, x); }
+
+// gemv_impl's `sum += a * b`: FMA 1 one rounding (nvcc's contraction), 0 the product
+// rounded first. Products of fp16 values are exact in fp32, so there both are one.
+template <int FMA>
+__device__ __forceinline__ float add_product(float sum, float a, float b) {
+  return FMA ? __fmaf_rn(a, b, sum) : __fadd_rn(sum, __fmul_rn(a, b));
+}
+
 // Scores of one (batch b, kv head g, key t) for every query head h of the group
 // and every query j that sees key t (t < first + j): gemv_impl's sum for each.
 // q (B, Hq, L, D) and k (B, Hkv, T, D) strided; scores (B, Hq, L, T) contiguous,
 // entries t >= T_j left unwritten. Launch: one warp per (b, g, t).
-template <int D, int NPT>
+template <int D, int NPT, int FMA, typename T>
 __device__ void query_key_scores(
-    const __half* q,
+    const T* q,
     const Shape& q_shape,
     const Strides& q_strides,
-    const __half* k,
+    const T* k,
     const Shape& k_shape,
     const Strides& k_strides,
-    const __half* scale,
-    __half* scores) {
+    const T* scale,
+    T* scores) {
   auto block = cg::this_thread_block();
   auto warp = cg::tiled_partition<WARP_SIZE>(block);
   const int batch = q_shape[0];
@@ -180,45 +204,46 @@ __device__ void query_key_scores(
   // gemv's columns of this lane: NPT * lane + 32 * NPT * c + e, c in order.
   constexpr int kStep = WARP_SIZE * NPT;
   constexpr int kChunks = (D + kStep - 1) / kStep;
-  const __half* key = k + b * k_strides[0] + g * k_strides[1] + t * k_strides[2];
-  __half key_lane[kChunks][NPT];
+  const T* key = k + b * k_strides[0] + g * k_strides[1] + t * k_strides[2];
+  T key_lane[kChunks][NPT];
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
     for (int e = 0; e < NPT; ++e) {
       const int col = c * kStep + NPT * lane + e;
-      key_lane[c][e] = col < D ? key[col * k_strides[3]] : __float2half(0.0f);
+      key_lane[c][e] = col < D ? key[col * k_strides[3]] : static_cast<T>(0.0f);
     }
   }
-  const __half s = scale[0];
+  const T s = scale[0];
 
   for (int r = 0; r < repeats; ++r) {
     const int h = g * repeats + r;
     for (int j = t < first ? 0 : t - first + 1; j < rows; ++j) {
-      const __half* query = q + b * q_strides[0] + h * q_strides[1] + j * q_strides[2];
+      const T* query = q + b * q_strides[0] + h * q_strides[1] + j * q_strides[2];
       float sum = 0.0f;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         if (c * kStep + NPT * lane < D) {
 #pragma unroll
           for (int e = 0; e < NPT; ++e) {
-            // fast.cpp's multiply(scale, q) in fp16, then gemv's fp32 product.
-            const __half qs = __hmul(s, query[(c * kStep + NPT * lane + e) * q_strides[3]]);
-            sum += static_cast<float>(key_lane[c][e]) * static_cast<float>(qs);
+            // fast.cpp's multiply(scale, q), then gemv's fp32 product and sum.
+            const T qs = scaled(s, query[(c * kStep + NPT * lane + e) * q_strides[3]]);
+            sum = add_product<FMA>(sum, static_cast<float>(key_lane[c][e]), static_cast<float>(qs));
           }
         }
       }
       sum = cg::reduce(warp, sum, cg::plus<float>{});
       if (warp.thread_rank() == 0) {
-        scores[((int64_t(b) * q_heads + h) * rows + j) * keys + t] = static_cast<__half>(sum);
+        scores[((int64_t(b) * q_heads + h) * rows + j) * keys + t] = static_cast<T>(sum);
       }
     }
   }
 }
 
-// dispatch_block_dim(ceil_div(axis_size, 8)) (softmax.cu:145-147, kernel_utils.cuh:48-62).
+// dispatch_block_dim(ceil_div(axis_size, N_READS)) (softmax.cu:145-147, kernel_utils.cuh:48-62).
+template <int READS>
 __device__ __forceinline__ int softmax_block_dim(int axis_size) {
-  const int threads = (axis_size + 7) / 8;
+  const int threads = (axis_size + READS - 1) / READS;
   return threads <= 32 ? 32 : threads <= 64 ? 64 : threads <= 128 ? 128
       : threads <= 256 ? 256 : threads <= 512 ? 512 : 1024;
 }
@@ -229,7 +254,7 @@ inline __device__ T softmax_exp(T x) {
   return __expf(x);
 }
 
-// cu::softmax (softmax.cu:30-104) with T = __half, AccT = float, for the one row
+// cu::softmax (softmax.cu:30-104) with T = __half or float, AccT = float, for the one row
 // at `in` / `out` of `axis_size` elements; the body is MLX's, unchanged but for
 // the row pointers (MLX: in += grid.block_rank() * axis_size) and spelling
 // cuda::ceil_div and cast_to out. Launch: one block of BLOCK_DIM threads per row.
@@ -310,7 +335,7 @@ __device__ void softmax_row(const T* in, T* out, int axis_size) {
 """
 
 _SCORES_SOURCE = (
-    "dflash2_attention::query_key_scores<D, NPT>("
+    "dflash2_attention::query_key_scores<D, NPT, FMA>("
     "q, q_shape, q_strides, k, k_shape, k_strides, scale, scores);"
 )
 
@@ -324,15 +349,16 @@ _SOFTMAX_SOURCE = f"""
   const int keys = scores_shape[3];
   const int first = keys - rows + 1;
   int start = 0;
-  while (dflash2_attention::softmax_block_dim(first + start) != BD) {{
+  while (dflash2_attention::softmax_block_dim<READS>(first + start) != BD) {{
     ++start;
   }}
   const int local = blockIdx.x / heads;
   const int head = blockIdx.x % heads;
   const int j = start + local;
   const int axis_size = first + j;
-  __half* outputs[{QUERY_SLOTS}] = {{{", ".join(f"p{i}" for i in range(QUERY_SLOTS))}}};
-  dflash2_attention::softmax_row<__half, float, BD, {SOFTMAX_READS}>(
+  using T = dflash2_types::Element<decltype(p0)>::type;
+  T* outputs[{QUERY_SLOTS}] = {{{", ".join(f"p{i}" for i in range(QUERY_SLOTS))}}};
+  dflash2_attention::softmax_row<T, float, BD, READS>(
       scores + (int64_t(head) * rows + j) * keys,
       outputs[local] + int64_t(head) * axis_size,
       axis_size);
@@ -340,7 +366,8 @@ _SOFTMAX_SOURCE = f"""
 
 # y (B, L, Hq, D) from the L per-query outputs (B, Hq, 1, D) (scores only gives the sizes).
 _GATHER_SOURCE = f"""
-  const __half* rows_in[{QUERY_SLOTS}] = {{{", ".join(f"o{i}" for i in range(QUERY_SLOTS))}}};
+  using T = dflash2_types::Element<decltype(y)>::type;
+  const T* rows_in[{QUERY_SLOTS}] = {{{", ".join(f"o{i}" for i in range(QUERY_SLOTS))}}};
   const int64_t queries = scores_shape[2];
   const int64_t row = int64_t(scores_shape[1]) * D;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -383,20 +410,22 @@ def _gather_kernel():
         input_names=["scores"] + [f"o{i}" for i in range(QUERY_SLOTS)],
         output_names=["y"],
         source=_GATHER_SOURCE,
+        header=cuda_header(CUDA_ELEMENT_TYPE),
     )
 
 
 @cache
-def _fp16_scale(scale: float) -> mx.array:
-    """fast.cpp's array(scale, float16): nanobind's float, then round to fp16."""
-    return mx.array(np.array([scale], dtype=np.float32).astype(np.float16))
+def _scale_array(scale: float, dtype) -> mx.array:
+    """fast.cpp's array(scale, q.dtype): nanobind's float (a C++ float), then the rows' dtype."""
+    value = np.array([scale], dtype=np.float32)
+    return mx.array(value.astype(np.float16) if dtype == mx.float16 else value)
 
 
-def _block_dim_runs(first_length: int, rows: int):
+def _block_dim_runs(first_length: int, rows: int, reads: int):
     """(first query, end, block dim) for runs of queries sharing a softmax block dim."""
     runs = []
     for j in range(rows):
-        block_dim = softmax_block_dim(first_length + j)
+        block_dim = softmax_block_dim(first_length + j, reads)
         if runs and runs[-1][2] == block_dim:
             runs[-1][1] = j + 1
         else:
@@ -404,8 +433,9 @@ def _block_dim_runs(first_length: int, rows: int):
     return runs
 
 
-def cuda_attention_stages(queries, keys, values, scale, first_length):
-    """(scores, [p_j], [out_j], out) through the CUDA kernels; no self-test gate.
+def cuda_attention_stages(queries, keys, values, scale, first_length, variant="fma"):
+    """(scores, [p_j], [out_j], out) through the CUDA kernels, in the rows' dtype (fp16, or
+    fp32 in one of ATTENTION32_VARIANTS); no self-test gate.
 
     keys, values: (B, Hkv, first_length + L - 1, D) views; scores (B, Hq, L, T) with
     row j valid up to T_j; p_j decode's (B, Hkv, n_rep, 1, T_j) probabilities
@@ -413,13 +443,14 @@ def cuda_attention_stages(queries, keys, values, scale, first_length):
     batch, q_heads, rows, head_dim = queries.shape
     kv_heads, keys_total = keys.shape[1], keys.shape[2]
     repeats = q_heads // kv_heads
+    dtype, reads = queries.dtype, softmax_reads(queries.dtype)
     scores = _scores_kernel()(
-        inputs=[queries, keys, _fp16_scale(scale)],
-        template=[("D", head_dim), ("NPT", gemv_elements_per_lane(head_dim))],
+        inputs=[queries, keys, _scale_array(scale, dtype)],
+        template=[("D", head_dim), ("NPT", gemv_elements_per_lane(head_dim)), ("FMA", int(variant == "fma"))],
         grid=(32 * batch * kv_heads * keys_total, 1, 1),
         threadgroup=(256, 1, 1),  # 8 warps a block, like gemv
         output_shapes=[(batch, q_heads, rows, keys_total)],
-        output_dtypes=[mx.float16],
+        output_dtypes=[dtype],
     )[0]
 
     def probability_shape(j):
@@ -429,16 +460,16 @@ def cuda_attention_stages(queries, keys, values, scale, first_length):
         return (batch, q_heads, 1, length)
 
     probabilities = []
-    for start, end, block_dim in _block_dim_runs(first_length, rows):
+    for start, end, block_dim in _block_dim_runs(first_length, rows, reads):
         count = end - start
-        unused = [(1,)] * (QUERY_SLOTS - count)  # 2-byte outputs for the slots left over
+        unused = [(1,)] * (QUERY_SLOTS - count)  # one-element outputs for the slots left over
         probabilities += _softmax_kernel()(
             inputs=[scores],
-            template=[("BD", block_dim)],
+            template=[("BD", block_dim), ("READS", reads)],
             grid=(count * batch * q_heads * block_dim, 1, 1),
             threadgroup=(block_dim, 1, 1),
             output_shapes=[probability_shape(j) for j in range(start, end)] + unused,
-            output_dtypes=[mx.float16] * QUERY_SLOTS,
+            output_dtypes=[dtype] * QUERY_SLOTS,
         )[:count]
 
     outputs = []
@@ -452,33 +483,42 @@ def cuda_attention_stages(queries, keys, values, scale, first_length):
         grid=(batch * rows * q_heads * head_dim, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(batch, rows, q_heads, head_dim)],
-        output_dtypes=[mx.float16],
+        output_dtypes=[dtype],
     )[0]
     return scores, probabilities, outputs, gathered.transpose(0, 2, 1, 3)
 
 
-def cuda_attention_rows(queries, keys, values, scale, first_length):
-    return cuda_attention_stages(queries, keys, values, scale, first_length)[-1]
+def cuda_attention_rows(queries, keys, values, scale, first_length, variant=None):
+    """The kernels' output; variant: default fp32 rows' as their self-test chose (fp16: "fma")."""
+    variant = variant or (_attention32_serving.get("cuda") if queries.dtype == mx.float32 else "fma")
+    return cuda_attention_stages(queries, keys, values, scale, first_length, variant)[-1]
 
 
 # ---------------------------------------------------------------------------
 # attention: dispatch
 
-# (backend, (B, Hq, Hkv, D)) -> the variants the shape's self-test passed at (empty where
-# it failed): CUDA's softmax block dims, Metal's routing regimes. A longer context needs a
-# variant never tested (on CUDA never compiled either: ~1.5 s of JIT in the middle of a
-# request): its queries run the stock calls.
+# verified_key(backend, (B, Hq, Hkv, D), dtype) -> the variants the shape's self-test passed
+# at (empty where it failed): CUDA's softmax block dims, Metal's routing regimes. A longer
+# context needs a variant never tested (on CUDA never compiled either: ~1.5 s of JIT in the
+# middle of a request): its queries run the stock calls.
 _attention_verified: dict = {}
+_attention32_serving: dict = {}  # backend -> fp32 rows' variant (ATTENTION32_VARIANTS), or None
+
+
+def verified_key(backend: str, shape: tuple, dtype) -> tuple:
+    """_attention_verified's key: (backend, shape) for fp16 rows, fp32 rows' their own."""
+    return (backend, shape, "float32") if dtype == mx.float32 else (backend, shape)
 
 
 def attention_path(backend: str):
-    """(supports(B, Hq, Hkv, D, dtype), the multi-query rows, variant(shape, key length):
-    what must have passed the self-test) of this backend's attention path; None where each
-    query is the stock call."""
+    """(supports(B, Hq, Hkv, D, dtype), the multi-query rows, variant(shape, key length,
+    dtype): what must have passed the self-test) of this backend's attention path; None
+    where each query is the stock call."""
     if backend == "cuda":
-        return attention_kernel_supports, cuda_attention_rows, lambda shape, keys: softmax_block_dim(keys)
+        return (attention_kernel_supports, cuda_attention_rows,
+                lambda shape, keys, dtype: softmax_block_dim(keys, softmax_reads(dtype)))
     if backend == "metal":
-        return metal_attention_supports, metal_attention_rows, metal_sdpa_regime
+        return metal_attention_supports, metal_attention_rows, lambda shape, keys, dtype: metal_sdpa_regime(shape, keys)
     return None
 
 
@@ -520,12 +560,14 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
     path = attention_path(backend)
     if path and rows <= MAX_QUERIES and path[0](*shape, queries.dtype):
         _, attend, variant = path
-        if (backend, shape) not in _attention_verified:
-            result = self_test_attention([shape])
+        key = verified_key(backend, shape, queries.dtype)
+        if key not in _attention_verified:
+            test = self_test_attention32 if queries.dtype == mx.float32 else self_test_attention
+            result = test([shape])
             if not result.ok:
                 warnings.warn(f"dflash2 {backend} attention failed its self-test: {result.reason}")
-        variants = {variant(shape, first_length + j) for j in range(rows)}
-        if variants <= _attention_verified.get((backend, shape), set()):
+        variants = {variant(shape, first_length + j, queries.dtype) for j in range(rows)}
+        if variants <= _attention_verified.get(key, set()):
             return attend(queries, keys, values, scale, first_length)
     return stock_attention_rows(queries, keys, values, scale, first_length)
 
@@ -539,7 +581,7 @@ def _fallback_stages(query, keys, values, scale):
     batch, q_heads, _, head_dim = query.shape
     kv_heads = keys.shape[1]
     repeats = q_heads // kv_heads
-    q = mx.multiply(_fp16_scale(scale)[0], query)
+    q = mx.multiply(_scale_array(scale, query.dtype)[0], query)
     if repeats > 1:
         q = q.reshape(batch, kv_heads, repeats, 1, head_dim)
         keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
@@ -549,17 +591,17 @@ def _fallback_stages(query, keys, values, scale):
     return scores, p, out
 
 
-def _make_case(shape, first_length, rows, kind, key):
-    """Random fp16 inputs and the caches' views: the verify's (all rows appended at
-    once) and decode's per query (one row appended at a time), both mlx-vlm KVCache;
+def _make_case(shape, first_length, rows, kind, key, dtype=mx.float16):
+    """Random fp16 (or fp32) inputs and the caches' views: the verify's (all rows appended
+    at once) and decode's per query (one row appended at a time), both mlx-vlm KVCache;
     then the two buffers' capacities at the end."""
     batch, q_heads, kv_heads, head_dim = shape
     total = first_length + rows - 1
     kq, kk, kv = mx.random.split(key, 3)
-    queries = mx.random.normal((batch, q_heads, rows, head_dim), key=kq).astype(mx.float16)
+    queries = mx.random.normal((batch, q_heads, rows, head_dim), key=kq).astype(dtype)
     keys = mx.random.normal((batch, kv_heads, total, head_dim), key=kk)
-    keys = (keys * (16.0 if kind == "wide" else 1.0)).astype(mx.float16)
-    values = mx.random.normal((batch, kv_heads, total, head_dim), key=kv).astype(mx.float16)
+    keys = (keys * (16.0 if kind == "wide" else 1.0)).astype(dtype)
+    values = mx.random.normal((batch, kv_heads, total, head_dim), key=kv).astype(dtype)
     prefix = first_length - 1
     verify_cache, decode_cache = KVCache(), KVCache()
     if prefix:
@@ -575,9 +617,9 @@ def _make_case(shape, first_length, rows, kind, key):
     return queries, verify_keys, verify_values, decode_views, capacities
 
 
-def _describe_attention_difference(got, want, case, scale, first_length, served):
-    """Where the first differing element is, and, for the kernels, which step differs.
-    case: _make_case's inputs and views."""
+def _describe_attention_difference(got, want, case, scale, first_length, served, variant="fma"):
+    """Where the first differing element is, and, for the kernels (in that variant), which
+    step differs. case: _make_case's inputs and views."""
     queries, verify_keys, verify_values, decode_views, _ = case
     text, (_, _, j, _) = _first_difference(got, want)  # (batch, head, query, column)
     text += f", query {j} sees {first_length + j} keys"
@@ -586,9 +628,12 @@ def _describe_attention_difference(got, want, case, scale, first_length, served)
     query = mx.contiguous(queries[:, :, j : j + 1])
     step_keys, step_values = decode_views[j]
     scores, p, out = _fallback_stages(query, step_keys, step_values, scale)
-    ours_scores, ours_p, ours_out, _ = cuda_attention_stages(
-        queries, verify_keys, verify_values, scale, first_length
-    )
+    try:
+        ours_scores, ours_p, ours_out, _ = cuda_attention_stages(
+            queries, verify_keys, verify_values, scale, first_length, variant
+        )
+    except Exception as error:  # the difference is named; its step is a diagnostic
+        return text + f"; by step: the stages raised {type(error).__name__}: {error}"
     length = first_length + j
     ours_scores = ours_scores[:, :, j : j + 1, :length].reshape(scores.shape)
 
@@ -600,13 +645,15 @@ def _describe_attention_difference(got, want, case, scale, first_length, served)
     )
 
 
-def _test_shape(backend, shape, key, first_lengths, max_queries, kernel):
+def _test_shape(backend, shape, key, first_lengths, max_queries, kernel, dtype=mx.float16, variant=None):
     """Cases of one (B, Hq, Hkv, D): (case records, reason of the first difference).
-    kernel: the attention under test; None: this backend's path for the shape."""
+    kernel: the attention under test; None: this backend's path for the shape (variant:
+    the CUDA kernels in that variant, ending at the first difference)."""
     batch, q_heads, kv_heads, head_dim = shape
     path = attention_path(backend)
-    served = kernel is None and path is not None and path[0](*shape, mx.float16)
-    attend = kernel or (path[1] if served else stock_attention_rows)
+    served = kernel is None and path is not None and path[0](*shape, dtype)
+    attend = kernel or (partial(cuda_attention_rows, variant=variant) if variant
+                        else path[1] if served else stock_attention_rows)
     scale = head_dim**-0.5
     lengths = first_lengths or (
         PACK_FIRST_LENGTHS if shape == ATTENTION_PACK_SHAPE else TINY_FIRST_LENGTHS
@@ -617,7 +664,7 @@ def _test_shape(backend, shape, key, first_lengths, max_queries, kernel):
             for first_length in lengths:
                 for rows in range(1, max_queries + 1):
                     key, case_key = mx.random.split(key)
-                    case = _make_case(shape, first_length, rows, kind, case_key)
+                    case = _make_case(shape, first_length, rows, kind, case_key, dtype)
                     queries, verify_keys, verify_values, decode_views, capacities = case
                     want = mx.concatenate(
                         [
@@ -651,7 +698,9 @@ def _test_shape(backend, shape, key, first_lengths, max_queries, kernel):
                             f"{backend} {'kernels' if served else 'attention'} differ from decode at "
                             f"(B, Hq, Hkv, D)={shape}, first_length={first_length}, L={rows}, input={kind}: "
                         ) + _describe_attention_difference(
-                            got, want, case, scale, first_length, served and backend == "cuda")
+                            got, want, case, scale, first_length, served and backend == "cuda", variant or "fma")
+                        if variant:
+                            return cases, reason
     except Exception as error:  # a kernel that fails to build or run fails the test
         reason = f"{backend} attention at {shape} raised {type(error).__name__}: {error}"
     return cases, reason
@@ -688,10 +737,54 @@ def self_test_attention(
         cases += shape_cases
         reason = reason or shape_reason
         if kernel is None:
-            variant = attention_path(backend)[2]
-            _attention_verified[(backend, shape)] = set() if shape_reason else {
-                variant(shape, case["first_length"] + query) for case in shape_cases for query in range(case["queries"])
-            }
+            _attention_verified[(backend, shape)] = set() if shape_reason else _variants_covered(
+                backend, shape_cases, mx.float16)
     mismatches = sum(c["mismatches"] for c in cases)
     stock_mismatches = sum(c["stock_mismatches"] for c in cases)
     return SelfTestResult(reason is None, backend, reason, mismatches, stock_mismatches, cases)
+
+
+def self_test_attention32(
+    shapes=None, seed: int = 0, first_lengths=None, max_queries: int = MAX_QUERIES, kernel=None
+) -> SelfTestResult:
+    """self_test_attention on fp32 rows (the real file's), CUDA only: each of
+    ATTENTION32_VARIANTS in turn at every shape, a variant ending at its first difference
+    (the next is then tried); the first to pass them all serves fp32 rows at the softmax
+    block dims its cases covered (none passing: the stock call per query), the variants
+    before it its controls. kernel: tested alone instead, nothing switched."""
+    backend = backend_name()
+    if kernel is None and backend != "cuda":
+        return _no_kernel_result(backend)
+    shapes = [tuple(s) for s in (shapes or (ATTENTION_PACK_SHAPE,) + ATTENTION_TINY_SHAPES)]
+    differing, failures, cases_by = {}, {}, {}
+    for name in ["kernel"] if kernel else ATTENTION32_VARIANTS:
+        key, cases = mx.random.key(seed), []
+        for shape in shapes:
+            key, shape_key = mx.random.split(key)
+            shape_cases, reason = _test_shape(backend, shape, shape_key, first_lengths, max_queries, kernel,
+                                              mx.float32, None if kernel else name)
+            cases += shape_cases
+            if reason:
+                failures[name] = f"{name}: {reason}"
+                break
+        differing[name] = max(sum(c["mismatches"] for c in cases), name in failures)  # raised: 1
+        cases_by[name] = cases
+        if name not in failures:
+            break
+    served = next((name for name in differing if name not in failures), None)
+    cases = cases_by[served] if served else [case for name in differing for case in cases_by[name]]
+    if kernel is None:
+        _attention32_serving[backend] = served
+        for shape in shapes:
+            _attention_verified[verified_key(backend, shape, mx.float32)] = _variants_covered(
+                backend, [case for case in cases if served and tuple(case["shape"]) == shape], mx.float32)
+    return SelfTestResult(served is not None, backend, "; ".join(failures.values()) or None,
+                          differing[served or next(iter(differing))], sum(c["stock_mismatches"] for c in cases),
+                          cases, served, differing, {name: differing[name] for name in failures})
+
+
+def _variants_covered(backend, cases, dtype) -> set:
+    """The path's variants (attention_path) at every query of the cases: what they verified."""
+    variant = attention_path(backend)[2]
+    return {variant(tuple(case["shape"]), case["first_length"] + query, dtype)
+            for case in cases for query in range(case["queries"])}

@@ -27,15 +27,15 @@ itself on first use. The Metal kernels are written from MLX's source and were
 never run here (no Mac); the CUDA ones passed at the 27B shapes on an H200 (`gdn_gates` in
 its "half" variant: MLX's Sigmoid on fp16, as the stock beta), those for fp32 rows (the real
 file's: qmv32 from one row, conv32, the fp32 rotation, its group and dense rows) on an H100
-(at 3b80a8a; qmv32's loads since rewritten, the fp32 rotary, gates and norms, and the
-recurrence's fp32 self-test, not yet run on a GPU).
+(at 3b80a8a; qmv32's loads since rewritten, the fp32 rotary, gates, norms and attention,
+and the recurrence's fp32 self-test, not yet run on a GPU).
 """
 
 import time
 from dataclasses import fields
 
 from dflash2_kernel_attention import (  # noqa: F401
-    _attention_verified, decode_attention_rows, self_test_attention,
+    _attention32_serving, _attention_verified, decode_attention_rows, self_test_attention, self_test_attention32,
 )
 from dflash2_kernel_base import MAX_ROWS, SelfTestResult, backend_name, raw_bits  # noqa: F401
 from dflash2_kernel_conv32 import _conv32_serving, conv1d_rows, self_test_conv32  # noqa: F401
@@ -82,6 +82,7 @@ SELF_TESTS = {
     "gdn32": ("gdn_fp32", self_test_gdn32),
     "dense": ("dense", self_test_dense),
     "attention": ("attention", self_test_attention),
+    "attention32": ("attention_fp32", self_test_attention32),
     "conv": ("conv", self_test_conv),
     "conv32": ("conv_fp32", self_test_conv32),
     "rope": ("rope", self_test_rope),
@@ -101,7 +102,7 @@ def verify_kernel_self_tests(shapes: dict) -> dict:
     shapes: {"packed": [(N, K)], "packed_fp32": [(N, K)], "rotations": [(K, block)], "rotations_fp32":
     [(K, block)], "rotation_groups": [(K, block, outputs)], "rotation_groups_fp32": [(K, block, outputs)],
     "gdn": [(B, Hk, Hv, Dk, Dv)], "gdn_fp32": [(B, Hk, Hv, Dk, Dv)], "dense": [(N, K)],
-    "attention": [(B, Hq, Hkv, D)], "conv": [(B, C, K)],
+    "attention": [(B, Hq, Hkv, D)], "attention_fp32": [(B, Hq, Hkv, D)], "conv": [(B, C, K)],
     "conv_fp32": [(B, C, K)], "rope": [(B, Hq, Hk, D, R)], "rope_fp32": [(B, Hq, Hk, D, R)],
     "norms": [(D,)], "norms_fp32": [(D,)], "gated_norms": [(heads, D)], "gated_norms_fp32": [(heads, D)],
     "gates": [(Hv,)], "gates_fp32": [(Hv,)]}; a missing or
@@ -123,7 +124,7 @@ VERDICT_TABLES = {
     "qmv": _verified, "qmv32": _qmv32_serving, "rotate": _rotate_verified, "rotate_group": _rotate_group_verified,
     "rotate32": _rotate_fp32_verified, "rotate_group32": _rotate_group_fp32_verified, "gdn": _gdn_serving,
     "gdn32": _gdn32_serving,
-    "dense": _dense_serving, "attention": _attention_verified, "conv": _conv_serving, "conv32": _conv32_serving,
+    "dense": _dense_serving, "attention": _attention_verified, "attention32": _attention32_serving, "conv": _conv_serving, "conv32": _conv32_serving,
     "rope": _rope_serving, "rope32": _rope32_serving, "add_norm": _add_norm_serving,
     "add_norm32": _add_norm32_serving, "gated_norm": _gated_norm_serving, "gated_norm32": _gated_norm32_serving,
     "gates": _gates_serving, "gates32": _gates32_serving,

@@ -471,13 +471,13 @@ def kernel_shapes(model) -> dict:
     # tests would only cost the start (a call that came would test its kernel first).
     for key in FP32_TWINS:
         shapes[f"{key}_fp32"] = shapes[key] if fp32_rows else set()
-    for key in (*FP32_TWINS, "conv", "attention") if fp32_rows else ():
+    for key in (*FP32_TWINS, "conv") if fp32_rows else ():
         shapes[key] = set()
     return {key: sorted(value) for key, value in shapes.items()}
 
 
 # Shape keys of kernels with an fp32 twin (its key: this one's + "_fp32").
-FP32_TWINS = ("packed", "rotations", "rotation_groups", "gdn", "rope", "norms", "gated_norms", "gates")
+FP32_TWINS = ("packed", "rotations", "rotation_groups", "gdn", "attention", "rope", "norms", "gated_norms", "gates")
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import dflash2_kernel_attention
 import dflash2_kernel_attention_metal
 import dflash2_kernels as dk
-from kernel_cases import one_bit_off, patch_kernels, same_bits
+from kernel_cases import flip_first_bit, one_bit_off, patch_kernels, same_bits
 
 
 def test_decode_attention_rows_equals_single_query_calls():
@@ -86,9 +86,13 @@ def test_metal_attention_serves_multi_query_calls_only_where_its_self_test_passe
     assert same_bits(dk.decode_attention_rows(queries, keys, values, 0.125, 250), want) and calls == []
 
 
-def test_attention_self_test_lengths_cover_every_softmax_block_dim_at_the_pack_shape():
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_attention_self_test_lengths_cover_every_softmax_block_dim_at_the_pack_shape(dtype):
+    """fp16 rows read 8 a thread, fp32 rows 4 (MLX's softmax N_READS), so their block dims
+    change at other key lengths; the pack's lengths reach all six either way."""
+    reads = dflash2_kernel_attention.softmax_reads(dtype)
     lengths = {first + j for first in dflash2_kernel_attention.PACK_FIRST_LENGTHS for j in range(dflash2_kernel_attention.MAX_QUERIES)}
-    assert {dflash2_kernel_attention.softmax_block_dim(t) for t in lengths} == {32, 64, 128, 256, 512, 1024}
+    assert {dflash2_kernel_attention.softmax_block_dim(t, reads) for t in lengths} == {32, 64, 128, 256, 512, 1024}
 
 
 def test_wrong_attention_fails_naming_the_case():
@@ -115,5 +119,63 @@ def test_softmax_block_dim(axis_size, block_dim):
 
 
 def test_block_dim_runs_split_where_the_block_dim_changes():
-    assert dflash2_kernel_attention._block_dim_runs(250, 8) == [[0, 7, 32], [7, 8, 64]]
-    assert dflash2_kernel_attention._block_dim_runs(1, 3) == [[0, 3, 32]]
+    assert dflash2_kernel_attention._block_dim_runs(250, 8, 8) == [[0, 7, 32], [7, 8, 64]]
+    assert dflash2_kernel_attention._block_dim_runs(1, 3, 8) == [[0, 3, 32]]
+    assert dflash2_kernel_attention._block_dim_runs(126, 4, 4) == [[0, 3, 32], [3, 4, 64]]  # fp32 rows: 4 a thread
+
+
+def test_fp32_attention_serves_by_its_own_self_test(monkeypatch):
+    """fp32 rows (the real file's), as on CUDA with a stand-in for the kernels whose "fma" is
+    one bit off: the fp32 self-test tries "fma" (it differs: the control), then "mul_add",
+    which passes at every case and serves fp32 queries at the block dims it covered (4 reads
+    a thread: keys 1..2 block dim 32, 250..251 64), under fp32's own verdict; fp16 queries
+    keep fp16's (none here: the stock call per query)."""
+    shape = (1, 2, 2, 256)
+    calls = []
+
+    def stand_in(queries, keys, values, scale, first_length, variant=None):
+        variant = variant or dflash2_kernel_attention._attention32_serving["cuda"]
+        calls.append((queries.dtype, variant))
+        out = dflash2_kernel_attention.stock_attention_rows(queries, keys, values, scale, first_length)
+        return flip_first_bit(out) if variant == "fma" else out
+
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dflash2_kernel_attention, "cuda_attention_rows", stand_in)
+    monkeypatch.setattr(dflash2_kernel_attention, "_attention_verified", {})
+    monkeypatch.setattr(dflash2_kernel_attention, "_attention32_serving", {})
+    result = dflash2_kernel_attention.self_test_attention32([shape], first_lengths=(1, 250), max_queries=2)
+    assert result.ok and result.variant == "mul_add" and result.controls == {"fma": result.variants["fma"]} != {"fma": 0}
+    assert "fma: cuda kernels differ from decode at (B, Hq, Hkv, D)=(1, 2, 2, 256), first_length=1, L=1" in result.reason
+    assert dflash2_kernel_attention._attention32_serving == {"cuda": "mul_add"}
+    assert dflash2_kernel_attention._attention_verified == {("cuda", shape, "float32"): {32, 64}}
+    assert {dtype for dtype, _ in calls} == {mx.float32}
+    calls.clear()
+    monkeypatch.setitem(dflash2_kernel_attention._attention_verified, ("cuda", shape), set())
+    for dtype, first_length in ((mx.float32, 250), (mx.float16, 250), (mx.float32, 600)):
+        queries, keys, values, _, _ = dflash2_kernel_attention._make_case(shape, first_length, 2, "normal",
+                                                                          mx.random.key(1), dtype)
+        got = dk.decode_attention_rows(queries, keys, values, 0.0625, first_length)
+        assert got.dtype == dtype
+    assert calls == [(mx.float32, "mul_add")]  # fp16: its verdict's none; 600 keys: block dim 256 untested
+
+
+def test_wrong_fp32_attention_fails_naming_the_case():
+    def wrong(queries, keys, values, scale, first_length):
+        assert queries.dtype == keys.dtype == mx.float32
+        return one_bit_off(dflash2_kernel_attention.stock_attention_rows, 2)(queries, keys, values, scale, first_length, axis=2)
+
+    result = dflash2_kernel_attention.self_test_attention32([(1, 2, 1, 64)], first_lengths=(7,), max_queries=2, kernel=wrong)
+    assert not result.ok and result.variant is None
+    assert "kernel: cpu attention differ from decode at (B, Hq, Hkv, D)=(1, 2, 1, 64), first_length=7, L=2" in result.reason
+    passed = dflash2_kernel_attention.self_test_attention32([(1, 2, 1, 64)], first_lengths=(7,), max_queries=2,
+                                                            kernel=dflash2_kernel_attention.stock_attention_rows)
+    assert passed.ok and {case["queries"] for case in passed.cases} == {1, 2}
+
+
+@pytest.mark.skipif(dk.backend_name() != "cuda", reason="MLX's CUDA backend runs the kernels")
+def test_fp32_attention_kernels_equal_decode_at_the_27b_shape_on_cuda():
+    """fp32 rows at the 27B's full-attention shape and the tiny ones: a variant serves (the
+    other, where tried, differs)."""
+    result = dk.self_test_attention32()
+    assert result.ok and result.variant in dflash2_kernel_attention.ATTENTION32_VARIANTS, result.reason
+    print("attention32 variants, differing elements:", result.variants)
