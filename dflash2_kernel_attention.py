@@ -4,10 +4,10 @@ multi-query calls: dflash2_kernel_attention_metal).
 - `decode_attention_rows(queries, keys, values, scale, first_length)`: L verify
   queries, query j seeing first_length + j keys, each decode's single-query
   `mx.fast.scaled_dot_product_attention`. cuda, where decode runs MLX's unfused
-  fallback (fp16, head dim > 128): gemv scores, MLX's softmax, decode's own p @ v
-  call. metal, where decode runs sdpa_vector (GQA 6 to 16): MLX's multi-query
-  sdpa_vector, split where decode's routing would change. Gated per (B, Hq, Hkv, D)
-  and per softmax block dim (cuda) or routing regime (metal).
+  fallback (fp16 or fp32, head dim > 128): gemv scores, MLX's softmax, decode's own p @ v
+  call, fp32 rows under their own self-test. metal, where decode runs sdpa_vector (GQA 6
+  to 16): MLX's multi-query sdpa_vector, split where decode's routing would change. Gated
+  per (B, Hq, Hkv, D) and dtype, and per softmax block dim (cuda) or routing regime (metal).
 """
 
 import warnings
