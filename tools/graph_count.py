@@ -81,10 +81,10 @@ ONE_LAUNCH = (
      lambda x, weight, eps, gate, *args, **kwargs: reach(dflash2_kernel_fused.norm_kernel_supports(x, weight, gate))),
     (dflash2_kernels, "gdn_gates",
      lambda *args, **kwargs: reach(dflash2_kernel_fused.gates_kernel_supports(*args[:4]))),
-    # Scores, softmax and gather kernels, then decode's own p @ v call per query (fp16: the
-    # kernels' dtype; at the 27B's head dim 256, whatever the tiny target's).
+    # Scores, softmax and gather kernels, then decode's own p @ v call per query (fp16 or
+    # fp32: the kernels' dtypes; at the 27B's head dim 256, whatever the tiny target's).
     (dflash2_kernels, "decode_attention_rows",
-     lambda queries, *args, **kwargs: 3 + queries.shape[2] if queries.dtype == mx.float16 else None),
+     lambda queries, *args, **kwargs: 3 + queries.shape[2] if queries.dtype in (mx.float16, mx.float32) else None),
 )
 
 
