@@ -59,7 +59,8 @@ def test_bench_s_verdict_cache_is_keyed_by_the_modules_and_the_model():
     fp32 = start_up_verdicts(args(dense_dtype="float32"), fp32_model).pack
     assert fp16["modules"] == modules_key() and "dflash2_kernels.py" in fp16["modules"]
     assert fp16["pack"]["kernel_shapes"] == kernel_shapes(fp16_model) != fp32["pack"]["kernel_shapes"]
-    assert len(fp16["pack"]["make_synthetic_pack.py"]) == 64 and fp16 != fp32
+    assert len(fp16["pack"]["make_synthetic_pack.py"]) == len(fp16["pack"]["synthetic_tokenizer.py"]) == 64
+    assert fp16 != fp32
     took = {"from_cache": {"kernel self-tests": "2026-12-07T19:24:28Z", "verify path": "2026-12-07T19:24:28Z"}}
     assert cached_checks_text({"start_up_verdicts": took}) == (
         " Start-up checks from the verdict cache (measured 2026-12-07T19:24:28Z): kernel self-tests, verify path.")

@@ -85,15 +85,16 @@ ROUND_RECORD_KEYS = (*(key for key in ROUND_PROCESS_KEYS if key != "start_up_ver
 def start_up_verdicts(args, model) -> VerdictCache:
     """The start-up checks' verdict cache (--verdict-cache), keyed as a server keys its own: the
     runtime's modules, the model (a built pack's files; or the synthetic one's size, dense
-    dtype, kernel shapes and the source of the tool that builds it, at seed 0) and, once opened,
+    dtype, kernel shapes and the source of the tools that build it, at seed 0) and, once opened,
     this machine. Without it every check runs."""
     if not args.verdict_cache:
         return VerdictCache()
     if args.pack:
         return VerdictCache(pack_key(Path(args.pack), *find_pack(args.pack), {}))
-    builder = hashlib.sha256((REPO / "tools" / "make_synthetic_pack.py").read_bytes()).hexdigest()
+    builders = {name: hashlib.sha256((REPO / "tools" / name).read_bytes()).hexdigest()
+                for name in ("make_synthetic_pack.py", "synthetic_tokenizer.py")}  # its tokenizer picks live rows
     synthetic = {"synthetic": args.size, "seed": 0, "dense_dtype": args.dense_dtype,
-                 "kernel_shapes": kernel_shapes(model), "make_synthetic_pack.py": builder}
+                 "kernel_shapes": kernel_shapes(model), **builders}
     return VerdictCache({"modules": modules_key(), "pack": synthetic, "options": {}})
 
 

@@ -57,15 +57,13 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from dflash2_pack import PINS_FILE, SUMS_FILE, build_skeleton, sha256_file  # noqa: E402
 from make_synthetic_pack import (  # noqa: E402
-    CHAT_TEMPLATE,
     SIZES,
-    build_tokenizer,
     drafter_config,
-    special_token_ids,
     target_config,
     write_drafter,
     write_target,
 )
+from synthetic_tokenizer import CHAT_TEMPLATE, build_tokenizer, special_token_ids  # noqa: E402
 
 SIZE = "tiny"
 SEQ_LEN = 128  # target training window
