@@ -22,7 +22,7 @@ to qmm_naive, a SIMT GEMM that sums in another order: the self-test's negative c
 CUDA one row takes the kernel too: MLX's fp32 call first converts the fp16 scales and biases
 to fp32 (ops.cpp quantized_matmul: two more launches, every call), where the kernel reads
 them as fp16, exactly. On Metal MLX's fp32 single row is qmv_fast with T float, which
-dflash2_kernel_qmv's Metal kernel copies for any T (never run: no Mac; its self-test gates it
+dflash2_kernel_qmv_metal's kernel copies for any T (never run: no Mac; its self-test gates it
 there), for 2..8 rows; one row there is MLX's own call. On CPU the rows take MLX's single-row
 calls one by one.
 """
@@ -36,11 +36,12 @@ from dflash2_kernel_base import (
     backend_name, cuda_header, make_inputs_fp32, run_case,
 )
 from dflash2_kernel_qmv import (
-    DEFAULT_SHAPES, kernel_supports, make_weights, metal_matmul, stock_quantized_matmul, stock_rows,
+    DEFAULT_SHAPES, kernel_supports, make_weights, stock_quantized_matmul, stock_rows,
 )
+from dflash2_kernel_qmv_metal import metal_matmul
 
 # backend -> its kernel's variants. cuda: the dequantization fused (nvcc's default) or not;
-# metal: qmv_fast's arithmetic as MLX's source writes it (dflash2_kernel_qmv's Metal kernel).
+# metal: qmv_fast's arithmetic as MLX's source writes it (dflash2_kernel_qmv_metal's kernel).
 QMV32_VARIANTS = {"cuda": ("fma", "mul_add"), "metal": ("qmv_fast",)}
 # A tail-only K (128), a tail after steps (640), and a partial last warp of output rows (42).
 FP32_SHAPES_SMALL = DEFAULT_SHAPES + ((20, 128),)
@@ -236,7 +237,7 @@ _qmv32_serving: dict = {}
 
 def variant_kernel(backend: str, variant: str):
     """The kernel of one variant: CUDA's qmv<float> replica, or Metal's qmv_fast one (the
-    fp16 kernel's source with T float: dflash2_kernel_qmv.metal_matmul)."""
+    fp16 kernel's source with T float: dflash2_kernel_qmv_metal.metal_matmul)."""
     if backend == "metal":
         return metal_matmul
     return partial(cuda_matmul_fp32, variant=variant)

@@ -6,7 +6,8 @@ position, bit for bit what MLX 0.32.2 / mlx-vlm 0.7.2 compute for that position 
 plain decode, on this backend. Each family lives in its own module, its arithmetic notes
 beside its kernel (stock reference, CUDA, Metal, dispatch, self-test):
 
-- dflash2_kernel_qmv: `exact_quantized_matmul`, `exact_rows` (the 2-bit packed matmul);
+- dflash2_kernel_qmv: `exact_quantized_matmul`, `exact_rows` (the 2-bit packed matmul; Metal's kernel:
+  dflash2_kernel_qmv_metal);
 - dflash2_kernel_qmv32: `exact_rows_fp32` (the same for fp32 rows, the real file's activations);
 - dflash2_kernel_rotate: `rotate` (the Hadamard rotation);
 - dflash2_kernel_linear: `rotate_group`, `exact_linear_rows`, `exact_linear_group` (rotated linears);

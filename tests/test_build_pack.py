@@ -354,6 +354,7 @@ LAYERS = [
     "dflash2_kernel_rotate",
     "dflash2_kernel_qmv32",
     "dflash2_kernel_qmv",
+    "dflash2_kernel_qmv_metal",
     "dflash2_kernel_base",
     "dflash2_kernel_cache",
     "dflash2_kernel_folder",

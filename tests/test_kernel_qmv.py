@@ -12,6 +12,7 @@ import pytest
 
 import dflash2_kernel_base
 import dflash2_kernel_qmv
+import dflash2_kernel_qmv_metal
 import dflash2_kernels as dk
 from kernel_cases import RecordingKernel, one_bit_off_at_eight_rows, patch_kernels, same_bits, split_k_halves
 from kernel_parity import MAX_ACCUMULATORS, TUNE_FALLBACK, TUNE_LAUNCHES, launch_for_rows
@@ -182,7 +183,7 @@ def test_every_cuda_launch_keeps_its_accumulators_in_registers():
         ("cuda", 16, 512, 1, dflash2_kernel_qmv.cuda_matmul),  # one row too: faster than MLX's, same bits
         ("cuda", 42, 640, 8, dflash2_kernel_qmv.cuda_matmul),  # every shape
         ("metal", 16, 512, 1, None),  # one row is MLX's own call
-        ("metal", 16, 512, 5, dflash2_kernel_qmv.metal_matmul),
+        ("metal", 16, 512, 5, dflash2_kernel_qmv_metal.metal_matmul),
         ("metal", 42, 512, 5, None),  # N % 8: MLX itself leaves qmv_fast
         ("metal", 16, 640, 5, None),  # K % 512
         ("cpu", 16, 512, 1, None),

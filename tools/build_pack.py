@@ -77,6 +77,7 @@ RUNTIME_FILES = (
     "dflash2_kernel_rotate.py",
     "dflash2_kernel_qmv32.py",
     "dflash2_kernel_qmv.py",
+    "dflash2_kernel_qmv_metal.py",
     "dflash2_kernel_base.py",
     "dflash2_kernel_cache.py",
     "dflash2_kernel_folder.py",
