@@ -488,9 +488,8 @@ def cuda_attention_stages(queries, keys, values, scale, first_length, variant="f
     return scores, probabilities, outputs, gathered.transpose(0, 2, 1, 3)
 
 
-def cuda_attention_rows(queries, keys, values, scale, first_length, variant=None):
-    """The kernels' output; variant: default fp32 rows' as their self-test chose (fp16: "fma")."""
-    variant = variant or (_attention32_serving.get("cuda") if queries.dtype == mx.float32 else "fma")
+def cuda_attention_rows(queries, keys, values, scale, first_length, variant="fma"):
+    """The kernels' output (fp32 rows: in the variant their shape's self-test chose)."""
     return cuda_attention_stages(queries, keys, values, scale, first_length, variant)[-1]
 
 
@@ -502,7 +501,9 @@ def cuda_attention_rows(queries, keys, values, scale, first_length, variant=None
 # context needs a variant never tested (on CUDA never compiled either: ~1.5 s of JIT in the
 # middle of a request): its queries run the stock calls.
 _attention_verified: dict = {}
-_attention32_serving: dict = {}  # backend -> fp32 rows' variant (ATTENTION32_VARIANTS), or None
+# verified_key(backend, shape, float32) -> the variant (ATTENTION32_VARIANTS) fp32 rows of that
+# shape take, or None: one shape's test (a new batch size's, say) never changes another's.
+_attention32_serving: dict = {}
 
 
 def verified_key(backend: str, shape: tuple, dtype) -> tuple:
@@ -558,7 +559,8 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
     backend = backend_name()
     shape = (batch, q_heads, keys.shape[1], head_dim)
     path = attention_path(backend)
-    if path and rows <= MAX_QUERIES and path[0](*shape, queries.dtype):
+    if (path and rows <= MAX_QUERIES and path[0](*shape, queries.dtype)
+            and keys.dtype == values.dtype == queries.dtype):
         _, attend, variant = path
         key = verified_key(backend, shape, queries.dtype)
         if key not in _attention_verified:
@@ -568,6 +570,8 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
                 warnings.warn(f"dflash2 {backend} attention failed its self-test: {result.reason}")
         variants = {variant(shape, first_length + j, queries.dtype) for j in range(rows)}
         if variants <= _attention_verified.get(key, set()):
+            if queries.dtype == mx.float32:  # CUDA's (Metal's path is fp16's), in its shape's variant
+                attend = partial(attend, variant=_attention32_serving[key])
             return attend(queries, keys, values, scale, first_length)
     return stock_attention_rows(queries, keys, values, scale, first_length)
 
@@ -652,7 +656,7 @@ def _test_shape(backend, shape, key, first_lengths, max_queries, kernel, dtype=m
     batch, q_heads, kv_heads, head_dim = shape
     path = attention_path(backend)
     served = kernel is None and path is not None and path[0](*shape, dtype)
-    attend = kernel or (partial(cuda_attention_rows, variant=variant) if variant
+    attend = kernel or (partial(cuda_attention_rows, variant=variant) if variant and served
                         else path[1] if served else stock_attention_rows)
     scale = head_dim**-0.5
     lengths = first_lengths or (
@@ -747,40 +751,41 @@ def self_test_attention(
 def self_test_attention32(
     shapes=None, seed: int = 0, first_lengths=None, max_queries: int = MAX_QUERIES, kernel=None
 ) -> SelfTestResult:
-    """self_test_attention on fp32 rows (the real file's), CUDA only: each of
-    ATTENTION32_VARIANTS in turn at every shape, a variant ending at its first difference
-    (the next is then tried); the first to pass them all serves fp32 rows at the softmax
-    block dims its cases covered (none passing: the stock call per query), the variants
-    before it its controls. kernel: tested alone instead, nothing switched."""
+    """self_test_attention on fp32 rows (the real file's), CUDA only. At each shape, each of
+    ATTENTION32_VARIANTS in turn, a variant ending at its first difference (the next is
+    then tried); the first to pass every case serves that shape's fp32 rows at the softmax
+    block dims its cases covered (none passing: the stock call per query), those before it
+    its controls. A shape decode does not send to the fallback is stock against stock.
+    kernel: tested alone instead, nothing switched."""
     backend = backend_name()
     if kernel is None and backend != "cuda":
         return _no_kernel_result(backend)
-    shapes = [tuple(s) for s in (shapes or (ATTENTION_PACK_SHAPE,) + ATTENTION_TINY_SHAPES)]
-    differing, failures, cases_by = {}, {}, {}
-    for name in ["kernel"] if kernel else ATTENTION32_VARIANTS:
-        key, cases = mx.random.key(seed), []
-        for shape in shapes:
-            key, shape_key = mx.random.split(key)
+    differing, failures, cases, chosen = {}, {}, [], []
+    key = mx.random.key(seed)
+    for shape in [tuple(s) for s in (shapes or (ATTENTION_PACK_SHAPE,) + ATTENTION_TINY_SHAPES)]:
+        key, shape_key = mx.random.split(key)
+        served = None
+        for name in ["kernel"] if kernel else ATTENTION32_VARIANTS:
             shape_cases, reason = _test_shape(backend, shape, shape_key, first_lengths, max_queries, kernel,
                                               mx.float32, None if kernel else name)
-            cases += shape_cases
+            # Elements that differ (at least 1 where the variant raised).
+            differing[name] = differing.get(name, 0) + max(sum(c["mismatches"] for c in shape_cases), bool(reason))
             if reason:
-                failures[name] = f"{name}: {reason}"
-                break
-        differing[name] = max(sum(c["mismatches"] for c in cases), name in failures)  # raised: 1
-        cases_by[name] = cases
-        if name not in failures:
+                failures.setdefault(name, f"{name}: {reason}")
+                continue
+            served = name
+            cases += shape_cases
             break
-    served = next((name for name in differing if name not in failures), None)
-    cases = cases_by[served] if served else [case for name in differing for case in cases_by[name]]
-    if kernel is None:
-        _attention32_serving[backend] = served
-        for shape in shapes:
-            _attention_verified[verified_key(backend, shape, mx.float32)] = _variants_covered(
-                backend, [case for case in cases if served and tuple(case["shape"]) == shape], mx.float32)
-    return SelfTestResult(served is not None, backend, "; ".join(failures.values()) or None,
-                          differing[served or next(iter(differing))], sum(c["stock_mismatches"] for c in cases),
-                          cases, served, differing, {name: differing[name] for name in failures})
+        chosen.append(served)
+        if kernel is None:
+            verified = verified_key(backend, shape, mx.float32)
+            _attention32_serving[verified] = served
+            _attention_verified[verified] = _variants_covered(backend, shape_cases, mx.float32) if served else set()
+    ok = None not in chosen
+    return SelfTestResult(ok, backend, "; ".join(failures.values()) or None,
+                          sum(c["mismatches"] for c in cases), sum(c["stock_mismatches"] for c in cases), cases,
+                          chosen[0] if ok and len(set(chosen)) == 1 else None, differing,
+                          {name: differing[name] for name in failures})
 
 
 def _variants_covered(backend, cases, dtype) -> set:

@@ -127,14 +127,15 @@ def test_block_dim_runs_split_where_the_block_dim_changes():
 def test_fp32_attention_serves_by_its_own_self_test(monkeypatch):
     """fp32 rows (the real file's), as on CUDA with a stand-in for the kernels whose "fma" is
     one bit off: the fp32 self-test tries "fma" (it differs: the control), then "mul_add",
-    which passes at every case and serves fp32 queries at the block dims it covered (4 reads
-    a thread: keys 1..2 block dim 32, 250..251 64), under fp32's own verdict; fp16 queries
-    keep fp16's (none here: the stock call per query)."""
+    which passes at every case and serves fp32 queries of that shape at the block dims it
+    covered (4 reads a thread: keys 1..2 block dim 32, 250..251 64), in that variant, under
+    fp32's own verdict; fp16 queries keep fp16's (none here: the stock call per query). A
+    shape decode sends elsewhere (head dim 64: sdpa_vector) is stock against stock, and its
+    test leaves the first shape's variant as it was."""
     shape = (1, 2, 2, 256)
     calls = []
 
-    def stand_in(queries, keys, values, scale, first_length, variant=None):
-        variant = variant or dflash2_kernel_attention._attention32_serving["cuda"]
+    def stand_in(queries, keys, values, scale, first_length, variant="fma"):
         calls.append((queries.dtype, variant))
         out = dflash2_kernel_attention.stock_attention_rows(queries, keys, values, scale, first_length)
         return flip_first_bit(out) if variant == "fma" else out
@@ -146,7 +147,7 @@ def test_fp32_attention_serves_by_its_own_self_test(monkeypatch):
     result = dflash2_kernel_attention.self_test_attention32([shape], first_lengths=(1, 250), max_queries=2)
     assert result.ok and result.variant == "mul_add" and result.controls == {"fma": result.variants["fma"]} != {"fma": 0}
     assert "fma: cuda kernels differ from decode at (B, Hq, Hkv, D)=(1, 2, 2, 256), first_length=1, L=1" in result.reason
-    assert dflash2_kernel_attention._attention32_serving == {"cuda": "mul_add"}
+    assert dflash2_kernel_attention._attention32_serving == {("cuda", shape, "float32"): "mul_add"}
     assert dflash2_kernel_attention._attention_verified == {("cuda", shape, "float32"): {32, 64}}
     assert {dtype for dtype, _ in calls} == {mx.float32}
     calls.clear()
@@ -157,6 +158,10 @@ def test_fp32_attention_serves_by_its_own_self_test(monkeypatch):
         got = dk.decode_attention_rows(queries, keys, values, 0.0625, first_length)
         assert got.dtype == dtype
     assert calls == [(mx.float32, "mul_add")]  # fp16: its verdict's none; 600 keys: block dim 256 untested
+    calls.clear()
+    other = dflash2_kernel_attention.self_test_attention32([(1, 2, 1, 64)], first_lengths=(7,), max_queries=2)
+    assert other.ok and calls == [] and other.variant == "fma"  # stock against stock: the first passes
+    assert dflash2_kernel_attention._attention32_serving[("cuda", shape, "float32")] == "mul_add"
 
 
 def test_wrong_fp32_attention_fails_naming_the_case():
