@@ -239,7 +239,10 @@ NORM_VARIANTS = ("fused",)
 NORM32_VARIANTS = ("fma", "mul_add")
 _SQUARE_FUSED = {"fused": 1, "fma": 1, "mul_add": 0}  # the kernel's FMA template argument
 NORM_LONG_THREADS = 1024  # rms_norm's BLOCK_DIM (rms_norm.cu:617)
-NORM_MAX_CHUNKS = 8  # vectors a thread holds: rows up to 1024 * N_READS * 8
+# Vectors a thread holds at 1024 threads (rows up to 1024 * N_READS * 2: fp16 16384, fp32
+# 8192): a block of 1024 has 64 registers a thread, which the fp16 gated norm passes at 3
+# (nvcc 13.0, sm_90a: 72) and the launch would fail. rms_norm_small's blocks take 8.
+NORM_LONG_MAX_CHUNKS = 2
 
 
 def stock_add_rms_norm(x, residual, weight, eps: float):
@@ -456,9 +459,9 @@ _gated_norm32_serving: dict = {}
 
 def norm_kernel_supports(x, weight, *same) -> bool:
     """Whether the norm kernels take x (the residual or the gate beside it: `same`): all
-    fp16 or all fp32, rows of up to 1024 threads' NORM_MAX_CHUNKS vectors."""
+    fp16 or all fp32, rows of up to 1024 threads' NORM_LONG_MAX_CHUNKS vectors."""
     return (x.ndim >= 1 and x.size > 0 and x.dtype in (mx.float16, mx.float32)
-            and 0 < x.shape[-1] <= NORM_LONG_THREADS * norm_reads(x.dtype) * NORM_MAX_CHUNKS
+            and 0 < x.shape[-1] <= NORM_LONG_THREADS * norm_reads(x.dtype) * NORM_LONG_MAX_CHUNKS
             and weight.shape == (x.shape[-1],) and all(other.shape == x.shape for other in same)
             and all(a.dtype == x.dtype for a in (weight, *same)))
 
