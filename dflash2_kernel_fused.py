@@ -147,9 +147,9 @@ def conv_rows(state, x, weight, variant=None):
     there, so the kernel reads it in place). Returns
     (the (B, K - 1 + L, C) concatenation, silu(out) (B, L, C)), out bitwise decode's per
     position. variant: "taps" forces the kernel (no gate)."""
-    if variant is None:
-        variant = cuda_serving_variant(_conv_serving, self_test_conv)
-        if variant is None or not conv_kernel_supports(state, x, weight):
+    if variant is None:  # the inputs first: a call the kernel never takes tests nothing
+        variant = conv_kernel_supports(state, x, weight) and cuda_serving_variant(_conv_serving, self_test_conv)
+        if not variant:
             return stock_conv_rows(state, x, weight)
     return cuda_conv_rows(state, x, weight)
 
@@ -471,10 +471,12 @@ def add_rms_norm(x, residual, weight, eps: float, variant=None):
     decode's own Add and rms_norm compute it, in one launch where the kernel serves.
     variant: one of NORM32_VARIANTS (fp16: "fused") forces the kernel (no gate); default:
     as the self-test of the rows' dtype decided."""
-    if variant is None:
-        variant = (cuda_serving_variant(_add_norm32_serving, self_test_add_norm32) if x.dtype == mx.float32
-                   else cuda_serving_variant(_add_norm_serving, self_test_add_norm))
-        if variant is None or not norm_kernel_supports(x, weight, residual):
+    if variant is None:  # the inputs first: a call the kernel never takes (an fp16 embedding
+        # row beside an fp32 residual, in layer 0 of an fp32 pack) tests nothing
+        variant = norm_kernel_supports(x, weight, residual) and (
+            cuda_serving_variant(_add_norm32_serving, self_test_add_norm32) if x.dtype == mx.float32
+            else cuda_serving_variant(_add_norm_serving, self_test_add_norm))
+        if not variant:
             return stock_add_rms_norm(x, residual, weight, eps)
     return cuda_add_rms_norm(x, residual, weight, eps, variant=variant)
 
@@ -483,10 +485,11 @@ def gated_rms_norm(x, weight, eps: float, gate, variant=None):
     """Qwen3_5RMSNormGated's output for x and its gate, bit for bit as decode's rms_norm and
     compiled swiglu compute it, in one launch where the kernel serves. variant: as
     add_rms_norm's."""
-    if variant is None:
-        variant = (cuda_serving_variant(_gated_norm32_serving, self_test_gated_norm32) if x.dtype == mx.float32
-                   else cuda_serving_variant(_gated_norm_serving, self_test_gated_norm))
-        if variant is None or not norm_kernel_supports(x, weight, gate):
+    if variant is None:  # the inputs first: a call the kernel never takes tests nothing
+        variant = norm_kernel_supports(x, weight, gate) and (
+            cuda_serving_variant(_gated_norm32_serving, self_test_gated_norm32) if x.dtype == mx.float32
+            else cuda_serving_variant(_gated_norm_serving, self_test_gated_norm))
+        if not variant:
             return stock_gated_rms_norm(x, weight, eps, gate)
     return cuda_gated_rms_norm(x, weight, eps, gate, variant=variant)
 
@@ -654,10 +657,11 @@ def gdn_gates(A_log, a, b, dt_bias, variant=None):
     """`_compute_g_beta(A_log, a, b, dt_bias)` bit for bit, in one launch where the kernel
     serves. variant: one of GATE_VARIANTS forces the kernel (no gate); default: the
     self-test's for fp16 rows, or fp32 rows' own."""
-    if variant is None:
-        variant = (cuda_serving_variant(_gates32_serving, self_test_gates32) if a.dtype == mx.float32
-                   else cuda_serving_variant(_gates_serving, self_test_gates))
-        if variant is None or not gates_kernel_supports(A_log, a, b, dt_bias):
+    if variant is None:  # the inputs first: a call the kernel never takes tests nothing
+        variant = gates_kernel_supports(A_log, a, b, dt_bias) and (
+            cuda_serving_variant(_gates32_serving, self_test_gates32) if a.dtype == mx.float32
+            else cuda_serving_variant(_gates_serving, self_test_gates))
+        if not variant:
             return _compute_g_beta(A_log, a, b, dt_bias)
     return cuda_gdn_gates(A_log, a, b, dt_bias, variant)
 

@@ -471,12 +471,14 @@ def gdn_recurrence(q, k, v, g, beta, state, variant=None):
         )
     backend = recurrence_backend()
     if variant is None:
+        if not gdn_kernel_supports(backend, q, k, v, g, beta, state):  # tests nothing
+            return stock_recurrence(q, k, v, g, beta, state)
         fp32 = q.dtype == mx.float32 and backend == "cuda"  # Metal's kernel is fp16's
         serving, self_test = (_gdn32_serving, self_test_gdn32) if fp32 else (_gdn_serving, self_test_gdn)
         if backend in GDN_VARIANTS and backend not in serving:
             self_test()
         variant = serving.get(backend)
-        if variant is None or not gdn_kernel_supports(backend, q, k, v, g, beta, state):
+        if variant is None:
             return stock_recurrence(q, k, v, g, beta, state)
     return tuple(gdn_variant(backend, variant)(q, k, v, g, beta, state))
 
@@ -491,9 +493,9 @@ def dense_rows(x, weight, variant=None):
     rows = x.size // k if k else 0
     if weight.ndim != 2 or weight.shape[1] != k or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"dense_rows: x {x.shape} and weight {weight.shape} need 1..8 rows of K")
-    if variant is None:
-        variant = cuda_serving_variant(_dense_serving, self_test_dense)
-        if variant is None or not dense_kernel_supports(x, weight):
+    if variant is None:  # the inputs first: a call the kernel never takes tests nothing
+        variant = dense_kernel_supports(x, weight) and cuda_serving_variant(_dense_serving, self_test_dense)
+        if not variant:
             return stock_dense_rows(x, weight)
     out = cuda_dense_rows(x.reshape(rows, k), weight, variant)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -161,10 +161,11 @@ def rope_rows(q, k, cos, sin, variant=None):
     (cos, sin: (B, L, R)), bit for bit, as two row-contiguous arrays of q's and k's shapes.
     variant: one of ROPE32_VARIANTS forces the kernel (no gate); default: the self-test's
     for fp16 rows, or fp32 rows' own."""
-    if variant is None:
-        variant = (cuda_serving_variant(_rope32_serving, self_test_rope32) if q.dtype == mx.float32
-                   else cuda_serving_variant(_rope_serving, self_test_rope))
-        if variant is None or not rope_kernel_supports(q, k, cos, sin):
+    if variant is None:  # the inputs first: a call the kernel never takes tests nothing
+        variant = rope_kernel_supports(q, k, cos, sin) and (
+            cuda_serving_variant(_rope32_serving, self_test_rope32) if q.dtype == mx.float32
+            else cuda_serving_variant(_rope_serving, self_test_rope))
+        if not variant:
             return stock_rope_rows(q, k, cos, sin)
     return cuda_rope_rows(q, k, cos, sin, variant)
 

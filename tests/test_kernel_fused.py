@@ -301,3 +301,31 @@ def test_fp32_norm_kernels_equal_mlx_at_the_27b_shapes_on_cuda(norm):
     assert result.ok and result.variant in dflash2_kernel_fused.NORM32_VARIANTS, result.reason
     print(norm, "variants, differing elements:", result.variants)
 
+
+def test_a_call_no_kernel_takes_runs_no_self_test(monkeypatch):
+    """As on CUDA before any self-test ran: calls whose inputs no kernel takes (layer 0 of an
+    fp32 pack adds its fp16 embedding row to an fp32 residual; fp32 rows meet the fp16
+    convolution; fp16 rows with fp32 rotary tables) run decode's calls without testing a
+    kernel first (each fp16 test would cost the start seconds, at every start: the verdict
+    cache keeps the tables as the start-up's tests left them)."""
+    import dflash2_kernel_rope
+
+    tested = []
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
+    for module, name in ((dflash2_kernel_fused, "self_test_add_norm"), (dflash2_kernel_fused, "self_test_conv"),
+                         (dflash2_kernel_rope, "self_test_rope")):
+        monkeypatch.setattr(module, name, lambda *args, name=name, **kwargs: tested.append(name))
+    monkeypatch.setattr(dflash2_kernel_fused, "_add_norm_serving", {})
+    monkeypatch.setattr(dflash2_kernel_fused, "_conv_serving", {})
+    monkeypatch.setattr(dflash2_kernel_rope, "_rope_serving", {})
+    x16 = dflash2_kernel_base.make_inputs("normal", 2, 64, mx.random.key(1))
+    h, _ = dk.add_rms_norm(x16, x16.astype(mx.float32), mx.ones((64,), mx.float32), 1e-6)
+    assert h.dtype == mx.float32
+    state, x, weight = dflash2_kernel_fused.make_conv_case("normal", 1, 40, 4, mx.random.key(1))
+    dk.conv_rows(state.astype(mx.float32), x[:, :2].astype(mx.float32), weight)
+    q, k, cos, sin = dflash2_kernel_rope.make_rope_case("normal", 1, 2, 1, 32, 16, 2, mx.random.key(1),
+                                                        table_dtype=mx.float32)
+    dk.rope_rows(q, k, cos, sin)
+    assert tested == []
+    dk.add_rms_norm(x16, x16, mx.ones((64,), mx.float16), 1e-6)  # a call the kernel takes: tested first
+    assert tested == ["self_test_add_norm"]
