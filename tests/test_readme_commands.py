@@ -102,7 +102,10 @@ def test_both_servers_log_their_memory_after_the_warm_up(demo):
         held[name] = memory["at_rest_gb"]
         assert held[name] == float(match[1]) > 0 and memory["request_peak_gb"]["n"] >= 1, (line, memory)
         assert held[name] <= float(match[2]) <= memory["request_peak_gb"]["max"], (line, memory)
-    assert held["demo"] > held["serve-demo"] == held["demo-plain"]
+    # The plain servers hold the same, to the log's resolution (1 MB: the tiny pair's ~1.5 MB
+    # at rest has rounded to 0.001 in one and 0.002 in the other under CI's load).
+    assert held["demo"] > max(held["serve-demo"], held["demo-plain"]) + 0.001
+    assert abs(held["serve-demo"] - held["demo-plain"]) <= 0.001 + 1e-9
 
 
 def test_serve_py_demo_serves_the_same_fixture_plain(demo):
