@@ -43,9 +43,11 @@ def conv1d_rows(conv1d, window, rows):
     position bitwise decode's one-window call: one call where this machine's self-test proved
     that at this many positions, else one per position."""
     backend = backend_name()
+    if "bias" in conv1d:  # tested without one: a call the block call never takes tests nothing
+        return stock_conv1d_rows(conv1d, window, rows)
     if backend == "cuda" and (backend, rows) not in _conv32_serving:
         self_test_conv32(shapes=[(window.shape[0], *conv1d.weight.shape[:2])])
-    if "bias" not in conv1d and _conv32_serving.get((backend, rows)):  # tested without one
+    if _conv32_serving.get((backend, rows)):
         return block_conv1d_rows(conv1d, window, rows)
     return stock_conv1d_rows(conv1d, window, rows)
 
