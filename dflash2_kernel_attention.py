@@ -570,9 +570,11 @@ def decode_attention_rows(queries, keys, values, scale: float, first_length: int
                 warnings.warn(f"dflash2 {backend} attention failed its self-test: {result.reason}")
         variants = {variant(shape, first_length + j, queries.dtype) for j in range(rows)}
         if variants <= _attention_verified.get(key, set()):
-            if queries.dtype == mx.float32:  # CUDA's (Metal's path is fp16's), in its shape's variant
-                attend = partial(attend, variant=_attention32_serving[key])
-            return attend(queries, keys, values, scale, first_length)
+            if queries.dtype != mx.float32:
+                return attend(queries, keys, values, scale, first_length)
+            fp32_variant = _attention32_serving.get(key)  # CUDA's (Metal's path is fp16's), its shape's
+            if fp32_variant:
+                return attend(queries, keys, values, scale, first_length, variant=fp32_variant)
     return stock_attention_rows(queries, keys, values, scale, first_length)
 
 
@@ -764,6 +766,16 @@ def self_test_attention32(
     key = mx.random.key(seed)
     for shape in [tuple(s) for s in (shapes or (ATTENTION_PACK_SHAPE,) + ATTENTION_TINY_SHAPES)]:
         key, shape_key = mx.random.split(key)
+        if kernel is None and not attention_kernel_supports(*shape, mx.float32):
+            # Decode sends this shape elsewhere: the stock call per query, against itself.
+            shape_cases, reason = _test_shape(backend, shape, shape_key, first_lengths, max_queries, None, mx.float32)
+            cases += shape_cases
+            if reason:
+                failures.setdefault("stock", f"stock: {reason}")
+                chosen.append(None)
+            _attention32_serving[verified_key(backend, shape, mx.float32)] = None
+            _attention_verified[verified_key(backend, shape, mx.float32)] = set()
+            continue
         served = None
         for name in ["kernel"] if kernel else ATTENTION32_VARIANTS:
             shape_cases, reason = _test_shape(backend, shape, shape_key, first_lengths, max_queries, kernel,
@@ -774,18 +786,19 @@ def self_test_attention32(
                 failures.setdefault(name, f"{name}: {reason}")
                 continue
             served = name
-            cases += shape_cases
             break
+        cases += shape_cases  # the served variant's, else the last one's up to its difference
         chosen.append(served)
         if kernel is None:
             verified = verified_key(backend, shape, mx.float32)
             _attention32_serving[verified] = served
             _attention_verified[verified] = _variants_covered(backend, shape_cases, mx.float32) if served else set()
     ok = None not in chosen
+    variants = set(chosen) - {None}
     return SelfTestResult(ok, backend, "; ".join(failures.values()) or None,
                           sum(c["mismatches"] for c in cases), sum(c["stock_mismatches"] for c in cases), cases,
-                          chosen[0] if ok and len(set(chosen)) == 1 else None, differing,
-                          {name: differing[name] for name in failures})
+                          variants.pop() if ok and len(variants) == 1 else None, differing,
+                          {name: differing[name] for name in failures if name in differing})
 
 
 def _variants_covered(backend, cases, dtype) -> set:

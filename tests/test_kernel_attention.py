@@ -160,7 +160,7 @@ def test_fp32_attention_serves_by_its_own_self_test(monkeypatch):
     assert calls == [(mx.float32, "mul_add")]  # fp16: its verdict's none; 600 keys: block dim 256 untested
     calls.clear()
     other = dflash2_kernel_attention.self_test_attention32([(1, 2, 1, 64)], first_lengths=(7,), max_queries=2)
-    assert other.ok and calls == [] and other.variant == "fma"  # stock against stock: the first passes
+    assert other.ok and calls == [] and other.variant is None  # stock against stock: no variant serves
     assert dflash2_kernel_attention._attention32_serving[("cuda", shape, "float32")] == "mul_add"
 
 
@@ -184,3 +184,24 @@ def test_fp32_attention_kernels_equal_decode_at_the_27b_shape_on_cuda():
     result = dk.self_test_attention32()
     assert result.ok and result.variant in dflash2_kernel_attention.ATTENTION32_VARIANTS, result.reason
     print("attention32 variants, differing elements:", result.variants)
+
+
+def test_a_failed_fp32_attention_test_counts_its_differences(monkeypatch):
+    """Where no variant passes at a shape, the result keeps the last one's cases up to its
+    first difference, so it reports elements that differ (pack verify prints them), and that
+    shape is served by no variant: the stock call per query."""
+    shape = (1, 2, 2, 256)
+
+    def stand_in(queries, keys, values, scale, first_length, variant="fma"):
+        return flip_first_bit(dflash2_kernel_attention.stock_attention_rows(queries, keys, values, scale, first_length))
+
+    patch_kernels(monkeypatch, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(dflash2_kernel_attention, "cuda_attention_rows", stand_in)
+    monkeypatch.setattr(dflash2_kernel_attention, "_attention_verified", {})
+    monkeypatch.setattr(dflash2_kernel_attention, "_attention32_serving", {})
+    result = dflash2_kernel_attention.self_test_attention32([shape], first_lengths=(1,), max_queries=1)
+    assert not result.ok and result.variant is None and result.mismatches > 0 and result.cases
+    assert set(result.controls) == set(dflash2_kernel_attention.ATTENTION32_VARIANTS)
+    key = ("cuda", shape, "float32")
+    assert dflash2_kernel_attention._attention32_serving[key] is None
+    assert dflash2_kernel_attention._attention_verified[key] == set()
