@@ -96,48 +96,36 @@ def test_rms_norm_launch_is_mlx_s_for_each_width():
     assert dflash2_kernel_fused.norm_reads(mx.float16) == 8 and reads == 4
 
 
-@pytest.mark.parametrize("fp32", [False, True])
-def test_wrong_add_norm_fails_naming_the_case(fp32):
-    """fp16 rows' self-test and fp32 rows' (their own input kinds) each fail a norm one bit off."""
-    def wrong(x, residual, weight, eps):  # the norm's first element one bit off at 8 rows
-        h, normed = dflash2_kernel_fused.stock_add_rms_norm(x, residual, weight, eps)
-        return h, flip_first_bit(normed) if x.shape[1] == 8 else normed
+def one_bit_off_at(stock, part: int, rows: int, rows_of: int):
+    """stock, with output `part`'s first element one bit off where its argument `rows_of` has
+    `rows` positions."""
+    def wrong(*args):
+        out = stock(*args)
+        if args[rows_of].shape[1] != rows:
+            return out
+        if not isinstance(out, tuple):
+            return flip_first_bit(out)
+        return tuple(flip_first_bit(o) if i == part else o for i, o in enumerate(out))
 
-    self_test = dflash2_kernel_fused.self_test_add_norm32 if fp32 else dflash2_kernel_fused.self_test_add_norm
-    kinds = dflash2_kernel_base.FP32_INPUT_KINDS if fp32 else dflash2_kernel_base.INPUT_KINDS
-    result = self_test([(512,)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(kinds)
-    assert f"D=512 (B, L)=(1, 8){' fp32' * fp32} input=normal, norm" in result.reason
-    assert self_test([(512,)], kernel=dflash2_kernel_fused.stock_add_rms_norm).ok
-
-
-@pytest.mark.parametrize("fp32", [False, True])
-def test_wrong_gated_norm_fails_naming_the_case(fp32):
-    def wrong(x, weight, eps, gate):  # the first element one bit off at 3 positions
-        out = dflash2_kernel_fused.stock_gated_rms_norm(x, weight, eps, gate)
-        return flip_first_bit(out) if x.shape[1] == 3 else out
-
-    self_test = dflash2_kernel_fused.self_test_gated_norm32 if fp32 else dflash2_kernel_fused.self_test_gated_norm
-    kinds = dflash2_kernel_base.FP32_INPUT_KINDS if fp32 else dflash2_kernel_base.INPUT_KINDS
-    result = self_test([(2, 64)], kernel=wrong)
-    assert not result.ok and result.mismatches == len(kinds)
-    assert f"(heads, D)=(2, 64) L=3{' fp32' * fp32} input=normal, out" in result.reason
-    assert self_test([(2, 64)], kernel=dflash2_kernel_fused.stock_gated_rms_norm).ok
+    return wrong
 
 
 @pytest.mark.parametrize("fp32", [False, True])
-def test_wrong_gates_fail_naming_the_case(fp32):
-    """fp16 rows' self-test and fp32 rows' (their own input kinds) each fail a beta one bit off."""
-    def wrong(A_log, a, b, dt_bias):  # beta's first element one bit off at 4 positions
-        g, beta = dflash2_kernel_fused._compute_g_beta(A_log, a, b, dt_bias)
-        return g, flip_first_bit(beta) if a.shape[1] == 4 else beta
-
-    self_test = dflash2_kernel_fused.self_test_gates32 if fp32 else dflash2_kernel_fused.self_test_gates
+@pytest.mark.parametrize(("family", "shape", "stock", "part", "rows", "where"), [
+    ("add_norm", (512,), dflash2_kernel_fused.stock_add_rms_norm, 1, (8, 0), "D=512 (B, L)=(1, 8){} input=normal, norm"),
+    ("gated_norm", (2, 64), dflash2_kernel_fused.stock_gated_rms_norm, 0, (3, 0),
+     "(heads, D)=(2, 64) L=3{} input=normal, out"),
+    ("gates", (4,), dflash2_kernel_fused._compute_g_beta, 1, (4, 1), "Hv=4 L=4{} input=normal, beta"),
+])
+def test_wrong_kernels_fail_naming_the_case(fp32, family, shape, stock, part, rows, where):
+    """fp16 rows' self-test and fp32 rows' (their own input kinds) each fail a kernel one bit
+    off in one output at one row count, naming the case; the stock call passes."""
+    self_test = getattr(dflash2_kernel_fused, f"self_test_{family}{'32' * fp32}")
     kinds = dflash2_kernel_base.FP32_INPUT_KINDS if fp32 else dflash2_kernel_base.INPUT_KINDS
-    result = self_test([(4,)], kernel=wrong)
+    result = self_test([shape], kernel=one_bit_off_at(stock, part, *rows))  # rows: (count, of argument)
     assert not result.ok and result.mismatches == len(kinds)
-    assert f"Hv=4 L=4{' fp32' * fp32} input=normal, beta" in result.reason
-    assert self_test([(4,)], kernel=dflash2_kernel_fused._compute_g_beta).ok
+    assert where.format(" fp32" * fp32) in result.reason
+    assert self_test([shape], kernel=stock).ok
 
 
 def test_gates_serve_the_variant_that_passed_with_the_other_as_control(monkeypatch):
