@@ -16,6 +16,7 @@ token is picked the way plain decode picks it. dflash2_runtime installs it in ml
 import contextlib
 import functools
 import weakref
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -92,8 +93,17 @@ def _fused_residual_layer(layer, x, mixer, feed_forward):
     """A Qwen3.5 decoder layer's body (input norm, mixer(normed): its attention or
     GatedDeltaNet, residual add, post-attention norm, feed_forward(layer.mlp, normed), the
     second residual add) with the first add and the norm after it in one launch."""
-    hidden, normed = _add_and_norm(x, mixer(layer.input_layernorm(x)), layer.post_attention_layernorm)
-    return hidden + feed_forward(layer.mlp, normed)
+    hidden, mlp_out = _residual_layer_parts(layer, x, mixer, feed_forward)
+    return hidden + mlp_out
+
+
+def _residual_layer_parts(layer, x, mixer, feed_forward, normed=None):
+    """_fused_residual_layer up to its second residual add: (h, the MLP's output), whose sum
+    (h + it, decode's order) is the layer's output. normed: layer.input_layernorm(x) where
+    the layer before computed it in its own last launch."""
+    normed = layer.input_layernorm(x) if normed is None else normed
+    hidden, post = _add_and_norm(x, mixer(normed), layer.post_attention_layernorm)
+    return hidden, feed_forward(layer.mlp, post)
 
 
 def _add_and_norm(x, residual, norm):
@@ -141,6 +151,14 @@ _verify_prepare_projected_qkv = _with_globals(
 )
 
 
+@dataclass
+class _NormedOutput:
+    """A decoder layer's output and the next layer's input norm of it, from one launch."""
+
+    hidden: mx.array
+    normed: mx.array
+
+
 class ExactVerifier(Qwen3_5BatchInvariantForward):
     """Qwen3.5 verify forward whose every position equals a decode step.
 
@@ -154,6 +172,8 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
 
     _layers_built = 0  # of the forward being built; verify starts each at 0
     compiled_layers = None  # CompiledLayers where the GatedDeltaNet layers' steps run compiled
+    _layers = ()  # the forward's decoder layers, in order
+    _ahead = None  # _NormedOutput: the last layer's output and the next one's input norm of it
 
     def use_compiled_layers(self, on: bool) -> None:
         """Verify's GatedDeltaNet decoder layers traced once per block length and replayed
@@ -165,11 +185,18 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         # unpadded single row decodes without one. Checked once per round.
         attention_cache = (cache or [None])[language_model.model.fa_idx]
         self._unpadded_row = _single_unpadded_row(attention_cache, inputs.shape[0])
-        self._layers_built = 0
-        return super().verify(language_model, inputs, cache=cache, **kwargs)
+        self._layers_built, self._layers, self._ahead = 0, language_model.model.layers, None
+        try:
+            return super().verify(language_model, inputs, cache=cache, **kwargs)
+        finally:
+            self._ahead = None
 
     def _layer(self, layer, hidden, mask, cache, position_ids, position_embeddings):
-        # The base class's, with the residual add and the norm after it in one launch.
+        # The base class's, with each residual add and the norm after it in one launch: the
+        # first add's post-attention norm, and the second's the next layer's input norm (the
+        # next call's `hidden` is this one's output: the base class's loop hands it on).
+        ahead, self._ahead = self._ahead, None
+        normed = ahead.normed if ahead is not None and ahead.hidden is hidden else None
         if self.compiled_layers is not None and takes_compiled_step(layer, hidden, mask, cache):
             hidden = self.compiled_layers.run(layer, hidden, cache)
         else:
@@ -179,7 +206,13 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
             else:
                 def mixer(normed):
                     return self._attention(layer.self_attn, normed, mask, cache, position_ids, position_embeddings)
-            hidden = _fused_residual_layer(layer, hidden, mixer, self._feed_forward)
+            hidden, mlp_out = _residual_layer_parts(layer, hidden, mixer, self._feed_forward, normed)
+            following = self._layers_built + 1
+            if following < len(self._layers):
+                hidden, next_normed = _add_and_norm(hidden, mlp_out, self._layers[following].input_layernorm)
+                self._ahead = _NormedOutput(hidden, next_normed)
+            else:
+                hidden = hidden + mlp_out
         self._layers_built += 1
         if VERIFY_EVAL_EVERY and self._layers_built % VERIFY_EVAL_EVERY == 0:
             mx.async_eval(hidden)

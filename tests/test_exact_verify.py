@@ -267,23 +267,25 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
     assert len(taken_by) == linear_layers - 1 and type(layer) not in taken_by
 
 
-@pytest.mark.parametrize("name, arm, call_shape, serving", [
+@pytest.mark.parametrize("name, arm, call_shape, serving, in_verify", [
     ("rope_rows", "rotation+recurrence+convolution+rope",
      lambda q, k, cos, sin: (q.shape[2], dflash2_kernel_rope.rope_kernel_supports(q, k, cos, sin)),
-     lambda layer: not layer.is_linear),
+     lambda layer: not layer.is_linear, lambda n: n),
     ("add_rms_norm", "rotation+recurrence+convolution+rope+residual",
      lambda x, residual, weight, eps: (x.shape[1], dflash2_kernel_fused.norm_kernel_supports(x, weight, residual)),
-     lambda layer: True),
+     lambda layer: True, lambda n: 2 * n - 1),
     ("gated_rms_norm", "rotation+recurrence+convolution",
      lambda x, weight, eps, gate: (x.shape[1], dflash2_kernel_fused.norm_kernel_supports(x, weight, gate)),
-     lambda layer: layer.is_linear),
+     lambda layer: layer.is_linear, lambda n: n),
     ("gdn_gates", "rotation+recurrence+convolution",
      lambda A_log, a, b, dt_bias: (a.shape[1], dflash2_kernel_fused.gates_kernel_supports(A_log, a, b, dt_bias)),
-     lambda layer: layer.is_linear),
+     lambda layer: layer.is_linear, lambda n: n),
 ])
-def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch, name, arm, call_shape, serving):
+def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch, name, arm, call_shape, serving,
+                                                          in_verify):
     """Under its arm a decode step, and any verify round, call the kernel (the rotary: each
-    attention layer; the residual add and norm: every layer; the gated norm and the gates:
+    attention layer; the residual add and norm: every layer, and in verify also each
+    layer's second add with the next layer's input norm; the gated norm and the gates:
     each GatedDeltaNet layer) with arguments it takes: on a
     GPU none falls back to the stock launches unseen, and graph_count's one launch for it is
     what CUDA runs. The prefill keeps mlx-vlm's own calls."""
@@ -309,7 +311,7 @@ def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch,
     mx.eval(tokens)
     abort_speculative_round(transaction)
     layers = sum(map(serving, lm.model.layers))
-    assert taken == [(1, True)] * layers + [(3, True)] * layers
+    assert taken == [(1, True)] * layers + [(3, True)] * in_verify(layers)
 
 
 def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target, raw_plain):
