@@ -9,6 +9,7 @@ gives stock's bits here (decode_arm_differences), and the fastest of those serve
 
 import contextlib
 import copy
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,9 +23,10 @@ import dflash2_rounds
 import dflash2_timing
 from dflash2_verify import (
     CompiledLayers,
+    _add_and_norm,
     _exact_linear_group,
-    _fused_residual_layer,
     _packed_linear,
+    _residual_layer_parts,
     _shared_rotation_block,
     gated_delta_positions,
     takes_compiled_step,
@@ -153,8 +155,8 @@ def _rotary_call(q, k, cos, sin, unqueeze_dim=1):
 
 
 def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
-    """Qwen3_5DecoderLayer.__call__; with the residual, decode's residual add and the norm
-    after it in one launch instead of two (_add_and_norm, the same bits); compiled, a
+    """Qwen3_5DecoderLayer.__call__; with the residual, decode's residual adds and the norm
+    after each in one launch instead of two (_add_and_norm, the same bits); compiled, a
     GatedDeltaNet layer's step replayed from its trace (dflash2_verify.CompiledLayers). During a plain
     step the drafter's tap layers keep their outputs (dflash2_rounds.keep_tap_output)."""
     if "residual" not in _decode_path or type(self) is not qwen3_5_language.Qwen3_5DecoderLayer or x.shape[1] != 1:
@@ -169,9 +171,31 @@ def _decoder_layer_call(self, x, mask=None, cache=None, position_ids=None, posit
             def mixer(normed):
                 return self.self_attn(normed, mask=mask, cache=cache, position_ids=position_ids,
                                       position_embeddings=position_embeddings)
-        output = _fused_residual_layer(self, x, mixer, _module_call)
+        output = _residual_layer(self, x, mixer)
     dflash2_rounds.keep_tap_output(self, output)
     return output
+
+
+def _residual_layer(layer, x, mixer):
+    """The residual arm's layer step: each residual add with the norm after it in one launch.
+    The second add's norm is the next layer's input norm, so the sum this step returns to
+    mlx-vlm's loop stays lazy: where the next step's x is that sum, it computes it again
+    with its input norm in one launch (the same Add, the same bits) and never needs the
+    returned array (evaluated only where something else holds it: a drafter tap, the model's
+    final norm after the last layer, a compiled step)."""
+    deferred, _deferred.sum = getattr(_deferred, "sum", None), None
+    normed = None
+    if deferred is not None and deferred[0] is x:
+        x, normed = _add_and_norm(deferred[1], deferred[2], layer.input_layernorm)
+    hidden, mlp_out = _residual_layer_parts(layer, x, mixer, _module_call, normed)
+    output = hidden + mlp_out
+    _deferred.sum = (output, hidden, mlp_out)
+    return output
+
+
+# The last residual step's (its output, the two terms that sum to it), for the next step;
+# per thread, as each server thread runs its own model loop.
+_deferred = threading.local()
 
 
 def _takes_compiled_step(layer, x, mask, cache) -> bool:

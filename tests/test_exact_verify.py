@@ -267,7 +267,7 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
     assert len(taken_by) == linear_layers - 1 and type(layer) not in taken_by
 
 
-@pytest.mark.parametrize("name, arm, call_shape, serving, in_verify", [
+@pytest.mark.parametrize("name, arm, call_shape, serving, in_decode_and_verify", [
     ("rope_rows", "rotation+recurrence+convolution+rope",
      lambda q, k, cos, sin: (q.shape[2], dflash2_kernel_rope.rope_kernel_supports(q, k, cos, sin)),
      lambda layer: not layer.is_linear, lambda n: n),
@@ -282,11 +282,11 @@ def test_a_subclass_of_the_gated_delta_net_keeps_its_own_step(target, monkeypatc
      lambda layer: layer.is_linear, lambda n: n),
 ])
 def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch, name, arm, call_shape, serving,
-                                                          in_verify):
+                                                          in_decode_and_verify):
     """Under its arm a decode step, and any verify round, call the kernel (the rotary: each
-    attention layer; the residual add and norm: every layer, and in verify also each
-    layer's second add with the next layer's input norm; the gated norm and the gates:
-    each GatedDeltaNet layer) with arguments it takes: on a
+    attention layer; the residual add and norm: every layer, and also each layer's second
+    add with the next layer's input norm; the gated norm and the gates: each GatedDeltaNet
+    layer) with arguments it takes: on a
     GPU none falls back to the stock launches unseen, and graph_count's one launch for it is
     what CUDA runs. The prefill keeps mlx-vlm's own calls."""
     model, processor, drafter = target
@@ -310,8 +310,8 @@ def test_decode_and_verify_hand_each_kernel_shapes_it_takes(target, monkeypatch,
         lm, mx.array([[7, 8, 9]]), cache, taps, lambda logits: mx.argmax(logits, axis=-1))
     mx.eval(tokens)
     abort_speculative_round(transaction)
-    layers = sum(map(serving, lm.model.layers))
-    assert taken == [(1, True)] * layers + [(3, True)] * in_verify(layers)
+    calls = in_decode_and_verify(sum(map(serving, lm.model.layers)))
+    assert taken == [(1, True)] * calls + [(3, True)] * calls
 
 
 def test_rollback_at_every_accepted_count_equals_never_speculated_cache(target, raw_plain):
