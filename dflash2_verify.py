@@ -188,8 +188,8 @@ class ExactVerifier(Qwen3_5BatchInvariantForward):
         self._layers_built, self._layers, self._ahead = 0, language_model.model.layers, None
         try:
             return super().verify(language_model, inputs, cache=cache, **kwargs)
-        finally:
-            self._ahead = None
+        finally:  # the process-wide verifier must not keep a dropped model's layers alive
+            self._layers, self._ahead = (), None
 
     def _layer(self, layer, hidden, mask, cache, position_ids, position_embeddings):
         # The base class's, with each residual add and the norm after it in one launch: the

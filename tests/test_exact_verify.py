@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.speculative import dflash as dflash_rounds
 from mlx_vlm.speculative.cache_state import abort_speculative_round
 
@@ -724,3 +725,18 @@ def test_a_cached_compiled_verify_path_this_start_disproves_is_not_served(target
         assert any(line.startswith("verify path: built at every round") for line in status.log_lines())
     finally:
         verifier.use_compiled_layers(False)
+
+
+def test_a_verify_round_leaves_no_reference_to_the_model_s_layers(target):
+    """The verifier is one object for the process: after a round it holds neither the model's
+    layers (which would keep a dropped model's weights alive) nor the last layer's output."""
+    model, _, drafter = target
+    lm = model.language_model
+    cache = lm.make_cache()
+    mx.eval(lm(mx.array([[1, 2, 3]]), cache=cache).logits)
+    hidden, transaction, tokens = dflash_rounds._dflash_verify_greedy(
+        lm, mx.array([[7, 8, 9]]), cache, drafter.config.target_layer_ids, lambda logits: mx.argmax(logits, axis=-1))
+    mx.eval(tokens)
+    abort_speculative_round(transaction)
+    verifier = qwen3_5_language._EXACT_SPECULATIVE_VERIFIER
+    assert verifier._layers == () and verifier._ahead is None
