@@ -9,7 +9,7 @@ acceptance, and the policy's blocks and plain steps are the ones the costs call 
 import dataclasses
 import json
 import random
-import time
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -694,29 +694,31 @@ def test_a_request_that_starts_with_plain_steps_drafts_from_where_they_left_off(
     assert oracle.accept_lens[:-1] == [1] * (len(oracle.accept_lens) - 1), oracle.accept_lens
 
 
-def test_interleaved_ms_stops_after_a_timed_pass_when_the_repeats_left_would_pass_the_deadline():
+def test_interleaved_ms_stops_after_a_timed_pass_when_the_repeats_left_would_pass_the_deadline(monkeypatch):
     """A GPU call has a time limit: a run whose repeats cannot finish stops after its first
     timed pass (a warm-up pass compiles, and says little of a timed one's length) rather
-    than being killed with nothing written; one that fits runs every repeat."""
-    calls = []
+    than being killed with nothing written; one that fits runs every repeat. On a clock the
+    arms advance (real sleeps made this test fail under CI's load)."""
+    calls, clock = [], [1000.0]
+    monkeypatch.setattr(dflash2_timing, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     def arm(name, warm_up_s=0.0):
         def sample():
-            time.sleep(0.02 + (warm_up_s if not calls.count(name) else 0.0))
+            clock[0] += 0.02 + (warm_up_s if not calls.count(name) else 0.0)
             calls.append(name)
             return 20.0
         return sample
 
     slow_warm_up = {"a": arm("a", warm_up_s=0.3), "b": arm("b")}
-    stats = dflash2_timing.interleaved_ms(slow_warm_up, repeats=5, deadline=time.monotonic() + 0.9)
+    stats = dflash2_timing.interleaved_ms(slow_warm_up, repeats=5, deadline=clock[0] + 0.9)
     assert calls == ["a", "b", "b", "a"] * 3 and stats["b"]["median"] == 20.0  # fits, though 5 warm-ups would not
     calls.clear()
     arms = {"a": arm("a"), "b": arm("b")}
     with pytest.raises(TimeoutError, match="timed pass 1 took"):
-        dflash2_timing.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 0.15)
+        dflash2_timing.interleaved_ms(arms, repeats=5, deadline=clock[0] + 0.15)
     assert calls == ["a", "b", "b", "a"]  # the warm-up pass and one timed pass
     calls.clear()
-    stats = dflash2_timing.interleaved_ms(arms, repeats=5, deadline=time.monotonic() + 30)
+    stats = dflash2_timing.interleaved_ms(arms, repeats=5, deadline=clock[0] + 30)
     assert calls == ["a", "b", "b", "a"] * 3 and stats["a"]["median"] == 20.0
 
 
