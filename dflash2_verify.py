@@ -52,6 +52,11 @@ def _packed_linear(linear: HadamardQuantizedLinear, x: mx.array) -> mx.array:
             x, linear.block, linear["signs"] if linear.block else None,
             linear["weight"], linear["scales"], linear["biases"],
         )
+    if x.dtype == mx.float32 and x.size <= dflash2_kernels.MAX_ROWS * k:
+        # The same for fp32 rows, on the (..., K) rows as they are: no reshape or slice around
+        # the call, each a host node on a host-bound step (about 350 a decode step).
+        rotated = dflash2_kernels.rotate(x, linear.block, linear["signs"]) if linear.block else x
+        return dflash2_kernels.exact_rows_fp32(rotated, linear["weight"], linear["scales"], linear["biases"])
     if linear.block:
         x = dflash2_kernels.rotate(x, linear.block, linear["signs"])
     rows = x.reshape(-1, k)

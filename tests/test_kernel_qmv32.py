@@ -93,7 +93,7 @@ def test_an_fp32_pack_s_start_up_tests_the_kernel_at_its_packed_shapes(target, f
 
 def test_verify_hands_fp32_rows_to_the_fp32_kernel(float32_target, monkeypatch):
     """A packed linear of the fp32 pack, given a verify block's rows, makes one exact_rows_fp32
-    call for them, whose result it returns."""
+    call for them as they come, (B, L, K) with no reshape around it, whose result it returns."""
     from mlx_vlm.models.prism_hadamard_qwen35.prism_hadamard_qwen35 import HadamardQuantizedLinear
 
     linear = next(module for _, module in float32_target[0].language_model.named_modules()
@@ -108,7 +108,7 @@ def test_verify_hands_fp32_rows_to_the_fp32_kernel(float32_target, monkeypatch):
     k = dk.packed_width(linear.weight)
     x = dflash2_kernel_base.make_inputs_fp32("normal", 5, k, mx.random.key(0)).reshape(1, 5, k)
     y = dflash2_verify._packed_linear(linear, x)
-    assert calls == [(5, k)] and y.shape == (1, 5, linear.weight.shape[0]) and y.dtype == mx.float32
+    assert calls == [(1, 5, k)] and y.shape == (1, 5, linear.weight.shape[0]) and y.dtype == mx.float32
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit's nvcc")
