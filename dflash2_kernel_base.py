@@ -102,6 +102,16 @@ def make_inputs_fp32(kind: str, rows: int, k: int, key) -> mx.array:
     raise ValueError(f"unknown input kind {kind!r}")
 
 
+def make_inputs_for(dtype):
+    """The activation maker of rows of this dtype: make_inputs (fp16) or make_inputs_fp32."""
+    return make_inputs_fp32 if dtype == mx.float32 else make_inputs
+
+
+def input_kinds_for(dtype) -> tuple:
+    """The input kinds make_inputs_for(dtype) takes."""
+    return FP32_INPUT_KINDS if dtype == mx.float32 else INPUT_KINDS
+
+
 def raw_bits(a: mx.array) -> mx.array:
     """a's raw bits, as unsigned integers of its element size (bytes for other sizes)."""
     return a.view({2: mx.uint16, 4: mx.uint32}.get(a.dtype.size, mx.uint8))

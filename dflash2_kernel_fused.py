@@ -22,9 +22,9 @@ from mlx_vlm.models.qwen3_5 import language as qwen3_5_language
 from mlx_vlm.models.qwen3_5.gated_delta import _compute_g_beta
 
 from dflash2_kernel_base import (
-    CUDA_ELEMENT_TYPE, FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing,
-    _no_kernel_result, _self_test_cases, _variants_result, backend_name, cuda_header, cuda_serving_variant,
-    make_inputs, make_inputs_fp32, run_case,
+    CUDA_ELEMENT_TYPE, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _differing, _no_kernel_result,
+    _self_test_cases, _variants_result, backend_name, cuda_header, cuda_serving_variant, input_kinds_for, make_inputs,
+    make_inputs_for, run_case,
 )
 
 # ===========================================================================
@@ -516,8 +516,7 @@ def self_test_add_norm32(shapes=None, seed: int = 0, kernel=None) -> SelfTestRes
 
 
 def _self_test_add_norm_rows(dtype, variant_names, serving: dict, shapes, seed, kernel) -> SelfTestResult:
-    fp32 = dtype == mx.float32
-    make = make_inputs_fp32 if fp32 else make_inputs
+    fp32, make = dtype == mx.float32, make_inputs_for(dtype)
 
     def make_case(kind, rows, shape, key):
         k_x, k_r, k_w = mx.random.split(key, 3)
@@ -533,7 +532,7 @@ def _self_test_add_norm_rows(dtype, variant_names, serving: dict, shapes, seed, 
     return _self_test_cases(kernel and parts(kernel), variants, serving,
                             [tuple(s) for s in (shapes or (NORM32_WIDTHS_SMALL if fp32 else NORM_WIDTHS_SMALL))],
                             seed, make_case, parts(stock_add_rms_norm), failed_are_controls=fp32,
-                            kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)
+                            kinds=input_kinds_for(dtype))
 
 
 def self_test_gated_norm(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
@@ -551,8 +550,7 @@ def self_test_gated_norm32(shapes=None, seed: int = 0, kernel=None) -> SelfTestR
 
 
 def _self_test_gated_norm_rows(dtype, variant_names, serving: dict, shapes, seed, kernel) -> SelfTestResult:
-    fp32 = dtype == mx.float32
-    make = make_inputs_fp32 if fp32 else make_inputs
+    fp32, make = dtype == mx.float32, make_inputs_for(dtype)
 
     def make_case(kind, rows, shape, key):
         k_x, k_g, k_w = mx.random.split(key, 3)
@@ -567,7 +565,7 @@ def _self_test_gated_norm_rows(dtype, variant_names, serving: dict, shapes, seed
     return _self_test_cases(kernel and parts(kernel), variants, serving,
                             [tuple(s) for s in (shapes or GATED_NORM_SHAPES_SMALL)], seed, make_case,
                             parts(stock_gated_rms_norm), failed_are_controls=fp32,
-                            kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)
+                            kinds=input_kinds_for(dtype))
 
 
 # ===========================================================================
@@ -671,8 +669,7 @@ def make_gates_case(kind: str, rows: int, heads: int, key, dtype=mx.float16):
     (1, rows, 2 * heads) fp16 (or fp32) output of `kind`, A_log fp32 and dt_bias of that
     dtype per head."""
     k_x, k_A, k_dt = mx.random.split(key, 3)
-    make = make_inputs_fp32 if dtype == mx.float32 else make_inputs
-    gates = make(kind, rows, 2 * heads, k_x).reshape(1, rows, 2 * heads)
+    gates = make_inputs_for(dtype)(kind, rows, 2 * heads, k_x).reshape(1, rows, 2 * heads)
     A_log = mx.log(mx.random.uniform(0.5, 16.0, (heads,), key=k_A))
     dt_bias = (1.0 + 0.1 * mx.random.normal((heads,), key=k_dt)).astype(dtype)
     return A_log, gates[..., heads:], gates[..., :heads], dt_bias
@@ -705,4 +702,4 @@ def _self_test_gate_rows(dtype, variant_names, serving: dict, shapes, seed, kern
     return _self_test_cases(kernel and parts(kernel), variants, serving,
                             [tuple(s) for s in (shapes or GATE_SHAPES_SMALL)], seed, make_case,
                             parts(_compute_g_beta), failed_are_controls=True,
-                            kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)
+                            kinds=input_kinds_for(dtype))

@@ -14,8 +14,8 @@ import mlx.core as mx
 from mlx_vlm.models import rope_utils
 
 from dflash2_kernel_base import (
-    CUDA_ELEMENT_TYPE, FP32_INPUT_KINDS, INPUT_KINDS, MAX_ROWS, BakedCudaKernel, SelfTestResult, _self_test_cases,
-    cuda_header, cuda_serving_variant, make_inputs, make_inputs_fp32,
+    CUDA_ELEMENT_TYPE, MAX_ROWS, BakedCudaKernel, SelfTestResult, _self_test_cases, cuda_header,
+    cuda_serving_variant, input_kinds_for, make_inputs_for,
 )
 
 # ===========================================================================
@@ -176,7 +176,7 @@ def make_rope_case(kind: str, batch, q_heads, k_heads, width, rotary, rows, key,
     views of (B, L, H, D) fp16 (or fp32) activations of `kind`, cos and sin (B, L, R) of
     table_dtype (default: that dtype), of real angles (position p times MRoPE-like
     frequencies)."""
-    make = make_inputs_fp32 if dtype == mx.float32 else make_inputs
+    make = make_inputs_for(dtype)
     k_q, k_k = mx.random.split(key)
     q = make(kind, batch * rows, q_heads * width, k_q).reshape(batch, rows, q_heads, width)
     k = make(kind, batch * rows, k_heads * width, k_k).reshape(batch, rows, k_heads, width)
@@ -222,4 +222,4 @@ def _self_test_rows(dtype, variant_names, serving: dict, shapes, seed, kernel) -
                             [(*s, *table) for s in (shapes or ROPE_SHAPES_SMALL) for table in tables], seed, make_case,
                             parts(stock_rope_rows), failed_are_controls=True,
                             rows=(*range(1, MAX_ROWS + 1), ROPE_LONG_ROWS),
-                            kinds=FP32_INPUT_KINDS if fp32 else INPUT_KINDS)
+                            kinds=input_kinds_for(dtype))
