@@ -29,7 +29,9 @@ TARGET_SCHEMA = {
     "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
 }
 HADAMARD_BLOCKS = (0, 512, 1024, 2048, 4096)
-FLOAT_DTYPES = ("F16", "BF16", "F32")
+# The float dtypes a safetensors header names, and the arrays they load as.
+MX_FLOAT_DTYPES = {"F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32}
+FLOAT_DTYPES = tuple(MX_FLOAT_DTYPES)
 TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings")
 DRAFTER_ARCHITECTURE = "DFlash2DraftModel"
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -415,10 +417,9 @@ def typed_as_headers(skeleton, headers) -> None:
     """Gives each of a build_skeleton model's arrays that the headers name the dtype stored
     there (lazy zeros of its shape: nothing is allocated), so kernel_shapes reads the pack's
     dtypes, not the skeleton's fp32 defaults."""
-    dtypes = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
-    typed = [(name, mx.zeros(array.shape, dtypes[headers[name]["dtype"]]))
-             for name, array in tree_flatten(skeleton.parameters())
-             if headers.get(name, {}).get("dtype") in dtypes and array.dtype != dtypes[headers[name]["dtype"]]]
+    stored = {name: MX_FLOAT_DTYPES.get(entry["dtype"]) for name, entry in headers.items()}
+    typed = [(name, mx.zeros(array.shape, stored[name])) for name, array in tree_flatten(skeleton.parameters())
+             if stored.get(name) is not None and stored[name] != array.dtype]
     skeleton.update(tree_unflatten(typed))
 
 
