@@ -123,6 +123,19 @@ def _stock_rows(x, block, signs) -> list:
     return [mx.concatenate([stock_rotate(x[m : m + 1], block, sign) for m in range(MAX_ROWS)]) for sign in signs]
 
 
+def _group_cases(shapes, kinds, make, seed: int):
+    """The group self-tests' draws: for each (K, block, outputs) its sign vectors, then for each
+    input kind MAX_ROWS rows of make(kind, ...): yields (shape, kind, x, signs, stock rows)."""
+    key = mx.random.key(seed)
+    for k, block, outputs in shapes:
+        key, sign_key = mx.random.split(key)
+        signs = _group_signs(k, outputs, sign_key)
+        for kind in kinds:
+            key, input_key = mx.random.split(key)
+            x = make(kind, MAX_ROWS, k, input_key)
+            yield (k, block, outputs), kind, x, signs, _stock_rows(x, block, signs)
+
+
 def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestResult:
     """Check a group rotation bit for bit against mlx-vlm's chain, one row and one sign
     vector at a time: every output of each launch, in both layouts (plain rows for decode's
@@ -139,37 +152,31 @@ def self_test_rotate_group(shapes=None, seed: int = 0, kernel=None) -> SelfTestR
         return _no_kernel_result(backend)
     shapes = [tuple(s) for s in (shapes or ROTATE_GROUP_SHAPES_27B)]
     cases, mismatches, control_mismatches, reason = [], 0, 0, None
-    key = mx.random.key(seed)
     try:
-        for k, block, outputs in shapes:
+        for (k, block, outputs), kind, x, signs, want in _group_cases(shapes, ROTATE_INPUT_KINDS,
+                                                                      make_rotate_inputs, seed):
             call = kernel or (lambda x, block, signs, swizzled, k=k, n=outputs:
                               cuda_rotate_plan(k, block, swizzled, n)(x, signs))
-            key, sign_key = mx.random.split(key)
-            signs = _group_signs(k, outputs, sign_key)
-            for kind in ROTATE_INPUT_KINDS:
-                key, input_key = mx.random.split(key)
-                x = make_rotate_inputs(kind, MAX_ROWS, k, input_key)
-                want = _stock_rows(x, block, signs)
-                got = {layout: [call(x[:rows], block, signs, layout == "swizzled") for rows in range(1, MAX_ROWS + 1)]
-                       for layout in ("rows", "swizzled")}
-                control = _fp16_chain(x, block, signs[0])
-                mx.eval(want, got, control)
-                control_differ = _differing(control, want[0])
-                control_mismatches += control_differ
-                for (layout, outs), rows, index in itertools.product(got.items(), range(1, MAX_ROWS + 1),
-                                                                     range(outputs)):
-                    wanted = want[index][:rows]
-                    wanted = swizzle_steps(wanted) if layout == "swizzled" else wanted
-                    differ = _differing(outs[rows - 1][index], wanted)
-                    mismatches += differ
-                    cases.append({"shape": [k, block, outputs], "input": kind, "rows": rows, "output": index,
-                                  "layout": layout, "mismatches": differ,
-                                  "stock_mismatches": (control_differ if (rows, index, layout) == (MAX_ROWS, 0, "rows")
-                                                       else None)})
-                    if differ and reason is None:
-                        reason = (f"{backend} group rotation differs from the stock chain at K={k}, block={block}, "
-                                  f"outputs={outputs}, output {index}, rows={rows}, input={kind}, layout={layout}: "
-                                  ) + _first_difference(outs[rows - 1][index], wanted)[0]
+            got = {layout: [call(x[:rows], block, signs, layout == "swizzled") for rows in range(1, MAX_ROWS + 1)]
+                   for layout in ("rows", "swizzled")}
+            control = _fp16_chain(x, block, signs[0])
+            mx.eval(want, got, control)
+            control_differ = _differing(control, want[0])
+            control_mismatches += control_differ
+            for (layout, outs), rows, index in itertools.product(got.items(), range(1, MAX_ROWS + 1),
+                                                                 range(outputs)):
+                wanted = want[index][:rows]
+                wanted = swizzle_steps(wanted) if layout == "swizzled" else wanted
+                differ = _differing(outs[rows - 1][index], wanted)
+                mismatches += differ
+                cases.append({"shape": [k, block, outputs], "input": kind, "rows": rows, "output": index,
+                              "layout": layout, "mismatches": differ,
+                              "stock_mismatches": (control_differ if (rows, index, layout) == (MAX_ROWS, 0, "rows")
+                                                   else None)})
+                if differ and reason is None:
+                    reason = (f"{backend} group rotation differs from the stock chain at K={k}, block={block}, "
+                              f"outputs={outputs}, output {index}, rows={rows}, input={kind}, layout={layout}: "
+                              ) + _first_difference(outs[rows - 1][index], wanted)[0]
     except Exception as error:  # a kernel that fails to build or run fails the test
         reason = f"{backend} group rotation raised {type(error).__name__}: {error}"
     ok = reason is None
@@ -195,28 +202,22 @@ def self_test_rotate_group_fp32(shapes=None, seed: int = 0, kernel=None) -> Self
     name = "kernel" if kernel else "butterflies"
     shapes = [tuple(s) for s in (shapes or ROTATE_GROUP_SHAPES_27B)]
     differing, failures, cases, control = {name: 0}, {}, [], {"Hadamard-matrix GEMM": 0}
-    key = mx.random.key(seed)
-    for k, block, outputs in shapes:
+    for (k, block, outputs), kind, x, signs, want in _group_cases(shapes, ROTATE32_INPUT_KINDS,
+                                                                  make_rotate_inputs_fp32, seed):
         call = kernel or (lambda x, block, signs, k=k, n=outputs:
                           cuda_rotate_plan(k, block, False, n, mx.float32)(x, signs))
-        key, sign_key = mx.random.split(key)
-        signs = _group_signs(k, outputs, sign_key)
-        for kind in ROTATE32_INPUT_KINDS:
-            key, input_key = mx.random.split(key)
-            x = make_rotate_inputs_fp32(kind, MAX_ROWS, k, input_key)
-            want = _stock_rows(x, block, signs)
-            if kind != "nonfinite":
-                control["Hadamard-matrix GEMM"] += _differing(_matrix_chain(x, block, signs[0]), want[0])
-            for rows in range(1, MAX_ROWS + 1):
-                def compare(x=x, rows=rows, signs=signs, want=want, call=call):
-                    got = call(x[:rows], block, signs)
-                    if len(got) != len(want):
-                        raise ValueError(f"{len(got)} outputs for {len(want)} sign vectors")
-                    return {f"y{index}": (out, wanted[:rows]) for index, (out, wanted) in enumerate(zip(got, want))}
+        if kind != "nonfinite":
+            control["Hadamard-matrix GEMM"] += _differing(_matrix_chain(x, block, signs[0]), want[0])
+        for rows in range(1, MAX_ROWS + 1):
+            def compare(x=x, rows=rows, signs=signs, want=want, call=call, block=block):
+                got = call(x[:rows], block, signs)
+                if len(got) != len(want):
+                    raise ValueError(f"{len(got)} outputs for {len(want)} sign vectors")
+                return {f"y{index}": (out, wanted[:rows]) for index, (out, wanted) in enumerate(zip(got, want))}
 
-                run_case(name, compare, {"shape": [k, block, outputs], "input": kind, "rows": rows},
-                         f"K={k}, block={block}, outputs={outputs}, rows={rows}, input={kind}", differing, failures,
-                         cases)
+            run_case(name, compare, {"shape": [k, block, outputs], "input": kind, "rows": rows},
+                     f"K={k}, block={block}, outputs={outputs}, rows={rows}, input={kind}", differing, failures,
+                     cases)
     result = _variants_result(backend, differing, failures, control, cases)
     if name == "butterflies":
         for shape in shapes:
